@@ -1,0 +1,278 @@
+"""A tiny, deterministic Llama-architecture model for demos and tests.
+
+No model hub is reachable where kvagent is developed and tested, so the bundle builds its own
+model: random weights (fixed seed) and a byte-level BPE tokenizer trained locally on a
+generated corpus. Greedy output of a fixed model is deterministic, which turns "reuse on vs
+reuse off gives the same answer" into a real correctness test.
+
+The chat template is Hermes/Qwen style (`<|im_start|>role ... <|im_end|>`, tools listed in the
+system prompt, tool calls as `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+tool results as `<tool_response>` with their `tool_call_id`), so vLLM's `hermes` tool parser
+understands the model's tool calls.
+
+Usage::
+
+    from kvagent_server.demo_model import ensure_demo_model, demo_serve_args
+    path = ensure_demo_model()          # builds once, then returns the cached directory
+    argv = ["--model", str(path), *demo_serve_args()]
+
+or ``python -m kvagent_server.demo_model`` to build it and print its path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+DEMO_MODEL_NAME = "kvagent-demo"
+DEMO_MODEL_VERSION = "demo-model-v1"
+DEMO_MAX_MODEL_LEN = 16384
+DEMO_TOOL_CALL_PARSER = "hermes"
+CACHE_DIR_ENV = "KVAGENT_CACHE_DIR"
+
+_SEED = 20251130
+_VOCAB_SIZE = 8192
+_HIDDEN = 256
+_LAYERS = 4
+_HEADS = 4
+_INTERMEDIATE = 704
+# Logit scale of the random head: wide enough that greedy argmax never hinges on float noise
+# (chunked vs whole-prompt prefill, KV pulled vs recomputed), so outputs compare exactly.
+_LM_HEAD_STD = 0.25
+
+BOS = "<|begin_of_text|>"
+EOS = "<|im_end|>"
+PAD = "<|pad|>"
+SPECIAL_TOKENS = [
+    PAD,
+    BOS,
+    "<|end_of_text|>",
+    "<|im_start|>",
+    EOS,
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
+    "<tools>",
+    "</tools>",
+]
+
+CHAT_TEMPLATE = """\
+{%- macro render_args(args) -%}
+{%- if args is string -%}{{ args }}{%- else -%}{{ args | tojson }}{%- endif -%}
+{%- endmacro -%}
+{%- macro render_content(content) -%}
+{%- if content is none -%}
+{%- elif content is string -%}{{ content }}
+{%- else -%}{%- for part in content -%}{%- if part.text is defined -%}{{ part.text }}\
+{%- endif -%}{%- endfor -%}
+{%- endif -%}
+{%- endmacro -%}
+{{- bos_token -}}
+{%- if tools -%}
+<|im_start|>system
+{% if messages and messages[0].role == 'system' %}{{ render_content(messages[0].content) }}
+
+{% endif %}# Tools
+
+You may call one or more functions. Their signatures are within <tools></tools>:
+<tools>
+{% for tool in tools %}{{ tool | tojson }}
+{% endfor %}</tools>
+
+For each call, return a JSON object within <tool_call></tool_call>:
+<tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% elif messages and messages[0].role == 'system' -%}
+<|im_start|>system
+{{ render_content(messages[0].content) }}<|im_end|>
+{% endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'system' and loop.first -%}
+{%- elif message.role == 'assistant' -%}
+<|im_start|>assistant
+{{ render_content(message.content) }}
+{%- if message.tool_calls -%}
+{%- for tc in message.tool_calls -%}
+{%- set fn = tc.function if tc.function is defined else tc -%}
+{%- if loop.first and message.content %}
+{% endif -%}
+<tool_call>
+{"name": "{{ fn.name }}", "arguments": {{ render_args(fn.arguments) }}}
+</tool_call>
+{%- endfor -%}
+{%- endif -%}
+<|im_end|>
+{% elif message.role == 'tool' -%}
+<|im_start|>tool
+<tool_response>
+{"tool_call_id": {{ (message.tool_call_id or '') | tojson }}, \
+"content": {{ render_content(message.content) | tojson }}}
+</tool_response><|im_end|>
+{% else -%}
+<|im_start|>{{ message.role }}
+{{ render_content(message.content) }}<|im_end|>
+{% endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+<|im_start|>assistant
+{% endif -%}
+"""
+
+_WORDS = (
+    "the a an of to in and or for with on at by from as is are was be this that it agent "
+    "tool call result user system assistant file read write search list open close run "
+    "test build cache token prefix decode prefill node router session turn block memory "
+    "weather city temperature forecast json value key name arguments function return error "
+    "python import def class self if else while for yield async await print string number "
+    "true false null data path line code model request response stream chunk reuse kv "
+    "transfer remote local engine time second minute hour day week today tomorrow please "
+    "thanks hello world find get set update delete create add remove check status ok done"
+).split()
+
+
+def default_cache_dir() -> Path:
+    """The parent directory of cached models: `$KVAGENT_CACHE_DIR` or `~/.cache/kvagent`."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "kvagent"
+
+
+def demo_serve_args(max_model_len: int = DEMO_MAX_MODEL_LEN) -> list[str]:
+    """vLLM serve arguments the demo model needs (besides `--model PATH`)."""
+    return [
+        "--served-model-name",
+        DEMO_MODEL_NAME,
+        "--max-model-len",
+        str(max_model_len),
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        DEMO_TOOL_CALL_PARSER,
+        "--dtype",
+        "float32",
+    ]
+
+
+def ensure_demo_model(cache_dir: Path | None = None) -> Path:
+    """Return the demo model's directory, building it first if it is not cached yet.
+
+    The build goes into a temporary sibling directory that is renamed into place, so a
+    crashed or concurrent build never leaves a half-written model behind.
+    """
+    parent = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = parent / DEMO_MODEL_VERSION
+    if (target / "config.json").is_file():
+        return target
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_VERSION}-", dir=parent))
+    try:
+        _build(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+            # Another process won the race; its model is identical.
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _corpus(lines: int = 30000) -> list[str]:
+    """A deterministic pseudo-text corpus: prose, JSON tool calls, code and numbers."""
+    rng = random.Random(_SEED)
+    out: list[str] = []
+    for i in range(lines):
+        kind = i % 4
+        words = [rng.choice(_WORDS) for _ in range(rng.randint(4, 24))]
+        if kind == 0:
+            out.append(" ".join(words).capitalize() + ".")
+        elif kind == 1:
+            args = {rng.choice(_WORDS): rng.choice([rng.randint(0, 9999), rng.choice(_WORDS)])}
+            call = {"name": f"{rng.choice(_WORDS)}_{rng.choice(_WORDS)}", "arguments": args}
+            out.append(json.dumps(call))
+        elif kind == 2:
+            name = "_".join(words[:2])
+            out.append(f"def {name}({words[2]}, {words[3]}):\n    return {words[2]} + {i}")
+        else:
+            out.append(" ".join(f"{w} {rng.randint(0, 100000)}" for w in words[:6]))
+    return out
+
+
+def _build_tokenizer(out: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=_VOCAB_SIZE,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=DEMO_MAX_MODEL_LEN,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+
+
+def _build_model(out: Path, vocab_size: int, bos_id: int, eos_id: int, pad_id: int) -> None:
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=_HIDDEN,
+        intermediate_size=_INTERMEDIATE,
+        num_hidden_layers=_LAYERS,
+        num_attention_heads=_HEADS,
+        num_key_value_heads=_HEADS,
+        max_position_embeddings=DEMO_MAX_MODEL_LEN * 2,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=bos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(_SEED)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.normal_(0.0, _LM_HEAD_STD)
+    model.generation_config = GenerationConfig(
+        bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id
+    )
+    model.save_pretrained(str(out), safe_serialization=True)
+
+
+def _build(out: Path) -> None:
+    from transformers import AutoTokenizer
+
+    _build_tokenizer(out)
+    tok = AutoTokenizer.from_pretrained(str(out))
+    ids = [tok.convert_tokens_to_ids(t) for t in (BOS, EOS, PAD)]
+    _build_model(out, len(tok), *ids)
+
+
+def main() -> None:
+    """Build (if needed) and print the demo model's path."""
+    print(ensure_demo_model())
+
+
+if __name__ == "__main__":
+    main()

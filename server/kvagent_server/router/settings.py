@@ -1,0 +1,43 @@
+"""Router settings: one validated model, embedded in the bundle config under `router:`."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr
+
+
+class TenantSettings(BaseModel):
+    """An API key's tenant. `cache_salt` keeps prefix caches apart between tenants."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    api_keys: list[SecretStr] = Field(default_factory=list)
+    cache_salt: str | None = None  # derived from the tenant name when unset
+    max_concurrent_streams: int = Field(default=64, ge=1)
+
+
+class RouterSettings(BaseModel):
+    """Everything the router needs besides the node addresses."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=1, le=65535)
+    #: Shared session state for several router replicas; None keeps state in memory.
+    redis_url: str | None = None
+    #: HMAC keys by key id; the first is used to sign. Empty: a random key per process
+    #: (tokens then do not survive a restart unless Redis holds the key).
+    signing_keys: dict[str, SecretStr] = Field(default_factory=dict)
+    #: Tokens expire this many seconds before the decode node drops the blocks.
+    token_safety_margin_s: int = Field(default=60, ge=0)
+    #: Tenants; empty means a single anonymous tenant and no API key check.
+    tenants: list[TenantSettings] = Field(default_factory=list)
+    #: Skip the P leg when the uncached delta is at most this many tokens (0: never skip,
+    #: None: decide from measured costs).
+    skip_prefill_max_tokens: int | None = None
+    #: Reuse is disabled entirely (for A/B comparisons and benchmarks).
+    reuse: bool = True
+    health_interval_s: float = Field(default=2.0, gt=0)
+    request_timeout_s: float = Field(default=600.0, gt=0)
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    max_retries: int = Field(default=2, ge=0)

