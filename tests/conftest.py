@@ -111,17 +111,22 @@ class VLLMNode:
 
 def start_vllm_node(log_dir: Path, *, extra_args: list[str] | None = None,
                     timeout: float = 300.0) -> tuple[VLLMNode, subprocess.Popen]:
-    from kvagent_server.demo_model import DEMO_MODEL_NAME, demo_model_args, ensure_demo_model
+    from kvagent_server.demo_model import (
+        DEMO_MODEL_NAME,
+        demo_serve_args,
+        demo_serve_env,
+        ensure_demo_model,
+    )
 
     model_path = ensure_demo_model()
     port = free_port()
     log_path = log_dir / f"vllm-{port}.log"
-    env = dict(os.environ)
+    env = {**os.environ, **demo_serve_env()}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_path), "--host", "127.0.0.1", "--port", str(port),
-            *demo_model_args(), *(extra_args or [])]
+            *demo_serve_args(), *(extra_args or [])]
     if "--served-model-name" not in argv:
         argv += ["--served-model-name", DEMO_MODEL_NAME]
     log = open(log_path, "wb")

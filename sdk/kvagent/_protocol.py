@@ -35,3 +35,13 @@ SESSION_ID_RE: Final = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 def valid_session_id(value: str) -> bool:
     """True when `value` is an acceptable session id."""
     return bool(SESSION_ID_RE.match(value))
+
+
+#: A token is opaque, but it must fit a header: URL-safe base64 alphabet, `.` and `=`.
+CACHE_TOKEN_RE: Final = re.compile(r"^[A-Za-z0-9_\-.=]+$")
+
+
+def valid_cache_token(value: object) -> bool:
+    """True when `value` can be sent back as `X-KVAgent-Cache-Token`."""
+    return (isinstance(value, str) and 0 < len(value) <= MAX_TOKEN_BYTES
+            and bool(CACHE_TOKEN_RE.match(value)))

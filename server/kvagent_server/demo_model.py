@@ -12,9 +12,14 @@ understands the model's tool calls.
 
 Usage::
 
-    from kvagent_server.demo_model import ensure_demo_model, demo_serve_args
+    from kvagent_server.demo_model import demo_serve_args, demo_serve_env, ensure_demo_model
     path = ensure_demo_model()          # builds once, then returns the cached directory
     argv = ["--model", str(path), *demo_serve_args()]
+    env = {**os.environ, **demo_serve_env()}
+
+The model emits a *complete* tool call when asked with `tool_choice` named or "required"
+(with `parallel_tool_calls: false`) and the tool's parameters are bounded (enums,
+booleans); free-text string arguments never end (random weights), and `"auto"` yields text.
 
 or ``python -m kvagent_server.demo_model`` to build it and print its path.
 """
@@ -143,7 +148,11 @@ def default_cache_dir() -> Path:
 
 
 def demo_serve_args(max_model_len: int = DEMO_MAX_MODEL_LEN) -> list[str]:
-    """vLLM serve arguments the demo model needs (besides `--model PATH`)."""
+    """vLLM serve arguments the demo model needs (besides `--model PATH`).
+
+    Compact JSON (no free whitespace) keeps a random model from padding tool arguments with
+    whitespace forever; see `demo_serve_env` for the rest of the tool-call setup.
+    """
     return [
         "--served-model-name",
         DEMO_MODEL_NAME,
@@ -152,9 +161,22 @@ def demo_serve_args(max_model_len: int = DEMO_MAX_MODEL_LEN) -> list[str]:
         "--enable-auto-tool-choice",
         "--tool-call-parser",
         DEMO_TOOL_CALL_PARSER,
+        "--structured-outputs-config",
+        '{"backend":"xgrammar","disable_any_whitespace":true}',
         "--dtype",
         "float32",
     ]
+
+
+def demo_serve_env() -> dict[str, str]:
+    """Environment the demo model's vLLM node needs.
+
+    With strict tool calling on (vLLM's default), `tool_choice: "required"`/named use the
+    Hermes structural tag, whose JSON allows unbounded whitespace that a random model never
+    stops emitting. Off, vLLM constrains those calls with a compact JSON schema instead, so
+    a tool whose parameters are bounded (enums, booleans) yields a complete call.
+    """
+    return {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
 
 
 def ensure_demo_model(cache_dir: Path | None = None) -> Path:
@@ -171,6 +193,9 @@ def ensure_demo_model(cache_dir: Path | None = None) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_VERSION}-", dir=parent))
     try:
         _build(tmp)
+        tmp.chmod(0o755)
+        for f in tmp.iterdir():
+            f.chmod(0o644)
         try:
             tmp.rename(target)
         except OSError:
@@ -228,6 +253,14 @@ def _build_tokenizer(out: Path) -> None:
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out))
+    # Name the class every transformers release resolves (4.x has no `TokenizersBackend`),
+    # and keep the template inside the config too for loaders that ignore the .jinja file.
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["chat_template"] = CHAT_TEMPLATE
+    cfg.pop("backend", None)
+    cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def _build_model(out: Path, vocab_size: int, bos_id: int, eos_id: int, pad_id: int) -> None:

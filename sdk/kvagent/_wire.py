@@ -1,0 +1,68 @@
+"""Neutral messages and tools to OpenAI Chat Completions wire dicts (and nothing else).
+
+The mapping is a pure function of each message, so the same history always produces the
+same bytes: the property the router's prefix reuse depends on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .messages import AssistantMessage, Message, SystemMessage, ToolResultMessage, UserMessage
+from .tools import Tool
+
+__all__ = ["ToolChoice", "message_to_wire", "messages_to_wire", "tool_choice_to_wire",
+           "tool_to_wire"]
+
+#: "auto" | "none" | "required" | a declared tool (by object) | an OpenAI tool_choice dict.
+ToolChoice = str | Tool | Mapping[str, Any]
+
+
+def message_to_wire(message: Message) -> dict[str, Any]:
+    """One message as OpenAI expects it; SDK-only fields (cache token, flags) stay behind."""
+    if isinstance(message, AssistantMessage):
+        out: dict[str, Any] = {"role": "assistant", "content": message.content}
+        if message.tool_calls:
+            out["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.name, "arguments": _arguments(call.arguments)}}
+                for call in message.tool_calls
+            ]
+        return out
+    if isinstance(message, ToolResultMessage):
+        return {"role": "tool", "tool_call_id": message.tool_call_id, "content": message.content}
+    if isinstance(message, SystemMessage | UserMessage):
+        return {"role": message.role, "content": message.content}
+    raise TypeError(f"not a kvagent message: {message!r}")
+
+
+def messages_to_wire(messages: Iterable[Message]) -> list[dict[str, Any]]:
+    return [message_to_wire(m) for m in messages]
+
+
+def _arguments(raw: str) -> str:
+    """Arguments as the model wrote them; junk becomes ``{}`` because servers (vLLM) parse
+    earlier tool calls when rendering the prompt and would reject the whole request."""
+    try:
+        return raw if isinstance(json.loads(raw), dict) else "{}"
+    except ValueError:
+        return "{}"
+
+
+def tool_to_wire(tool: Tool) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.name}
+    if tool.description:
+        function["description"] = tool.description
+    function["parameters"] = tool.parameters
+    return {"type": "function", "function": function}
+
+
+def tool_choice_to_wire(choice: ToolChoice) -> str | dict[str, Any]:
+    """Pass strings and dicts through; a ``Tool`` becomes the named-function form."""
+    if isinstance(choice, Tool):
+        return {"type": "function", "function": {"name": choice.name}}
+    if isinstance(choice, str):
+        return choice
+    return dict(choice)

@@ -1,0 +1,521 @@
+"""The bundle configuration: one validated model, loaded from YAML and/or flags.
+
+Everything `kvagent-server` does is a function of a `BundleConfig` plus a few facts about
+the host (cores, GPUs, see `render.HostFacts`). Checks that need only the config live here;
+checks that need the host (no GPU, too few cores) live in `render.plan`. Both raise
+`ConfigError`, whose `problems` are one line each, prefixed with the YAML path.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+
+from kvagent_server.router.settings import RouterSettings
+
+Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, Role] = ("prefill", "decode")
+
+DEFAULT_RUN_ROOT = Path("~/.cache/kvagent/run")
+_NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+
+
+class ConfigError(Exception):
+    """A bad configuration: `problems` holds one human-readable line per problem."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+class RoleConfig(BaseModel):
+    """The nodes of one role (prefill or decode)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    count: int = Field(default=1, ge=1, le=64, description="Number of nodes of this role.")
+    port_base: int = Field(
+        default=8100, ge=1, le=65535,
+        description="HTTP port of node 0; node i listens on port_base + i.",
+    )
+    ports: list[int] | None = Field(
+        default=None, description="Explicit HTTP port per node (overrides port_base).",
+    )
+    side_channel_port_base: int = Field(
+        default=5600, ge=1, le=65535,
+        description="NIXL side-channel port of node 0 (VLLM_NIXL_SIDE_CHANNEL_PORT); node i "
+        "uses side_channel_port_base + i.",
+    )
+    side_channel_ports: list[int] | None = Field(
+        default=None, description="Explicit NIXL side-channel port per node.",
+    )
+    hosts: list[str] | None = Field(
+        default=None,
+        description="Advertised host per node, for nodes run on other machines from "
+        "`render` output (default: advertise_host). Must be an address of that machine: "
+        "NIXL's side channel binds to it.",
+    )
+    prefix_caching: bool = Field(
+        default=True, description="vLLM automatic prefix caching on this role's nodes.",
+    )
+    extra_args: list[str] = Field(
+        default_factory=list, description="Extra vLLM arguments appended to every node.",
+    )
+    extra_env: dict[str, str] = Field(
+        default_factory=dict, description="Extra environment variables for every node.",
+    )
+    cpu_binds: list[str] | None = Field(
+        default=None,
+        description="Explicit VLLM_CPU_OMP_THREADS_BIND per node (e.g. `0-3`), overriding "
+        "the automatic partition of cpu_cores.",
+    )
+    cuda_devices: list[str] | None = Field(
+        default=None,
+        description="Explicit CUDA_VISIBLE_DEVICES per node (GPU only; default: one GPU "
+        "per node, prefill first).",
+    )
+
+
+#: Per-role defaults that differ between prefill and decode.
+_ROLE_DEFAULTS: dict[str, dict[str, int]] = {
+    "prefill": {"port_base": 8100, "side_channel_port_base": 5600},
+    "decode": {"port_base": 8200, "side_channel_port_base": 5700},
+}
+
+
+def _prefill_default() -> RoleConfig:
+    return RoleConfig(**_ROLE_DEFAULTS["prefill"])
+
+
+def _decode_default() -> RoleConfig:
+    return RoleConfig(**_ROLE_DEFAULTS["decode"])
+
+
+class BundleConfig(BaseModel):
+    """The whole server bundle: P and D vLLM nodes with NIXL, plus the router."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(
+        default="default", pattern=_NAME_RE,
+        description="Bundle name: names the run directory and the NIXL engine ids.",
+    )
+    model: str | None = Field(
+        default=None,
+        description="Model path or name passed to vLLM; null serves the built-in demo model.",
+    )
+    served_model_name: str | None = Field(
+        default=None,
+        description="Model name clients send; default: the demo model's name, else `model`.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="`auto` picks cuda when a GPU is visible, else cpu.",
+    )
+    bind_host: str = Field(
+        default="127.0.0.1", min_length=1,
+        description="Address the nodes' HTTP servers bind to.",
+    )
+    advertise_host: str = Field(
+        default="127.0.0.1", min_length=1,
+        description="Address others use to reach the nodes (router → node HTTP, node → node "
+        "NIXL side channel). NIXL binds its side channel to it, so it must be local.",
+    )
+    prefill: RoleConfig = Field(default_factory=_prefill_default, description="Prefill nodes.")
+    decode: RoleConfig = Field(default_factory=_decode_default, description="Decode nodes.")
+    kv_cache_gib: int = Field(
+        default=2, ge=1,
+        description="KV cache size per node in GiB (VLLM_CPU_KVCACHE_SPACE on CPU, "
+        "--kv-cache-memory-bytes on GPU).",
+    )
+    max_model_len: int | None = Field(
+        default=None, ge=16,
+        description="vLLM --max-model-len; null: the model's (demo model: 16384).",
+    )
+    block_size: int | None = Field(
+        default=None, ge=1,
+        description="vLLM --block-size (KV block, in tokens); null: vLLM's platform default "
+        "(128 on CPU, 16 on GPU), passed explicitly. The router gets the same value: reuse "
+        "is block-aligned.",
+    )
+    decoder_kv_blocks_ttl_s: int = Field(
+        default=480, ge=1,
+        description="How long D keeps a finished turn's KV blocks for the next turn "
+        "(`decoder_kv_blocks_ttl`).",
+    )
+    kv_recompute_threshold: int = Field(
+        default=64, ge=0,
+        description="P recomputes instead of pulling when fewer tokens than this are "
+        "reusable (`kv_recompute_threshold`).",
+    )
+    kv_connector_extra: dict[str, Any] = Field(
+        default_factory=dict,
+        description="More `kv_connector_extra_config` entries, merged over the defaults.",
+    )
+    cpu_pinning: bool = Field(
+        default=True,
+        description="On CPU, give every node its own cores (VLLM_CPU_OMP_THREADS_BIND). "
+        "Off: vLLM's `auto` binding (nodes then contend).",
+    )
+    cpu_cores: list[int] | None = Field(
+        default=None,
+        description="Cores to partition between the nodes, prefill first; default: all "
+        "cores this process may run on.",
+    )
+    restart_limit: int = Field(
+        default=3, ge=0,
+        description="Restarts per process after an unexpected exit before it is given up.",
+    )
+    startup_timeout_s: float = Field(
+        default=900.0, gt=0, description="How long to wait for each process to be healthy.",
+    )
+    stop_grace_s: float = Field(
+        default=15.0, ge=0, description="SIGTERM → SIGKILL grace period when stopping.",
+    )
+    run_dir: Path | None = Field(
+        default=None,
+        description="State JSON and per-process logs; default ~/.cache/kvagent/run/<name>.",
+    )
+    python: str | None = Field(
+        default=None,
+        description="Python interpreter for nodes and router; default: the one running "
+        "kvagent-server.",
+    )
+    engine_command: list[str] | None = Field(
+        default=None,
+        description="Command that starts one vLLM node, before its arguments; default "
+        "`<python> -m vllm.entrypoints.openai.api_server` (e.g. add a numactl or container "
+        "wrapper).",
+    )
+    router_command: list[str] | None = Field(
+        default=None,
+        description="Command that starts the router, before its arguments; default "
+        "`<python> -m kvagent_server.router`.",
+    )
+    router_enabled: bool = Field(
+        default=True, description="Start the router in front of the nodes (`--no-router`).",
+    )
+    router: RouterSettings = Field(
+        default_factory=RouterSettings, description="Router settings (see below).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _role_defaults(cls, data: Any) -> Any:
+        """A partly given role keeps its own role's port defaults, not RoleConfig's."""
+        if isinstance(data, dict):
+            data = dict(data)
+            for role, defaults in _ROLE_DEFAULTS.items():
+                given = data.get(role)
+                if isinstance(given, dict):
+                    data[role] = {**defaults, **given}
+        return data
+
+    @model_validator(mode="after")
+    def _check(self) -> BundleConfig:
+        problems: list[str] = []
+        for role in ROLES:
+            rc: RoleConfig = getattr(self, role)
+            for field in ("ports", "side_channel_ports", "hosts", "cpu_binds", "cuda_devices"):
+                values = getattr(rc, field)
+                if values is not None and len(values) != rc.count:
+                    problems.append(
+                        f"{role}.{field}: {len(values)} given for {rc.count} node(s) "
+                        f"({role}.count)"
+                    )
+            for field in ("ports", "side_channel_ports"):
+                for i, port in enumerate(getattr(rc, field) or []):
+                    if not 1 <= port <= 65535:
+                        problems.append(f"{role}.{field}[{i}]: {port} is not a port (1-65535)")
+            for attr, base in (("port_base", rc.port_base),
+                               ("side_channel_port_base", rc.side_channel_port_base)):
+                if base + rc.count - 1 > 65535:
+                    problems.append(f"{role}.{attr}: {base} + {rc.count} nodes exceeds 65535")
+        if problems:
+            raise ValueError("\n".join(problems))
+        problems += _port_clashes(self)
+        margin = self.router.token_safety_margin_s
+        if self.decoder_kv_blocks_ttl_s <= margin:
+            problems.append(
+                f"decoder_kv_blocks_ttl_s: {self.decoder_kv_blocks_ttl_s} s must be above "
+                f"router.token_safety_margin_s ({margin} s), or every cache token would be "
+                "expired when issued"
+            )
+        if self.cpu_cores is not None:
+            if not self.cpu_cores:
+                problems.append("cpu_cores: empty list (omit it to use all cores)")
+            dup = sorted({c for c in self.cpu_cores if self.cpu_cores.count(c) > 1})
+            if dup:
+                problems.append(f"cpu_cores: core(s) {dup} listed twice")
+            if any(c < 0 for c in self.cpu_cores):
+                problems.append("cpu_cores: core ids are >= 0")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    # ----------------------------------------------------------------- derived values
+
+    def role(self, role: Role) -> RoleConfig:
+        return getattr(self, role)
+
+    def node_ports(self, role: Role) -> list[int]:
+        rc = self.role(role)
+        return list(rc.ports) if rc.ports is not None else [
+            rc.port_base + i for i in range(rc.count)]
+
+    def side_channel_ports(self, role: Role) -> list[int]:
+        rc = self.role(role)
+        return list(rc.side_channel_ports) if rc.side_channel_ports is not None else [
+            rc.side_channel_port_base + i for i in range(rc.count)]
+
+    def node_hosts(self, role: Role) -> list[str]:
+        rc = self.role(role)
+        return list(rc.hosts) if rc.hosts is not None else [self.advertise_host] * rc.count
+
+    def resolved_run_dir(self) -> Path:
+        """The run directory, `~` expanded (absolute)."""
+        path = self.run_dir if self.run_dir is not None else DEFAULT_RUN_ROOT / self.name
+        return path.expanduser().absolute()
+
+
+def _port_clashes(cfg: BundleConfig) -> list[str]:
+    """Every pair of listeners that would share a port, one line per clash."""
+    owners: dict[int, list[str]] = {}
+    for role in ROLES:
+        for i, port in enumerate(cfg.node_ports(role)):
+            owners.setdefault(port, []).append(f"{role}[{i}].port")
+        for i, port in enumerate(cfg.side_channel_ports(role)):
+            owners.setdefault(port, []).append(f"{role}[{i}].side_channel_port")
+    if cfg.router_enabled:
+        owners.setdefault(cfg.router.port, []).append("router.port")
+    return [
+        f"ports: {port} is used by both {names[0]} and {names[1]}" if len(names) == 2 else
+        f"ports: {port} is used by {', '.join(names[:-1])} and {names[-1]}"
+        for port, names in sorted(owners.items()) if len(names) > 1
+    ]
+
+
+# --------------------------------------------------------------------- loading
+
+
+def format_validation_error(err: ValidationError, fields: dict[str, Any] | None = None
+                            ) -> list[str]:
+    """One line per problem: `yaml.path: message`, with a suggestion for unknown keys."""
+    lines: list[str] = []
+    for e in err.errors():
+        path = _yaml_path(e["loc"])
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            key = str(e["loc"][-1])
+            known = _known_keys(e["loc"][:-1])
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            lines.append(f"{path}: unknown key{hint}")
+            continue
+        if e["type"] == "value_error":
+            msg = msg.removeprefix("Value error, ")
+            # Model-level checks already name their own paths, one per line.
+            if not e["loc"]:
+                lines.extend(msg.splitlines())
+                continue
+        if e["type"] == "missing":
+            msg = "required"
+        got = e.get("input")
+        if e["type"] not in ("missing", "value_error") and not isinstance(got, dict | list):
+            msg = f"{msg} (got {got!r})"
+        lines.append(f"{path or '<root>'}: {msg}")
+    return lines
+
+
+def _yaml_path(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _known_keys(loc: tuple[int | str, ...]) -> list[str]:
+    """Field names of the model at `loc` (for 'did you mean' hints)."""
+    model: type[BaseModel] = BundleConfig
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(str(part))
+        if field is None:
+            return []
+        inner = _model_in(field.annotation)
+        if inner is None:
+            return []
+        model = inner
+    return list(model.model_fields)
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def validate_config(data: dict[str, Any]) -> BundleConfig:
+    """Validate a plain mapping; raise `ConfigError` with one line per problem."""
+    try:
+        return BundleConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err)) from None
+
+
+def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None
+                ) -> BundleConfig:
+    """Load a YAML file (optional) and apply `overrides` (dotted keys, e.g. `prefill.count`).
+
+    Flags override the file; the result is validated as a whole.
+    """
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError([f"{path}: cannot read ({exc.strerror})"]) from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ConfigError([f"{path}:{where}: invalid YAML: {problem}"]) from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError([f"{path}: the top level must be a mapping of keys"])
+        data = loaded
+    for dotted, value in (overrides or {}).items():
+        set_dotted(data, dotted, value)
+    return validate_config(data)
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """`set_dotted(d, "prefill.count", 2)` sets `d["prefill"]["count"] = 2`."""
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        child = node.get(key)
+        if not isinstance(child, dict):
+            child = {}
+            node[key] = child
+        node = child
+    node[keys[-1]] = value
+
+
+def dump_config(cfg: BundleConfig) -> dict[str, Any]:
+    """A JSON-able dict that validates back to `cfg`, secrets included (write it 0600)."""
+    return reveal_secrets(cfg.model_dump(mode="python", exclude_none=False))
+
+
+def reveal_secrets(value: Any) -> Any:
+    """Replace pydantic `SecretStr`s by their values and paths by strings, recursively."""
+    from pydantic import SecretStr
+
+    if isinstance(value, SecretStr):
+        return value.get_secret_value()
+    if isinstance(value, dict):
+        return {k: reveal_secrets(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [reveal_secrets(v) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+# ------------------------------------------------------------- reference docs
+
+
+def config_reference_markdown() -> str:
+    """The config reference table in docs/server.md, generated from the models."""
+    rows = ["| key | type | default | description |", "|---|---|---|---|"]
+    for name, field in BundleConfig.model_fields.items():
+        if name in ("prefill", "decode", "router"):
+            continue
+        rows.append(_row(name, field, BundleConfig))
+    for name, field in RoleConfig.model_fields.items():
+        rows.append(_row(f"prefill.{name} / decode.{name}", field, RoleConfig,
+                         default=_role_default(name)))
+    for name, field in RouterSettings.model_fields.items():
+        rows.append(_row(f"router.{name}", field, RouterSettings))
+    return "\n".join(rows) + "\n"
+
+
+def _role_default(name: str) -> str | None:
+    p = getattr(_prefill_default(), name)
+    d = getattr(_decode_default(), name)
+    return None if p == d else f"`{p}` / `{d}`"
+
+
+def _row(key: str, field: FieldInfo, owner: type[BaseModel], default: str | None = None) -> str:
+    desc = field.description or _comment_doc(owner).get(key.rsplit(".", 1)[-1], "")
+    if default is None:
+        if field.default_factory is not None:
+            value = field.default_factory()  # type: ignore[call-arg]
+            default = "`{}`" if value == {} else "`[]`" if value == [] else "(see below)"
+        else:
+            default = f"`{_yaml_value(field.default)}`"
+    return f"| `{key}` | {_type_name(field.annotation)} | {default} | {desc.replace('|', '/')} |"
+
+
+def _yaml_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _type_name(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return " \\| ".join(_type_name(a) for a in args)
+    if origin is Literal:
+        return " \\| ".join(f"`{a}`" for a in args)
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    if annotation is type(None):
+        return "null"
+    if annotation is Any:
+        return "any"
+    name = getattr(annotation, "__name__", str(annotation))
+    return {"SecretStr": "secret", "Path": "path"}.get(name, name)
+
+
+def _comment_doc(owner: type[BaseModel]) -> dict[str, str]:
+    """`#: text` comments above fields (the router settings document themselves so)."""
+    try:
+        source = inspect.getsource(owner)
+    except (OSError, TypeError):
+        return {}
+    docs: dict[str, str] = {}
+    pending: list[str] = []
+    for line in source.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#:"):
+            pending.append(stripped[2:].strip())
+            continue
+        m = re.match(r"^(\w+)\s*:", stripped)
+        if m and pending:
+            docs[m.group(1)] = " ".join(pending)
+        pending = []
+    return docs

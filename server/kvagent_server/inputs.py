@@ -1,0 +1,105 @@
+"""The outside world the plan depends on: cores, GPUs, the model, the vLLM plugin's needs.
+
+Kept apart from `render` so that the plan stays a pure function: tests build `PlanInputs`
+by hand, the CLI and `Bundle` call `gather_inputs`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from pathlib import Path
+
+from kvagent_server.config import ROLES, BundleConfig
+from kvagent_server.render import HostFacts, ModelSource, PlanInputs
+
+#: Flags the plan sets itself; dropped from the demo model's own argument list.
+_PLAN_FLAGS = {"--served-model-name": 1, "--max-model-len": 1, "--model": 1}
+
+
+def detect_host() -> HostFacts:
+    """Cores this process may run on and the NVIDIA GPUs visible to it (no torch import)."""
+    try:
+        cores = tuple(sorted(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        cores = tuple(range(os.cpu_count() or 1))
+    return HostFacts(cpu_cores=cores, gpu_count=count_gpus())
+
+
+def count_gpus() -> int:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [v for v in visible.split(",") if v.strip() and v.strip() != "-1"]
+        if not ids:
+            return 0
+    gpus_dir = Path("/proc/driver/nvidia/gpus")
+    try:
+        present = len(list(gpus_dir.iterdir()))
+    except OSError:
+        present = 0
+    if visible is not None:
+        return min(len(ids), present) if present else 0
+    return present
+
+
+def strip_flags(args: list[str], flags: dict[str, int]) -> list[str]:
+    """Drop `flags` (and their value counts) from an argument list."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        tok = args[i]
+        name = tok.split("=", 1)[0]
+        if name in flags:
+            i += 1 + (flags[name] if "=" not in tok else 0)
+            continue
+        out.append(tok)
+        i += 1
+    return out
+
+
+def resolve_model(cfg: BundleConfig, *, build: bool = True) -> ModelSource:
+    """The configured model, or the demo model (built on first use when `build`)."""
+    if cfg.model is not None:
+        return ModelSource(model=cfg.model, served_name=cfg.served_model_name or cfg.model)
+    demo = importlib.import_module("kvagent_server.demo_model")
+    if build:
+        path = str(demo.ensure_demo_model())
+    else:
+        path = str(demo.default_cache_dir() / demo.DEMO_MODEL_VERSION)
+    args_fn = getattr(demo, "demo_serve_args", None) or getattr(demo, "demo_model_args", None)
+    extra = strip_flags(list(args_fn()) if args_fn else [], _PLAN_FLAGS)
+    env_fn = getattr(demo, "demo_serve_env", None)
+    return ModelSource(
+        model=path, served_name=demo.DEMO_MODEL_NAME, extra_args=tuple(extra),
+        default_max_model_len=getattr(demo, "DEMO_MAX_MODEL_LEN", None),
+        extra_env=tuple(sorted(env_fn().items())) if env_fn else (),
+    )
+
+
+def plugin_needs() -> tuple[dict[str, dict[str, str]], dict[str, tuple[str, ...]]]:
+    """Per-role env and args of kvagent's vLLM plugin (idle-spin fix, streaming params).
+
+    Empty when the plugin module is absent, so the bundle still runs stock vLLM.
+    """
+    try:
+        mod = importlib.import_module("kvagent_server.vllm_plugin.env")
+    except ImportError:
+        return {}, {}
+    env_fn = getattr(mod, "node_env", None)
+    args_fn = getattr(mod, "node_args", None)
+    role_env = {r: dict(env_fn(r)) for r in ROLES} if env_fn else {}
+    role_args = {r: tuple(args_fn(r)) for r in ROLES} if args_fn else {}
+    return role_env, role_args
+
+
+def gather_inputs(cfg: BundleConfig, *, build_model: bool = True) -> PlanInputs:
+    """Collect the plan's inputs on this machine."""
+    role_env, role_args = plugin_needs()
+    return PlanInputs(
+        host=detect_host(),
+        model=resolve_model(cfg, build=build_model),
+        python=cfg.python or sys.executable,
+        role_env=role_env,
+        role_args=role_args,
+    )

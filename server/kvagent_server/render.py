@@ -1,0 +1,397 @@
+"""From config to processes: the exact command and environment of every node and the router.
+
+`plan()` is a pure function of a `BundleConfig` and `PlanInputs` (host facts, model, the
+vLLM plugin's per-role env and args); `kvagent-server up` launches what it returns and
+`kvagent-server render` prints it, so what operators copy is what the bundle runs.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from kvagent_server.config import ROLES, BundleConfig, ConfigError, Role, reveal_secrets
+
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+ROUTER_MODULE = "kvagent_server.router"
+ROUTER_SETTINGS_FILE = "router-settings.json"
+#: UCX transports that work for NIXL on CPU (`sm,self` alone fails with NIXL_ERR_BACKEND).
+CPU_UCX_TLS = "tcp,self,sm"
+_WILDCARDS = ("0.0.0.0", "::", "")
+#: vLLM's default KV block size per device, passed explicitly so the router's block
+#: alignment always matches the nodes.
+DEFAULT_BLOCK_SIZE = {"cpu": 128, "cuda": 16}
+
+Device = Literal["cpu", "cuda"]
+ProcessRole = Literal["prefill", "decode", "router"]
+
+
+@dataclass(frozen=True)
+class HostFacts:
+    """What the plan needs to know about the machine it runs on."""
+
+    cpu_cores: tuple[int, ...]
+    gpu_count: int
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """The model to serve: what `--model` gets, its served name and extra vLLM args."""
+
+    model: str
+    served_name: str
+    extra_args: tuple[str, ...] = ()
+    default_max_model_len: int | None = None
+    extra_env: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything besides the config that decides the commands (gathered by `inputs.py`)."""
+
+    host: HostFacts
+    model: ModelSource
+    python: str
+    role_env: dict[str, dict[str, str]] = field(default_factory=dict)
+    role_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process of the bundle: a vLLM node or the router."""
+
+    name: str  # "prefill-0", "decode-1", "router"
+    role: ProcessRole
+    index: int
+    argv: tuple[str, ...]
+    env: dict[str, str]  # added to the launcher's environment
+    host: str  # advertised
+    bind_host: str
+    port: int
+    url: str  # advertised base URL (what the router uses)
+    health_url: str  # what the local launcher polls
+    side_channel_port: int | None = None
+    engine_id: str | None = None
+    cpu_bind: str | None = None
+    cuda_device: str | None = None
+
+
+@dataclass(frozen=True)
+class BundlePlan:
+    name: str
+    device: Device
+    run_dir: Path
+    nodes: tuple[ProcessSpec, ...]
+    router: ProcessSpec | None
+    router_settings_path: Path
+    router_settings: dict[str, Any]  # secrets revealed: write it 0600, print it masked
+
+    @property
+    def processes(self) -> tuple[ProcessSpec, ...]:
+        return self.nodes + ((self.router,) if self.router else ())
+
+    def by_name(self, name: str) -> ProcessSpec:
+        for spec in self.processes:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+
+# ------------------------------------------------------------------------ plan
+
+
+def resolve_device(cfg: BundleConfig, host: HostFacts) -> Device:
+    if cfg.device == "auto":
+        return "cuda" if host.gpu_count > 0 else "cpu"
+    if cfg.device == "cuda" and host.gpu_count == 0:
+        raise ConfigError(["device: cuda requested but no GPU is visible on this machine "
+                           "(use device: cpu or auto)"])
+    return cfg.device
+
+
+def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
+    """The processes `cfg` describes on this host. Raises `ConfigError` for impossible
+    combinations that depend on the host (no GPU, too few cores or GPUs)."""
+    device = resolve_device(cfg, inputs.host)
+    roles = [(role, i) for role in ROLES for i in range(cfg.role(role).count)]
+    binds = _cpu_binds(cfg, inputs.host, roles) if device == "cpu" else {}
+    gpus = _cuda_devices(cfg, inputs.host, roles) if device == "cuda" else {}
+    served = cfg.served_model_name or inputs.model.served_name
+    max_len = cfg.max_model_len or inputs.model.default_max_model_len
+    block_size = cfg.block_size or DEFAULT_BLOCK_SIZE[device]
+    router_settings = _router_settings(cfg, block_size)
+
+    nodes: list[ProcessSpec] = []
+    for role, i in roles:
+        rc = cfg.role(role)
+        port = cfg.node_ports(role)[i]
+        side_port = cfg.side_channel_ports(role)[i]
+        host = cfg.node_hosts(role)[i]
+        engine_id = f"{cfg.name}-{role}-{i}"
+        kv_cfg = {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_buffer_device": device,
+            "engine_id": engine_id,
+            "kv_connector_extra_config": {
+                "bidirectional_kv_xfer": True,
+                "kv_recompute_threshold": cfg.kv_recompute_threshold,
+                "decoder_kv_blocks_ttl": cfg.decoder_kv_blocks_ttl_s,
+                **cfg.kv_connector_extra,
+            },
+        }
+        args = [
+            "--model", inputs.model.model,
+            "--served-model-name", served,
+            "--host", cfg.bind_host,
+            "--port", str(port),
+        ]
+        if max_len is not None:
+            args += ["--max-model-len", str(max_len)]
+        args += ["--block-size", str(block_size)]
+        args.append("--enable-prefix-caching" if rc.prefix_caching
+                    else "--no-enable-prefix-caching")
+        args += ["--kv-transfer-config", json.dumps(kv_cfg, separators=(",", ":"))]
+        if device == "cuda":
+            args += ["--kv-cache-memory-bytes", str(cfg.kv_cache_gib * 1024**3)]
+        args += [*inputs.model.extra_args, *inputs.role_args.get(role, ()), *rc.extra_args]
+
+        env = {
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": host,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
+        }
+        if device == "cpu":
+            env["UCX_TLS"] = CPU_UCX_TLS
+            env["VLLM_CPU_KVCACHE_SPACE"] = str(cfg.kv_cache_gib)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = binds.get((role, i), "auto")
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = gpus[(role, i)]
+        env.update(inputs.model.extra_env)
+        env.update(inputs.role_env.get(role, {}))
+        env.update(rc.extra_env)
+
+        engine = cfg.engine_command or [inputs.python, "-m", VLLM_MODULE]
+        nodes.append(ProcessSpec(
+            name=f"{role}-{i}", role=role, index=i, argv=(*engine, *args), env=env,
+            host=host, bind_host=cfg.bind_host, port=port, url=http_url(host, port),
+            health_url=http_url(_connect_host(cfg.bind_host, cfg.advertise_host), port)
+            + "/health",
+            side_channel_port=side_port, engine_id=engine_id,
+            cpu_bind=env.get("VLLM_CPU_OMP_THREADS_BIND"), cuda_device=gpus.get((role, i)),
+        ))
+
+    run_dir = cfg.resolved_run_dir()
+    settings_path = run_dir / ROUTER_SETTINGS_FILE
+    router = None
+    if cfg.router_enabled:
+        rs = cfg.router
+        argv = [*(cfg.router_command or [inputs.python, "-m", ROUTER_MODULE]),
+                "--host", rs.host, "--port", str(rs.port)]
+        for node in nodes:
+            argv += [f"--{node.role}", node.url]
+        argv += ["--model", served, "--settings", str(settings_path)]
+        connect = _connect_host(rs.host, cfg.advertise_host)
+        router = ProcessSpec(
+            name="router", role="router", index=0, argv=tuple(argv), env={},
+            host=connect, bind_host=rs.host, port=rs.port, url=http_url(connect, rs.port),
+            health_url=http_url(connect, rs.port) + "/health",
+        )
+    return BundlePlan(
+        name=cfg.name, device=device, run_dir=run_dir, nodes=tuple(nodes), router=router,
+        router_settings_path=settings_path,
+        router_settings=router_settings,
+    )
+
+
+def _router_settings(cfg: BundleConfig, block_size: int) -> dict[str, Any]:
+    """The router's settings with the node facts it must agree on filled in by the bundle."""
+    synced = {"block_size": block_size, "kv_recompute_threshold": cfg.kv_recompute_threshold,
+              "decode_blocks_ttl_s": cfg.decoder_kv_blocks_ttl_s}
+    source = {"block_size": "block_size", "kv_recompute_threshold": "kv_recompute_threshold",
+              "decode_blocks_ttl_s": "decoder_kv_blocks_ttl_s"}
+    fields = type(cfg.router).model_fields
+    problems = []
+    for key, value in synced.items():
+        if key in cfg.router.model_fields_set and getattr(cfg.router, key) != value:
+            problems.append(
+                f"router.{key}: {getattr(cfg.router, key)} disagrees with the nodes' "
+                f"{source[key]} ({value}); set {source[key]} instead, the bundle passes it on")
+    if problems:
+        raise ConfigError(problems)
+    update = {k: v for k, v in synced.items() if k in fields}
+    return reveal_secrets(cfg.router.model_copy(update=update).model_dump(mode="python"))
+
+
+def _cpu_binds(cfg: BundleConfig, host: HostFacts, roles: list[tuple[Role, int]]
+               ) -> dict[tuple[Role, int], str]:
+    """VLLM_CPU_OMP_THREADS_BIND per node: explicit ones, the rest partition the cores."""
+    if not cfg.cpu_pinning:
+        return {}
+    binds: dict[tuple[Role, int], str] = {}
+    for role, i in roles:
+        explicit = cfg.role(role).cpu_binds
+        if explicit is not None:
+            binds[(role, i)] = explicit[i]
+    todo = [key for key in roles if key not in binds]
+    if not todo:
+        return binds
+    available = set(host.cpu_cores)
+    cores = list(cfg.cpu_cores) if cfg.cpu_cores is not None else sorted(available)
+    missing = sorted(set(cores) - available)
+    if missing:
+        raise ConfigError([
+            f"cpu_cores: core(s) {format_cpu_list(missing)} are not available here "
+            f"(available: {format_cpu_list(sorted(available))})"])
+    if len(todo) > len(cores):
+        raise ConfigError([
+            f"prefill.count + decode.count: {len(todo)} nodes to pin but only {len(cores)} "
+            f"core(s) ({format_cpu_list(cores)}); lower the counts, list more cpu_cores, "
+            "give explicit cpu_binds, or set cpu_pinning: false"])
+    for key, part in zip(todo, partition_cores(cores, len(todo)), strict=True):
+        binds[key] = format_cpu_list(part)
+    return binds
+
+
+def _cuda_devices(cfg: BundleConfig, host: HostFacts, roles: list[tuple[Role, int]]
+                  ) -> dict[tuple[Role, int], str]:
+    out: dict[tuple[Role, int], str] = {}
+    todo = []
+    for role, i in roles:
+        explicit = cfg.role(role).cuda_devices
+        if explicit is not None:
+            out[(role, i)] = explicit[i]
+        else:
+            todo.append((role, i))
+    taken = set(out.values())
+    free = [str(g) for g in range(host.gpu_count) if str(g) not in taken]
+    if len(todo) > len(free):
+        raise ConfigError([
+            f"prefill.count + decode.count: {len(todo)} nodes need a GPU each but only "
+            f"{len(free)} GPU(s) are free (of {host.gpu_count} visible)"])
+    for key, gpu in zip(todo, free, strict=False):
+        out[key] = gpu
+    return out
+
+
+def partition_cores(cores: list[int], parts: int) -> list[list[int]]:
+    """Split `cores` into `parts` contiguous, disjoint, near-equal groups (first ones larger)."""
+    if parts < 1 or parts > len(cores):
+        raise ValueError(f"cannot split {len(cores)} cores into {parts} parts")
+    size, extra = divmod(len(cores), parts)
+    out, start = [], 0
+    for k in range(parts):
+        end = start + size + (1 if k < extra else 0)
+        out.append(list(cores[start:end]))
+        start = end
+    return out
+
+
+def format_cpu_list(cores: list[int] | tuple[int, ...]) -> str:
+    """`[0, 1, 2, 5]` -> `"0-2,5"` (the syntax VLLM_CPU_OMP_THREADS_BIND and taskset use)."""
+    out: list[str] = []
+    ordered = sorted(cores)
+    i = 0
+    while i < len(ordered):
+        j = i
+        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
+            j += 1
+        out.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+def http_url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _connect_host(bind: str, advertise: str) -> str:
+    """Where a local client reaches a server bound to `bind`."""
+    return advertise if bind in _WILDCARDS else bind
+
+
+# ---------------------------------------------------------------------- output
+
+
+def masked_settings(settings: dict[str, Any]) -> dict[str, Any]:
+    """Router settings with key material replaced by `***` (for printing)."""
+    out = json.loads(json.dumps(settings))
+    out["signing_keys"] = {k: "***" for k in out.get("signing_keys", {})}
+    for tenant in out.get("tenants", []):
+        tenant["api_keys"] = ["***" for _ in tenant.get("api_keys", [])]
+    return out
+
+
+def render_shell(bp: BundlePlan, *, reveal_secrets: bool = False) -> str:
+    """Copy-pasteable shell: one command per process, environment inline."""
+    n_p = sum(1 for n in bp.nodes if n.role == "prefill")
+    lines = [
+        "#!/bin/sh",
+        f"# kvagent bundle '{bp.name}': {n_p} prefill + {len(bp.nodes) - n_p} decode "
+        f"node(s) on {bp.device}" + (" + router" if bp.router else ""),
+        "# Start each command on its machine (every one runs in the foreground).",
+    ]
+    for spec in bp.nodes:
+        where = f"cores {spec.cpu_bind}" if spec.cpu_bind else (
+            f"GPU {spec.cuda_device}" if spec.cuda_device else "")
+        lines += [
+            "",
+            f"# {spec.name}: engine {spec.engine_id}, {spec.url}, NIXL side channel "
+            f"{spec.host}:{spec.side_channel_port}" + (f", {where}" if where else ""),
+            _shell_command(spec),
+        ]
+    if bp.router:
+        settings = bp.router_settings if reveal_secrets else masked_settings(bp.router_settings)
+        note = "" if reveal_secrets else " (secrets masked: --reveal-secrets prints them)"
+        lines += [
+            "",
+            f"# router: {bp.router.url}{note}",
+            f"mkdir -p {shlex.quote(str(bp.router_settings_path.parent))}",
+            f"cat > {shlex.quote(str(bp.router_settings_path))} <<'EOF'",
+            json.dumps(settings, indent=2, sort_keys=True),
+            "EOF",
+            _shell_command(bp.router),
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _shell_command(spec: ProcessSpec) -> str:
+    parts = [f"{k}={shlex.quote(v)}" for k, v in spec.env.items()]
+    head = ("env \\\n  " + " \\\n  ".join(parts) + " \\\n  ") if parts else ""
+    argv = list(spec.argv)
+    # The program first, then one "--flag [value]" per line for readability.
+    first = next((i for i, t in enumerate(argv) if t.startswith("--")), len(argv))
+    chunks = [" ".join(shlex.quote(t) for t in argv[:first])]
+    i = first
+    while i < len(argv):
+        if i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            chunks.append(f"{shlex.quote(argv[i])} {shlex.quote(argv[i + 1])}")
+            i += 2
+        else:
+            chunks.append(shlex.quote(argv[i]))
+            i += 1
+    return head + " \\\n    ".join(chunks)
+
+
+def plan_to_dict(bp: BundlePlan, *, reveal_secrets: bool = False) -> dict[str, Any]:
+    def proc(spec: ProcessSpec) -> dict[str, Any]:
+        d = asdict(spec)
+        d["argv"] = list(spec.argv)
+        return d
+
+    settings = bp.router_settings if reveal_secrets else masked_settings(bp.router_settings)
+    return {
+        "name": bp.name,
+        "device": bp.device,
+        "run_dir": str(bp.run_dir),
+        "nodes": [proc(n) for n in bp.nodes],
+        "router": None if bp.router is None else {
+            **proc(bp.router), "settings_path": str(bp.router_settings_path),
+            "settings": settings},
+    }
+
+
+def render_json(bp: BundlePlan, *, reveal_secrets: bool = False) -> str:
+    return json.dumps(plan_to_dict(bp, reveal_secrets=reveal_secrets), indent=2) + "\n"

@@ -1,0 +1,66 @@
+"""`python -m kvagent_server.router`: run the router with uvicorn.
+
+    python -m kvagent_server.router --prefill http://127.0.0.1:8100 \\
+        --decode http://127.0.0.1:8200 --model demo --settings router.json
+
+Binds 127.0.0.1 unless told otherwise; `--host`/`--port` override the settings file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .settings import RouterSettings
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m kvagent_server.router",
+                                description="kvagent router: KV-reusing front for vLLM P/D.")
+    p.add_argument("--host", help="bind address (default: settings, else 127.0.0.1)")
+    p.add_argument("--port", type=int, help="bind port (default: settings, else 8000)")
+    p.add_argument("--prefill", action="append", required=True, metavar="URL",
+                   help="a prefill node's root URL (repeat for several)")
+    p.add_argument("--decode", action="append", required=True, metavar="URL",
+                   help="a decode node's root URL (repeat for several)")
+    p.add_argument("--model", help="served model name (default: asked from the nodes)")
+    p.add_argument("--settings", type=Path, metavar="FILE.json",
+                   help="RouterSettings as JSON")
+    p.add_argument("--log-level", default="info")
+    return p.parse_args(argv)
+
+
+def load_settings(path: Path | None) -> RouterSettings:
+    if path is None:
+        return RouterSettings()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"cannot read settings {path}: {exc}") from None
+    return RouterSettings.model_validate(data.get("router", data))
+
+
+def main(argv: list[str] | None = None) -> int:
+    import uvicorn
+    from pydantic import ValidationError
+
+    from .app import create_app
+
+    args = parse_args(argv)
+    try:
+        settings = load_settings(args.settings)
+    except ValidationError as exc:
+        print(f"invalid settings: {exc}", file=sys.stderr)
+        return 2
+    host = args.host or settings.host
+    port = args.port or settings.port
+    app = create_app(settings, args.prefill, args.decode, model=args.model)
+    uvicorn.run(app, host=host, port=port, log_level=args.log_level, access_log=False,
+                timeout_graceful_shutdown=5)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,403 @@
+"""The router's HTTP surface: an OpenAI-compatible starlette app in front of P/D nodes.
+
+This module only speaks HTTP: it authenticates, validates, extracts the session and the
+token, enforces limits, and turns a planned `Turn` into a streamed or whole response.
+What to reuse and where to send a turn is decided in `planner`/`placement` (via `turn`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import httpx
+from kvagent._protocol import (
+    BODY_CACHE_TOKEN,
+    BODY_FIELD,
+    BODY_SESSION_ID,
+    CACHE_TOKEN_HEADER,
+    CONVERSATION_ID_ALIAS,
+    MAX_TOKEN_BYTES,
+    SESSION_HEADER,
+    valid_session_id,
+)
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from .legs import LegError, Legs
+from .metrics import CONTENT_TYPE, RouterMetrics
+from .nodes import NodeRegistry
+from .relay import Scrubber, relay_sse, rewrite_response
+from .settings import RouterSettings
+from .state import SessionStore, key_ring_for, make_store
+from .telemetry import record_error, record_outcome, start_turn
+from .tenancy import AuthError, TenantResolver
+from .token import TokenCodec
+from .turn import Router, Turn, TurnRequest, plan_turn
+
+log = logging.getLogger("kvagent.router")
+T = TypeVar("T")
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+class HTTPError(Exception):
+    """An error answered to the client in OpenAI's error format."""
+
+    def __init__(self, status: int, message: str, *, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.code, self.param = (
+            status, message, type_, code, param)
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, type_=self.type, code=self.code,
+                              param=self.param)
+
+
+def error_response(status: int, message: str, *, type_: str = "invalid_request_error",
+                   code: str | None = None, param: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param,
+                                   "code": code if code is not None else status}},
+                        status_code=status)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its response started."""
+
+
+# ------------------------------------------------------------------ request parsing
+
+
+async def read_json(request: Request, limit: int) -> dict[str, Any]:
+    """The request body as a JSON object: 413 over `limit` bytes, 400 when malformed."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise HTTPError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise HTTPError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise HTTPError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise HTTPError(400, "request body must be a JSON object")
+    return body
+
+
+def validate(body: dict[str, Any], *, chat: bool) -> None:
+    """The checks the router itself needs; vLLM validates the rest and answers 400."""
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise HTTPError(400, "'messages' must be a non-empty list", param="messages")
+        if not all(isinstance(m, dict) for m in messages):
+            raise HTTPError(400, "every message must be an object", param="messages")
+    elif "prompt" not in body:
+        raise HTTPError(400, "'prompt' is required", param="prompt")
+    if "stream" in body and not isinstance(body["stream"], bool | None):
+        raise HTTPError(400, "'stream' must be a boolean", param="stream")
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise HTTPError(400, "'stream_options' must be an object", param="stream_options")
+    for name in ("n", "max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                  or value < (0 if name != "n" else 1)):
+            raise HTTPError(400, f"'{name}' must be a positive integer", param=name)
+
+
+def session_and_token(headers: Any, body: dict[str, Any]) -> tuple[str | None, str | None]:
+    """Session id and cache token: headers, then the body `kvagent` object, then
+    `conversation_id`. The body forms are removed from `body` (vLLM must not see them)."""
+    extra = body.pop(BODY_FIELD, None)
+    alias = body.pop(CONVERSATION_ID_ALIAS, None)
+    if extra is not None and not isinstance(extra, dict):
+        raise HTTPError(400, f"'{BODY_FIELD}' must be an object", param=BODY_FIELD)
+    extra = extra or {}
+    session = (headers.get(SESSION_HEADER) or extra.get(BODY_SESSION_ID)
+               or (alias if alias is not None else None))
+    token = headers.get(CACHE_TOKEN_HEADER) or extra.get(BODY_CACHE_TOKEN)
+    if session is not None and (not isinstance(session, str) or not valid_session_id(session)):
+        raise HTTPError(400, "session id must be 1-128 characters of [A-Za-z0-9._:-]",
+                        param=SESSION_HEADER)
+    if token is not None and (not isinstance(token, str) or not token):
+        token = None
+    if token is not None and len(token.encode()) > MAX_TOKEN_BYTES:
+        token = "x"  # over-long: rejected as malformed, the turn is recomputed
+    return session, token
+
+
+# ------------------------------------------------------------------ the app
+
+
+def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], *,
+               model: str | None = None, store: SessionStore | None = None,
+               transport: httpx.AsyncBaseTransport | None = None,
+               metrics: RouterMetrics | None = None) -> Starlette:
+    """The router app for the given node URLs (root URLs, e.g. `http://127.0.0.1:8100`).
+
+    `transport` replaces the network for tests; `store` defaults from `settings`
+    (Redis when `redis_url` is set). Node health is probed at start-up and then every
+    `health_interval_s`.
+    """
+    registry = NodeRegistry(prefill, decode, interval_s=settings.health_interval_s,
+                            probe_timeout_s=min(2.0, settings.health_interval_s),
+                            max_in_flight=settings.node_max_in_flight)
+    metrics = metrics or RouterMetrics()
+    the_store = store or make_store(settings)
+    tenants = TenantResolver(settings)
+    streams: dict[str, int] = {}
+    holder: dict[str, Any] = {"model": model}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                              keepalive_expiry=30)
+        async with httpx.AsyncClient(transport=transport, limits=limits) as client:
+            codec = TokenCodec(await key_ring_for(settings, the_store))
+            legs = Legs(client, max_retries=settings.max_retries,
+                        timeout_s=settings.request_timeout_s)
+            app.state.router = Router(settings=settings, registry=registry, legs=legs,
+                                      store=the_store, codec=codec, metrics=metrics,
+                                      client=client)
+            await registry.probe_all(client)
+            if holder["model"] is None:
+                holder["model"] = await _served_model(client, registry)
+            registry.start(client)
+            try:
+                yield
+            finally:
+                await registry.stop()
+                await the_store.close()
+
+    async def completions(request: Request) -> Response:
+        endpoint = request.url.path
+        r: Router = request.app.state.router
+        metrics.in_flight.inc()
+        try:
+            response = await _serve(request, r, endpoint, tenants, streams)
+        except HTTPError as exc:
+            response = exc.response()
+        except ClientGone:
+            metrics.client_disconnects.inc()
+            response = Response(status_code=499)
+        finally:
+            metrics.in_flight.dec()
+        metrics.requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
+        return response
+
+    async def models(request: Request) -> Response:
+        name = holder["model"] or "unknown"
+        return JSONResponse({"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "kvagent"}]})
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def ready(request: Request) -> Response:
+        r: Router = request.app.state.router
+        ok = registry.ready and await r.store.ping()
+        nodes = {n.name: {"role": n.role, "healthy": n.healthy} for n in registry.nodes.values()}
+        return JSONResponse({"status": "ready" if ok else "not_ready", "nodes": nodes},
+                            status_code=200 if ok else 503)
+
+    async def prometheus(request: Request) -> Response:
+        for node in registry.nodes.values():
+            metrics.node_healthy.labels(node=node.name, role=node.role).set(int(node.healthy))
+        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
+
+    routes = [
+        Route(CHAT, completions, methods=["POST"]),
+        Route(COMPLETIONS, completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/livez", health, methods=["GET"]),
+        Route("/ready", ready, methods=["GET"]),
+        Route("/metrics", prometheus, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan,
+                     exception_handlers={404: _not_found, 405: _not_allowed})
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return error_response(404, f"no route {request.url.path}", code="not_found")
+
+
+async def _not_allowed(request: Request, exc: Exception) -> Response:
+    return error_response(405, f"{request.method} not allowed on {request.url.path}",
+                          code="method_not_allowed")
+
+
+async def _served_model(client: httpx.AsyncClient, registry: NodeRegistry) -> str | None:
+    for node in registry.healthy("decode") + registry.healthy("prefill"):
+        try:
+            resp = await client.get(f"{node.url}/v1/models", timeout=5.0)
+            return resp.json()["data"][0]["id"]
+        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+            continue
+    return None
+
+
+async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantResolver,
+                 streams: dict[str, int]) -> Response:
+    try:
+        tenant = tenants.resolve(request.headers.get("authorization"))
+    except AuthError as exc:
+        raise HTTPError(401, str(exc), type_="authentication_error", code=exc.reason) from None
+    try:
+        body = await read_json(request, r.settings.max_body_bytes)
+    except ClientDisconnect:
+        raise ClientGone from None
+    chat = endpoint == CHAT
+    validate(body, chat=chat)
+    session, token = session_and_token(request.headers, body)
+    wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+    keep_ids = bool(body.get("return_token_ids"))
+    body["cache_salt"] = tenant.cache_salt
+    stream = bool(body.get("stream"))
+    req = TurnRequest(endpoint=endpoint, body=body, tenant=tenant, session=session,
+                      token=token, stream=stream)
+
+    if streams.get(tenant.name, 0) >= tenant.max_concurrent_streams:
+        raise HTTPError(429, f"tenant has {tenant.max_concurrent_streams} requests in flight; "
+                        "retry later", type_="rate_limit_error", code="rate_limit_exceeded")
+    streams[tenant.name] = streams.get(tenant.name, 0) + 1
+    span = start_turn(endpoint=endpoint, model=body.get("model"), session=session,
+                      tenant=tenant.name)
+    req.span = span
+    done = False
+
+    async def cleanup(turn: Turn | None = None) -> None:
+        """Idempotent: free the tenant slot, close D's response, end the span."""
+        nonlocal done
+        if turn is not None:
+            await turn.decode.response.aclose()  # closing D's stream aborts its request
+        if not done:
+            done = True
+            streams[tenant.name] -= 1
+            span.end()
+
+    handed_off = False
+    try:
+        turn = await _until_disconnect(request, plan_turn(r, req))
+        scrubber = Scrubber(keep_token_ids=keep_ids, keep_usage=wants_usage or not stream)
+        if stream:
+            handed_off = True
+            return StreamingResponse(_stream(turn, scrubber, cleanup, span),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache",
+                                              "X-Accel-Buffering": "no"},
+                                     background=BackgroundTask(cleanup, turn))
+        try:
+            return await _whole(turn, scrubber, span)
+        finally:
+            await turn.decode.response.aclose()
+    except LegError as exc:
+        record_error(span, str(exc))
+        raise _leg_error(exc) from None
+    except BaseException as exc:
+        record_error(span, type(exc).__name__)
+        raise
+    finally:
+        if not handed_off:
+            await cleanup()
+
+
+def _leg_error(exc: LegError) -> HTTPError:
+    if 400 <= exc.status < 500 and exc.body and isinstance(exc.body.get("error"), dict):
+        err = exc.body["error"]
+        message = err.get("message") if isinstance(err.get("message"), str) else str(exc)
+        return HTTPError(exc.status, message, type_=str(err.get("type") or "invalid_request"),
+                         param=err.get("param") if isinstance(err.get("param"), str) else None)
+    if 400 <= exc.status < 500:
+        return HTTPError(exc.status, "the model server rejected the request")
+    status = 503 if exc.status == 503 else 502
+    return HTTPError(status, f"{exc.leg} leg failed: no node could serve the request",
+                     type_="server_error", code="upstream_unavailable")
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it if the client disconnects first (legs then abort)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watch.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
+    raise ClientGone
+
+
+async def _whole(turn: Turn, scrubber: Scrubber, span: Any) -> Response:
+    resp = turn.decode.response
+    turn.first_byte_at = time.perf_counter()
+    turn.router.metrics.ttft.observe(turn.first_byte_at - turn.started)
+    data = resp.json()
+    scrubber.scrub(data)
+    final = await turn.finalize(scrubber.capture)
+    out = rewrite_response(data, scrubber, final)
+    usage = out.get("usage") or {}
+    record_outcome(span, path=turn.path, reused=final.kvagent["reused_tokens"],
+                   prompt_tokens=usage.get("prompt_tokens"),
+                   completion_tokens=usage.get("completion_tokens"), reason=turn.plan.reason)
+    return JSONResponse(out)
+
+
+async def _stream(turn: Turn, scrubber: Scrubber, cleanup: Callable[[Turn], Awaitable[None]],
+                  span: Any) -> AsyncIterator[bytes]:
+    """The client's stream. An upstream failure mid-stream propagates: the stream is cut."""
+    resp = turn.decode.response
+    m = turn.router.metrics
+    finished = False
+    try:
+        async for out in relay_sse(resp.aiter_raw(), scrubber, turn.finalize):
+            if turn.first_byte_at is None:
+                turn.first_byte_at = time.perf_counter()
+                m.ttft.observe(turn.first_byte_at - turn.started)
+            yield out
+        finished = True
+        usage = scrubber.capture.usage or {}
+        record_outcome(span, path=turn.path, reused=turn.plan.reuse_tokens,
+                       prompt_tokens=usage.get("prompt_tokens"),
+                       completion_tokens=usage.get("completion_tokens"),
+                       reason=turn.plan.reason)
+    except httpx.HTTPError as exc:
+        m.stream_cuts.inc()
+        record_error(span, f"stream cut: {type(exc).__name__}")
+        log.warning("decode stream from %s cut: %s", turn.decode.node.name, type(exc).__name__)
+        raise
+    except (asyncio.CancelledError, GeneratorExit):
+        if not finished:
+            m.client_disconnects.inc()
+        raise
+    finally:
+        await cleanup(turn)

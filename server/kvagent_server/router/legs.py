@@ -1,0 +1,224 @@
+"""The prefill (P) and decode (D) legs of one turn: HTTP calls, retries, clean-up.
+
+Policies (openai-python's, applied per leg):
+- A leg is retried on another node only before its first byte (connection errors,
+  timeouts, 408/429/5xx). A decode stream that fails later is cut, never replayed.
+- A failed pull (a reuse P leg answered 5xx) is not an error: the P leg is re-run fresh.
+- A P leg is never orphaned: when its D leg cannot run (D failed everywhere, client
+  gone), `release_prefill` makes a decode node read P's leased blocks, so P never reaches
+  the lease-expiry path that hangs it (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from .nodes import Node
+
+log = logging.getLogger("kvagent.router.legs")
+
+RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
+#: Sampling fields a one-token P leg must not carry (they would fail validation or waste work).
+_PREFILL_DROP = ("stream_options", "min_tokens", "logprobs", "top_logprobs", "echo",
+                 "prompt_logprobs", "max_completion_tokens", "n", "best_of")
+
+_background: set[asyncio.Future[bool]] = set()
+
+FRESH_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+class LegError(Exception):
+    """A leg failed before its first byte on every node tried. `status` is for the client."""
+
+    def __init__(self, message: str, *, status: int = 502, body: dict[str, Any] | None = None,
+                 leg: str = "decode") -> None:
+        super().__init__(message)
+        self.status = status
+        self.body = body  # the node's own error body when it is the client's fault (4xx)
+        self.leg = leg
+
+
+@dataclass
+class PrefillResult:
+    node: Node
+    kv_params: dict[str, Any]
+    prompt_token_ids: list[int] | None
+    cached_tokens: int
+    prompt_tokens: int
+    pull_failed: bool
+    elapsed_s: float
+
+
+@dataclass
+class DecodeStart:
+    """An open decode response (streamed or not), before the client has seen a byte."""
+
+    node: Node
+    response: httpx.Response
+    elapsed_s: float  # time to response headers
+
+
+def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
+    """The P leg's body: one token, not streamed, with the transfer params."""
+    out = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
+    out.update(stream=False, max_tokens=1, kv_transfer_params=kv_params, return_token_ids=True)
+    return out
+
+
+def decode_body(body: dict[str, Any], kv_params: dict[str, Any] | None) -> dict[str, Any]:
+    """The D leg's body: the client's, plus the params and the fields the router reads."""
+    out = dict(body)
+    out["return_token_ids"] = True
+    if kv_params is not None:
+        out["kv_transfer_params"] = kv_params
+    if out.get("stream"):
+        opts = dict(out.get("stream_options") or {})
+        opts["include_usage"] = True
+        out["stream_options"] = opts
+    return out
+
+
+def _error_body(resp: httpx.Response) -> dict[str, Any] | None:
+    try:
+        data = resp.json()
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _usage_cached(usage: dict[str, Any] | None) -> int:
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+class Legs:
+    """Runs legs against the node registry; `pick` callables come from the placement core."""
+
+    def __init__(self, client: httpx.AsyncClient, *, max_retries: int, timeout_s: float,
+                 on_node_error: Callable[[Node, str], None] | None = None) -> None:
+        self.client = client
+        self.max_retries = max_retries
+        self.timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
+        self.on_node_error = on_node_error or (lambda node, reason: node.mark_down(reason))
+
+    async def _post(self, node: Node, path: str, body: dict[str, Any], headers: dict[str, str],
+                    *, stream: bool) -> httpx.Response:
+        request = self.client.build_request("POST", f"{node.url}{path}", json=body,
+                                            headers=headers, timeout=self.timeout)
+        node.in_flight += 1
+        try:
+            return await self.client.send(request, stream=stream)
+        finally:
+            node.in_flight -= 1
+
+    async def prefill(self, candidates: Sequence[Node], path: str, body: dict[str, Any],
+                      kv_params: dict[str, Any], headers: dict[str, str]) -> PrefillResult:
+        """Run the P leg on the first candidate that answers; a failed pull re-runs fresh."""
+        reuse = kv_params is not FRESH_PARAMS and bool(kv_params.get("remote_block_ids"))
+        pull_failed = False
+        last: LegError | None = None
+        for node in list(candidates)[: self.max_retries + 1]:
+            started = time.perf_counter()
+            params = FRESH_PARAMS if pull_failed else kv_params
+            try:
+                resp = await self._post(node, path, prefill_body(body, params), headers,
+                                        stream=False)
+            except httpx.HTTPError as exc:
+                self.on_node_error(node, type(exc).__name__)
+                last = LegError(f"prefill node unreachable ({type(exc).__name__})", leg="prefill")
+                continue
+            if resp.status_code >= 500 and reuse and not pull_failed:
+                # The pull from D failed (blocks gone, D down): recompute on the same node.
+                pull_failed = True
+                log.info("reuse pull failed on %s (%d); recomputing", node.name,
+                         resp.status_code)
+                try:
+                    resp = await self._post(node, path, prefill_body(body, FRESH_PARAMS),
+                                            headers, stream=False)
+                except httpx.HTTPError as exc:
+                    self.on_node_error(node, type(exc).__name__)
+                    last = LegError("prefill node unreachable", leg="prefill")
+                    continue
+            if resp.status_code != 200:
+                if resp.status_code in RETRYABLE_STATUS:
+                    if resp.status_code >= 500:
+                        self.on_node_error(node, f"prefill returned {resp.status_code}")
+                    last = LegError(f"prefill failed ({resp.status_code})", leg="prefill")
+                    continue
+                raise LegError("request rejected", status=resp.status_code,
+                               body=_error_body(resp), leg="prefill")
+            data = resp.json()
+            params_out = data.get("kv_transfer_params")
+            if not isinstance(params_out, dict):
+                raise LegError("prefill node returned no kv_transfer_params (is it a P/D node?)",
+                               leg="prefill")
+            usage = data.get("usage") or {}
+            choices = data.get("choices") or [{}]
+            prompt_ids = data.get("prompt_token_ids") or choices[0].get("prompt_token_ids")
+            return PrefillResult(node=node, kv_params=params_out, prompt_token_ids=prompt_ids,
+                                 cached_tokens=_usage_cached(usage),
+                                 prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                                 pull_failed=pull_failed,
+                                 elapsed_s=time.perf_counter() - started)
+        raise last or LegError("no healthy prefill node", status=503, leg="prefill")
+
+    async def decode(self, candidates: Sequence[Node], path: str, body: dict[str, Any],
+                     headers: dict[str, str], *, stream: bool) -> DecodeStart:
+        """Open the D leg on the first candidate that answers 200 (headers only when streamed)."""
+        last: LegError | None = None
+        for node in list(candidates)[: self.max_retries + 1]:
+            started = time.perf_counter()
+            try:
+                resp = await self._post(node, path, body, headers, stream=stream)
+            except httpx.HTTPError as exc:
+                self.on_node_error(node, type(exc).__name__)
+                last = LegError(f"decode node unreachable ({type(exc).__name__})")
+                continue
+            if resp.status_code == 200:
+                return DecodeStart(node=node, response=resp,
+                                   elapsed_s=time.perf_counter() - started)
+            if stream:
+                await resp.aread()
+                await resp.aclose()
+            if resp.status_code in RETRYABLE_STATUS:
+                if resp.status_code >= 500:
+                    self.on_node_error(node, f"decode returned {resp.status_code}")
+                last = LegError(f"decode failed ({resp.status_code})")
+                continue
+            raise LegError("request rejected", status=resp.status_code, body=_error_body(resp))
+        raise last or LegError("no healthy decode node", status=503)
+
+    async def release_prefill(self, candidates: Sequence[Node], path: str,
+                              body: dict[str, Any], prefill: PrefillResult,
+                              headers: dict[str, str]) -> bool:
+        """Finish an orphaned P leg: a one-token, non-streamed D read of P's leased blocks.
+
+        Runs shielded from cancellation (the client may be gone); returns True once a
+        decode node has read (and so freed) P's blocks.
+        """
+        drain = decode_body({**body, "stream": False, "max_tokens": 1}, prefill.kv_params)
+        for key in ("stream_options", "max_completion_tokens", "min_tokens", "n"):
+            drain.pop(key, None)
+
+        async def run() -> bool:
+            for node in candidates:
+                try:
+                    resp = await self._post(node, path, drain, headers, stream=False)
+                except httpx.HTTPError:
+                    continue
+                if resp.status_code == 200:
+                    return True
+            log.warning("could not release prefill lease on %s", prefill.node.name)
+            return False
+
+        task = asyncio.ensure_future(run())
+        _background.add(task)  # keep it alive if our caller is cancelled meanwhile
+        task.add_done_callback(_background.discard)
+        return await asyncio.shield(task)

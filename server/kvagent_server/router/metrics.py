@@ -1,0 +1,64 @@
+"""The router's Prometheus metrics, on a registry of its own (one per app instance).
+
+What an operator needs to see whether reuse pays: hits and misses by reason, tokens
+reused vs recomputed, which path turns took, and the latency of each leg and of TTFT.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0, 60.0)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class RouterMetrics:
+    """Every metric the router exports; prefixed `kvagent_router_`."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvagent_router_requests", "Requests by endpoint and status.",
+                                ["endpoint", "status"], registry=r)
+        self.reuse_hits = Counter("kvagent_router_reuse_hits", "Turns that reused cached KV.",
+                                  registry=r)
+        self.reuse_misses = Counter("kvagent_router_reuse_misses",
+                                    "Turns that could not reuse, by reason.", ["reason"],
+                                    registry=r)
+        self.reused_tokens = Counter("kvagent_router_reused_tokens",
+                                     "Prompt tokens served from retained KV.", registry=r)
+        self.recomputed_tokens = Counter("kvagent_router_recomputed_tokens",
+                                         "Prompt tokens computed by a node.", registry=r)
+        self.paths = Counter("kvagent_router_turns", "Turns by path taken.", ["path"],
+                             registry=r)
+        self.leg_latency = Histogram("kvagent_router_leg_seconds",
+                                     "Leg latency (P: whole leg; D: to response headers).",
+                                     ["leg"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("kvagent_router_ttft_seconds",
+                              "Router arrival to first content byte sent.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.in_flight = Gauge("kvagent_router_in_flight", "Requests being served.",
+                               registry=r)
+        self.retries = Counter("kvagent_router_leg_retries",
+                               "Legs retried on another node before their first byte.",
+                               ["leg"], registry=r)
+        self.stream_cuts = Counter("kvagent_router_stream_cuts",
+                                   "Streams cut after their first byte (upstream failure).",
+                                   registry=r)
+        self.client_disconnects = Counter("kvagent_router_client_disconnects",
+                                          "Requests whose client went away mid-turn.",
+                                          registry=r)
+        self.prefill_releases = Counter("kvagent_router_prefill_releases",
+                                        "Orphaned P legs finished explicitly.", ["ok"],
+                                        registry=r)
+        self.node_healthy = Gauge("kvagent_router_node_healthy", "1 when a node is healthy.",
+                                  ["node", "role"], registry=r)
+
+    def miss(self, reason: str) -> None:
+        self.reuse_misses.labels(reason=reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

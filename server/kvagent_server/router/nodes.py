@@ -1,0 +1,158 @@
+"""The vLLM nodes behind the router, their health, load and epochs.
+
+A node's *epoch* names its incarnation: the node's process start time (from its
+`/metrics`, the same for every router replica) or, failing that, a counter that grows
+each time the node comes back after being unhealthy. KV blocks retained in an earlier
+epoch may be gone, so a handle recorded under another epoch is recomputed, not pulled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import httpx
+
+from .placement import NodeState
+
+log = logging.getLogger("kvagent.router.nodes")
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclass
+class Node:
+    """One vLLM HTTP endpoint. `name` is what logs, metrics and the state store use."""
+
+    name: str
+    url: str
+    role: Role
+    healthy: bool = True
+    epoch: str = "c1"
+    in_flight: int = 0
+    max_in_flight: int = 64
+    probed: bool = False
+    _comebacks: int = field(default=1, repr=False)
+    failures: int = 0
+    last_checked: float = 0.0
+    last_error: str | None = field(default=None, repr=False)
+
+    def mark_down(self, reason: str) -> None:
+        if self.healthy:
+            log.warning("node %s marked unhealthy: %s", self.name, reason)
+        self.healthy = False
+        self.failures += 1
+        self.last_error = reason
+
+    def mark_up(self, start_time: str | None = None) -> None:
+        if start_time is not None:
+            self.epoch = f"s{start_time}"
+        elif not self.healthy:
+            self._comebacks += 1  # its retained blocks may not have survived
+            self.epoch = f"c{self._comebacks}"
+        if not self.healthy:
+            log.info("node %s healthy (epoch %s)", self.name, self.epoch)
+        self.healthy = True
+        self.failures = 0
+        self.last_error = None
+
+    def state(self) -> NodeState:
+        """The node as the placement core sees it."""
+        return NodeState(node_id=self.name, url=self.url, role=self.role, healthy=self.healthy,
+                         in_flight=self.in_flight, epoch=self.epoch,
+                         max_in_flight=self.max_in_flight)
+
+
+class NodeRegistry:
+    """All P and D nodes; a background task probes `/health` every `interval_s`."""
+
+    def __init__(self, prefill: list[str], decode: list[str], *, interval_s: float = 2.0,
+                 probe_timeout_s: float = 2.0, max_in_flight: int = 64) -> None:
+        if not prefill or not decode:
+            raise ValueError("the router needs at least one prefill and one decode node")
+        self.nodes: dict[str, Node] = {}
+        for role, urls, prefix in (("prefill", prefill, "p"), ("decode", decode, "d")):
+            for i, url in enumerate(urls):
+                name = f"{prefix}{i}"
+                self.nodes[name] = Node(name=name, url=url.rstrip("/"), role=role,
+                                        max_in_flight=max_in_flight)
+        self.interval_s = interval_s
+        self.probe_timeout_s = probe_timeout_s
+        self._task: asyncio.Task[None] | None = None
+
+    def role(self, role: Role) -> list[Node]:
+        return [n for n in self.nodes.values() if n.role == role]
+
+    def healthy(self, role: Role) -> list[Node]:
+        return [n for n in self.nodes.values() if n.role == role and n.healthy]
+
+    def get(self, name: str) -> Node | None:
+        return self.nodes.get(name)
+
+    @property
+    def ready(self) -> bool:
+        """At least one healthy P and one healthy D."""
+        return bool(self.healthy("prefill")) and bool(self.healthy("decode"))
+
+    def states(self) -> list[NodeState]:
+        return [n.state() for n in self.nodes.values()]
+
+    def ranked(self, role: Role, first: Node | None = None) -> list[Node]:
+        """Healthy nodes of `role`, least loaded first, `first` (if given) at the front."""
+        rest = sorted((n for n in self.healthy(role) if n is not first),
+                      key=lambda n: (n.in_flight / n.max_in_flight, n.name))
+        return [first, *rest] if first is not None else rest
+
+    async def probe(self, client: httpx.AsyncClient, node: Node) -> bool:
+        try:
+            resp = await client.get(f"{node.url}/health", timeout=self.probe_timeout_s)
+            ok = resp.status_code == 200
+            reason = f"/health returned {resp.status_code}"
+        except httpx.HTTPError as exc:
+            ok, reason = False, f"{type(exc).__name__}"
+        node.last_checked = time.monotonic()
+        if not ok:
+            node.mark_down(reason)
+        elif not node.healthy or not node.probed:
+            node.mark_up(await self._start_time(client, node))
+            node.probed = True
+        return ok
+
+    async def _start_time(self, client: httpx.AsyncClient, node: Node) -> str | None:
+        """The node's `process_start_time_seconds`, its incarnation across replicas."""
+        try:
+            resp = await client.get(f"{node.url}/metrics", timeout=self.probe_timeout_s)
+        except httpx.HTTPError:
+            return None
+        if resp.status_code != 200:
+            return None
+        for line in resp.text.splitlines():
+            if line.startswith("process_start_time_seconds "):
+                return line.split()[1]
+        return None
+
+    async def probe_all(self, client: httpx.AsyncClient) -> None:
+        await asyncio.gather(*(self.probe(client, n) for n in self.nodes.values()))
+
+    def start(self, client: httpx.AsyncClient) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(client), name="kvagent-health")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self, client: httpx.AsyncClient) -> None:
+        while True:
+            try:
+                await self.probe_all(client)
+            except Exception:  # the checker must outlive any one bad probe
+                log.exception("health check round failed")
+            await asyncio.sleep(self.interval_s)

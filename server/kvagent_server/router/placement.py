@@ -1,0 +1,91 @@
+"""Which node serves a leg: least loaded, with session affinity on decode.
+
+Affinity matters on decode because the node holding a session's retained blocks can
+extend them without a transfer (`d_direct`) and a reuse pull from it stays local to it.
+It yields to health and to overload: a recompute is cheaper than a queue.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+DecodeReason = Literal[
+    "affinity", "least_loaded", "affinity_unknown", "affinity_unhealthy",
+    "affinity_overloaded", "no_healthy_node",
+]
+
+
+class NodeState(BaseModel):
+    """A node as the router sees it right now (from health checks and its own counters)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    node_id: str
+    url: str
+    role: Literal["prefill", "decode"]
+    healthy: bool
+    in_flight: int = Field(ge=0)
+    epoch: str
+    max_in_flight: int = Field(ge=1)
+
+    @property
+    def load(self) -> float:
+        return self.in_flight / self.max_in_flight
+
+    @property
+    def saturated(self) -> bool:
+        return self.in_flight >= self.max_in_flight
+
+
+def _least_loaded(nodes: Sequence[NodeState]) -> NodeState | None:
+    healthy = [n for n in nodes if n.healthy]
+    if not healthy:
+        return None
+    # Relative load first, then absolute, then id: the same inputs always pick the same
+    # node, so tests and replicas agree.
+    return min(healthy, key=lambda n: (n.load, n.in_flight, n.node_id))
+
+
+def pick_prefill(nodes: Sequence[NodeState]) -> NodeState | None:
+    """The least loaded healthy prefill node; None when there is none."""
+    return _least_loaded([n for n in nodes if n.role == "prefill"])
+
+
+def pick_decode(
+    nodes: Sequence[NodeState],
+    *,
+    affinity: str | None,
+    overload_factor: float = 4.0,
+) -> tuple[NodeState | None, DecodeReason]:
+    """The decode node for a turn and why.
+
+    `affinity` is the node id (or URL) holding the session's blocks. It is kept unless
+    unhealthy, saturated (`in_flight >= max_in_flight`), or carrying more than
+    `overload_factor` times the load of the least loaded node (counted as in_flight + 1,
+    so an idle alternative does not evict a node with one stream).
+    """
+    if overload_factor < 1:
+        raise ValueError("overload_factor must be at least 1")
+    decode = [n for n in nodes if n.role == "decode"]
+    best = _least_loaded(decode)
+    if best is None:
+        return None, "no_healthy_node"
+    if affinity is None:
+        return best, "least_loaded"
+    preferred = next((n for n in decode if affinity in (n.node_id, n.url)), None)
+    if preferred is None:
+        return best, "affinity_unknown"
+    if not preferred.healthy:
+        return best, "affinity_unhealthy"
+    if preferred is best:
+        return preferred, "affinity"
+    overloaded = preferred.saturated and not best.saturated or (
+        (preferred.in_flight + 1) / preferred.max_in_flight
+        > overload_factor * (best.in_flight + 1) / best.max_in_flight
+    )
+    if overloaded:
+        return best, "affinity_overloaded"
+    return preferred, "affinity"

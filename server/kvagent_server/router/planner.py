@@ -1,0 +1,372 @@
+"""Reuse decisions: how much of a decode node's retained KV a new prompt may use, and
+which path serves the turn.
+
+The one rule that matters (vLLM #43094): KV is reused only for the longest *verified*
+token-level common prefix between the new prompt and the tokens the decode node holds,
+rounded down to whole blocks. Whatever the client did to its history (stripped
+reasoning, re-rendered tool calls, edits), the worst outcome is a recompute, never KV of
+other tokens. Everything here is pure.
+
+How the P leg consumes the rewritten params (vLLM 0.32 NixlConnector, pull mode):
+`do_remote_decode=True` with `remote_block_ids`/`remote_engine_id`/`remote_request_id`/
+`remote_host`/`remote_port` makes P treat `min(remote_num_tokens, prompt) - cached_locally`
+tokens as external; P then END-trims the remote block list to the blocks it still needs.
+So the list must hold exactly the reused prefix's blocks: an untruncated list would pair
+P's blocks with D's *last* blocks. `do_remote_prefill` must stay False: on P it means
+"pull the whole prompt", which would mark uncomputed tokens as computed.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .state import Handle
+
+Path = Literal["pd_fresh", "pd_reuse", "d_direct", "recompute"]
+
+#: Plans that reuse nothing because the client had nothing to reuse (first turn, or reuse
+#: switched off): served as `pd_fresh`. Every other zero-reuse plan is a `recompute`.
+_FRESH_REASONS = frozenset({"no_handle", "reuse_disabled"})
+
+
+class ReusePlan(BaseModel):
+    """How many prompt tokens to take from the decode node's KV, and why."""
+
+    model_config = ConfigDict(frozen=True)
+
+    reuse_tokens: int = Field(ge=0)
+    #: "hit" (the prompt extends every cached token; the reuse is that, block-aligned),
+    #: "prefix_partial" (diverged after some whole blocks), or why nothing is reused:
+    #: "reuse_disabled", "token_rejected:<why>", "no_handle", "other_tenant",
+    #: "other_session", "expired", "stale_epoch", "node_unhealthy",
+    #: "unsupported_kv_layout", "diverged_at_0", "below_threshold".
+    reason: str
+    #: Tokens the prompt shares with the cache before the first difference (for metrics).
+    common_prefix: int = Field(default=0, ge=0)
+    #: Tokens whose KV the decode node could hand over.
+    cached_tokens: int = Field(default=0, ge=0)
+
+    @property
+    def reuses(self) -> bool:
+        return self.reuse_tokens > 0
+
+
+_CHUNK = 512
+
+
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences.
+
+    Compares chunk by chunk (C-speed slice equality) and scans only the chunk that
+    differs: long agent histories are compared at list-comparison speed, not per token
+    in Python.
+    """
+    n = min(len(a), len(b))
+    a_list = a if isinstance(a, list) else list(a)
+    b_list = b if isinstance(b, list) else list(b)
+    i = 0
+    while i < n:
+        j = min(i + _CHUNK, n)
+        if a_list[i:j] != b_list[i:j]:
+            while a_list[i] == b_list[i]:
+                i += 1
+            return i
+        i = j
+    return n
+
+
+def _block_groups(params: dict[str, Any]) -> tuple[list[list[int]], bool] | None:
+    """D's `remote_block_ids` as per-group lists (and whether it came flat), or None."""
+    groups = params.get("remote_block_ids")
+    if not isinstance(groups, list) or not groups:
+        return None
+    if all(isinstance(b, int) and not isinstance(b, bool) for b in groups):
+        return [list(groups)], True  # older vLLM: one flat list for one group
+    if all(isinstance(g, list | tuple) for g in groups) and all(
+            isinstance(b, int) and not isinstance(b, bool) for g in groups for b in g):
+        return [list(g) for g in groups], False
+    return None
+
+
+def retained_tokens(handle: Handle) -> int | None:
+    """How many leading tokens of `handle.token_ids` D can hand over; None if unusable.
+
+    Bounded by D's own `remote_num_tokens` (the last sampled token has no KV yet) and by
+    the blocks it exported. A group with fewer blocks than the sequence needs (sliding
+    window tail, Mamba state) does not map token positions to blocks from position 0,
+    so the handle is not reused at all rather than reused wrongly.
+    """
+    params = handle.kv_transfer_params
+    n = params.get("remote_num_tokens")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        return None
+    parsed = _block_groups(params)
+    if parsed is None:
+        return None
+    needed = math.ceil(n / handle.block_size)
+    if any(len(group) < needed for group in parsed[0]):
+        return None
+    return min(n, len(handle.token_ids))
+
+
+def plan_reuse(
+    prompt_ids: Sequence[int],
+    handle: Handle | None,
+    *,
+    threshold: int,
+    now: float,
+    tenant: str | None = None,
+    session: str | None = None,
+    node_healthy: bool = True,
+    node_epoch: str | None = None,
+    enabled: bool = True,
+    rejected: str | None = None,
+    prefill_block_size: int | None = None,
+) -> ReusePlan:
+    """The longest verified, block-aligned prefix of `prompt_ids` to reuse from `handle`.
+
+    - `threshold`: below this many reusable tokens, recompute (pulling costs more); use
+      the nodes' `kv_recompute_threshold` so the router and P agree.
+    - `tenant`/`session`: when given, a handle of another tenant or session is refused.
+    - `node_healthy`/`node_epoch`: the holding decode node's health and current epoch; a
+      handle from an earlier incarnation names blocks that no longer exist.
+    - `rejected`: why the presented token was refused (reason "token_rejected:<why>").
+    - `prefill_block_size`: when P's block size differs, align to both.
+    At least one prompt token is always left to compute: vLLM needs one to sample from.
+    """
+    if not enabled:
+        return ReusePlan(reuse_tokens=0, reason="reuse_disabled")
+    if rejected is not None:
+        return ReusePlan(reuse_tokens=0, reason=f"token_rejected:{rejected}")
+    if handle is None:
+        return ReusePlan(reuse_tokens=0, reason="no_handle")
+    if tenant is not None and handle.tenant != tenant:
+        return ReusePlan(reuse_tokens=0, reason="other_tenant")
+    if session is not None and handle.session != session:
+        return ReusePlan(reuse_tokens=0, reason="other_session")
+    if handle.expired(now):
+        return ReusePlan(reuse_tokens=0, reason="expired")
+    if node_epoch is not None and node_epoch != handle.decode_epoch:
+        return ReusePlan(reuse_tokens=0, reason="stale_epoch")
+    if not node_healthy:
+        return ReusePlan(reuse_tokens=0, reason="node_unhealthy")
+    retained = retained_tokens(handle)
+    if retained is None:
+        return ReusePlan(reuse_tokens=0, reason="unsupported_kv_layout")
+    cached = handle.token_ids[:retained]
+    common = common_prefix_len(prompt_ids, cached)
+    if common == 0:
+        return ReusePlan(reuse_tokens=0, reason="diverged_at_0", cached_tokens=retained)
+    align = handle.block_size
+    if prefill_block_size is not None:
+        if prefill_block_size < 1:
+            raise ValueError("prefill_block_size must be positive")
+        align = math.lcm(align, prefill_block_size)
+    usable = min(common, len(prompt_ids) - 1)
+    reuse = usable // align * align
+    if reuse == 0 or reuse < threshold:
+        return ReusePlan(reuse_tokens=0, reason="below_threshold", common_prefix=common,
+                         cached_tokens=retained)
+    reason = "hit" if common == retained else "prefix_partial"
+    return ReusePlan(reuse_tokens=reuse, reason=reason, common_prefix=common,
+                     cached_tokens=retained)
+
+
+def reuse_transfer_params(handle: Handle, reuse_tokens: int) -> dict[str, Any]:
+    """D's params rewritten so P pulls exactly the first `reuse_tokens` tokens' blocks.
+
+    Every group's block list is cut to `reuse_tokens // block_size` blocks (P end-trims
+    it to what it lacks locally), `remote_num_tokens` becomes `reuse_tokens`, and the
+    flags say "P node, pull from D": do_remote_decode=True, do_remote_prefill=False.
+    """
+    retained = retained_tokens(handle)
+    if retained is None:
+        raise ValueError("the handle's KV layout cannot be reused")
+    if reuse_tokens <= 0 or reuse_tokens % handle.block_size:
+        raise ValueError(f"reuse_tokens={reuse_tokens} is not a positive multiple of "
+                         f"block_size={handle.block_size}")
+    if reuse_tokens > retained:
+        raise ValueError(f"reuse_tokens={reuse_tokens} exceeds the {retained} retained tokens")
+    params = copy.deepcopy(handle.kv_transfer_params)
+    groups, flat = _block_groups(params)  # type: ignore[misc]  # checked by retained_tokens
+    n_blocks = reuse_tokens // handle.block_size
+    cut = [group[:n_blocks] for group in groups]
+    params["remote_block_ids"] = cut[0] if flat else cut
+    params["remote_num_tokens"] = reuse_tokens
+    params["do_remote_decode"] = True
+    params["do_remote_prefill"] = False
+    return params
+
+
+def fresh_transfer_params() -> dict[str, Any]:
+    """P leg params for a prompt computed from scratch (P keeps its blocks for D)."""
+    return {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def release_transfer_params(handle: Handle) -> dict[str, Any]:
+    """P leg params that compute the whole prompt AND tell D to free the handle's blocks.
+
+    With `remote_num_tokens=0` P takes no external tokens but still sends D the
+    "done" notification for its blocks, so a claimed handle that is not reused does
+    not pin D's memory until the TTL. Use only while D is healthy and of the handle's
+    epoch (P must reach D's side channel).
+    """
+    params = copy.deepcopy(handle.kv_transfer_params)
+    params["remote_num_tokens"] = 0
+    params["do_remote_decode"] = True
+    params["do_remote_prefill"] = False
+    return params
+
+
+# ------------------------------------------------------------------ path choice
+
+
+class LinearCost(BaseModel):
+    """seconds = fixed_s + per_token_s * tokens."""
+
+    model_config = ConfigDict(frozen=True)
+
+    fixed_s: float = Field(ge=0)
+    per_token_s: float = Field(ge=0)
+    samples: int = Field(default=0, ge=0)
+
+    def __call__(self, tokens: int) -> float:
+        return self.fixed_s + self.per_token_s * tokens
+
+
+# Priors from DESIGN.md's CPU measurements (~0.8 s for a 2.1k-token recompute, ~0.15 s
+# for the same turn with reuse); measurements replace them within a few turns.
+_PRIOR_PREFILL = LinearCost(fixed_s=0.05, per_token_s=4e-4)
+_PRIOR_PULL = LinearCost(fixed_s=0.03, per_token_s=2e-5)
+# D computing a delta itself competes with its running decodes: priced above P.
+_PRIOR_D_DIRECT = LinearCost(fixed_s=0.0, per_token_s=6e-4)
+
+
+class PathCosts(BaseModel):
+    """Measured time-to-first-token models per path (see `CostModel`).
+
+    - pd_fresh / recompute: `prefill(prompt_tokens)`
+    - pd_reuse: `prefill(computed_tokens) + pull(reused_tokens)`
+    - d_direct: `d_direct(computed_tokens)`
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    prefill: LinearCost = _PRIOR_PREFILL
+    pull: LinearCost = _PRIOR_PULL
+    d_direct: LinearCost = _PRIOR_D_DIRECT
+
+    def estimate(self, path: Path, prompt_len: int, reuse_tokens: int) -> float:
+        computed = prompt_len - reuse_tokens
+        if path == "pd_reuse":
+            return self.prefill(computed) + self.pull(reuse_tokens)
+        if path == "d_direct":
+            return self.d_direct(computed)
+        return self.prefill(prompt_len)
+
+
+def choose_path(
+    plan: ReusePlan,
+    prompt_len: int,
+    costs: PathCosts,
+    *,
+    skip_prefill_max_tokens: int | None,
+    d_healthy: bool,
+) -> Path:
+    """How to serve the turn.
+
+    No reuse: `pd_fresh` when there was nothing to reuse, else `recompute`. With reuse,
+    `d_direct` (skip P; D extends the prefix it holds) when D is healthy and either the
+    uncached delta is at most `skip_prefill_max_tokens`, or that setting is None and the
+    measured costs say D alone is faster; otherwise `pd_reuse`. 0 never skips P.
+    """
+    if not plan.reuses:
+        return "pd_fresh" if plan.reason in _FRESH_REASONS else "recompute"
+    if plan.reuse_tokens >= prompt_len:
+        raise ValueError("a plan must leave at least one prompt token to compute")
+    if not d_healthy:
+        return "pd_reuse"
+    delta = prompt_len - plan.reuse_tokens
+    if skip_prefill_max_tokens is not None:
+        return "d_direct" if 0 < delta <= skip_prefill_max_tokens else "pd_reuse"
+    d_cost = costs.estimate("d_direct", prompt_len, plan.reuse_tokens)
+    p_cost = costs.estimate("pd_reuse", prompt_len, plan.reuse_tokens)
+    return "d_direct" if d_cost < p_cost else "pd_reuse"
+
+
+class _Ewma:
+    """Exponentially weighted sums for an online least-squares line y = a + b x."""
+
+    __slots__ = ("alpha", "n", "x", "xx", "xy", "y")
+
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+        self.n = 0
+        self.x = self.y = self.xx = self.xy = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        if self.n == 0:
+            self.x, self.y, self.xx, self.xy = x, y, x * x, x * y
+        else:
+            a = self.alpha
+            self.x += a * (x - self.x)
+            self.y += a * (y - self.y)
+            self.xx += a * (x * x - self.xx)
+            self.xy += a * (x * y - self.xy)
+        self.n += 1
+
+    def fit(self, prior: LinearCost, min_samples: int) -> LinearCost:
+        if self.n == 0:
+            return prior
+        var = self.xx - self.x * self.x
+        # Too few samples or too little spread in size to tell fixed from per-token
+        # cost: keep the prior slope and fit only the intercept.
+        if self.n >= min_samples and var > max(1.0, 0.0025 * self.x * self.x):  # CV > 5%
+            slope = max(0.0, (self.xy - self.x * self.y) / var)
+        else:
+            slope = prior.per_token_s
+        fixed = max(0.0, self.y - slope * self.x)
+        return LinearCost(fixed_s=fixed, per_token_s=slope, samples=self.n)
+
+
+class CostModel:
+    """Learns per-path TTFT lines from observed turns (EWMA least squares); pure."""
+
+    def __init__(self, *, alpha: float = 0.1, min_samples: int = 5,
+                 prior: PathCosts | None = None) -> None:
+        if not 0 < alpha <= 1:
+            raise ValueError("alpha must be in (0, 1]")
+        self._prior = prior or PathCosts()
+        self._min = min_samples
+        self._prefill = _Ewma(alpha)
+        self._pull = _Ewma(alpha)
+        self._d = _Ewma(alpha)
+
+    def observe(self, path: Path, tokens: int, seconds: float, *,
+                reused_tokens: int = 0) -> None:
+        """Record one turn: `tokens` computed (not reused), `seconds` to first token.
+
+        For `pd_reuse`, pass `reused_tokens` too: the part of `seconds` the prefill line
+        does not explain is attributed to the pull.
+        """
+        if tokens < 0 or reused_tokens < 0 or seconds < 0 or not math.isfinite(seconds):
+            raise ValueError("tokens, reused_tokens and seconds must be non-negative")
+        if path in ("pd_fresh", "recompute"):
+            self._prefill.add(tokens, seconds)
+        elif path == "pd_reuse":
+            prefill = self._prefill.fit(self._prior.prefill, self._min)
+            self._pull.add(reused_tokens, max(0.0, seconds - prefill(tokens)))
+        elif path == "d_direct":
+            self._d.add(tokens, seconds)
+        else:
+            raise ValueError(f"unknown path {path!r}")
+
+    def snapshot(self) -> PathCosts:
+        return PathCosts(prefill=self._prefill.fit(self._prior.prefill, self._min),
+                         pull=self._pull.fit(self._prior.pull, self._min),
+                         d_direct=self._d.fit(self._prior.d_direct, self._min))

@@ -1,0 +1,184 @@
+"""`SessionStore` on Redis, shared by router replicas.
+
+Keys (tenant, session and node names are percent-encoded, so `:` in them cannot collide):
+
+- `{prefix}:{tenant}:h:{handle_id}`: the packed handle; expires with the handle.
+- `{prefix}:{tenant}:l:{session}`: the session's latest handle id; expires with it.
+- `{prefix}:node:{node}`: sorted set of handle keys on a decode node, scored by expiry,
+  so a lost node's handles can be dropped.
+
+Claims are single Redis commands or Lua scripts, so they are atomic across replicas:
+of any number of concurrent claims of one handle, exactly one gets it. The scripts build
+handle keys from the pointer they read, so this layout needs a single (non-cluster) Redis.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import quote
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from .keys import KeyRing
+from .state import Handle, handle_meta, pack_handle, unpack_handle
+
+log = logging.getLogger(__name__)
+
+# KEYS = handle, latest pointer, node index; ARGV = packed handle, handle id, ttl ms,
+# expires_at, now. One script, so a reader never sees the pointer without the handle; the
+# node index lives as long as its longest-lived handle (no PEXPIRE GT: Redis 6.2 works).
+_PUT = """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
+redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
+redis.call('ZADD', KEYS[3], ARGV[4], KEYS[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[5])
+if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[3]) then
+  redis.call('PEXPIRE', KEYS[3], ARGV[3])
+end
+return 1
+"""
+
+# KEYS[1] = latest pointer; ARGV[1] = handle key prefix. Pointer and handle go together.
+_CLAIM_LATEST = """
+local id = redis.call('GET', KEYS[1])
+if not id then return false end
+redis.call('DEL', KEYS[1])
+local key = ARGV[1] .. id
+local value = redis.call('GET', key)
+if value then redis.call('DEL', key) end
+return value
+"""
+
+# KEYS[1] = latest pointer; ARGV[1] = handle key prefix.
+_PEEK_LATEST = """
+local id = redis.call('GET', KEYS[1])
+if not id then return false end
+return redis.call('GET', ARGV[1] .. id)
+"""
+
+
+def _q(part: str) -> str:
+    return quote(part, safe="")
+
+
+class RedisStore:
+    """Handles in Redis with TTLs; every claim is atomic (GETDEL or a Lua script)."""
+
+    def __init__(self, client: aioredis.Redis, *, prefix: str = "kva",
+                 clock: Callable[[], float] = time.time) -> None:
+        self._r = client
+        self._prefix = prefix
+        self._clock = clock
+        self._put = client.register_script(_PUT)
+        self._claim_latest = client.register_script(_CLAIM_LATEST)
+        self._peek_latest = client.register_script(_PEEK_LATEST)
+
+    @classmethod
+    def from_url(cls, url: str, **kwargs: Any) -> RedisStore:
+        client = aioredis.Redis.from_url(url, decode_responses=False,
+                                         health_check_interval=30)
+        return cls(client, **kwargs)
+
+    # -------------------------------------------------------------- key layout
+
+    def _handle_prefix(self, tenant: str) -> str:
+        return f"{self._prefix}:{_q(tenant)}:h:"
+
+    def _handle_key(self, tenant: str, handle_id: str) -> str:
+        return self._handle_prefix(tenant) + handle_id
+
+    def _latest_key(self, tenant: str, session: str) -> str:
+        return f"{self._prefix}:{_q(tenant)}:l:{_q(session)}"
+
+    def _node_key(self, decode_node: str) -> str:
+        return f"{self._prefix}:node:{_q(decode_node)}"
+
+    # -------------------------------------------------------------- SessionStore
+
+    def _live(self, data: bytes | None) -> Handle | None:
+        """The handle, unless absent or expired by this replica's clock."""
+        if data is None:
+            return None
+        handle = unpack_handle(data)
+        return None if handle.expired(self._clock()) else handle
+
+    async def put(self, handle: Handle) -> None:
+        now = self._clock()
+        ttl_ms = int((handle.expires_at - now) * 1000)
+        if ttl_ms <= 0:
+            return
+        if "/" in handle.handle_id or ":" in handle.handle_id:
+            raise ValueError("handle ids must not contain ':' or '/'")
+        hkey = self._handle_key(handle.tenant, handle.handle_id)
+        await self._put(
+            keys=[hkey, self._latest_key(handle.tenant, handle.session),
+                  self._node_key(handle.decode_node)],
+            args=[pack_handle(handle), handle.handle_id, ttl_ms, repr(handle.expires_at),
+                  repr(now)])
+
+    async def claim(self, tenant: str, handle_id: str) -> Handle | None:
+        if not handle_id or ":" in handle_id or "/" in handle_id:
+            return None
+        return self._live(await self._r.getdel(self._handle_key(tenant, handle_id)))
+
+    async def claim_latest(self, tenant: str, session: str) -> Handle | None:
+        data = await self._claim_latest(keys=[self._latest_key(tenant, session)],
+                                        args=[self._handle_prefix(tenant)])
+        return self._live(data)
+
+    async def peek_latest(self, tenant: str, session: str) -> Handle | None:
+        data = await self._peek_latest(keys=[self._latest_key(tenant, session)],
+                                       args=[self._handle_prefix(tenant)])
+        return self._live(data)
+
+    async def drop_node(self, decode_node: str, *, keep_epoch: str | None = None) -> int:
+        nkey = self._node_key(decode_node)
+        members: list[bytes] = await self._r.zrange(nkey, 0, -1)
+        if not members:
+            return 0
+        values = await self._r.mget(members)
+        now = self._clock()
+        doomed: list[bytes] = []  # index entries to forget (gone, or being dropped)
+        dropped: list[bytes] = []  # live handles among them
+        for member, value in zip(members, values, strict=True):
+            if value is None:
+                doomed.append(member)
+                continue
+            meta = handle_meta(value)
+            if keep_epoch is not None and meta.get("decode_epoch") == keep_epoch:
+                continue
+            doomed.append(member)
+            if meta["expires_at"] > now:
+                dropped.append(member)
+        if doomed:
+            async with self._r.pipeline(transaction=True) as pipe:
+                pipe.delete(*doomed)
+                pipe.zrem(nkey, *doomed)
+                await pipe.execute()
+        return len(dropped)
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self._r.ping())
+        except (RedisError, OSError) as exc:
+            log.warning("redis ping failed: %s", exc)
+            return False
+
+    async def close(self) -> None:
+        await self._r.aclose()
+
+    # -------------------------------------------------------------- shared signing key
+
+    async def shared_key_ring(self) -> KeyRing:
+        """A signing key every replica agrees on: the first replica to start stores it."""
+        key = f"{self._prefix}:signing_key"
+        candidate = f"s{secrets.token_hex(4)}:{secrets.token_hex(32)}".encode()
+        await self._r.set(key, candidate, nx=True)
+        stored: bytes = await self._r.get(key)
+        kid, _, hex_key = stored.decode().partition(":")
+        return KeyRing({kid: bytes.fromhex(hex_key)}, kid)

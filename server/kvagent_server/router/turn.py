@@ -1,0 +1,248 @@
+"""One turn through the router: choose a plan, run the legs, mint the next token.
+
+The decisions come from the pure core (`planner`, `placement`); this module only wires
+them to the legs and the store, in the order DESIGN.md's flow gives.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from . import placement, planner
+from .legs import DecodeStart, LegError, Legs, PrefillResult, decode_body
+from .metrics import RouterMetrics
+from .nodes import NodeRegistry
+from .relay import Capture, Final
+from .settings import RouterSettings
+from .state import Handle, SessionStore, new_handle_id
+from .telemetry import leg_span
+from .tenancy import Tenant
+from .token import TokenCodec, TokenError, verify_binding
+from .tokenize import TokenizeError, tokenize
+
+log = logging.getLogger("kvagent.router.turn")
+
+#: D-leg params when P is skipped: D computes the delta itself (its prefix cache holds
+#: the session's blocks) and, being a P/D request, retains the result for the next turn.
+D_DIRECT_PARAMS: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False}
+
+
+@dataclass
+class Router:
+    """Everything a turn needs, built once by `create_app`."""
+
+    settings: RouterSettings
+    registry: NodeRegistry
+    legs: Legs
+    store: SessionStore
+    codec: TokenCodec
+    metrics: RouterMetrics
+    client: httpx.AsyncClient
+    costs: planner.CostModel = field(default_factory=planner.CostModel)
+
+
+@dataclass
+class TurnRequest:
+    endpoint: str  # "/v1/chat/completions" or "/v1/completions"
+    body: dict[str, Any]  # cleaned: no body session forms, tenant cache_salt set
+    tenant: Tenant
+    session: str | None
+    token: str | None
+    stream: bool
+    span: Any = None  # the turn's OpenTelemetry span (parent of the leg spans)
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint.endswith("chat/completions")
+
+
+@dataclass
+class Turn:
+    """A planned turn whose decode leg is open; `finalize` mints the next token."""
+
+    router: Router
+    req: TurnRequest
+    path: planner.Path
+    plan: planner.ReusePlan
+    prefill: PrefillResult | None
+    decode: DecodeStart
+    started: float
+    first_byte_at: float | None = None
+
+    async def finalize(self, capture: Capture) -> Final:
+        usage = capture.usage or {}
+        prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        if self.prefill is not None:
+            cached = self.prefill.cached_tokens
+            reused = min(self.plan.reuse_tokens, cached) if self.path == "pd_reuse" else 0
+            prompt_tokens = prompt_tokens or self.prefill.prompt_tokens
+        else:
+            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            reused = cached
+        self._account(prompt_tokens, cached, reused)
+        token, expires_in = await self._next_token(capture)
+        kvagent = {"cache_token": token, "reused_tokens": reused, "expires_in": expires_in,
+                   "path": self.path}
+        return Final(kvagent=kvagent, cached_tokens=cached)
+
+    def _account(self, prompt_tokens: int, cached: int, reused: int) -> None:
+        m = self.router.metrics
+        m.paths.labels(path=self.path).inc()
+        m.reused_tokens.inc(reused)
+        m.recomputed_tokens.inc(max(0, prompt_tokens - cached))
+        if reused:
+            m.reuse_hits.inc()
+        elif self.plan.reason not in ("no_handle", "reuse_disabled"):
+            m.miss(self.plan.reason.split(":")[0])
+        if self.first_byte_at is not None and prompt_tokens:
+            ttft = self.first_byte_at - self.started
+            try:
+                self.router.costs.observe(self.path, max(0, prompt_tokens - cached), ttft,
+                                          reused_tokens=reused)
+            except ValueError:
+                pass
+
+    async def _next_token(self, capture: Capture) -> tuple[str | None, int]:
+        r, req = self.router, self.req
+        s = r.settings
+        ttl = int(s.decode_blocks_ttl_s - s.token_safety_margin_s)
+        sequence = capture.sequence
+        if (req.session is None or capture.kv_params is None or not sequence or ttl <= 0
+                or not s.reuse):
+            return None, 0
+        node = self.decode.node
+        now = time.time()
+        handle = Handle(handle_id=new_handle_id(), tenant=req.tenant.name, session=req.session,
+                        decode_node=node.name, decode_epoch=node.epoch,
+                        kv_transfer_params=capture.kv_params, token_ids=sequence,
+                        block_size=s.block_size, created_at=now, expires_at=now + ttl)
+        if planner.retained_tokens(handle) is None:
+            log.warning("decode node %s returned unusable kv_transfer_params", node.name)
+            return None, 0
+        await r.store.put(handle)
+        token = r.codec.encode(tenant=req.tenant.name, session=req.session,
+                               handle=handle.handle_id, iat=int(now), exp=int(now) + ttl)
+        return token, ttl
+
+
+async def _claim(r: Router, req: TurnRequest) -> tuple[Handle | None, str | None]:
+    """The handle this turn may reuse, or why there is none (never raises)."""
+    if req.session is None or not r.settings.reuse:
+        return None, None
+    tenant = req.tenant.name
+    if req.token is None:
+        return await r.store.claim_latest(tenant, req.session), None
+    try:
+        claims = r.codec.decode(req.token, now=time.time())
+    except TokenError as exc:
+        return None, exc.reason
+    mismatch = verify_binding(claims, tenant, req.session)
+    if mismatch is not None:
+        return None, mismatch
+    handle = await r.store.claim(tenant, claims.handle)
+    return handle, None if handle is not None else "already_used"
+
+
+def _reusable_shape(body: dict[str, Any]) -> bool:
+    return (body.get("n") or 1) == 1 and (body.get("best_of") or 1) == 1
+
+
+async def plan_turn(r: Router, req: TurnRequest) -> Turn:
+    """Decide the path, run the P leg (if any) and open the D leg."""
+    started = time.perf_counter()
+    handle, rejected = await _claim(r, req) if _reusable_shape(req.body) else (None, None)
+    d_node = r.registry.get(handle.decode_node) if handle is not None else None
+    prefill_first = placement.pick_prefill(r.registry.states())
+    p_first = r.registry.get(prefill_first.node_id) if prefill_first else None
+
+    prompt_ids: list[int] = []
+    tokenize_failed = False
+    usable = (handle is not None and d_node is not None and d_node.healthy
+              and d_node.epoch == handle.decode_epoch and not handle.expired(time.time()))
+    if usable and p_first is not None:
+        try:
+            prompt_ids = await tokenize(r.client, p_first.url, req.body, chat=req.chat)
+        except TokenizeError as exc:
+            log.info("no reuse this turn: %s", exc)
+            tokenize_failed = True
+    if tokenize_failed:
+        plan = planner.ReusePlan(reuse_tokens=0, reason="tokenize_failed")
+    else:
+        plan = planner.plan_reuse(
+            prompt_ids, handle, threshold=r.settings.kv_recompute_threshold, now=time.time(),
+            tenant=req.tenant.name, session=req.session,
+            node_healthy=bool(d_node and d_node.healthy),
+            node_epoch=d_node.epoch if d_node else None, enabled=r.settings.reuse,
+            rejected=rejected)
+    d_choice, _ = placement.pick_decode(
+        r.registry.states(), affinity=handle.decode_node if handle else await _affinity(r, req))
+    d_first = r.registry.get(d_choice.node_id) if d_choice else None
+    path = planner.choose_path(
+        plan, len(prompt_ids), r.costs.snapshot(),
+        skip_prefill_max_tokens=r.settings.skip_prefill_max_tokens,
+        d_healthy=d_first is not None and d_first is d_node)
+
+    if path == "d_direct":
+        assert d_node is not None
+        try:
+            with leg_span(req.span, "decode") as span:
+                span.set_attribute("kvagent.node", d_node.name)
+                start = await r.legs.decode([d_node], req.endpoint,
+                                            decode_body(req.body, D_DIRECT_PARAMS), {},
+                                            stream=req.stream)
+            r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
+            return Turn(r, req, path, plan, None, start, started)
+        except LegError as exc:
+            if exc.status < 500:
+                raise
+            log.info("d_direct on %s failed; recomputing", d_node.name)
+            plan = planner.ReusePlan(reuse_tokens=0, reason="decode_failed")
+            path, d_first = "recompute", None
+
+    if path == "pd_reuse":
+        assert handle is not None
+        p_params = planner.reuse_transfer_params(handle, plan.reuse_tokens)
+    elif handle is not None and usable and d_node is not None and d_node.healthy:
+        p_params = planner.release_transfer_params(handle)  # frees D's blocks
+    else:
+        p_params = planner.fresh_transfer_params()
+    p_nodes = r.registry.ranked("prefill", p_first if p_first and p_first.healthy else None)
+    with leg_span(req.span, "prefill") as span:
+        prefill = await r.legs.prefill(p_nodes, req.endpoint, req.body, p_params, {})
+        span.set_attribute("kvagent.node", prefill.node.name)
+        span.set_attribute("kvagent.pull_failed", prefill.pull_failed)
+    r.metrics.leg_latency.labels(leg="prefill").observe(prefill.elapsed_s)
+    if prefill.node is not (p_nodes[0] if p_nodes else None):
+        r.metrics.retries.labels(leg="prefill").inc()
+    if prefill.pull_failed and path == "pd_reuse":
+        path, plan = "recompute", planner.ReusePlan(reuse_tokens=0, reason="pull_failed")
+    d_nodes = r.registry.ranked("decode", d_first if d_first and d_first.healthy else None)
+    try:
+        with leg_span(req.span, "decode") as span:
+            start = await r.legs.decode(d_nodes, req.endpoint, decode_body(req.body,
+                                        prefill.kv_params), {}, stream=req.stream)
+            span.set_attribute("kvagent.node", start.node.name)
+    except BaseException:
+        # Never leave P's blocks leased for a D leg that will not come (DESIGN.md hang).
+        everyone = r.registry.ranked("decode") + [
+            n for n in r.registry.role("decode") if not n.healthy]
+        ok = await r.legs.release_prefill(everyone, req.endpoint, req.body, prefill, {})
+        r.metrics.prefill_releases.labels(ok=str(ok).lower()).inc()
+        raise
+    r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
+    if d_nodes and start.node is not d_nodes[0]:
+        r.metrics.retries.labels(leg="decode").inc()
+    return Turn(r, req, path, plan, prefill, start, started)
+
+
+async def _affinity(r: Router, req: TurnRequest) -> str | None:
+    """Without a claimable handle, keep the session on the node it used last."""
+    if req.session is None:
+        return None
+    latest = await r.store.peek_latest(req.tenant.name, req.session)
+    return latest.decode_node if latest is not None else None

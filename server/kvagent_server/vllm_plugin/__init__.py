@@ -1,0 +1,71 @@
+"""kvagent's vLLM plugin (entry point `vllm.general_plugins` -> `register`).
+
+Inert unless `KVAGENT_PLUGIN=1` (the bundle sets it on the nodes it starts). When enabled it:
+
+- adds `kv_transfer_params` to the final chunk of streamed chat and text completions
+  (`stream_params`), as the non-streamed responses already carry them;
+- gives NIXL's UCX progress thread a poll timeout so an idle node sleeps (`nixl_delay`);
+- lets an engine that only holds KV blocks for a remote reader wait for input instead of
+  stepping every millisecond (`idle_wait`).
+
+vLLM calls `register()` in every process it starts; each patch is applied lazily when vLLM
+imports the module it patches, and applying it twice is a no-op.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from kvagent_server.vllm_plugin import env
+
+logger = logging.getLogger("kvagent.vllm_plugin")
+
+
+def enabled() -> bool:
+    """True when the bundle asked for the plugin on this node."""
+    return os.environ.get(env.PLUGIN_ENV, "") == "1"
+
+
+def _int_env(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError as exc:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from exc
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def register() -> None:
+    """vLLM general-plugin entry point."""
+    if not enabled():
+        return
+    import vllm
+
+    from kvagent_server.vllm_plugin import idle_wait, nixl_delay, stream_params, version
+    from kvagent_server.vllm_plugin.import_hooks import when_imported
+
+    try:
+        version.check(vllm.__version__)
+    except version.UnsupportedVLLMVersion as exc:
+        logger.error("%s", exc)
+        raise
+
+    os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
+    delay_us = _int_env(env.NIXL_DELAY_ENV, env.DEFAULT_NIXL_DELAY_US)
+    idle_ms = _int_env(env.IDLE_POLL_ENV, env.DEFAULT_IDLE_POLL_MS)
+    spin_ms = _int_env(env.SPIN_ENV, env.DEFAULT_SPIN_MS)
+
+    for name in stream_params.target_modules():
+        when_imported(name, stream_params.patch_module)
+    if delay_us > 0:
+        for name in nixl_delay.API_MODULES:
+            when_imported(name, lambda m: nixl_delay.patch_api_module(m, delay_us))
+    if idle_ms > 0:
+        when_imported(idle_wait.TARGET_MODULE, lambda m: idle_wait.patch_module(m, idle_ms))
+    if spin_ms > 0:
+        when_imported(idle_wait.SPIN_MODULE, lambda m: idle_wait.patch_spin_module(m, spin_ms))

@@ -1,0 +1,50 @@
+"""What every vLLM node of the bundle needs in its environment and command line.
+
+Pure functions: the bundle's renderer (`kvagent_server.render`) merges these into each node
+command it writes, and tests call them directly. Why each setting exists is in
+docs/engine.md ("The idle spin and the hang").
+"""
+
+from __future__ import annotations
+
+ROLES = ("prefill", "decode")
+
+#: Enables the plugin (`kvagent_server.vllm_plugin:register`); without it the plugin is inert.
+PLUGIN_ENV = "KVAGENT_PLUGIN"
+#: NIXL UCX progress-thread poll timeout in microseconds (NIXL's Python API hard-codes 0,
+#: i.e. a busy loop). NIXL rounds it up to whole milliseconds.
+NIXL_DELAY_ENV = "KVAGENT_NIXL_PTHR_DELAY_US"
+DEFAULT_NIXL_DELAY_US = 10_000
+#: How long (ms) an engine with no runnable request but with KV blocks held for a remote
+#: reader waits for new input before polling the connector again (vLLM: 1 ms).
+IDLE_POLL_ENV = "KVAGENT_IDLE_POLL_MS"
+DEFAULT_IDLE_POLL_MS = 500
+#: How long (ms) a worker busy-loops for the next message before sleeping (vLLM: 1000).
+SPIN_ENV = "KVAGENT_SPIN_MS"
+DEFAULT_SPIN_MS = 20
+
+
+def _check_role(role: str) -> None:
+    if role not in ROLES:
+        raise ValueError(f"unknown node role {role!r}; expected one of {', '.join(ROLES)}")
+
+
+def node_env(role: str) -> dict[str, str]:
+    """Extra environment variables for a `role` ("prefill" or "decode") vLLM node."""
+    _check_role(role)
+    return {
+        PLUGIN_ENV: "1",
+        NIXL_DELAY_ENV: str(DEFAULT_NIXL_DELAY_US),
+        IDLE_POLL_ENV: str(DEFAULT_IDLE_POLL_MS),
+        SPIN_ENV: str(DEFAULT_SPIN_MS),
+        # vLLM sets this itself only if NIXL is not imported yet; the plugin may import it
+        # earlier, so set it explicitly (works around a rare UCX registration-cache leak).
+        "UCX_RCACHE_MAX_UNRELEASED": "1024",
+    }
+    # UCX_TLS is platform-specific (CPU: "tcp,self,sm"), so the renderer sets it.
+
+
+def node_args(role: str) -> list[str]:
+    """Extra vLLM CLI arguments for a `role` node (none needed today)."""
+    _check_role(role)
+    return []

@@ -1,0 +1,90 @@
+"""Let an engine that merely holds KV blocks for a remote reader sleep between polls.
+
+A finished request whose blocks wait for a remote reader (P's blocks until D has read them,
+D's retained blocks until P reads them or the TTL ends) stays in the scheduler, so
+`Scheduler.has_requests()` is true and vLLM's engine loop steps every millisecond with an
+empty batch, only so the connector can notice the remote read or the expiry. Each step is a
+round trip to the worker, whose reader in `shm_broadcast.SpinCondition` busy-loops
+(`sched_yield`) for one second after every message: one core per such node, for up to the
+TTL after every turn.
+
+Two patches, both bounded and with no effect on a busy engine:
+
+- `EngineCore._process_engine_step`: after a step that executed nothing, if the scheduler
+  has no running or waiting request (only finished ones awaiting the connector), wait up to
+  `idle_poll_ms` for new input instead of 1 ms. New requests end the wait at once; block
+  frees and lease expiries are noticed up to `idle_poll_ms` later.
+- `SpinCondition.__init__`: readers busy-loop for at most `spin_ms` after a message (vLLM:
+  1 s) before sleeping in zmq poll, so the spacing above actually lets workers sleep.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+from types import ModuleType
+from typing import Any
+
+logger = logging.getLogger("kvagent.vllm_plugin")
+
+TARGET_MODULE = "vllm.v1.engine.core"
+SPIN_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
+
+
+def only_connector_work(scheduler: Any) -> bool:
+    """True if the scheduler's only work is finished requests awaiting KV-connector cleanup."""
+    return bool(scheduler.has_requests()) and not scheduler.has_unfinished_requests()
+
+
+def wait_for_input(q: queue.Queue[Any], timeout_s: float) -> None:
+    """Block until `q` has an item or `timeout_s` passed, without taking the item."""
+    with q.not_empty:
+        if not q._qsize():  # noqa: SLF001 (the Condition protects exactly this)
+            q.not_empty.wait(timeout_s)
+
+
+def patch_module(module: ModuleType, idle_poll_ms: int) -> bool:
+    """Patch `EngineCore._process_engine_step` in `vllm.v1.engine.core`."""
+    cls = module.EngineCore
+    original = cls._process_engine_step
+    if getattr(original, "__kvagent_wrapped__", False):
+        return False
+    timeout_s = idle_poll_ms / 1000.0
+
+    @functools.wraps(original)
+    def _process_engine_step(self: Any) -> bool:
+        executed = original(self)
+        if (
+            not executed
+            and not getattr(self, "batch_queue", None)
+            and isinstance(getattr(self, "input_queue", None), queue.Queue)
+            and only_connector_work(self.scheduler)
+        ):
+            wait_for_input(self.input_queue, timeout_s)
+        return executed
+
+    _process_engine_step.__kvagent_wrapped__ = True  # type: ignore[attr-defined]
+    cls._process_engine_step = _process_engine_step
+    logger.info("kvagent: engine idle poll set to %d ms while only KV leases are held",
+                idle_poll_ms)
+    return True
+
+
+def patch_spin_module(module: ModuleType, spin_ms: int) -> bool:
+    """Cap `SpinCondition`'s reader busy-loop window at `spin_ms`."""
+    cls = module.SpinCondition
+    original = cls.__init__
+    if getattr(original, "__kvagent_wrapped__", False):
+        return False
+    cap_s = spin_ms / 1000.0
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if getattr(self, "is_reader", False) and self.busy_loop_s > cap_s:
+            self.busy_loop_s = cap_s
+
+    __init__.__kvagent_wrapped__ = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__
+    return True

@@ -1,0 +1,61 @@
+"""The multi-turn benchmark's quick mode end to end, on real vLLM nodes and the real router.
+
+Checks structure and correctness only (every configuration ran, the JSON validates, the
+plot exists, kvagent reused KV on later turns, reuse-off configurations did not, greedy
+answers with reuse equal those without); never timings.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from benchmarks.multiturn.nodes import CONFIGS
+from benchmarks.multiturn.report import JSON_NAME, PLOT_NAME, SUMMARY_NAME
+from benchmarks.multiturn.results import BenchmarkReport
+from benchmarks.multiturn.run import main
+
+
+def _vllm_available() -> bool:
+    try:
+        return importlib.util.find_spec("vllm") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+pytestmark = [
+    pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600),
+    pytest.mark.skipif(not _vllm_available(),
+                       reason="vLLM is not installed (./dev test installs the CPU engine)"),
+]
+
+
+def test_quick_mode_runs_every_configuration(tmp_path) -> None:
+    out = tmp_path / "results"
+    rc = main(["--quick", "--out", str(out)])
+
+    rep = BenchmarkReport.model_validate_json((out / JSON_NAME).read_text())
+    failed = {c.name: (c.error, c.logs) for c in rep.configs if c.status != "ok"}
+    assert not failed, failed
+    assert rc == 0
+    assert [c.name for c in rep.configs] == list(CONFIGS)
+    assert (out / PLOT_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| kvagent | ok |" in (out / SUMMARY_NAME).read_text()
+
+    by = {c.name: c for c in rep.configs}
+    for c in rep.configs:
+        assert c.summary is not None and c.summary.errors == 0, (c.name, c.error)
+        assert c.summary.requests == 2 * 4
+        assert [t.turn for t in c.per_turn] == [0, 1, 2, 3]
+        assert all(r.prompt_tokens and r.ttft_s is not None for r in c.records)
+
+    kva = by["kvagent"].summary
+    assert kva.reuse_rate_later_turns is not None and kva.reuse_rate_later_turns > 0
+    assert kva.tokens.reused > 0
+    assert all(r.got_cache_token for r in by["kvagent"].records)
+    for name in ("pd_noreuse_pcache_off", "pd_noreuse_pcache_on"):
+        assert by[name].summary.tokens.reused == 0, name
+    # Greedy decoding: reusing KV must not change a single answer.
+    assert rep.reference_config == "pd_noreuse_pcache_off"
+    assert kva.answers_compared == 8 and kva.answers_matching_reference == 8

@@ -1,0 +1,139 @@
+"""The demo model builds deterministically, loads with transformers, renders tool calls."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("tokenizers")
+pytest.importorskip("safetensors")
+
+from kvagent_server import demo_model  # noqa: E402
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"},
+]
+
+
+def _digest(path: Path) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return demo_model.ensure_demo_model(tmp_path_factory.mktemp("a"))
+
+
+def test_build_is_deterministic(built: Path, tmp_path: Path) -> None:
+    again = demo_model.ensure_demo_model(tmp_path)
+    assert again == tmp_path / demo_model.DEMO_MODEL_VERSION
+    assert _digest(again) == _digest(built)
+
+
+def test_second_call_reuses_the_cache(built: Path) -> None:
+    before = (built / "model.safetensors").stat().st_mtime_ns
+    assert demo_model.ensure_demo_model(built.parent) == built
+    assert (built / "model.safetensors").stat().st_mtime_ns == before
+    assert not [p for p in built.parent.iterdir() if p.name.startswith(".")], "temp dir left"
+
+
+def test_env_overrides_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv(demo_model.CACHE_DIR_ENV, str(tmp_path))
+    assert demo_model.default_cache_dir() == tmp_path
+    monkeypatch.delenv(demo_model.CACHE_DIR_ENV)
+    assert demo_model.default_cache_dir() == Path.home() / ".cache" / "kvagent"
+
+
+def test_loads_with_transformers_and_fits_long_contexts(built: Path) -> None:
+    config = transformers.AutoConfig.from_pretrained(built)
+    assert config.model_type == "llama"
+    assert config.max_position_embeddings >= 16384
+    tok = transformers.AutoTokenizer.from_pretrained(built)
+    assert len(tok) == config.vocab_size
+    model = transformers.AutoModelForCausalLM.from_pretrained(built)
+    import torch
+
+    ids = torch.tensor([tok("hello world, call a tool", add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        a = model(ids).logits[0, -1].argmax().item()
+        b = model(ids).logits[0, -1].argmax().item()
+    assert a == b
+
+
+def test_special_tokens_are_single_tokens(built: Path) -> None:
+    tok = transformers.AutoTokenizer.from_pretrained(built)
+    for special in demo_model.SPECIAL_TOKENS:
+        assert len(tok(special, add_special_tokens=False)["input_ids"]) == 1, special
+    assert tok.eos_token == demo_model.EOS
+
+
+def test_template_renders_tools_calls_and_results(built: Path) -> None:
+    tok = transformers.AutoTokenizer.from_pretrained(built)
+    text = tok.apply_chat_template(MESSAGES, tools=TOOLS, tokenize=False,
+                                   add_generation_prompt=True)
+    assert text.startswith(demo_model.BOS + "<|im_start|>system\nYou are terse.")
+    assert '"name": "get_weather"' in text.split("<tools>\n")[1].split("</tools>")[0]
+    call = text.split("<tool_call>\n")[-1].split("\n</tool_call>")[0]
+    assert json.loads(call) == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    response = text.split("<tool_response>\n")[1].split("\n</tool_response>")[0]
+    assert json.loads(response) == {"tool_call_id": "call_1", "content": "sunny, 21C"}
+    assert text.endswith("<|im_start|>assistant\n")
+
+
+def test_template_accepts_dict_arguments(built: Path) -> None:
+    """vLLM may hand the template parsed (dict) arguments instead of a JSON string."""
+    tok = transformers.AutoTokenizer.from_pretrained(built)
+    msgs = json.loads(json.dumps(MESSAGES))
+    msgs[2]["tool_calls"][0]["function"]["arguments"] = {"city": "Paris"}
+    a = tok.apply_chat_template(MESSAGES, tools=TOOLS, tokenize=False)
+    b = tok.apply_chat_template(msgs, tools=TOOLS, tokenize=False)
+    assert a == b
+
+
+def test_template_is_a_prefix_across_turns(built: Path) -> None:
+    """Appending a turn never rewrites earlier text: the property KV reuse depends on."""
+    tok = transformers.AutoTokenizer.from_pretrained(built)
+    turn1 = tok.apply_chat_template(MESSAGES[:2], tools=TOOLS, tokenize=False,
+                                    add_generation_prompt=True)
+    turn2 = tok.apply_chat_template(MESSAGES, tools=TOOLS, tokenize=False,
+                                    add_generation_prompt=True)
+    assert turn2.startswith(turn1)
+
+
+def test_serve_args_name_the_parser() -> None:
+    args = demo_model.demo_serve_args()
+    assert args[args.index("--served-model-name") + 1] == demo_model.DEMO_MODEL_NAME
+    assert args[args.index("--tool-call-parser") + 1] == "hermes"
+    assert int(args[args.index("--max-model-len") + 1]) >= 8192
+    assert demo_model.demo_serve_env() == {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}

@@ -1,0 +1,612 @@
+"""Fake vLLM prefill (P) and decode (D) nodes: the router's test seam.
+
+Each fake is a starlette app that speaks the slice of vLLM's HTTP surface the router uses:
+`/v1/chat/completions`, `/v1/completions` (streamed like vLLM, with the usage chunk and,
+when `return_token_ids` is set, `prompt_token_ids` in the first chunk and per-choice
+`token_ids`), `/tokenize`, `/health`, `/v1/models` and `/metrics`.
+
+The nodes share a `FakeCluster` that plays NIXL: P's blocks leased for a D, D's retained
+blocks after a turn, with vLLM's exact `kv_transfer_params` field set. A pull checks that
+the pulled KV really belongs to the new prompt's tokens and records a `wrong_kv` event
+when it does not (vLLM #43094), so a router that skips prefix verification fails tests.
+
+Tokenizer: special tokens are single ids, other characters are `1000 + ord(ch)`; the chat
+template renders an assistant message exactly as generation produced it (content + EOS),
+so a conversation's next prompt extends the previous turn's tokens, as with a real model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+SPECIALS = {"<|user|>": 1, "<|assistant|>": 2, "<|system|>": 3, "<|tool|>": 4,
+            "<|end|>": 5, "<|tools|>": 6, "<|developer|>": 7}
+EOS = SPECIALS["<|end|>"]
+MAX_MODEL_LEN = 32768
+
+#: The exact key set vLLM's NixlConnector puts in `kv_transfer_params` (0.32).
+KV_PARAM_KEYS = ("do_remote_prefill", "do_remote_decode", "remote_engine_id",
+                 "remote_request_id", "remote_host", "remote_port", "remote_block_ids",
+                 "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
+                 "remote_blocks_expiry_time", "transfer_mode")
+
+
+def encode_text(text: str) -> list[int]:
+    return [1000 + ord(ch) for ch in text]
+
+
+def decode_ids(ids: list[int]) -> str:
+    rev = {v: k for k, v in SPECIALS.items()}
+    return "".join(rev.get(i, chr(i - 1000) if i >= 1000 else "?") for i in ids)
+
+
+def _content_text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+
+
+def tool_calls_text(tool_calls: list[dict[str, Any]]) -> str:
+    """How the fake template renders (and the fake model generates) tool calls."""
+    return json.dumps([{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                       for c in tool_calls], separators=(",", ":"))
+
+
+def render_chat(messages: list[dict[str, Any]], *, tools: list[Any] | None = None,
+                add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> list[int]:
+    """The fake chat template, straight to token ids."""
+    out: list[int] = []
+    if tools:
+        out += [SPECIALS["<|tools|>"], *encode_text(json.dumps(tools, sort_keys=True)), EOS]
+    for i, m in enumerate(messages):
+        role = m.get("role", "user")
+        out.append(SPECIALS.get(f"<|{role}|>", SPECIALS["<|user|>"]))
+        out += encode_text(_content_text(m.get("content")))
+        if m.get("tool_calls"):
+            out += encode_text(tool_calls_text(m["tool_calls"]))
+        if not (continue_final_message and i == len(messages) - 1):
+            out.append(EOS)
+    if add_generation_prompt and not continue_final_message:
+        out.append(SPECIALS["<|assistant|>"])
+    return out
+
+
+def render_prompt(prompt: Any) -> list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        return list(prompt)
+    if isinstance(prompt, list):
+        prompt = prompt[0] if prompt else ""
+    return encode_text(str(prompt))
+
+
+@dataclass
+class Reply:
+    """What the fake model answers: text, or tool calls."""
+
+    content: str = ""
+    tool_calls: list[dict[str, Any]] | None = None
+
+    def generated_ids(self) -> list[int]:
+        text = tool_calls_text(self.tool_calls) if self.tool_calls else self.content
+        return [*encode_text(text), EOS]
+
+
+def default_reply(prompt_ids: list[int]) -> Reply:
+    # Long enough that D holds well over `kv_recompute_threshold` tokens P has not seen.
+    return Reply(content=f"answer after {len(prompt_ids)} tokens: " + "lorem ipsum " * 12)
+
+
+@dataclass
+class Retained:
+    """KV blocks a node holds for someone else to pull (a P lease or D's retained turn)."""
+
+    engine_id: str
+    request_id: str
+    tokens: list[int]
+    num_tokens: int
+    expiry: float
+    consumed_by: str | None = None
+
+
+@dataclass
+class Event:
+    kind: str  # pull | decline | wrong_kv | failed_pull | abort | prefix_hit
+    node: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+class FakeCluster:
+    """Shared NIXL state of all fake nodes, and the knobs tests turn."""
+
+    def __init__(self, *, block_size: int = 16, recompute_threshold: int = 64,
+                 decode_ttl_s: float = 480.0, lease_s: float = 30.0,
+                 reply: Callable[[list[int]], Reply] = default_reply,
+                 kv_params_chunk: str = "usage", chunk_chars: int = 4,
+                 token_delay_s: float = 0.0, prefill_delay_s: float = 0.0) -> None:
+        self.block_size = block_size
+        self.recompute_threshold = recompute_threshold
+        self.decode_ttl_s = decode_ttl_s
+        self.lease_s = lease_s
+        self.reply = reply
+        self.kv_params_chunk = kv_params_chunk  # "usage" or "finish"
+        self.chunk_chars = chunk_chars
+        self.token_delay_s = token_delay_s
+        self.prefill_delay_s = prefill_delay_s
+        self.retained: dict[tuple[str, str], Retained] = {}
+        self.events: list[Event] = []
+        self._ids = itertools.count(1)
+
+    def next_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def open_leases(self) -> list[Retained]:
+        """P blocks leased for a D that never came (the DESIGN.md hang's trigger)."""
+        return [r for r in self.retained.values()
+                if r.engine_id.startswith("engine-p") and r.consumed_by is None]
+
+    def events_of(self, kind: str) -> list[Event]:
+        return [e for e in self.events if e.kind == kind]
+
+    def pull(self, puller: str, params: dict[str, Any], prompt: list[int],
+             *, locally_cached: int = 0) -> int:
+        """Emulate NIXL's read of remote blocks; returns the tokens pulled (0: declined)."""
+        key = (params.get("remote_engine_id", ""), params.get("remote_request_id", ""))
+        held = self.retained.get(key)
+        if held is None or held.consumed_by is not None or held.expiry < time.monotonic():
+            self.events.append(Event("failed_pull", puller, {"key": key}))
+            return -1
+        count = min(int(params.get("remote_num_tokens") or 0), len(prompt)) - locally_cached
+        blocks = params.get("remote_block_ids") or [[]]
+        held.consumed_by = puller  # a read, or a decline, frees the holder's blocks
+        n = min(int(params.get("remote_num_tokens") or 0), len(prompt))
+        if n > len(blocks[0]) * self.block_size and n != len(prompt):
+            self.events.append(Event("wrong_kv", puller, {"reason": "too few blocks"}))
+        if count < self.recompute_threshold and puller.startswith("engine-p"):
+            self.events.append(Event("decline", puller, {"count": count}))
+            return 0
+        if held.tokens[:n] != prompt[:n]:
+            self.events.append(Event("wrong_kv", puller, {"n": n}))
+        self.events.append(Event("pull", puller, {"tokens": n, "from": key[0]}))
+        return max(n, 0)
+
+
+class FakeNode:
+    """One fake vLLM node. `role` is "prefill" or "decode" (both serve every route)."""
+
+    def __init__(self, cluster: FakeCluster, role: str, index: int = 0, *,
+                 model: str = "fake-model") -> None:
+        self.cluster = cluster
+        self.role = role
+        self.model = model
+        self.engine_id = f"engine-{role[0]}{index}-7f3a9c"
+        self.side_host = f"10.66.{index}.{17 if role == 'prefill' else 23}"
+        self.side_port = 5600 + index + (0 if role == "prefill" else 50)
+        self._internal = [self.engine_id, self.side_host, str(self.side_port)]
+        self.healthy = True
+        #: Fail the next N completion requests with this status before any byte.
+        self.fail_next: list[int] = []
+        #: Cut the stream (connection drop) after this many data chunks.
+        self.cut_after_chunks: int | None = None
+        self.requests: list[dict[str, Any]] = []
+        self.tokenize_requests: list[dict[str, Any]] = []
+        self.aborted: list[str] = []
+        self.in_flight = 0
+        self.start_time = time.time()
+        self.sequences: list[list[int]] = []  # local prefix cache
+        self.app = Starlette(routes=[
+            Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/v1/completions", self._completions, methods=["POST"]),
+            Route("/tokenize", self._tokenize, methods=["POST"]),
+            Route("/health", self._health),
+            Route("/v1/models", self._models),
+            Route("/metrics", self._metrics),
+        ])
+
+    def restart(self) -> None:
+        """Lose every block this node held (a process restart)."""
+        self.start_time += 1
+        self.sequences.clear()
+        for key in [k for k in self.cluster.retained if k[0] == self.engine_id]:
+            del self.cluster.retained[key]
+
+    @property
+    def internal_strings(self) -> list[str]:
+        """What must never reach a client (the stack adds the node's HTTP port)."""
+        return self._internal
+
+    # ------------------------------------------------------------------ routes
+
+    async def _health(self, request: Request) -> Response:
+        return Response(status_code=200 if self.healthy else 503)
+
+    async def _models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm",
+             "max_model_len": MAX_MODEL_LEN}]})
+
+    async def _metrics(self, request: Request) -> Response:
+        running = self.in_flight
+        return PlainTextResponse(
+            f"process_start_time_seconds {self.start_time}\n"
+            f'vllm:num_requests_running{{model_name="{self.model}"}} {running}\n'
+            f'vllm:num_requests_waiting{{model_name="{self.model}"}} 0\n')
+
+    async def _tokenize(self, request: Request) -> Response:
+        body = await request.json()
+        self.tokenize_requests.append(body)
+        if not self.healthy:
+            return JSONResponse({"error": {"message": "down"}}, status_code=503)
+        if "messages" in body:
+            ids = render_chat(body["messages"], tools=body.get("tools"),
+                              add_generation_prompt=body.get("add_generation_prompt", True),
+                              continue_final_message=body.get("continue_final_message", False))
+        else:
+            ids = render_prompt(body.get("prompt", ""))
+        return JSONResponse({"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids})
+
+    async def _chat(self, request: Request) -> Response:
+        body = await request.json()
+        prompt = render_chat(body.get("messages", []), tools=body.get("tools"),
+                             add_generation_prompt=body.get("add_generation_prompt", True),
+                             continue_final_message=body.get("continue_final_message", False))
+        return await self._generate(request, body, prompt, chat=True)
+
+    async def _completions(self, request: Request) -> Response:
+        body = await request.json()
+        return await self._generate(request, body, render_prompt(body.get("prompt")), chat=False)
+
+    # ------------------------------------------------------------------ engine
+
+    def _error(self, status: int, message: str) -> Response:
+        return JSONResponse({"error": {"message": message, "type": "BadRequestError",
+                                       "code": status}}, status_code=status)
+
+    def _local_prefix_hit(self, prompt: list[int]) -> int:
+        bs = self.cluster.block_size
+        best = 0
+        for seq in self.sequences:
+            n = 0
+            for a, b in zip(seq, prompt, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n // bs * bs)
+        return min(best, (len(prompt) - 1) // bs * bs)
+
+    def _kv_params(self, request_id: str, num_tokens: int, *, is_p: bool,
+                   expiry: float | None) -> dict[str, Any]:
+        nblocks = -(-num_tokens // self.cluster.block_size)
+        base = 3000 if is_p else 7000
+        return {
+            "do_remote_prefill": is_p, "do_remote_decode": not is_p,
+            "remote_engine_id": self.engine_id, "remote_request_id": request_id,
+            "remote_host": self.side_host, "remote_port": self.side_port,
+            "remote_block_ids": [list(range(base, base + nblocks))],
+            "tp_size": 1, "dcp_size": 1, "pp_size": 1, "remote_num_tokens": num_tokens,
+            "remote_blocks_expiry_time": expiry, "transfer_mode": "pull",
+        }
+
+    async def _generate(self, request: Request, body: dict[str, Any], prompt: list[int],
+                        *, chat: bool) -> Response:
+        self.requests.append(body)
+        if not self.healthy:
+            return self._error(503, "node unhealthy")
+        if self.fail_next:
+            return self._error(self.fail_next.pop(0), "injected failure")
+        if body.get("cache_salt") is not None and not body["cache_salt"]:
+            return self._error(400, "Parameter 'cache_salt' must be a non-empty string")
+        header_id = request.headers.get("x-request-id")
+        request_id = header_id or self.cluster.next_id("req")
+        params = body.get("kv_transfer_params") or None
+        cached = self._local_prefix_hit(prompt)
+        if params and params.get("do_remote_decode"):
+            if self.cluster.prefill_delay_s and await _disconnected_within(
+                    request, self.cluster.prefill_delay_s):
+                self.aborted.append(request_id)  # vLLM aborts a request whose client left
+                return Response(status_code=499)
+            return await self._prefill_leg(body, prompt, params, cached, request_id, chat)
+        if params and params.get("do_remote_prefill"):
+            got = self.cluster.pull(self.engine_id, params, prompt)
+            if got < 0:
+                return self._error(500, "KV transfer failed (kv_load_failure_policy=fail)")
+            cached = max(cached, got)
+        elif cached:
+            self.cluster.events.append(Event("prefix_hit", self.engine_id, {"tokens": cached}))
+        return await self._decode_leg(body, prompt, params, cached, request_id, chat)
+
+    async def _prefill_leg(self, body: dict[str, Any], prompt: list[int],
+                           params: dict[str, Any], cached: int, request_id: str,
+                           chat: bool) -> Response:
+        if body.get("stream"):
+            return self._error(400, "fake P expects stream=false")
+        if params.get("remote_block_ids"):
+            got = self.cluster.pull(self.engine_id, params, prompt, locally_cached=cached)
+            if got < 0:
+                return self._error(500, "KV transfer failed (kv_load_failure_policy=fail)")
+            cached = max(cached, got)
+        lease_id = self.cluster.next_id("p")
+        self.cluster.retained[(self.engine_id, lease_id)] = Retained(
+            self.engine_id, lease_id, list(prompt), len(prompt),
+            time.monotonic() + self.cluster.lease_s)
+        self.sequences.append(list(prompt))
+        kv = self._kv_params(lease_id, len(prompt), is_p=True, expiry=None)
+        first = self.cluster.reply(prompt).generated_ids()[:1]
+        text = decode_ids(first)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "stop_reason": None,
+                                  "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
+        else:
+            choice["text"] = text
+        if body.get("return_token_ids"):
+            choice["token_ids"] = first
+        out = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{request_id}",
+               "object": "chat.completion" if chat else "text_completion",
+               "created": int(time.time()), "model": self.model, "choices": [choice],
+               "usage": _usage(len(prompt), 1, cached), "kv_transfer_params": kv}
+        if body.get("return_token_ids"):
+            if chat:
+                out["prompt_token_ids"] = prompt
+            else:
+                choice["prompt_token_ids"] = prompt
+        return JSONResponse(out)
+
+    def _retain(self, prompt: list[int], generated: list[int],
+                params: dict[str, Any] | None) -> dict[str, Any] | None:
+        seq = prompt + generated
+        self.sequences.append(seq)
+        if params is None:  # a plain (non-P/D) request: nothing retained, no params
+            return None
+        rid = self.cluster.next_id("d")
+        expiry = time.monotonic() + self.cluster.decode_ttl_s
+        self.cluster.retained[(self.engine_id, rid)] = Retained(
+            self.engine_id, rid, seq, len(seq) - 1, expiry)
+        return self._kv_params(rid, len(seq) - 1, is_p=False, expiry=expiry)
+
+    async def _decode_leg(self, body: dict[str, Any], prompt: list[int],
+                          params: dict[str, Any] | None, cached: int, request_id: str,
+                          chat: bool) -> Response:
+        reply = self.cluster.reply(prompt)
+        generated = reply.generated_ids()
+        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+        if max_tokens is not None:
+            generated = generated[: int(max_tokens)]
+        finish = "tool_calls" if reply.tool_calls else "stop"
+        if max_tokens is not None and len(generated) < len(reply.generated_ids()):
+            finish = "length"
+        want_ids = bool(body.get("return_token_ids"))
+        want_lp = bool(body.get("logprobs"))
+        oid = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
+        if not body.get("stream"):
+            kv = self._retain(prompt, generated, params)
+            out = _full_response(oid, self.model, chat, reply, generated, finish, want_lp)
+            out["usage"] = _usage(len(prompt), len(generated), cached)
+            if want_ids:
+                if chat:
+                    out["prompt_token_ids"] = prompt
+                else:
+                    out["choices"][0]["prompt_token_ids"] = prompt
+                out["choices"][0]["token_ids"] = generated
+            out["kv_transfer_params"] = kv
+            return JSONResponse(out)
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return StreamingResponse(
+            self._stream(oid, chat, reply, prompt, generated, finish, cached, params,
+                         want_ids, want_lp, include_usage),
+            media_type="text/event-stream")
+
+    async def _stream(self, oid: str, chat: bool, reply: Reply, prompt: list[int],
+                      generated: list[int], finish: str, cached: int,
+                      params: dict[str, Any] | None, want_ids: bool, want_lp: bool,
+                      include_usage: bool) -> AsyncIterator[bytes]:
+        self.in_flight += 1
+        sent = 0
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+            nonlocal sent
+            sent += 1
+            data = {"id": oid, "object": obj, "created": created, "model": self.model,
+                    "choices": choices, **extra}
+            return f"data: {json.dumps(data)}\n\n".encode()
+
+        try:
+            if chat:
+                yield chunk([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}],
+                            **({"prompt_token_ids": prompt} if want_ids else {}))
+            body_ids = generated[:-1] if generated and generated[-1] == EOS else generated
+            pieces = [body_ids[i:i + self.cluster.chunk_chars]
+                      for i in range(0, len(body_ids), self.cluster.chunk_chars)]
+            if reply.tool_calls and chat:
+                pieces = []
+                for k, call in enumerate(reply.tool_calls):
+                    delta = {"tool_calls": [{"index": k, "id": call["id"], "type": "function",
+                                             "function": {"name": call["function"]["name"],
+                                                          "arguments": call["function"][
+                                                              "arguments"]}}]}
+                    yield chunk([{"index": 0, "delta": delta, "logprobs": None,
+                                  "finish_reason": None}])
+            for j, piece in enumerate(pieces):
+                if self.cut_after_chunks is not None and sent >= self.cut_after_chunks:
+                    raise ConnectionResetError("injected cut")
+                if self.cluster.token_delay_s:
+                    await asyncio.sleep(self.cluster.token_delay_s)
+                text = decode_ids(piece)
+                c: dict[str, Any] = {"index": 0, "logprobs": _logprobs(piece, chat)
+                                     if want_lp else None, "finish_reason": None}
+                if chat:
+                    c["delta"] = {"content": text}
+                else:
+                    c["text"] = text
+                    if j == 0 and want_ids:
+                        c["prompt_token_ids"] = prompt
+                if want_ids:
+                    c["token_ids"] = piece
+                yield chunk([c])
+            kv = self._retain(prompt, generated, params)
+            tail = generated[len(body_ids):]
+            last: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish,
+                                    "stop_reason": None}
+            if chat:
+                last["delta"] = {}
+            else:
+                last["text"] = ""
+            if want_ids:
+                last["token_ids"] = tail
+            extra_last: dict[str, Any] = {}
+            if self.cluster.kv_params_chunk == "finish" or not include_usage:
+                extra_last["kv_transfer_params"] = kv
+            yield chunk([last], **extra_last)
+            if include_usage:
+                extra: dict[str, Any] = {"usage": _usage(len(prompt), len(generated), cached)}
+                if self.cluster.kv_params_chunk == "usage":
+                    extra["kv_transfer_params"] = kv
+                yield chunk([], **extra)
+            yield b"data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            self.aborted.append(oid)
+            raise
+        finally:
+            self.in_flight -= 1
+
+
+async def _disconnected_within(request: Request, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if await request.is_disconnected():
+            return True
+        await asyncio.sleep(0.01)
+    return False
+
+
+def _usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _logprobs(ids: list[int], chat: bool) -> dict[str, Any]:
+    toks = [decode_ids([i]) for i in ids]
+    if chat:
+        return {"content": [{"token": t, "logprob": -0.25, "bytes": list(t.encode()),
+                             "top_logprobs": []} for t in toks]}
+    return {"tokens": toks, "token_logprobs": [-0.25] * len(toks),
+            "top_logprobs": None, "text_offset": list(range(len(toks)))}
+
+
+def _full_response(oid: str, model: str, chat: bool, reply: Reply, generated: list[int],
+                   finish: str, want_lp: bool) -> dict[str, Any]:
+    body_ids = generated[:-1] if generated and generated[-1] == EOS else generated
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "stop_reason": None,
+                              "logprobs": _logprobs(body_ids, chat) if want_lp else None}
+    if chat:
+        choice["message"] = {"role": "assistant", "reasoning": None,
+                             "content": None if reply.tool_calls else decode_ids(body_ids),
+                             "tool_calls": reply.tool_calls or []}
+    else:
+        choice["text"] = decode_ids(body_ids)
+    return {"id": oid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+# ---------------------------------------------------------------------- serving
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.asynccontextmanager
+async def serve(app: Any) -> AsyncIterator[str]:
+    """Serve an ASGI app with uvicorn on a free 127.0.0.1 port; yields its base URL."""
+    import uvicorn
+
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                            lifespan="on", timeout_graceful_shutdown=1)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.005)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(task, 5)
+
+
+# ---------------------------------------------------------------------- a whole stack
+
+
+@dataclass
+class Stack:
+    """Fake P and D nodes plus the router in front, all on 127.0.0.1."""
+
+    cluster: FakeCluster
+    prefill: list[FakeNode]
+    decode: list[FakeNode]
+    url: str
+    app: Any
+    client: Any  # httpx.AsyncClient with base_url=url
+
+    @property
+    def nodes(self) -> list[FakeNode]:
+        return [*self.prefill, *self.decode]
+
+    @property
+    def router(self) -> Any:
+        return self.app.state.router
+
+    def internal_strings(self) -> list[str]:
+        return [s for n in self.nodes for s in n.internal_strings]
+
+
+@contextlib.asynccontextmanager
+async def router_stack(*, n_prefill: int = 1, n_decode: int = 1, settings: Any = None,
+                       cluster: FakeCluster | None = None,
+                       **settings_kw: Any) -> AsyncIterator[Stack]:
+    """Start fake nodes and a router (uvicorn, real sockets) for one test."""
+    import httpx
+    from kvagent_server.router.app import create_app
+    from kvagent_server.router.settings import RouterSettings
+
+    cluster = cluster or FakeCluster()
+    prefill = [FakeNode(cluster, "prefill", i) for i in range(n_prefill)]
+    decode = [FakeNode(cluster, "decode", i) for i in range(n_decode)]
+    if settings is None:
+        settings_kw.setdefault("health_interval_s", 0.2)
+        settings_kw.setdefault("block_size", cluster.block_size)
+        settings_kw.setdefault("kv_recompute_threshold", cluster.recompute_threshold)
+        settings = RouterSettings(**settings_kw)
+    async with contextlib.AsyncExitStack() as stack:
+        p_urls = [await stack.enter_async_context(serve(n.app)) for n in prefill]
+        d_urls = [await stack.enter_async_context(serve(n.app)) for n in decode]
+        for node, url in zip([*prefill, *decode], [*p_urls, *d_urls], strict=True):
+            node.internal_strings.append(url.rsplit(":", 1)[1])  # the node's HTTP port
+        app = create_app(settings, p_urls, d_urls, model="fake-model")
+        url = await stack.enter_async_context(serve(app))
+        client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
+        yield Stack(cluster, prefill, decode, url, app, client)

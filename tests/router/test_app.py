@@ -1,0 +1,547 @@
+"""The router against fake P/D nodes: the turn flow, reuse, tokens and degradation.
+
+Every test runs real HTTP (uvicorn on 127.0.0.1) between client, router and fake nodes,
+and every response byte the client receives is scanned for internal fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from typing import Any
+
+import httpx
+import pytest
+
+from fakes import FakeCluster, Reply, Stack, router_stack
+
+MODEL = "fake-model"
+LONG = "Please summarise the following text carefully. " * 6
+
+
+def chat_body(messages: list[dict[str, Any]], *, stream: bool = True, **extra: Any) -> dict:
+    body: dict[str, Any] = {"model": MODEL, "messages": messages, "stream": stream, **extra}
+    if stream:
+        body.setdefault("stream_options", {"include_usage": True})
+    return body
+
+
+def assert_clean(stack: Stack, raw: bytes | str) -> None:
+    """No internal field, host, port, engine id or block id reaches the client."""
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    for needle in ("kv_transfer_params", "remote_", "do_remote", "prompt_token_ids",
+                   "token_ids", "engine-", "transfer_mode", "cache_salt"):
+        assert needle not in text, needle
+    for secret in stack.internal_strings():
+        assert not re.search(rf"(?<![0-9A-Za-z]){re.escape(secret)}(?![0-9A-Za-z])", text), secret
+
+
+def events(text: str) -> list[Any]:
+    out: list[Any] = []
+    for line in text.splitlines():
+        if line.startswith("data: "):
+            out.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+    return out
+
+
+def content_of(evs: list[Any]) -> str:
+    return "".join((e["choices"][0].get("delta") or {}).get("content") or ""
+                   for e in evs if isinstance(e, dict) and e.get("choices"))
+
+
+async def turn(stack: Stack, messages: list[dict[str, Any]], *, session: str | None = "s1",
+               token: str | None = None, headers: dict[str, str] | None = None,
+               **extra: Any) -> tuple[dict[str, Any], str, list[Any]]:
+    """One streamed turn; returns (kvagent object, assistant text, events)."""
+    h = dict(headers or {})
+    if session is not None:
+        h["X-Session-ID"] = session
+    if token is not None:
+        h["X-KVAgent-Cache-Token"] = token
+    r = await stack.client.post("/v1/chat/completions", json=chat_body(messages, **extra),
+                                headers=h)
+    assert r.status_code == 200, r.text
+    assert_clean(stack, r.content)
+    evs = events(r.text)
+    assert evs[-1] == "[DONE]"
+    return evs[-2]["kvagent"], content_of(evs), evs
+
+
+def no_wrong_kv(stack: Stack) -> None:
+    assert not stack.cluster.events_of("wrong_kv"), stack.cluster.events
+    assert not stack.cluster.open_leases(), "a P leg was left orphaned"
+
+
+FIRST = [{"role": "user", "content": LONG}]
+
+
+def second(answer: str, text: str = "Now shorter, and in French please.") -> list[dict]:
+    return [*FIRST, {"role": "assistant", "content": answer}, {"role": "user", "content": text}]
+
+
+# --------------------------------------------------------------------------- the flow
+
+
+async def test_fresh_then_reuse_pd() -> None:
+    async with router_stack(skip_prefill_max_tokens=0) as st:
+        kva, answer, evs = await turn(st, FIRST)
+        assert kva["path"] == "pd_fresh" and kva["reused_tokens"] == 0
+        assert kva["cache_token"].startswith("kva1.") and 0 < kva["expires_in"] <= 480
+        p, d = st.prefill[0], st.decode[0]
+        p_body, d_body = p.requests[-1], d.requests[-1]
+        assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+        assert p_body["kv_transfer_params"] == {"do_remote_decode": True,
+                                                "do_remote_prefill": False}
+        assert "stream_options" not in p_body
+        assert d_body["kv_transfer_params"]["remote_engine_id"] == p.engine_id
+        assert d_body["kv_transfer_params"]["do_remote_prefill"] is True
+        assert d_body["stream"] is True and d_body["return_token_ids"] is True
+        assert p_body["cache_salt"] == d_body["cache_salt"]
+        assert evs[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+        kva2, _, evs2 = await turn(st, second(answer), token=kva["cache_token"])
+        assert kva2["path"] == "pd_reuse"
+        params = p.requests[-1]["kv_transfer_params"]
+        assert params["remote_engine_id"] == d.engine_id  # P pulls from D
+        assert params["do_remote_decode"] is True and params["do_remote_prefill"] is False
+        n = params["remote_num_tokens"]
+        assert n == kva2["reused_tokens"] and n % st.cluster.block_size == 0 and n > 0
+        assert len(params["remote_block_ids"][0]) == n // st.cluster.block_size
+        assert evs2[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] >= n
+        p_pulls = [e for e in st.cluster.events_of("pull") if e.node == p.engine_id]
+        assert [e.detail["from"] for e in p_pulls] == [d.engine_id]
+        assert p_pulls[0].detail["tokens"] == n
+        assert kva2["cache_token"] != kva["cache_token"]
+        no_wrong_kv(st)
+
+
+async def test_token_round_trip_over_many_turns() -> None:
+    async with router_stack(skip_prefill_max_tokens=0) as st:
+        messages = list(FIRST)
+        token = None
+        reused = []
+        for i in range(4):
+            kva, answer, _ = await turn(st, messages, token=token)
+            reused.append(kva["reused_tokens"])
+            token = kva["cache_token"]
+            messages += [{"role": "assistant", "content": answer},
+                         {"role": "user", "content": f"follow-up number {i} " * 3}]
+        assert reused[0] == 0 and all(r > 0 for r in reused[1:])
+        assert reused == sorted(reused)  # the reused prefix grows with the conversation
+        no_wrong_kv(st)
+
+
+async def test_session_without_token_reuses_latest_handle() -> None:
+    async with router_stack(skip_prefill_max_tokens=0) as st:
+        _, answer, _ = await turn(st, FIRST)
+        kva, _, _ = await turn(st, second(answer))
+        assert kva["path"] == "pd_reuse" and kva["reused_tokens"] > 0
+        no_wrong_kv(st)
+
+
+async def test_no_session_no_token() -> None:
+    async with router_stack() as st:
+        kva, _, _ = await turn(st, FIRST, session=None)
+        assert kva["path"] == "pd_fresh" and kva["cache_token"] is None
+
+
+async def test_edited_history_reuses_only_verified_prefix() -> None:
+    async with router_stack(skip_prefill_max_tokens=0) as st:
+        kva, answer, _ = await turn(st, FIRST)
+        edited = second(answer[:-3] + "XYZ")  # the client rewrote the assistant's answer
+        kva2, _, _ = await turn(st, edited, token=kva["cache_token"])
+        assert kva2["path"] == "pd_reuse"
+        # the reuse stops before the edit: at most the first message's whole blocks
+        first_len = len(FIRST[0]["content"]) + 2
+        assert 0 < kva2["reused_tokens"] <= first_len + len(answer)
+        no_wrong_kv(st)
+
+        kva3, _, _ = await turn(st, [{"role": "user", "content": "entirely new"}],
+                                token=kva2["cache_token"])
+        assert kva3["path"] == "recompute" and kva3["reused_tokens"] == 0
+        assert kva3["cache_token"]
+        no_wrong_kv(st)
+
+
+async def test_d_direct_when_delta_small() -> None:
+    async with router_stack(skip_prefill_max_tokens=64) as st:
+        kva, answer, _ = await turn(st, FIRST)
+        p_calls = len(st.prefill[0].requests)
+        kva2, _, evs = await turn(st, second(answer, "ok"), token=kva["cache_token"])
+        assert kva2["path"] == "d_direct" and kva2["reused_tokens"] > 0
+        assert len(st.prefill[0].requests) == p_calls  # P skipped
+        assert st.decode[0].requests[-1]["kv_transfer_params"] == {
+            "do_remote_prefill": False, "do_remote_decode": False}
+        assert evs[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == kva2[
+            "reused_tokens"]
+        kva3, _, _ = await turn(st, second(answer, "ok") + [
+            {"role": "assistant", "content": "x"}, {"role": "user", "content": LONG * 2}],
+            token=kva2["cache_token"])
+        assert kva3["path"] == "pd_reuse"  # a long delta goes through P again
+        no_wrong_kv(st)
+
+
+# --------------------------------------------------------------------------- tokens
+
+
+async def test_bad_tokens_recompute_with_fresh_token() -> None:
+    async with router_stack(skip_prefill_max_tokens=0) as st:
+        kva, answer, _ = await turn(st, FIRST)
+        good = kva["cache_token"]
+        head, payload, mac = good.split(".")
+        tampered = f"{head}.{payload}.{mac[:-2]}{'AA' if mac[-2:] != 'AA' else 'BB'}"
+        codec = st.router.codec
+        now = int(time.time())
+        expired = codec.encode(tenant="default", session="s1", handle="whatever",
+                               iat=now - 1000, exp=now - 10)
+        for bad in (tampered, expired, "garbage", "kva1." + "A" * 3000):
+            kva_bad, _, _ = await turn(st, second(answer), token=bad)
+            assert kva_bad["path"] == "recompute" and kva_bad["reused_tokens"] == 0
+            assert kva_bad["cache_token"] and kva_bad["cache_token"] != bad
+        # a token for another session of the same tenant
+        kva_other, _, _ = await turn(st, second(answer), session="s2", token=good)
+        assert kva_other["path"] == "recompute"
+        no_wrong_kv(st)
+
+
+async def test_replayed_token_recomputes() -> None:
+    async with router_stack(skip_prefill_max_tokens=0) as st:
+        kva, answer, _ = await turn(st, FIRST)
+        ok, _, _ = await turn(st, second(answer), token=kva["cache_token"])
+        replay, _, _ = await turn(st, second(answer), token=kva["cache_token"])
+        assert ok["path"] == "pd_reuse" and replay["path"] == "recompute"
+        no_wrong_kv(st)
+
+
+async def test_racing_requests_on_one_handle_reuse_once() -> None:
+    async with router_stack(skip_prefill_max_tokens=0) as st:
+        kva, answer, _ = await turn(st, FIRST)
+        results = await asyncio.gather(*(turn(st, second(answer), token=kva["cache_token"])
+                                         for _ in range(4)))
+        paths = sorted(k["path"] for k, _, _ in results)
+        assert paths == ["pd_reuse", "recompute", "recompute", "recompute"]
+        p_pulls = [e for e in st.cluster.events_of("pull") if e.node.startswith("engine-p")]
+        assert len(p_pulls) == 1  # one P pull from D: the handle was used once
+        no_wrong_kv(st)
+
+
+async def test_other_tenant_token_recomputes() -> None:
+    tenants = [{"name": "acme", "api_keys": ["key-acme"], "max_concurrent_streams": 8},
+               {"name": "globex", "api_keys": ["key-globex"]}]
+    async with router_stack(skip_prefill_max_tokens=0, tenants=tenants) as st:
+        acme = {"Authorization": "Bearer key-acme"}
+        globex = {"Authorization": "Bearer key-globex"}
+        kva, answer, _ = await turn(st, FIRST, headers=acme)
+        stolen, _, _ = await turn(st, second(answer), token=kva["cache_token"], headers=globex)
+        assert stolen["path"] == "recompute"
+        # the rightful owner can still use it: the stolen attempt claimed nothing
+        own, _, _ = await turn(st, second(answer), token=kva["cache_token"], headers=acme)
+        assert own["path"] == "pd_reuse"
+        salts = {r["cache_salt"] for r in st.prefill[0].requests}
+        assert len(salts) == 2  # one per tenant, always set by the router
+        r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST))
+        assert r.status_code == 401 and r.json()["error"]["code"] == "missing_api_key"
+        r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST),
+                                 headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401 and "nope" not in r.text
+        no_wrong_kv(st)
+
+
+async def test_tenant_concurrency_limit() -> None:
+    tenants = [{"name": "solo", "api_keys": ["k"], "max_concurrent_streams": 1}]
+    cluster = FakeCluster(token_delay_s=0.05)
+    async with router_stack(tenants=tenants, cluster=cluster) as st:
+        h = {"Authorization": "Bearer k"}
+        async with st.client.stream("POST", "/v1/chat/completions", json=chat_body(FIRST),
+                                    headers=h) as first:
+            assert first.status_code == 200
+            r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST), headers=h)
+            assert r.status_code == 429
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            await first.aread()
+        r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST), headers=h)
+        assert r.status_code == 200
+
+
+# --------------------------------------------------------------------------- failures
+
+
+async def test_decode_lost_between_turns_recomputes_elsewhere() -> None:
+    async with router_stack(n_decode=2, skip_prefill_max_tokens=0) as st:
+        kva, answer, _ = await turn(st, FIRST)
+        holder = next(d for d in st.decode if d.requests)
+        other = next(d for d in st.decode if d is not holder)
+        holder.healthy = False  # fails /health and every request
+        holder.restart()
+        kva2, _, _ = await turn(st, second(answer), token=kva["cache_token"])
+        assert kva2["path"] == "recompute" and kva2["cache_token"]
+        assert other.requests, "the turn must be served by the surviving decode node"
+        no_wrong_kv(st)
+
+
+async def test_decode_restart_detected_by_epoch() -> None:
+    async with router_stack(skip_prefill_max_tokens=0, health_interval_s=0.05) as st:
+        kva, answer, _ = await turn(st, FIRST)
+        d = st.decode[0]
+        d.healthy = False
+        await asyncio.sleep(0.3)
+        d.restart()
+        d.healthy = True
+        await asyncio.sleep(0.3)
+        kva2, _, _ = await turn(st, second(answer), token=kva["cache_token"])
+        assert kva2["path"] == "recompute"
+        assert not st.cluster.events_of("failed_pull")  # the router knew; no dead pull
+        no_wrong_kv(st)
+
+
+async def test_prefill_failure_before_first_byte_retried_on_another() -> None:
+    async with router_stack(n_prefill=2) as st:
+        st.prefill[0].fail_next = [503]
+        st.prefill[1].fail_next = []
+        kva, _, _ = await turn(st, FIRST)
+        assert kva["path"] == "pd_fresh"
+        served = [p for p in st.prefill if p.requests and p.requests[-1].get("max_tokens") == 1]
+        assert len(served) == 2  # tried p0 (503), then p1
+        metrics = (await st.client.get("/metrics")).text
+        assert 'kvagent_router_leg_retries_total{leg="prefill"} 1.0' in metrics
+        no_wrong_kv(st)
+
+
+async def test_all_prefill_down_is_an_openai_error() -> None:
+    async with router_stack(n_prefill=1) as st:
+        st.prefill[0].fail_next = [503, 503, 503]
+        r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST))
+        assert r.status_code in (502, 503)
+        err = r.json()["error"]
+        assert err["type"] == "server_error" and err["message"]
+        assert_clean(st, r.text)
+
+
+async def test_decode_failure_before_first_byte_retried_and_no_orphan() -> None:
+    async with router_stack(n_decode=2) as st:
+        for d in st.decode:
+            d.fail_next = [503]
+        r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST),
+                                 headers={"X-Session-ID": "s"})
+        assert r.status_code == 502
+        assert_clean(st, r.text)
+        # P's blocks were read by a decode node afterwards: never left to the lease expiry
+        assert not st.cluster.open_leases()
+
+
+async def test_stream_cut_midway_cuts_client_stream() -> None:
+    async with router_stack() as st:
+        st.decode[0].cut_after_chunks = 3
+        got = b""
+        with pytest.raises(httpx.HTTPError):
+            async with st.client.stream("POST", "/v1/chat/completions",
+                                        json=chat_body(FIRST)) as r:
+                assert r.status_code == 200
+                async for piece in r.aiter_raw():
+                    got += piece
+        assert got and b"[DONE]" not in got and b"kvagent" not in got
+        assert len(st.decode[0].requests) == 1  # never retried behind the client's back
+        assert_clean(st, got)
+        metrics = (await st.client.get("/metrics")).text
+        assert "kvagent_router_stream_cuts_total 1.0" in metrics
+
+
+async def test_client_disconnect_aborts_decode_leg() -> None:
+    cluster = FakeCluster(token_delay_s=0.05, reply=lambda p: Reply(content="word " * 200))
+    async with router_stack(cluster=cluster) as st:
+        async with st.client.stream("POST", "/v1/chat/completions",
+                                    json=chat_body(FIRST)) as r:
+            async for _ in r.aiter_raw():
+                break
+        for _ in range(100):
+            if st.decode[0].aborted:
+                break
+            await asyncio.sleep(0.02)
+        assert st.decode[0].aborted, "D's stream must be aborted when the client leaves"
+        assert st.decode[0].in_flight == 0
+        assert not cluster.open_leases()
+
+
+async def test_client_disconnect_during_prefill_aborts_it() -> None:
+    cluster = FakeCluster(prefill_delay_s=2.0)
+    async with router_stack(cluster=cluster) as st:
+        with pytest.raises(httpx.ReadTimeout):
+            await st.client.post("/v1/chat/completions", json=chat_body(FIRST), timeout=0.3)
+        for _ in range(100):
+            if st.prefill[0].aborted:
+                break
+            await asyncio.sleep(0.02)
+        assert st.prefill[0].aborted, "the P leg must be cancelled when the client leaves"
+        assert not st.decode[0].requests
+        assert not cluster.open_leases()
+
+
+# --------------------------------------------------------------------------- wire forms
+
+
+async def test_conversation_id_alias_and_body_object_removed() -> None:
+    async with router_stack(skip_prefill_max_tokens=0) as st:
+        kva, answer, _ = await turn(st, FIRST, session=None, conversation_id="conv-7")
+        assert kva["cache_token"]
+        kva2, _, _ = await turn(st, second(answer), session=None,
+                                kvagent={"session_id": "conv-7",
+                                         "cache_token": kva["cache_token"]})
+        assert kva2["path"] == "pd_reuse"
+        for node in st.nodes:
+            for body in node.requests:
+                assert "conversation_id" not in body and "kvagent" not in body
+        no_wrong_kv(st)
+
+
+async def test_non_streamed_keeps_tool_calls_usage_logprobs() -> None:
+    call = {"id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    cluster = FakeCluster(reply=lambda p: Reply(tool_calls=[call]))
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    async with router_stack(cluster=cluster, skip_prefill_max_tokens=0) as st:
+        r = await st.client.post("/v1/chat/completions", headers={"X-Session-ID": "t"},
+                                 json=chat_body(FIRST, stream=False, tools=tools, logprobs=True))
+        assert r.status_code == 200
+        assert_clean(st, r.text)
+        data = r.json()
+        choice = data["choices"][0]
+        assert choice["message"]["tool_calls"] == [call]
+        assert choice["finish_reason"] == "tool_calls"
+        assert choice["logprobs"]["content"]
+        assert data["usage"]["completion_tokens"] > 0
+        assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert data["kvagent"]["path"] == "pd_fresh" and data["kvagent"]["cache_token"]
+        # turn 2 after a tool call: the tool result extends the cached tokens
+        messages = [*FIRST, {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21C"}]
+        r2 = await st.client.post(
+            "/v1/chat/completions", json=chat_body(messages, stream=False, tools=tools),
+            headers={"X-Session-ID": "t", "X-KVAgent-Cache-Token": data["kvagent"]["cache_token"]})
+        assert r2.json()["kvagent"]["path"] == "pd_reuse"
+        tok = st.prefill[0].tokenize_requests[-1]
+        assert tok["tools"] == tools and "cache_salt" not in tok
+        no_wrong_kv(st)
+
+
+async def test_streamed_tool_call_deltas_pass_through() -> None:
+    call = {"id": "call_9", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    cluster = FakeCluster(reply=lambda p: Reply(tool_calls=[call]))
+    async with router_stack(cluster=cluster) as st:
+        kva, _, evs = await turn(st, FIRST)
+        deltas = [e["choices"][0]["delta"] for e in evs if isinstance(e, dict) and e["choices"]]
+        assert any(d.get("tool_calls") for d in deltas)
+        finish = [e["choices"][0]["finish_reason"] for e in evs
+                  if isinstance(e, dict) and e["choices"]]
+        assert finish[-1] == "tool_calls"
+
+
+async def test_return_token_ids_kept_when_client_asks() -> None:
+    async with router_stack() as st:
+        r = await st.client.post("/v1/chat/completions", json=chat_body(
+            FIRST, return_token_ids=True))
+        evs = events(r.text)
+        assert evs[0]["prompt_token_ids"] and "kv_transfer_params" not in r.text
+        assert any(e["choices"] and e["choices"][0].get("token_ids") for e in evs[:-1]
+                   if isinstance(e, dict))
+
+
+async def test_usage_chunk_only_when_asked() -> None:
+    async with router_stack() as st:
+        body = chat_body(FIRST)
+        body.pop("stream_options")
+        r = await st.client.post("/v1/chat/completions", json=body,
+                                 headers={"X-Session-ID": "u"})
+        evs = events(r.text)
+        assert "usage" not in evs[-2] and evs[-2]["kvagent"]["cache_token"]
+        assert st.decode[0].requests[-1]["stream_options"] == {"include_usage": True}
+
+
+async def test_completions_endpoint_stream_and_whole() -> None:
+    async with router_stack(skip_prefill_max_tokens=0) as st:
+        prompt = LONG
+        r = await st.client.post("/v1/completions", headers={"X-Session-ID": "c"}, json={
+            "model": MODEL, "prompt": prompt, "stream": True,
+            "stream_options": {"include_usage": True}})
+        assert r.status_code == 200
+        assert_clean(st, r.text)
+        evs = events(r.text)
+        text = "".join(e["choices"][0].get("text", "") for e in evs
+                       if isinstance(e, dict) and e["choices"])
+        token = evs[-2]["kvagent"]["cache_token"]
+        r2 = await st.client.post("/v1/completions", headers={
+            "X-Session-ID": "c", "X-KVAgent-Cache-Token": token}, json={
+            "model": MODEL, "prompt": prompt + text + "\x00" + " and more", "max_tokens": 50})
+        assert r2.status_code == 200
+        assert_clean(st, r2.text)
+        data = r2.json()
+        assert data["kvagent"]["path"] == "pd_reuse" and data["choices"][0]["text"]
+        no_wrong_kv(st)
+
+
+# --------------------------------------------------------------------------- surface
+
+
+async def test_errors_are_openai_shaped() -> None:
+    async with router_stack(max_body_bytes=4096) as st:
+        c = st.client
+        r = await c.post("/v1/chat/completions", content=b"{not json",
+                         headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+        r = await c.post("/v1/chat/completions", json=[1, 2])
+        assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+        r = await c.post("/v1/chat/completions", json={"model": MODEL, "messages": []})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        r = await c.post("/v1/completions", json={"model": MODEL})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        r = await c.post("/v1/chat/completions", json=chat_body(FIRST),
+                         headers={"X-Session-ID": "bad id!"})
+        assert r.status_code == 400
+        r = await c.post("/v1/chat/completions",
+                         json=chat_body([{"role": "user", "content": "x" * 5000}]))
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+        r = await c.get("/v1/nothing")
+        assert r.status_code == 404 and "error" in r.json()
+        for node in st.nodes:
+            assert not node.requests  # none of these reached a node
+
+
+async def test_upstream_4xx_passed_as_openai_error() -> None:
+    async with router_stack() as st:
+        st.prefill[0].fail_next = [400]
+        r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST))
+        assert r.status_code == 400 and r.json()["error"]["message"] == "injected failure"
+        assert_clean(st, r.text)
+
+
+async def test_models_health_ready_metrics() -> None:
+    async with router_stack(n_decode=2, skip_prefill_max_tokens=0,
+                            health_interval_s=0.05) as st:
+        c = st.client
+        models = (await c.get("/v1/models")).json()
+        assert models["data"][0]["id"] == MODEL
+        assert (await c.get("/health")).status_code == 200
+        assert (await c.get("/livez")).status_code == 200
+        ready = await c.get("/ready")
+        assert ready.status_code == 200
+        assert_clean(st, ready.text)
+        kva, answer, _ = await turn(st, FIRST)
+        await turn(st, second(answer), token=kva["cache_token"])
+        await turn(st, second(answer), token=kva["cache_token"])  # replay: a miss
+        text = (await c.get("/metrics")).text
+        assert 'kvagent_router_turns_total{path="pd_fresh"} 1.0' in text
+        assert 'kvagent_router_turns_total{path="pd_reuse"} 1.0' in text
+        assert 'kvagent_router_reuse_misses_total{reason="token_rejected"} 1.0' in text
+        assert "kvagent_router_reuse_hits_total 1.0" in text
+        assert re.search(r"kvagent_router_reused_tokens_total [1-9]", text)
+        assert re.search(r"kvagent_router_recomputed_tokens_total [1-9]", text)
+        assert 'kvagent_router_leg_seconds_count{leg="prefill"} 3.0' in text
+        assert "kvagent_router_ttft_seconds_count 3.0" in text
+        assert "kvagent_router_in_flight 0.0" in text
+        for d in st.decode:
+            d.healthy = False
+        await asyncio.sleep(0.3)
+        assert (await c.get("/ready")).status_code == 503
+        assert (await c.get("/health")).status_code == 200

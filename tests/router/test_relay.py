@@ -1,0 +1,156 @@
+"""The SSE relay and the final-chunk rewrite, without any network."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import pytest
+from kvagent_server.router.relay import Capture, Final, Scrubber, relay_sse, rewrite_response
+
+KV = {"do_remote_prefill": False, "do_remote_decode": True, "remote_engine_id": "eng-d",
+      "remote_request_id": "r1", "remote_host": "10.0.0.9", "remote_port": 5601,
+      "remote_block_ids": [[7, 8]], "tp_size": 1, "dcp_size": 1, "pp_size": 1,
+      "remote_num_tokens": 20, "remote_blocks_expiry_time": 123.4, "transfer_mode": "pull"}
+
+
+def sse(*objs: object) -> bytes:
+    out = b""
+    for obj in objs:
+        out += b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
+    return out
+
+
+def chunk(content: str | None = None, *, ids: list[int] | None = None, finish: str | None = None,
+          **extra: object) -> dict:
+    choice: dict = {"index": 0, "delta": {"content": content} if content else {},
+                    "finish_reason": finish}
+    if ids is not None:
+        choice["token_ids"] = ids
+    return {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [choice], **extra}
+
+
+def usage_chunk(**extra: object) -> dict:
+    return {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+            "choices": [], "usage": {"prompt_tokens": 18, "completion_tokens": 3,
+                                     "total_tokens": 21,
+                                     "prompt_tokens_details": {"cached_tokens": 99}}, **extra}
+
+
+STREAM = sse(chunk("", ids=[], prompt_token_ids=list(range(18))), chunk("He", ids=[40, 41]),
+             chunk("y", ids=[42]), chunk(None, ids=[5], finish="stop"),
+             usage_chunk(kv_transfer_params=KV), b"[DONE]")
+
+
+async def pieces(data: bytes, size: int) -> AsyncIterator[bytes]:
+    for i in range(0, len(data), size):
+        yield data[i:i + size]
+
+
+def events(raw: bytes) -> list[dict | str]:
+    out: list[dict | str] = []
+    for block in raw.split(b"\n\n"):
+        if block.startswith(b"data: "):
+            payload = block[6:]
+            out.append("[DONE]" if payload == b"[DONE]" else json.loads(payload))
+    return out
+
+
+async def run(data: bytes, size: int, *, keep_ids: bool = False, keep_usage: bool = True
+              ) -> tuple[bytes, list[Capture]]:
+    seen: list[Capture] = []
+
+    async def finalize(cap: Capture) -> Final:
+        seen.append(cap)
+        return Final(kvagent={"cache_token": "tok", "reused_tokens": 16, "expires_in": 9,
+                              "path": "pd_reuse"}, cached_tokens=16)
+
+    scrubber = Scrubber(keep_token_ids=keep_ids, keep_usage=keep_usage)
+    out = b"".join([b async for b in relay_sse(pieces(data, size), scrubber, finalize)])
+    return out, seen
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 100_000])
+async def test_final_chunk_rewritten_whatever_the_split(size: int) -> None:
+    out, seen = await run(STREAM, size)
+    evs = events(out)
+    assert evs[-1] == "[DONE]"
+    last = evs[-2]
+    assert isinstance(last, dict)
+    assert last["kvagent"]["cache_token"] == "tok"
+    assert last["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
+    assert b"kv_transfer_params" not in out and b"token_ids" not in out
+    assert b"10.0.0.9" not in out and b"eng-d" not in out
+    assert [e["choices"][0]["delta"].get("content") for e in evs[1:3]] == ["He", "y"]
+    assert len(seen) == 1
+    cap = seen[0]
+    assert cap.kv_params == KV
+    assert cap.sequence == [*range(18), 40, 41, 42, 5]
+    assert cap.finish_reason == "stop"
+
+
+async def test_token_ids_kept_when_client_asked() -> None:
+    out, _ = await run(STREAM, 50, keep_ids=True)
+    evs = events(out)
+    assert evs[0]["prompt_token_ids"] == list(range(18))
+    assert evs[1]["choices"][0]["token_ids"] == [40, 41]
+    assert b"kv_transfer_params" not in out
+
+
+async def test_usage_dropped_when_client_did_not_ask() -> None:
+    out, _ = await run(STREAM, 50, keep_usage=False)
+    last = events(out)[-2]
+    assert "usage" not in last and last["kvagent"]["path"] == "pd_reuse"
+
+
+async def test_params_on_finish_chunk_and_no_usage_chunk() -> None:
+    data = sse(chunk("a", ids=[1]), chunk(None, ids=[5], finish="stop", kv_transfer_params=KV),
+               b"[DONE]")
+    out, seen = await run(data, 3)
+    evs = events(out)
+    assert evs[-1] == "[DONE]"
+    assert evs[-2]["choices"] == [] and evs[-2]["kvagent"]["cache_token"] == "tok"
+    assert evs[-2]["id"] == "c1" and evs[-2]["model"] == "m"
+    assert seen[0].kv_params == KV and b"remote_host" not in out
+
+
+async def test_upstream_cut_propagates() -> None:
+    async def broken() -> AsyncIterator[bytes]:
+        yield sse(chunk("a", ids=[1]))
+        raise ConnectionResetError("cut")
+
+    async def finalize(cap: Capture) -> Final:  # pragma: no cover - must not run
+        raise AssertionError("finalize must not run for a cut stream")
+
+    got: list[bytes] = []
+    with pytest.raises(ConnectionResetError):
+        async for b in relay_sse(broken(), Scrubber(keep_token_ids=False), finalize):
+            got.append(b)
+    assert len(got) == 1 and b"[DONE]" not in got[0]
+
+
+async def test_comments_and_keepalives_dropped() -> None:
+    data = b": ping\n\n" + sse(chunk("a")) + b"event: x\n\n" + sse(usage_chunk(), b"[DONE]")
+    out, _ = await run(data, 5)
+    assert b"ping" not in out
+    assert [e if isinstance(e, str) else "obj" for e in events(out)] == ["obj", "obj", "[DONE]"]
+
+
+def test_non_streamed_rewrite() -> None:
+    body = {"id": "c", "object": "chat.completion", "choices": [
+        {"index": 0, "message": {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call1", "type": "function",
+             "function": {"name": "f", "arguments": "{}"}}]},
+         "finish_reason": "tool_calls", "token_ids": [1, 2], "logprobs": {"content": []}}],
+        "usage": {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6},
+        "prompt_token_ids": [9, 9, 9, 9], "kv_transfer_params": KV}
+    s = Scrubber(keep_token_ids=False)
+    s.scrub(body)
+    out = rewrite_response(body, s, Final(kvagent={"path": "pd_fresh"}, cached_tokens=0))
+    assert s.capture.sequence == [9, 9, 9, 9, 1, 2]
+    assert out["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f"
+    assert out["choices"][0]["logprobs"] == {"content": []}
+    assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert "token_ids" not in out["choices"][0] and "kv_transfer_params" not in out
+    assert out["kvagent"] == {"path": "pd_fresh"}

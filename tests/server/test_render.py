@@ -1,0 +1,281 @@
+"""The plan and its rendering: exact commands, environment, pinning, and vLLM's own parser."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+
+import pytest
+
+from kvagent_server.config import validate_config
+from kvagent_server.render import (
+    HostFacts,
+    ModelSource,
+    PlanInputs,
+    format_cpu_list,
+    partition_cores,
+    plan,
+    plan_to_dict,
+    render_json,
+    render_shell,
+)
+from tests.server.conftest import fake_inputs
+
+KV_P = ('{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu",'
+        '"engine_id":"default-prefill-0","kv_connector_extra_config":{"bidirectional_kv_xfer":'
+        'true,"kv_recompute_threshold":64,"decoder_kv_blocks_ttl":480}}')
+
+
+def test_default_plan_golden() -> None:
+    bp = plan(validate_config({"run_dir": "/run/x"}), fake_inputs())
+    p, d = bp.nodes
+    py = sys.executable
+    assert p.argv == (
+        py, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", "/models/m", "--served-model-name", "m",
+        "--host", "127.0.0.1", "--port", "8100", "--block-size", "128",
+        "--enable-prefix-caching", "--kv-transfer-config", KV_P,
+    )
+    assert p.env == {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": "5600",
+        "UCX_TLS": "tcp,self,sm",
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": "0",
+    }
+    kv_d = json.loads(d.argv[d.argv.index("--kv-transfer-config") + 1])
+    assert kv_d["kv_role"] == "kv_consumer" and kv_d["engine_id"] == "default-decode-0"
+    assert d.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5700"
+    assert d.env["VLLM_CPU_OMP_THREADS_BIND"] == "1"  # P on core 0, D on core 1
+    assert (p.url, d.url) == ("http://127.0.0.1:8100", "http://127.0.0.1:8200")
+    assert p.health_url == "http://127.0.0.1:8100/health"
+    assert bp.router is not None
+    assert bp.router.argv == (
+        py, "-m", "kvagent_server.router", "--host", "127.0.0.1", "--port", "8000",
+        "--prefill", "http://127.0.0.1:8100", "--decode", "http://127.0.0.1:8200",
+        "--model", "m", "--settings", "/run/x/router-settings.json",
+    )
+    assert bp.router.health_url == "http://127.0.0.1:8000/health"
+    # The router is told the node facts it must agree with.
+    assert bp.router_settings["block_size"] == 128
+    assert bp.router_settings["kv_recompute_threshold"] == 64
+    assert bp.router_settings["decode_blocks_ttl_s"] == 480
+
+
+def test_router_settings_follow_the_nodes() -> None:
+    from kvagent_server.config import ConfigError
+
+    cfg = validate_config({"block_size": 32, "decoder_kv_blocks_ttl_s": 300,
+                           "kv_recompute_threshold": 100, "router": {"reuse": False}})
+    settings = plan(cfg, fake_inputs()).router_settings
+    assert (settings["block_size"], settings["decode_blocks_ttl_s"],
+            settings["kv_recompute_threshold"], settings["reuse"]) == (32, 300, 100, False)
+    clash = validate_config({"router": {"block_size": 16}})  # nodes: 128 on CPU
+    with pytest.raises(ConfigError) as info:
+        plan(clash, fake_inputs())
+    assert info.value.problems == [
+        "router.block_size: 16 disagrees with the nodes' block_size (128); set block_size "
+        "instead, the bundle passes it on"]
+    same = validate_config({"router": {"block_size": 16}, "device": "cuda"})
+    assert plan(same, fake_inputs(gpus=2)).router_settings["block_size"] == 16
+
+
+def test_every_knob_reaches_the_command() -> None:
+    cfg = validate_config({
+        "name": "lab", "served_model_name": "agent", "bind_host": "0.0.0.0",
+        "advertise_host": "10.0.0.5", "kv_cache_gib": 6, "max_model_len": 8192,
+        "block_size": 32, "decoder_kv_blocks_ttl_s": 300, "kv_recompute_threshold": 128,
+        "kv_connector_extra": {"num_threads": 2},
+        "prefill": {"count": 2, "prefix_caching": False, "extra_args": ["--enforce-eager"],
+                    "extra_env": {"FOO": "1"}},
+        "decode": {"ports": [9001], "side_channel_ports": [6001]},
+        "router": {"host": "0.0.0.0", "port": 9000},
+    })
+    inputs = PlanInputs(
+        host=HostFacts(cpu_cores=tuple(range(8)), gpu_count=0),
+        model=ModelSource(model="/m", served_name="ignored", extra_args=("--dtype", "float32")),
+        python="/py", role_env={"decode": {"PLUGIN": "d"}},
+        role_args={"prefill": ("--plugin-p",)},
+    )
+    bp = plan(cfg, inputs)
+    p0, p1, d0 = bp.nodes
+    assert [n.name for n in bp.nodes] == ["prefill-0", "prefill-1", "decode-0"]
+    assert p1.argv[p1.argv.index("--port") + 1] == "8101"
+    assert p1.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5601"
+    assert p0.argv[-4:] == ("--dtype", "float32", "--plugin-p", "--enforce-eager")
+    assert "--no-enable-prefix-caching" in p0.argv and "--enable-prefix-caching" in d0.argv
+    for flag, value in (("--max-model-len", "8192"), ("--block-size", "32"),
+                        ("--served-model-name", "agent"), ("--host", "0.0.0.0")):
+        assert p0.argv[p0.argv.index(flag) + 1] == value
+    kv = json.loads(p0.argv[p0.argv.index("--kv-transfer-config") + 1])
+    assert kv["engine_id"] == "lab-prefill-0"
+    assert kv["kv_connector_extra_config"] == {
+        "bidirectional_kv_xfer": True, "kv_recompute_threshold": 128,
+        "decoder_kv_blocks_ttl": 300, "num_threads": 2}
+    assert p0.env["FOO"] == "1" and "FOO" not in d0.env
+    assert d0.env["PLUGIN"] == "d" and "PLUGIN" not in p0.env
+    assert d0.env["VLLM_CPU_KVCACHE_SPACE"] == "6"
+    # 8 cores, 3 nodes: disjoint contiguous groups, prefill first.
+    assert [n.env["VLLM_CPU_OMP_THREADS_BIND"] for n in bp.nodes] == ["0-2", "3-5", "6-7"]
+    # Others reach the nodes at the advertised host; the launcher too (bind is a wildcard).
+    assert d0.url == "http://10.0.0.5:9001"
+    assert d0.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.0.0.5"
+    assert d0.health_url == "http://10.0.0.5:9001/health"
+    assert bp.router is not None and bp.router.url == "http://10.0.0.5:9000"
+    assert "http://10.0.0.5:8101" in bp.router.argv
+
+
+def test_gpu_plan() -> None:
+    cfg = validate_config({"device": "auto", "decode": {"count": 2}, "kv_cache_gib": 4})
+    bp = plan(cfg, fake_inputs(gpus=4))
+    assert bp.device == "cuda"
+    assert [n.env["CUDA_VISIBLE_DEVICES"] for n in bp.nodes] == ["0", "1", "2"]
+    for n in bp.nodes:
+        assert "UCX_TLS" not in n.env and "VLLM_CPU_OMP_THREADS_BIND" not in n.env
+        kv = json.loads(n.argv[n.argv.index("--kv-transfer-config") + 1])
+        assert kv["kv_buffer_device"] == "cuda"
+        assert n.argv[n.argv.index("--kv-cache-memory-bytes") + 1] == str(4 * 1024**3)
+        assert n.argv[n.argv.index("--block-size") + 1] == "16"
+    explicit = validate_config({"device": "cuda", "prefill": {"cuda_devices": ["3"]}})
+    assert [n.cuda_device for n in plan(explicit, fake_inputs(gpus=4)).nodes] == ["3", "0"]
+
+
+def test_auto_is_cpu_without_gpu() -> None:
+    assert plan(validate_config({}), fake_inputs(gpus=0)).device == "cpu"
+
+
+def test_explicit_cpu_binds_and_core_subset() -> None:
+    cfg = validate_config({"cpu_cores": [2, 3, 4, 5], "decode": {"cpu_binds": ["0-1"]},
+                           "prefill": {"count": 2}})
+    bp = plan(cfg, fake_inputs(cores=tuple(range(6))))
+    assert [n.cpu_bind for n in bp.nodes] == ["2-3", "4-5", "0-1"]
+
+
+@pytest.mark.parametrize(
+    ("cores", "parts", "expected"),
+    [
+        ([0, 1], 2, [[0], [1]]),
+        ([0, 1, 2, 3, 4], 2, [[0, 1, 2], [3, 4]]),
+        ([4, 5, 6], 3, [[4], [5], [6]]),
+        ([0, 1, 2, 3, 4, 5, 6], 3, [[0, 1, 2], [3, 4], [5, 6]]),
+    ],
+)
+def test_partition_cores(cores: list[int], parts: int, expected: list[list[int]]) -> None:
+    out = partition_cores(cores, parts)
+    assert out == expected
+    assert sorted(c for part in out for c in part) == sorted(cores)
+
+
+def test_partition_rejects_too_many_parts() -> None:
+    with pytest.raises(ValueError):
+        partition_cores([0], 2)
+
+
+def test_format_cpu_list() -> None:
+    assert format_cpu_list([0]) == "0"
+    assert format_cpu_list([3, 0, 1, 2, 7, 9, 10]) == "0-3,7,9-10"
+
+
+def test_no_router() -> None:
+    bp = plan(validate_config({"router_enabled": False}), fake_inputs())
+    assert bp.router is None and len(bp.processes) == 2
+    assert "router" not in render_shell(bp).split("kvagent bundle")[1].split("\n")[0]
+
+
+def _shell_commands(text: str) -> list[list[str]]:
+    """Commands of a rendered script (comments, heredoc bodies skipped)."""
+    joined = text.replace("\\\n", " ")
+    out, in_heredoc = [], False
+    for line in joined.splitlines():
+        if in_heredoc:
+            in_heredoc = line != "EOF"
+            continue
+        if line.startswith("cat >"):
+            in_heredoc = True
+            continue
+        if line.strip() and not line.startswith("#") and not line.startswith("mkdir"):
+            out.append(shlex.split(line))
+    return out
+
+
+def test_shell_output_is_the_plan_copy_pasteable() -> None:
+    cfg = validate_config({"run_dir": "/run/y", "prefill": {"extra_args": ["--x", "a b'c"]},
+                           "router": {"signing_keys": {"k": "topsecretvalue-0123456789"}}})
+    bp = plan(cfg, fake_inputs())
+    text = render_shell(bp)
+    cmds = _shell_commands(text)
+    assert len(cmds) == 3
+    for spec, cmd in zip(bp.processes, cmds, strict=True):
+        if spec.env:
+            assert cmd[0] == "env"
+            n = len(spec.env)
+            assert dict(a.split("=", 1) for a in cmd[1:1 + n]) == spec.env
+            cmd = cmd[1 + n:]
+        assert tuple(cmd) == spec.argv
+    assert "topsecretvalue" not in text and '"k": "***"' in text
+    assert "topsecretvalue-0123456789" in render_shell(bp, reveal_secrets=True)
+    # The settings heredoc is the JSON the router will read.
+    body = text.split("<<'EOF'\n")[1].split("\nEOF")[0]
+    assert json.loads(body)["port"] == 8000
+
+
+def test_json_output() -> None:
+    bp = plan(validate_config({"run_dir": "/run/z"}), fake_inputs())
+    data = json.loads(render_json(bp))
+    assert data == json.loads(json.dumps(plan_to_dict(bp)))
+    assert [n["name"] for n in data["nodes"]] == ["prefill-0", "decode-0"]
+    assert data["nodes"][0]["argv"] == list(bp.nodes[0].argv)
+    assert data["nodes"][1]["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert data["router"]["settings_path"] == "/run/z/router-settings.json"
+
+
+# ------------------------------------------------------------- vLLM's own parser
+
+
+@pytest.fixture(scope="module")
+def vllm_parser():
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not installed"
+        pytest.skip(f"vLLM is not importable ({exc!r}); install the engine: "
+                    "kvagent-server install-engine")
+
+    def parse(args: list[str]):
+        return make_arg_parser(FlexibleArgumentParser()).parse_args(args)
+
+    return parse
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_vllm_parses_every_rendered_command(vllm_parser, device: str) -> None:
+    from kvagent_server.inputs import gather_inputs
+
+    cfg = validate_config({
+        "device": device, "prefill": {"count": 2, "prefix_caching": False},
+        "decode": {"count": 2}, "block_size": 32, "max_model_len": 4096,
+        "cpu_pinning": False,
+    })
+    real = gather_inputs(cfg, build_model=False)  # demo model args + plugin args, as `up`
+    inputs = PlanInputs(host=HostFacts(cpu_cores=(0, 1), gpu_count=4), model=real.model,
+                        python=real.python, role_env=real.role_env, role_args=real.role_args)
+    bp = plan(cfg, inputs)
+    for node in bp.nodes:
+        assert node.argv[1:3] == ("-m", "vllm.entrypoints.openai.api_server")
+        args = vllm_parser(list(node.argv[3:]))
+        kv = args.kv_transfer_config
+        assert kv.kv_connector == "NixlConnector"
+        assert kv.kv_role == ("kv_producer" if node.role == "prefill" else "kv_consumer")
+        assert kv.kv_buffer_device == device
+        assert kv.engine_id == node.engine_id
+        assert kv.kv_connector_extra_config["bidirectional_kv_xfer"] is True
+        assert kv.kv_connector_extra_config["kv_recompute_threshold"] == 64
+        assert kv.kv_connector_extra_config["decoder_kv_blocks_ttl"] == 480
+        assert args.port == node.port and args.host == "127.0.0.1"
+        assert args.enable_prefix_caching is (node.role == "decode")
+        assert args.block_size == 32 and args.max_model_len == 4096
+        assert args.served_model_name == ["kvagent-demo"]
+        if device == "cuda":
+            assert args.kv_cache_memory_bytes == 2 * 1024**3
