@@ -10,9 +10,10 @@ connection, and consumed four ways (sync and async each):
 * ``kvagent``        - ``Session.stream()``: SSE decoding, delta accumulation, typed
   events, token extraction, history commit, (no-op) telemetry span, request building.
 
-Reported: the median over rounds of µs per chunk, and kvagent's ratio to both baselines.
+Reported: min and median over rounds of µs per chunk (variants interleaved in each round),
+and kvagent's ratio to both baselines, from the minima (the least disturbed runs).
 
-    python -m benchmarks.sdk_overhead.run                 # N=2000 chunks, 7 rounds
+    python -m benchmarks.sdk_overhead.run                 # N=2000 chunks, 15 rounds
     python -m benchmarks.sdk_overhead.run --chunks 500 --rounds 3 --json out.json
 """
 
@@ -132,46 +133,62 @@ async def asdk(client: httpx.AsyncClient) -> int:
     return sum([1 async for _ in session.stream("hi")])
 
 
-def measure(fn: Callable[[], Any], chunks: int, rounds: int) -> float:
-    """Median µs per chunk over ``rounds`` runs (after one warm-up run)."""
-    fn()
-    samples = []
+def _stats(samples: list[float], chunks: int) -> dict[str, float]:
+    per_chunk = [t / chunks * 1e6 for t in samples]
+    return {"min": min(per_chunk), "median": statistics.median(per_chunk)}
+
+
+def measure(fns: dict[str, Callable[[], Any]], chunks: int, rounds: int
+            ) -> dict[str, dict[str, float]]:
+    """µs per chunk of each variant; variants are interleaved within every round so load
+    changes on a shared machine hit all of them alike."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()  # warm-up
     for _ in range(rounds):
-        start = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - start) / chunks * 1e6)
-    return statistics.median(samples)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: _stats(values, chunks) for name, values in samples.items()}
 
 
-async def ameasure(fn: Callable[[], Any], chunks: int, rounds: int) -> float:
+async def ameasure(fns: dict[str, Callable[[], Any]], chunks: int, rounds: int
+                   ) -> dict[str, dict[str, float]]:
     """``measure`` for coroutine functions, inside one running event loop."""
-    await fn()
-    samples = []
-    for _ in range(rounds):
-        start = time.perf_counter()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
         await fn()
-        samples.append((time.perf_counter() - start) / chunks * 1e6)
-    return statistics.median(samples)
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            await fn()
+            samples[name].append(time.perf_counter() - start)
+    return {name: _stats(values, chunks) for name, values in samples.items()}
 
 
 def run(chunks: int, rounds: int) -> dict[str, Any]:
     pieces = build_stream(chunks)
-    results: dict[str, float] = {}
+    results: dict[str, dict[str, float]] = {}
     with httpx.Client(transport=transport(pieces)) as client:
-        for name, fn in (("sync httpx bytes", raw_bytes), ("sync httpx + json", raw_json),
-                         ("sync kvagent", sdk)):
-            results[name] = measure(lambda fn=fn: fn(client), chunks, rounds)
+        results.update(measure({
+            "sync httpx bytes": lambda: raw_bytes(client),
+            "sync httpx + json": lambda: raw_json(client),
+            "sync kvagent": lambda: sdk(client)}, chunks, rounds))
 
     async def async_all() -> None:
         async with httpx.AsyncClient(transport=transport(pieces)) as client:
-            for name, fn in (("async httpx bytes", araw_bytes),
-                             ("async httpx + json", araw_json), ("async kvagent", asdk)):
-                results[name] = await ameasure(lambda fn=fn: fn(client), chunks, rounds)
+            results.update(await ameasure({
+                "async httpx bytes": lambda: araw_bytes(client),
+                "async httpx + json": lambda: araw_json(client),
+                "async kvagent": lambda: asdk(client)}, chunks, rounds))
 
     asyncio.run(async_all())
     ratios = {
-        mode: {"vs_bytes": results[f"{mode} kvagent"] / results[f"{mode} httpx bytes"],
-               "vs_json": results[f"{mode} kvagent"] / results[f"{mode} httpx + json"]}
+        mode: {"vs_bytes": results[f"{mode} kvagent"]["min"]
+               / results[f"{mode} httpx bytes"]["min"],
+               "vs_json": results[f"{mode} kvagent"]["min"]
+               / results[f"{mode} httpx + json"]["min"]}
         for mode in ("sync", "async")
     }
     return {"chunks": chunks, "rounds": rounds, "us_per_chunk": results, "ratios": ratios,
@@ -183,14 +200,15 @@ def run(chunks: int, rounds: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunks", type=int, default=2000)
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--json", help="also write the results to this file")
     args = parser.parse_args(argv)
     out = run(args.chunks, args.rounds)
-    print(f"{out['chunks']} chunks, median of {out['rounds']} rounds (µs per chunk); "
+    print(f"{out['chunks']} chunks, {out['rounds']} rounds, µs per chunk (min / median); "
           f"load {out['load_avg_1m']:.2f} on {out['cpus']} CPUs")
     for name, value in out["us_per_chunk"].items():
-        print(f"  {name:<20} {value:8.2f}")
+        print(f"  {name:<20} {value['min']:8.2f} {value['median']:8.2f}")
+    print("  ratios of the minima:")
     for mode, ratio in out["ratios"].items():
         print(f"  {mode} kvagent / httpx bytes = {ratio['vs_bytes']:.2f}x, "
               f"/ httpx + json = {ratio['vs_json']:.2f}x")

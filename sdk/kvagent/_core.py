@@ -12,11 +12,10 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal, Self, TypedDict
+from typing import Any, Literal, Self, TypedDict, Unpack
 
 import httpx
 from pydantic import BaseModel, ConfigDict
-from typing_extensions import Unpack
 
 from . import _protocol as proto
 from . import _wire

@@ -6,10 +6,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Self
+from typing import Self, Unpack
 
 import httpx
-from typing_extensions import Unpack
 
 from . import _telemetry as telemetry
 from ._core import PreparedTurn, SessionCore, SessionOptions, TurnOptions

@@ -6,10 +6,9 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, Unpack
 
 import httpx
-from typing_extensions import Unpack
 
 from . import _telemetry as telemetry
 from ._core import PreparedTurn, SessionCore, SessionOptions, TurnOptions

@@ -248,13 +248,12 @@ def _up_detached(cfg: BundleConfig, bundle: Any) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     cfg_path = run_dir / CONFIG_FILE
     _write_private(cfg_path, json.dumps(dump_config(cfg), indent=2))
-    log = open(run_dir / SUPERVISOR_LOG, "ab")
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "kvagent_server.nodes", "--config", str(cfg_path)],
-        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-        start_new_session=True, close_fds=True,
-    )
-    log.close()
+    with open(run_dir / SUPERVISOR_LOG, "ab") as log:
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "kvagent_server.nodes", "--config", str(cfg_path)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True, close_fds=True,
+        )
 
     def current() -> RunState | None:
         state = load_state(run_dir)

@@ -423,7 +423,8 @@ def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
 
 def dump_config(cfg: BundleConfig) -> dict[str, Any]:
     """A JSON-able dict that validates back to `cfg`, secrets included (write it 0600)."""
-    return reveal_secrets(cfg.model_dump(mode="python", exclude_none=False))
+    # exclude_unset: what was left to defaults stays a default (and stays unset) on reload.
+    return reveal_secrets(cfg.model_dump(mode="python", exclude_unset=True))
 
 
 def reveal_secrets(value: Any) -> Any:
@@ -519,3 +520,7 @@ def _comment_doc(owner: type[BaseModel]) -> dict[str, str]:
             docs[m.group(1)] = " ".join(pending)
         pending = []
     return docs
+
+
+if __name__ == "__main__":  # regenerate the table in docs/server.md
+    print(config_reference_markdown(), end="")

@@ -48,7 +48,7 @@ def requirement_ok(req: str, version: str | None) -> bool:
         # "torch==2.13.0+cpu" must match exactly, local label included.
         return spec.contains(Version(version), prereleases=True)
     except ImportError:  # no `packaging`: compare the plain == case by hand
-        name, _, want = req.partition("==")
+        _, _, want = req.partition("==")
         return not want or version == want or version.split("+")[0] == want
 
 
@@ -88,7 +88,7 @@ def import_check(python: str) -> tuple[bool, str]:
     """`import vllm` in a fresh interpreter: (ok, version or error tail)."""
     proc = subprocess.run(
         [python, "-c", "import vllm, sys; sys.stdout.write(vllm.__version__)"],
-        capture_output=True, text=True, timeout=600,
+        check=False, capture_output=True, text=True, timeout=600,
     )
     if proc.returncode == 0:
         return True, proc.stdout.strip()
@@ -120,7 +120,7 @@ def install(device: Device = "cpu", *, torch_index: str = DEFAULT_TORCH_INDEX,
         from rich.console import Console
 
         con = console or Console(highlight=False)
-        say: Callable[[str], None] = lambda msg: con.print(msg, markup=False)  # noqa: E731
+        say: Callable[[str], None] = lambda msg: con.print(msg, markup=False)
         spinner = con.status
     except ImportError:  # rich comes with kvagent[server]; stay usable without it
         say = print  # type: ignore[assignment]

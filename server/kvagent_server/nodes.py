@@ -45,6 +45,14 @@ class BundleError(RuntimeError):
     """The bundle could not start (a process failed or timed out) or is already running."""
 
 
+class LaunchError(BundleError):
+    """A process could not even be executed (`why` says why, without the process name)."""
+
+    def __init__(self, name: str, why: str) -> None:
+        self.why = why
+        super().__init__(f"{name} {why}")
+
+
 def probe(url: str, timeout: float = 2.0) -> bool:
     """GET `url`; True on HTTP 200."""
     try:
@@ -190,7 +198,7 @@ class Bundle:
             self._changed.notify_all()
         return sorted(set(survivors))
 
-    def __enter__(self) -> Bundle:
+    def __enter__(self) -> Bundle:  # noqa: PYI034 - final in practice
         return self.start(wait=True)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -235,8 +243,12 @@ class Bundle:
 
     def _launch(self, spec: ProcessSpec) -> None:
         ps = self.state.proc(spec.name)
-        popen = processes.launch(list(spec.argv), env=spec.env, log_path=Path(ps.log),
-                                 run_dir=self.run_dir, name=spec.name)
+        try:
+            popen = processes.launch(list(spec.argv), env=spec.env, log_path=Path(ps.log),
+                                     run_dir=self.run_dir, name=spec.name)
+        except OSError as exc:  # e.g. engine_command not found
+            raise LaunchError(spec.name, f"cannot run {spec.argv[0]!r}: "
+                                         f"{exc.strerror or exc}") from None
         self._popens[spec.name] = popen
         ps.pid = popen.pid
         ps.pid_create_time = processes.create_time(popen.pid)
@@ -251,7 +263,7 @@ class Bundle:
         while not self._stop.is_set():
             try:
                 self._tick()
-            except Exception as exc:  # keep supervising; report
+            except Exception as exc:  # noqa: BLE001 - keep supervising; report it
                 self._event(f"supervisor error: {exc!r}")
             self._stop.wait(_TICK_S)
 
@@ -272,7 +284,10 @@ class Bundle:
                 if ps.status == "starting" and now >= self._next_probe.get(ps.name, 0):
                     to_probe.append(ps)
                 if ps.status == "restarting" and now >= self._restart_at.get(ps.name, 0):
-                    self._launch(self.plan.by_name(ps.name))
+                    try:
+                        self._launch(self.plan.by_name(ps.name))
+                    except LaunchError as exc:
+                        self._give_up(ps, exc.why)
                     self._save()
         for ps in to_probe:
             ok = probe(ps.health_url, timeout=2.0)
@@ -328,7 +343,10 @@ class Bundle:
         changed = False
         if self.state.phase == "starting" and all(p.status == "healthy" for p in nodes):
             if router is not None and router.status == "pending":
-                self._launch(self.plan.by_name("router"))
+                try:
+                    self._launch(self.plan.by_name("router"))
+                except LaunchError as exc:
+                    self._give_up(router, exc.why)
                 changed = True
             elif router is None or router.status == "healthy":
                 self.state.phase = "running"

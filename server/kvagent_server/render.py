@@ -107,8 +107,8 @@ def resolve_device(cfg: BundleConfig, host: HostFacts) -> Device:
     if cfg.device == "auto":
         return "cuda" if host.gpu_count > 0 else "cpu"
     if cfg.device == "cuda" and host.gpu_count == 0:
-        raise ConfigError(["device: cuda requested but no GPU is visible on this machine "
-                           "(use device: cpu or auto)"])
+        raise ConfigError([("device: cuda requested but no GPU is visible on this machine "
+                           "(use device: cpu or auto)")])
     return cfg.device
 
 
@@ -215,9 +215,10 @@ def _router_settings(cfg: BundleConfig, block_size: int) -> dict[str, Any]:
     fields = type(cfg.router).model_fields
     problems = []
     for key, value in synced.items():
-        if key in cfg.router.model_fields_set and getattr(cfg.router, key) != value:
+        given = getattr(cfg.router, key, None)
+        if key in cfg.router.model_fields_set and given is not None and given != value:
             problems.append(
-                f"router.{key}: {getattr(cfg.router, key)} disagrees with the nodes' "
+                f"router.{key}: {given} disagrees with the nodes' "
                 f"{source[key]} ({value}); set {source[key]} instead, the bundle passes it on")
     if problems:
         raise ConfigError(problems)
@@ -243,13 +244,13 @@ def _cpu_binds(cfg: BundleConfig, host: HostFacts, roles: list[tuple[Role, int]]
     missing = sorted(set(cores) - available)
     if missing:
         raise ConfigError([
-            f"cpu_cores: core(s) {format_cpu_list(missing)} are not available here "
-            f"(available: {format_cpu_list(sorted(available))})"])
+            (f"cpu_cores: core(s) {format_cpu_list(missing)} are not available here "
+            f"(available: {format_cpu_list(sorted(available))})")])
     if len(todo) > len(cores):
         raise ConfigError([
-            f"prefill.count + decode.count: {len(todo)} nodes to pin but only {len(cores)} "
+            (f"prefill.count + decode.count: {len(todo)} nodes to pin but only {len(cores)} "
             f"core(s) ({format_cpu_list(cores)}); lower the counts, list more cpu_cores, "
-            "give explicit cpu_binds, or set cpu_pinning: false"])
+            "give explicit cpu_binds, or set cpu_pinning: false")])
     for key, part in zip(todo, partition_cores(cores, len(todo)), strict=True):
         binds[key] = format_cpu_list(part)
     return binds
@@ -269,8 +270,8 @@ def _cuda_devices(cfg: BundleConfig, host: HostFacts, roles: list[tuple[Role, in
     free = [str(g) for g in range(host.gpu_count) if str(g) not in taken]
     if len(todo) > len(free):
         raise ConfigError([
-            f"prefill.count + decode.count: {len(todo)} nodes need a GPU each but only "
-            f"{len(free)} GPU(s) are free (of {host.gpu_count} visible)"])
+            (f"prefill.count + decode.count: {len(todo)} nodes need a GPU each but only "
+            f"{len(free)} GPU(s) are free (of {host.gpu_count} visible)")])
     for key, gpu in zip(todo, free, strict=False):
         out[key] = gpu
     return out

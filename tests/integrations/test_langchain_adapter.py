@@ -12,19 +12,24 @@ import pytest
 
 pytest.importorskip("langchain_core", reason="extra kvagent[langchain] not installed")
 
-from adapter_streams import (  # noqa: E402
+import kvagent
+from adapter_streams import (
     ScriptedRouter,
     as_router_stream,
     load_chunks,
     text_chunks,
     tool_call_chunks,
 )
-from langchain_core.messages import AIMessage, AIMessageChunk, HumanMessage, SystemMessage, ToolMessage  # noqa: E402,E501
-from langchain_core.tools import tool  # noqa: E402
-from pydantic import BaseModel  # noqa: E402
-
-import kvagent  # noqa: E402
-from kvagent.integrations.langchain import ChatKVAgent  # noqa: E402
+from kvagent.integrations.langchain import ChatKVAgent
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    HumanMessage,
+    SystemMessage,
+    ToolMessage,
+)
+from langchain_core.tools import tool
+from pydantic import BaseModel
 
 TOKEN_1 = "kva1.eyJ0dXJuIjoxfQ.bWFjMQ"
 TOKEN_2 = "kva1.eyJ0dXJuIjoyfQ.bWFjMg"

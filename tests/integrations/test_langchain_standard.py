@@ -7,9 +7,8 @@ import pytest
 pytest.importorskip("langchain_core", reason="extra kvagent[langchain] not installed")
 pytest.importorskip("langchain_tests", reason="langchain-tests (extra dev) not installed")
 
-from langchain_tests.unit_tests import ChatModelUnitTests  # noqa: E402
-
-from kvagent.integrations.langchain import ChatKVAgent  # noqa: E402
+from kvagent.integrations.langchain import ChatKVAgent
+from langchain_tests.unit_tests import ChatModelUnitTests
 
 
 class TestChatKVAgentStandard(ChatModelUnitTests):

@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("llama_index.core", reason="extra kvagent[llamaindex] not installed")
 
-from adapter_streams import (  # noqa: E402
+from adapter_streams import (
     ScriptedRouter,
     Sent,
     as_router_stream,
@@ -14,12 +14,11 @@ from adapter_streams import (  # noqa: E402
     text_chunks,
     tool_call_chunks,
 )
-from llama_index.core.agent.workflow import FunctionAgent  # noqa: E402
-from llama_index.core.llms import ChatMessage  # noqa: E402
-from llama_index.core.tools import FunctionTool  # noqa: E402
-from llama_index.core.workflow import Context  # noqa: E402
-
-from kvagent.integrations.llamaindex import KVAgentLLM  # noqa: E402
+from kvagent.integrations.llamaindex import KVAgentLLM
+from llama_index.core.agent.workflow import FunctionAgent
+from llama_index.core.llms import ChatMessage
+from llama_index.core.memory import ChatMemoryBuffer
+from llama_index.core.tools import FunctionTool
 
 TOKEN_1 = "kva1.eyJ0dXJuIjoxfQ.bWFjMQ"
 TOKEN_2 = "kva1.eyJ0dXJuIjoyfQ.bWFjMg"
@@ -155,9 +154,9 @@ async def test_function_agent_runs_tools_and_reuses_across_requests() -> None:
 
     router = ScriptedRouter(reply=reply)
     agent = FunctionAgent(tools=[WEATHER], llm=llm_for(router), initial_tool_choice="required")
-    ctx = Context(agent)
-    first = await agent.run("Weather in Rome?", ctx=ctx)
-    second = await agent.run("And again?", ctx=ctx)
+    memory = ChatMemoryBuffer.from_defaults(token_limit=8000)
+    first = await agent.run("Weather in Rome?", memory=memory)
+    second = await agent.run("And again?", memory=memory)
 
     assert str(first.response.content) == "final after sunny in Rome"
     assert str(second.response.content) == "final after sunny in Rome"
@@ -168,7 +167,7 @@ async def test_function_agent_runs_tools_and_reuses_across_requests() -> None:
     assert router.sent[0].body["tool_choice"] == "required"
     assert router.sent[1].body["tool_choice"] == "auto"
     tool_msg = router.sent[1].body["messages"][-1]
-    assert tool_msg == {"role": "tool", "tool_call_id": "call-2", "content": "sunny in Rome"}
+    assert tool_msg == {"role": "tool", "tool_call_id": "call-1", "content": "sunny in Rome"}
     # The second run resends the first run's messages unchanged (a stable prefix).
     assert router.sent[2].body["messages"][:4] == router.sent[1].body["messages"] + [
         {"role": "assistant", "content": "final after sunny in Rome"}]

@@ -23,6 +23,7 @@ import itertools
 import json
 import socket
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,18 @@ KV_PARAM_KEYS = ("do_remote_prefill", "do_remote_decode", "remote_engine_id",
                  "remote_request_id", "remote_host", "remote_port", "remote_block_ids",
                  "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
                  "remote_blocks_expiry_time", "transfer_mode")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Binary search on slice equality: C-speed comparisons, fast enough for benchmarks."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def encode_text(text: str) -> list[int]:
@@ -208,7 +221,7 @@ class FakeNode:
         self.aborted: list[str] = []
         self.in_flight = 0
         self.start_time = time.time()
-        self.sequences: list[list[int]] = []  # local prefix cache
+        self.sequences: deque[list[int]] = deque(maxlen=512)  # local prefix cache (LRU-ish)
         self.app = Starlette(routes=[
             Route("/v1/chat/completions", self._chat, methods=["POST"]),
             Route("/v1/completions", self._completions, methods=["POST"]),
@@ -244,6 +257,8 @@ class FakeNode:
         running = self.in_flight
         return PlainTextResponse(
             f"process_start_time_seconds {self.start_time}\n"
+            f'vllm:cache_config_info{{block_size="{self.cluster.block_size}",'
+            f'cache_dtype="auto"}} 1.0\n'
             f'vllm:num_requests_running{{model_name="{self.model}"}} {running}\n'
             f'vllm:num_requests_waiting{{model_name="{self.model}"}} 0\n')
 
@@ -279,15 +294,8 @@ class FakeNode:
 
     def _local_prefix_hit(self, prompt: list[int]) -> int:
         bs = self.cluster.block_size
-        best = 0
-        for seq in self.sequences:
-            n = 0
-            for a, b in zip(seq, prompt, strict=False):
-                if a != b:
-                    break
-                n += 1
-            best = max(best, n // bs * bs)
-        return min(best, (len(prompt) - 1) // bs * bs)
+        best = max((_common_prefix(seq, prompt) for seq in self.sequences), default=0)
+        return min(best // bs * bs, (len(prompt) - 1) // bs * bs)
 
     def _kv_params(self, request_id: str, num_tokens: int, *, is_p: bool,
                    expiry: float | None) -> dict[str, Any]:
@@ -598,7 +606,6 @@ async def router_stack(*, n_prefill: int = 1, n_decode: int = 1, settings: Any =
     decode = [FakeNode(cluster, "decode", i) for i in range(n_decode)]
     if settings is None:
         settings_kw.setdefault("health_interval_s", 0.2)
-        settings_kw.setdefault("block_size", cluster.block_size)
         settings_kw.setdefault("kv_recompute_threshold", cluster.recompute_threshold)
         settings = RouterSettings(**settings_kw)
     async with contextlib.AsyncExitStack() as stack:

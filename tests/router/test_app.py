@@ -14,7 +14,6 @@ from typing import Any
 
 import httpx
 import pytest
-
 from fakes import FakeCluster, Reply, Stack, router_stack
 
 MODEL = "fake-model"
@@ -251,7 +250,7 @@ async def test_other_tenant_token_recomputes() -> None:
 
 async def test_tenant_concurrency_limit() -> None:
     tenants = [{"name": "solo", "api_keys": ["k"], "max_concurrent_streams": 1}]
-    cluster = FakeCluster(token_delay_s=0.05)
+    cluster = FakeCluster(token_delay_s=0.05, reply=lambda p: Reply(content="short answer"))
     async with router_stack(tenants=tenants, cluster=cluster) as st:
         h = {"Authorization": "Bearer k"}
         async with st.client.stream("POST", "/v1/chat/completions", json=chat_body(FIRST),
@@ -430,12 +429,28 @@ async def test_streamed_tool_call_deltas_pass_through() -> None:
     call = {"id": "call_9", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     cluster = FakeCluster(reply=lambda p: Reply(tool_calls=[call]))
     async with router_stack(cluster=cluster) as st:
-        kva, _, evs = await turn(st, FIRST)
+        _kva, _, evs = await turn(st, FIRST)
         deltas = [e["choices"][0]["delta"] for e in evs if isinstance(e, dict) and e["choices"]]
         assert any(d.get("tool_calls") for d in deltas)
         finish = [e["choices"][0]["finish_reason"] for e in evs
                   if isinstance(e, dict) and e["choices"]]
         assert finish[-1] == "tool_calls"
+
+
+async def test_client_cannot_inject_transfer_params_or_salt() -> None:
+    async with router_stack() as st:
+        forged = {"do_remote_decode": True, "remote_engine_id": "engine-d0-7f3a9c",
+                  "remote_request_id": "d-1", "remote_host": "10.66.0.23",
+                  "remote_port": 5650, "remote_block_ids": [[7000]], "remote_num_tokens": 16}
+        r = await st.client.post("/v1/chat/completions", json=chat_body(
+            FIRST, stream=False, kv_transfer_params=forged, cache_salt="mine"))
+        assert r.status_code == 200
+        p_body = st.prefill[0].requests[-1]
+        assert p_body["kv_transfer_params"] == {"do_remote_decode": True,
+                                                "do_remote_prefill": False}
+        assert p_body["cache_salt"] != "mine"
+        assert st.decode[0].requests[-1]["kv_transfer_params"]["remote_engine_id"] == (
+            st.prefill[0].engine_id)
 
 
 async def test_return_token_ids_kept_when_client_asks() -> None:
@@ -479,6 +494,20 @@ async def test_completions_endpoint_stream_and_whole() -> None:
         data = r2.json()
         assert data["kvagent"]["path"] == "pd_reuse" and data["choices"][0]["text"]
         no_wrong_kv(st)
+
+
+async def test_several_samples_or_prompts_served_whole_on_decode() -> None:
+    async with router_stack() as st:
+        r = await st.client.post("/v1/chat/completions", headers={"X-Session-ID": "n"},
+                                 json=chat_body(FIRST, stream=False, n=2))
+        assert r.status_code == 200
+        assert_clean(st, r.text)
+        assert r.json()["kvagent"]["cache_token"] is None
+        r = await st.client.post("/v1/completions", json={
+            "model": MODEL, "prompt": ["one", "two"], "max_tokens": 4})
+        assert r.status_code == 200
+        assert not st.prefill[0].requests  # P never saw them
+        assert all("kv_transfer_params" not in b for b in st.decode[0].requests)
 
 
 # --------------------------------------------------------------------------- surface

@@ -415,6 +415,10 @@ def test_both_stores_satisfy_the_protocol() -> None:
 # ------------------------------------------------------------------ model-based test
 
 
+TENANTS = ["a", "b:c"]
+SESSIONS = ["s1", "s2", "x:y"]
+
+
 class StoreMachine(RuleBasedStateMachine):
     """Random sequences of store operations, checked against a dict-based model."""
 
@@ -498,20 +502,20 @@ class StoreMachine(RuleBasedStateMachine):
         self.loop.close()
 
 
-TENANTS = ["a", "b:c"]
-SESSIONS = ["s1", "s2", "x:y"]
 MACHINE_SETTINGS = settings(max_examples=60, stateful_step_count=30, deadline=None)
 
 
 def test_memory_store_matches_the_model() -> None:
     StoreMachine.redis_url = None
-    run_state_machine_as_test(StoreMachine, settings=MACHINE_SETTINGS)
+    run_state_machine_as_test(StoreMachine, settings=settings(
+        MACHINE_SETTINGS, max_examples=300, database=None))
 
 
 @pytest.mark.redis
 def test_redis_store_matches_the_model(redis_server: Any) -> None:
     StoreMachine.redis_url = redis_server.url
     try:
-        run_state_machine_as_test(StoreMachine, settings=MACHINE_SETTINGS)
+        run_state_machine_as_test(StoreMachine, settings=settings(MACHINE_SETTINGS,
+                                                                  database=None))
     finally:
         StoreMachine.redis_url = None

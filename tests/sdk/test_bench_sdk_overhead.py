@@ -20,7 +20,7 @@ def test_benchmark_runs_all_variants_on_the_same_bytes() -> None:
     assert set(out["us_per_chunk"]) == {
         f"{mode} {name}" for mode in ("sync", "async")
         for name in ("httpx bytes", "httpx + json", "kvagent")}
-    assert all(v > 0 for v in out["us_per_chunk"].values())
+    assert all(0 < v["min"] <= v["median"] for v in out["us_per_chunk"].values())
     assert set(out["ratios"]) == {"sync", "async"}
 
 

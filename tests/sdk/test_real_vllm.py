@@ -8,7 +8,12 @@ errors. A plain vLLM returns no cache token: everything must work, without reuse
 from __future__ import annotations
 
 import json
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Literal
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -18,6 +23,7 @@ from kvagent import (
     Done,
     NotFoundError,
     Session,
+    StreamInterrupted,
     TextDelta,
     ToolCallDelta,
     tool,
@@ -139,3 +145,67 @@ def test_request_the_server_rejects_is_a_bad_request(vllm_node) -> None:
           pytest.raises(BadRequestError) as info):
         s.send("hi")
     assert info.value.status_code == 400 and s.messages == ()
+
+
+@contextmanager
+def cutting_proxy(upstream: str, response_bytes: int) -> Iterator[str]:
+    """A TCP proxy that forwards requests but closes each connection after relaying
+    ``response_bytes`` of the response: a real connection cut in the middle of a stream."""
+    target = urlsplit(upstream)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    stop = threading.Event()
+
+    def pipe(src: socket.socket, dst: socket.socket, limit: int | None) -> None:
+        sent = 0
+        try:
+            while limit is None or sent < limit:
+                data = src.recv(4096 if limit is None else min(4096, limit - sent))
+                if not data:
+                    break
+                dst.sendall(data)
+                sent += len(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                sock.close()
+
+    def serve() -> None:
+        listener.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                client, _ = listener.accept()
+            except TimeoutError:
+                continue
+            server = socket.create_connection((target.hostname, target.port))
+            threading.Thread(target=pipe, args=(client, server, None), daemon=True).start()
+            threading.Thread(target=pipe, args=(server, client, response_bytes),
+                             daemon=True).start()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{port}{target.path}"
+    finally:
+        stop.set()
+        thread.join(timeout=2)
+        listener.close()
+
+
+def test_real_connection_cut_mid_stream_keeps_history(vllm_node) -> None:
+    options = {"system": "You are terse.", "temperature": 0.0, "max_tokens": 8}
+    with Session(vllm_node.base_url, vllm_node.model, **options) as direct:
+        full = direct.send("Weather in Paris?").text
+    # Headers (~200 bytes) + the role chunk (~300) + about two content chunks.
+    with cutting_proxy(vllm_node.base_url, 1000) as url, \
+            Session(url, vllm_node.model, max_retries=0, **options) as s:
+        with pytest.raises(StreamInterrupted) as info:
+            s.send("Weather in Paris?")
+        assert [m.role for m in s.messages] == ["system"]  # nothing half-added
+    partial = info.value.partial_text
+    assert partial and full.startswith(partial) and partial != full

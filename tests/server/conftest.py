@@ -10,7 +10,6 @@ from typing import Any
 
 import psutil
 import pytest
-
 from kvagent_server.render import HostFacts, ModelSource, PlanInputs
 
 FAKE_NODE = Path(__file__).with_name("fake_node.py")

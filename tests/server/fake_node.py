@@ -37,7 +37,7 @@ CHILD_CODE = (
 
 
 class Handler(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         if self.path == "/health":
             delay = float(os.environ.get("FAKE_HEALTH_DELAY_S", "0"))
             code = 200 if time.monotonic() - START >= delay else 503
@@ -45,7 +45,7 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._reply(404, b"not found")
 
-    def do_POST(self) -> None:  # noqa: N802
+    def do_POST(self) -> None:
         if self.path == "/die":
             self._reply(200, b"bye")
             threading.Timer(0.05, lambda: os._exit(7)).start()

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from kvagent_server.config import (
     BundleConfig,
     ConfigError,
@@ -14,6 +13,7 @@ from kvagent_server.config import (
     validate_config,
 )
 from kvagent_server.render import plan
+
 from tests.server.conftest import fake_inputs
 
 
@@ -46,15 +46,15 @@ def test_unknown_key_names_its_path_and_suggests() -> None:
 
 def test_type_errors_show_path_and_value() -> None:
     assert problems({"prefill": {"count": "two"}}) == [
-        "prefill.count: Input should be a valid integer, unable to parse string as an "
-        "integer (got 'two')"]
+        ("prefill.count: Input should be a valid integer, unable to parse string as an "
+        "integer (got 'two')")]
     assert problems({"device": "tpu"}) == [
         "device: Input should be 'auto', 'cpu' or 'cuda' (got 'tpu')"]
     assert problems({"decode": {"count": 0}}) == [
         "decode.count: Input should be greater than or equal to 1 (got 0)"]
     assert problems({"prefill": {"ports": [8100, "x"]}}) == [
-        "prefill.ports[1]: Input should be a valid integer, unable to parse string as an "
-        "integer (got 'x')"]
+        ("prefill.ports[1]: Input should be a valid integer, unable to parse string as an "
+        "integer (got 'x')")]
 
 
 def test_several_problems_one_line_each() -> None:
@@ -103,8 +103,8 @@ def test_port_range_overflow() -> None:
 
 def test_ttl_must_exceed_router_safety_margin() -> None:
     assert problems({"decoder_kv_blocks_ttl_s": 60}) == [
-        "decoder_kv_blocks_ttl_s: 60 s must be above router.token_safety_margin_s (60 s), "
-        "or every cache token would be expired when issued"]
+        ("decoder_kv_blocks_ttl_s: 60 s must be above router.token_safety_margin_s (60 s), "
+        "or every cache token would be expired when issued")]
     assert validate_config({"decoder_kv_blocks_ttl_s": 30,
                             "router": {"token_safety_margin_s": 10}}).decoder_kv_blocks_ttl_s == 30
 
@@ -121,8 +121,8 @@ def test_more_nodes_than_cores_when_pinning() -> None:
     with pytest.raises(ConfigError) as info:
         plan(cfg, fake_inputs(cores=(0, 1)))
     assert info.value.problems == [
-        "prefill.count + decode.count: 3 nodes to pin but only 2 core(s) (0-1); lower the "
-        "counts, list more cpu_cores, give explicit cpu_binds, or set cpu_pinning: false"]
+        ("prefill.count + decode.count: 3 nodes to pin but only 2 core(s) (0-1); lower the "
+        "counts, list more cpu_cores, give explicit cpu_binds, or set cpu_pinning: false")]
     # Without pinning the same bundle is allowed (nodes share vLLM's `auto` binding).
     bp = plan(cfg.model_copy(update={"cpu_pinning": False}), fake_inputs(cores=(0, 1)))
     assert {n.env["VLLM_CPU_OMP_THREADS_BIND"] for n in bp.nodes} == {"auto"}
@@ -140,8 +140,8 @@ def test_more_nodes_than_gpus() -> None:
     with pytest.raises(ConfigError) as info:
         plan(validate_config({"device": "cuda", "decode": {"count": 2}}), fake_inputs(gpus=2))
     assert info.value.problems == [
-        "prefill.count + decode.count: 3 nodes need a GPU each but only 2 GPU(s) are free "
-        "(of 2 visible)"]
+        ("prefill.count + decode.count: 3 nodes need a GPU each but only 2 GPU(s) are free "
+        "(of 2 visible)")]
 
 
 def test_yaml_file_and_flag_overrides(tmp_path: Path) -> None:
@@ -187,3 +187,24 @@ def test_dump_roundtrips_with_secrets() -> None:
     again = BundleConfig.model_validate(dump_config(cfg))
     assert again == cfg
     assert again.router.signing_keys["k1"].get_secret_value() == "s" * 32
+
+
+def test_partly_given_role_keeps_its_own_port_defaults() -> None:
+    cfg = validate_config({"decode": {"count": 2}})
+    assert cfg.node_ports("decode") == [8200, 8201]
+    assert cfg.side_channel_ports("decode") == [5700, 5701]
+
+
+def test_three_listeners_on_one_port() -> None:
+    assert problems({"decode": {"port_base": 8100}, "router": {"port": 8100}}) == [
+        "ports: 8100 is used by prefill[0].port, decode[0].port and router.port"]
+
+
+def test_dump_keeps_defaults_unset() -> None:
+    """A dumped config reloads to the same plan: defaults stay defaults (nothing pinned)."""
+    cfg = validate_config({"decode": {"count": 2}, "router": {"reuse": False}})
+    again = BundleConfig.model_validate(dump_config(cfg))
+    assert again == cfg
+    assert again.router.model_fields_set == {"reuse"}
+    assert plan(again, fake_inputs(cores=(0, 1, 2))).router_settings == plan(
+        cfg, fake_inputs(cores=(0, 1, 2))).router_settings

@@ -14,9 +14,9 @@ import httpx
 import psutil
 import pytest
 import yaml
-
 from kvagent_server.processes import RUN_DIR_ENV
 from kvagent_server.runstate import load_state
+
 from tests.server.conftest import free_ports, processes_mentioning
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -44,7 +44,7 @@ def _ours(run_dir: Path) -> list[psutil.Process]:
 
 
 def cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvagent_server.cli", *args],
+    return subprocess.run([sys.executable, "-m", "kvagent_server.cli", *args], check=False,
                           capture_output=True, text=True, timeout=timeout)
 
 

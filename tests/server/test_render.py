@@ -7,7 +7,6 @@ import shlex
 import sys
 
 import pytest
-
 from kvagent_server.config import validate_config
 from kvagent_server.render import (
     HostFacts,
@@ -20,6 +19,7 @@ from kvagent_server.render import (
     render_json,
     render_shell,
 )
+
 from tests.server.conftest import fake_inputs
 
 KV_P = ('{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu",'
@@ -75,8 +75,8 @@ def test_router_settings_follow_the_nodes() -> None:
     with pytest.raises(ConfigError) as info:
         plan(clash, fake_inputs())
     assert info.value.problems == [
-        "router.block_size: 16 disagrees with the nodes' block_size (128); set block_size "
-        "instead, the bundle passes it on"]
+        ("router.block_size: 16 disagrees with the nodes' block_size (128); set block_size "
+        "instead, the bundle passes it on")]
     same = validate_config({"router": {"block_size": 16}, "device": "cuda"})
     assert plan(same, fake_inputs(gpus=2)).router_settings["block_size"] == 16
 

@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-
 from kvagent_server.config import ConfigError, validate_config
 from kvagent_server.nodes import Bundle, BundleError
 from kvagent_server.runstate import load_state
+
 from tests.server.conftest import fake_inputs, free_ports, processes_mentioning
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -152,8 +152,8 @@ def test_busy_port_is_reported_before_anything_starts(fake_config: dict) -> None
             bundle_of(fake_config).start()
     port = fake_config["decode"]["side_channel_ports"][0]
     assert info.value.problems == [
-        f"decode-0 NIXL side channel: cannot listen on 127.0.0.1:{port} "
-        "(Address already in use)"]
+        (f"decode-0 NIXL side channel: cannot listen on 127.0.0.1:{port} "
+        "(Address already in use)")]
     assert load_state(Path(fake_config["run_dir"])) is None
 
 
@@ -181,7 +181,7 @@ def test_no_router(fake_config: dict) -> None:
 
 
 def cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvagent_server.cli", *args],
+    return subprocess.run([sys.executable, "-m", "kvagent_server.cli", *args], check=False,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -293,9 +293,8 @@ def test_cli_render_formats() -> None:
 
 
 def test_demo_app_without_demo_module() -> None:
-    from typer.testing import CliRunner
-
     from kvagent_server.cli import demo_app
+    from typer.testing import CliRunner
 
     try:
         import kvagent_server.demo  # noqa: F401
@@ -305,3 +304,17 @@ def test_demo_app_without_demo_module() -> None:
         assert "provided by the module kvagent_server.demo" in res.output
     else:
         pytest.skip("kvagent_server.demo exists; its own tests cover it")
+
+
+def test_missing_engine_command_is_a_clear_error(fake_config: dict) -> None:
+    fake_config["engine_command"] = ["/nonexistent/vllm-wrapper"]
+    with pytest.raises(BundleError) as info:
+        bundle_of(fake_config).start()
+    assert str(info.value) == (
+        "prefill-0 cannot run '/nonexistent/vllm-wrapper': No such file or directory")
+
+
+def test_missing_router_command_fails_the_start(fake_config: dict) -> None:
+    fake_config["router_command"] = ["/nonexistent/router"]
+    with pytest.raises(BundleError, match=r"^router cannot run '/nonexistent/router'"):
+        bundle_of(fake_config).start()

@@ -50,7 +50,13 @@ from ..async_session import AsyncSession
 from ..events import Done, TextDelta, ToolCallDelta
 from ..results import TurnResult
 from ..session import Session
-from ._carry import METADATA_KEY, carrier_metadata, choose_session, read_carrier, tool_call_arguments
+from ._carry import (
+    METADATA_KEY,
+    carrier_metadata,
+    choose_session,
+    read_carrier,
+    tool_call_arguments,
+)
 
 __all__ = ["ChatKVAgent"]
 
@@ -255,13 +261,12 @@ class ChatKVAgent(BaseChatModel):
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         session_id, model, init = self._prepare(messages, stop, kwargs)
         async with AsyncSession(self.base_url, model, http_client=self.http_async_client,
-                                **init) as session:
-            async with session.stream() as events:
-                async for event in events:
-                    chunk = _chunk(event, session_id)
-                    if run_manager:
-                        await run_manager.on_llm_new_token(_chunk_text(event), chunk=chunk)
-                    yield chunk
+                                **init) as session, session.stream() as events:
+            async for event in events:
+                chunk = _chunk(event, session_id)
+                if run_manager:
+                    await run_manager.on_llm_new_token(_chunk_text(event), chunk=chunk)
+                yield chunk
 
     # ------------------------------------------------------------------ plumbing
 

@@ -46,6 +46,10 @@ from .turn import Router, Turn, TurnRequest, plan_turn
 log = logging.getLogger("kvagent.router")
 T = TypeVar("T")
 
+#: Body fields a client must not set: they would make a node pull or push KV blocks the
+#: router did not vet (another tenant's, say). `cache_salt` is always the tenant's.
+CLIENT_FORBIDDEN = ("kv_transfer_params", "ec_transfer_params")
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
@@ -166,8 +170,10 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        # Expire idle connections before the nodes do (uvicorn's keep-alive is 5 s), so
+        # a request rarely meets a connection the node is closing.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
-                              keepalive_expiry=30)
+                              keepalive_expiry=4)
         async with httpx.AsyncClient(transport=transport, limits=limits) as client:
             codec = TokenCodec(await key_ring_for(settings, the_store))
             legs = Legs(client, max_retries=settings.max_retries,
@@ -268,6 +274,8 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
     session, token = session_and_token(request.headers, body)
     wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     keep_ids = bool(body.get("return_token_ids"))
+    for name in CLIENT_FORBIDDEN:  # only the router may steer KV transfers
+        body.pop(name, None)
     body["cache_salt"] = tenant.cache_salt
     stream = bool(body.get("stream"))
     req = TurnRequest(endpoint=endpoint, body=body, tenant=tenant, session=session,

@@ -29,6 +29,9 @@ RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 _PREFILL_DROP = ("stream_options", "min_tokens", "logprobs", "top_logprobs", "echo",
                  "prompt_logprobs", "max_completion_tokens", "n", "best_of")
 
+#: Errors of a connection that broke before the node answered: safe to send again once.
+_STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
 _background: set[asyncio.Future[bool]] = set()
 
 FRESH_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
@@ -50,7 +53,7 @@ class PrefillResult:
     node: Node
     kv_params: dict[str, Any]
     prompt_token_ids: list[int] | None
-    cached_tokens: int
+    cached_tokens: int | None  # None: the node does not report it (no prompt_tokens_details)
     prompt_tokens: int
     pull_failed: bool
     elapsed_s: float
@@ -93,9 +96,13 @@ def _error_body(resp: httpx.Response) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def _usage_cached(usage: dict[str, Any] | None) -> int:
-    details = (usage or {}).get("prompt_tokens_details") or {}
-    return int(details.get("cached_tokens") or 0)
+def usage_cached(usage: dict[str, Any] | None) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens`, None when the node does not report it
+    (vLLM needs `--enable-prompt-tokens-details`)."""
+    details = (usage or {}).get("prompt_tokens_details")
+    if not isinstance(details, dict) or details.get("cached_tokens") is None:
+        return None
+    return int(details["cached_tokens"])
 
 
 class Legs:
@@ -110,11 +117,23 @@ class Legs:
 
     async def _post(self, node: Node, path: str, body: dict[str, Any], headers: dict[str, str],
                     *, stream: bool) -> httpx.Response:
-        request = self.client.build_request("POST", f"{node.url}{path}", json=body,
-                                            headers=headers, timeout=self.timeout)
+        """POST once more on the same node if the connection dropped before any response
+        (a pooled keep-alive connection the node had just closed); unreachable nodes are
+        marked down at once."""
         node.in_flight += 1
         try:
-            return await self.client.send(request, stream=stream)
+            for attempt in (0, 1):
+                request = self.client.build_request("POST", f"{node.url}{path}", json=body,
+                                                    headers=headers, timeout=self.timeout)
+                try:
+                    return await self.client.send(request, stream=stream)
+                except _STALE_CONNECTION:
+                    if attempt:
+                        raise
+                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                    self.on_node_error(node, type(exc).__name__)
+                    raise
+            raise AssertionError("unreachable")
         finally:
             node.in_flight -= 1
 
@@ -131,7 +150,6 @@ class Legs:
                 resp = await self._post(node, path, prefill_body(body, params), headers,
                                         stream=False)
             except httpx.HTTPError as exc:
-                self.on_node_error(node, type(exc).__name__)
                 last = LegError(f"prefill node unreachable ({type(exc).__name__})", leg="prefill")
                 continue
             if resp.status_code >= 500 and reuse and not pull_failed:
@@ -142,14 +160,11 @@ class Legs:
                 try:
                     resp = await self._post(node, path, prefill_body(body, FRESH_PARAMS),
                                             headers, stream=False)
-                except httpx.HTTPError as exc:
-                    self.on_node_error(node, type(exc).__name__)
+                except httpx.HTTPError:
                     last = LegError("prefill node unreachable", leg="prefill")
                     continue
             if resp.status_code != 200:
                 if resp.status_code in RETRYABLE_STATUS:
-                    if resp.status_code >= 500:
-                        self.on_node_error(node, f"prefill returned {resp.status_code}")
                     last = LegError(f"prefill failed ({resp.status_code})", leg="prefill")
                     continue
                 raise LegError("request rejected", status=resp.status_code,
@@ -163,7 +178,7 @@ class Legs:
             choices = data.get("choices") or [{}]
             prompt_ids = data.get("prompt_token_ids") or choices[0].get("prompt_token_ids")
             return PrefillResult(node=node, kv_params=params_out, prompt_token_ids=prompt_ids,
-                                 cached_tokens=_usage_cached(usage),
+                                 cached_tokens=usage_cached(usage),
                                  prompt_tokens=int(usage.get("prompt_tokens") or 0),
                                  pull_failed=pull_failed,
                                  elapsed_s=time.perf_counter() - started)
@@ -178,7 +193,6 @@ class Legs:
             try:
                 resp = await self._post(node, path, body, headers, stream=stream)
             except httpx.HTTPError as exc:
-                self.on_node_error(node, type(exc).__name__)
                 last = LegError(f"decode node unreachable ({type(exc).__name__})")
                 continue
             if resp.status_code == 200:
@@ -188,8 +202,6 @@ class Legs:
                 await resp.aread()
                 await resp.aclose()
             if resp.status_code in RETRYABLE_STATUS:
-                if resp.status_code >= 500:
-                    self.on_node_error(node, f"decode returned {resp.status_code}")
                 last = LegError(f"decode failed ({resp.status_code})")
                 continue
             raise LegError("request rejected", status=resp.status_code, body=_error_body(resp))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -20,6 +21,7 @@ import httpx
 from .placement import NodeState
 
 log = logging.getLogger("kvagent.router.nodes")
+_BLOCK_SIZE_RE = re.compile(r'[{,]block_size="(\d+)"')
 
 Role = Literal["prefill", "decode"]
 
@@ -35,6 +37,8 @@ class Node:
     epoch: str = "c1"
     in_flight: int = 0
     max_in_flight: int = 64
+    #: KV block size reported by the node (None until known).
+    block_size: int | None = None
     probed: bool = False
     _comebacks: int = field(default=1, repr=False)
     failures: int = 0
@@ -118,22 +122,30 @@ class NodeRegistry:
         if not ok:
             node.mark_down(reason)
         elif not node.healthy or not node.probed:
-            node.mark_up(await self._start_time(client, node))
+            start_time, block_size = await self._node_info(client, node)
+            node.block_size = block_size or node.block_size
+            node.mark_up(start_time)
             node.probed = True
         return ok
 
-    async def _start_time(self, client: httpx.AsyncClient, node: Node) -> str | None:
-        """The node's `process_start_time_seconds`, its incarnation across replicas."""
+    async def _node_info(self, client: httpx.AsyncClient,
+                         node: Node) -> tuple[str | None, int | None]:
+        """From the node's `/metrics`: `process_start_time_seconds` (its incarnation, the
+        same for every router replica) and the KV block size (`vllm:cache_config_info`)."""
         try:
             resp = await client.get(f"{node.url}/metrics", timeout=self.probe_timeout_s)
         except httpx.HTTPError:
-            return None
+            return None, None
         if resp.status_code != 200:
-            return None
+            return None, None
+        start_time = block_size = None
         for line in resp.text.splitlines():
             if line.startswith("process_start_time_seconds "):
-                return line.split()[1]
-        return None
+                start_time = line.split()[1]
+            elif line.startswith("vllm:cache_config_info{"):
+                found = _BLOCK_SIZE_RE.search(line)
+                block_size = int(found.group(1)) if found else None
+        return start_time, block_size
 
     async def probe_all(self, client: httpx.AsyncClient) -> None:
         await asyncio.gather(*(self.probe(client, n) for n in self.nodes.values()))

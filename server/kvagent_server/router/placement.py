@@ -82,7 +82,7 @@ def pick_decode(
         return best, "affinity_unhealthy"
     if preferred is best:
         return preferred, "affinity"
-    overloaded = preferred.saturated and not best.saturated or (
+    overloaded = (preferred.saturated and not best.saturated) or (
         (preferred.in_flight + 1) / preferred.max_in_flight
         > overload_factor * (best.in_flight + 1) / best.max_in_flight
     )

@@ -193,7 +193,9 @@ def reuse_transfer_params(handle: Handle, reuse_tokens: int) -> dict[str, Any]:
     if reuse_tokens > retained:
         raise ValueError(f"reuse_tokens={reuse_tokens} exceeds the {retained} retained tokens")
     params = copy.deepcopy(handle.kv_transfer_params)
-    groups, flat = _block_groups(params)  # type: ignore[misc]  # checked by retained_tokens
+    parsed = _block_groups(params)
+    assert parsed is not None  # retained_tokens checked the layout
+    groups, flat = parsed
     n_blocks = reuse_tokens // handle.block_size
     cut = [group[:n_blocks] for group in groups]
     params["remote_block_ids"] = cut[0] if flat else cut

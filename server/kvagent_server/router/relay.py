@@ -128,16 +128,18 @@ async def relay_sse(upstream: AsyncIterator[bytes], scrubber: Scrubber,
     finished = False
     async for piece in upstream:
         buffer += piece
+        ready: list[bytes] = []  # events that arrived together leave together (one send)
         while True:
             cut = buffer.find(b"\n\n")
             if cut < 0:
                 break
             event, buffer = buffer[:cut], buffer[cut + 2:]
             out = await _event(event, scrubber, finalize, finished)
-            if out is None:
-                continue
-            data, finished = out
-            yield data
+            if out is not None:
+                ready.append(out[0])
+                finished = out[1]
+        if ready:
+            yield b"".join(ready)
     if buffer.strip():
         out = await _event(buffer, scrubber, finalize, finished)
         if out is not None:

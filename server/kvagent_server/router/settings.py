@@ -41,8 +41,9 @@ class RouterSettings(BaseModel):
     request_timeout_s: float = Field(default=600.0, gt=0)
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     max_retries: int = Field(default=2, ge=0)
-    #: The nodes' KV block size (`--block-size`); reuse is aligned to whole blocks.
-    block_size: int = Field(default=16, ge=1)
+    #: The nodes' KV block size; reuse is aligned to whole blocks. None: read it from the
+    #: nodes' `/metrics` (`vllm:cache_config_info`); no token is issued while unknown.
+    block_size: int | None = Field(default=None, ge=1)
     #: The nodes' `kv_recompute_threshold`: fewer reusable tokens are recomputed.
     kv_recompute_threshold: int = Field(default=64, ge=0)
     #: The decode nodes' `decoder_kv_blocks_ttl`: how long D keeps a turn's blocks.

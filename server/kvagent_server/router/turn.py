@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 
 from . import placement, planner
-from .legs import DecodeStart, LegError, Legs, PrefillResult, decode_body
+from .legs import DecodeStart, LegError, Legs, PrefillResult, decode_body, usage_cached
 from .metrics import RouterMetrics
 from .nodes import NodeRegistry
 from .relay import Capture, Final
@@ -77,13 +77,16 @@ class Turn:
     async def finalize(self, capture: Capture) -> Final:
         usage = capture.usage or {}
         prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        planned = self.plan.reuse_tokens if self.path in ("pd_reuse", "d_direct") else 0
+        # What the serving node reports as not recomputed; the plan when it reports nothing.
         if self.prefill is not None:
-            cached = self.prefill.cached_tokens
-            reused = min(self.plan.reuse_tokens, cached) if self.path == "pd_reuse" else 0
+            reported = self.prefill.cached_tokens
             prompt_tokens = prompt_tokens or self.prefill.prompt_tokens
         else:
-            cached = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-            reused = cached
+            reported = usage_cached(usage)
+        cached = reported if reported is not None else planned
+        reused = min(planned, cached) if self.path == "pd_reuse" else (
+            cached if self.path == "d_direct" else 0)
         self._account(prompt_tokens, cached, reused)
         token, expires_in = await self._next_token(capture)
         kvagent = {"cache_token": token, "reused_tokens": reused, "expires_in": expires_in,
@@ -116,11 +119,15 @@ class Turn:
                 or not s.reuse):
             return None, 0
         node = self.decode.node
+        block_size = s.block_size or node.block_size
+        if block_size is None:
+            log.warning("block size of %s unknown: set router.block_size", node.name)
+            return None, 0
         now = time.time()
         handle = Handle(handle_id=new_handle_id(), tenant=req.tenant.name, session=req.session,
                         decode_node=node.name, decode_epoch=node.epoch,
                         kv_transfer_params=capture.kv_params, token_ids=sequence,
-                        block_size=s.block_size, created_at=now, expires_at=now + ttl)
+                        block_size=block_size, created_at=now, expires_at=now + ttl)
         if planner.retained_tokens(handle) is None:
             log.warning("decode node %s returned unusable kv_transfer_params", node.name)
             return None, 0
@@ -148,14 +155,21 @@ async def _claim(r: Router, req: TurnRequest) -> tuple[Handle | None, str | None
     return handle, None if handle is not None else "already_used"
 
 
-def _reusable_shape(body: dict[str, Any]) -> bool:
-    return (body.get("n") or 1) == 1 and (body.get("best_of") or 1) == 1
+def _pd_shape(body: dict[str, Any]) -> bool:
+    """One sequence from one prompt: what a P/D transfer (one handle per request) serves.
+    Several samples (`n`, `best_of`) or a batch of prompts go to one node whole."""
+    prompt = body.get("prompt")
+    batch = (isinstance(prompt, list) and len(prompt) > 1
+             and not all(isinstance(t, int) for t in prompt))
+    return (body.get("n") or 1) == 1 and (body.get("best_of") or 1) == 1 and not batch
 
 
 async def plan_turn(r: Router, req: TurnRequest) -> Turn:
     """Decide the path, run the P leg (if any) and open the D leg."""
     started = time.perf_counter()
-    handle, rejected = await _claim(r, req) if _reusable_shape(req.body) else (None, None)
+    if not _pd_shape(req.body):
+        return await _whole_on_decode(r, req, started)
+    handle, rejected = await _claim(r, req)
     d_node = r.registry.get(handle.decode_node) if handle is not None else None
     prefill_first = placement.pick_prefill(r.registry.states())
     p_first = r.registry.get(prefill_first.node_id) if prefill_first else None
@@ -178,7 +192,8 @@ async def plan_turn(r: Router, req: TurnRequest) -> Turn:
             tenant=req.tenant.name, session=req.session,
             node_healthy=bool(d_node and d_node.healthy),
             node_epoch=d_node.epoch if d_node else None, enabled=r.settings.reuse,
-            rejected=rejected)
+            rejected=rejected,
+            prefill_block_size=r.settings.block_size or (p_first.block_size if p_first else None))
     d_choice, _ = placement.pick_decode(
         r.registry.states(), affinity=handle.decode_node if handle else await _affinity(r, req))
     d_first = r.registry.get(d_choice.node_id) if d_choice else None
@@ -238,6 +253,20 @@ async def plan_turn(r: Router, req: TurnRequest) -> Turn:
     if d_nodes and start.node is not d_nodes[0]:
         r.metrics.retries.labels(leg="decode").inc()
     return Turn(r, req, path, plan, prefill, start, started)
+
+
+async def _whole_on_decode(r: Router, req: TurnRequest, started: float) -> Turn:
+    """Serve a request P/D cannot split on the least loaded decode node, aggregated."""
+    body = {k: v for k, v in req.body.items() if k != "kv_transfer_params"}
+    body["return_token_ids"] = True
+    if req.stream:
+        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+    with leg_span(req.span, "decode") as span:
+        start = await r.legs.decode(r.registry.ranked("decode"), req.endpoint, body, {},
+                                    stream=req.stream)
+        span.set_attribute("kvagent.node", start.node.name)
+    plan = planner.ReusePlan(reuse_tokens=0, reason="unsupported_shape")
+    return Turn(r, req, "d_direct", plan, None, start, started)
 
 
 async def _affinity(r: Router, req: TurnRequest) -> str | None:

@@ -5,6 +5,7 @@ Inert unless `KVAGENT_PLUGIN=1` (the bundle sets it on the nodes it starts). Whe
 - adds `kv_transfer_params` to the final chunk of streamed chat and text completions
   (`stream_params`), as the non-streamed responses already carry them;
 - gives NIXL's UCX progress thread a poll timeout so an idle node sleeps (`nixl_delay`);
+- keeps the worker's compute thread on the node's cores (`affinity`);
 - lets an engine that only holds KV blocks for a remote reader wait for input instead of
   stepping every millisecond (`idle_wait`).
 
@@ -19,7 +20,7 @@ import os
 
 from kvagent_server.vllm_plugin import env
 
-logger = logging.getLogger("kvagent.vllm_plugin")
+logger = logging.getLogger("vllm.kvagent")
 
 
 def enabled() -> bool:
@@ -46,7 +47,7 @@ def register() -> None:
         return
     import vllm
 
-    from kvagent_server.vllm_plugin import idle_wait, nixl_delay, stream_params, version
+    from kvagent_server.vllm_plugin import affinity, idle_wait, nixl_delay, stream_params, version
     from kvagent_server.vllm_plugin.import_hooks import when_imported
 
     try:
@@ -67,5 +68,7 @@ def register() -> None:
             when_imported(name, lambda m: nixl_delay.patch_api_module(m, delay_us))
     if idle_ms > 0:
         when_imported(idle_wait.TARGET_MODULE, lambda m: idle_wait.patch_module(m, idle_ms))
+    if os.environ.get(env.KEEP_AFFINITY_ENV, "1") == "1":
+        when_imported(affinity.TARGET_MODULE, affinity.patch_module)
     if spin_ms > 0:
         when_imported(idle_wait.SPIN_MODULE, lambda m: idle_wait.patch_spin_module(m, spin_ms))

@@ -22,6 +22,8 @@ DEFAULT_IDLE_POLL_MS = 500
 #: How long (ms) a worker busy-loops for the next message before sleeping (vLLM: 1000).
 SPIN_ENV = "KVAGENT_SPIN_MS"
 DEFAULT_SPIN_MS = 20
+#: "1": undo the NIXL worker's move of the compute thread onto the last core (see affinity.py).
+KEEP_AFFINITY_ENV = "KVAGENT_KEEP_AFFINITY"
 
 
 def _check_role(role: str) -> None:
@@ -37,6 +39,7 @@ def node_env(role: str) -> dict[str, str]:
         NIXL_DELAY_ENV: str(DEFAULT_NIXL_DELAY_US),
         IDLE_POLL_ENV: str(DEFAULT_IDLE_POLL_MS),
         SPIN_ENV: str(DEFAULT_SPIN_MS),
+        KEEP_AFFINITY_ENV: "1",
         # vLLM sets this itself only if NIXL is not imported yet; the plugin may import it
         # earlier, so set it explicitly (works around a rare UCX registration-cache leak).
         "UCX_RCACHE_MAX_UNRELEASED": "1024",
@@ -45,6 +48,11 @@ def node_env(role: str) -> dict[str, str]:
 
 
 def node_args(role: str) -> list[str]:
-    """Extra vLLM CLI arguments for a `role` node (none needed today)."""
+    """Extra vLLM CLI arguments for a `role` node.
+
+    `--enable-prompt-tokens-details` makes `usage.prompt_tokens_details.cached_tokens`
+    appear (local prefix-cache hits plus KV pulled from the other node), which the router
+    reports to clients and tests use as proof of reuse.
+    """
     _check_role(role)
-    return []
+    return ["--enable-prompt-tokens-details"]

@@ -10,7 +10,7 @@ TTL after every turn.
 
 Two patches, both bounded and with no effect on a busy engine:
 
-- `EngineCore._process_engine_step`: after a step that executed nothing, if the scheduler
+- `EngineCoreProc._process_engine_step`: after a step that executed nothing, if the scheduler
   has no running or waiting request (only finished ones awaiting the connector), wait up to
   `idle_poll_ms` for new input instead of 1 ms. New requests end the wait at once; block
   frees and lease expiries are noticed up to `idle_poll_ms` later.
@@ -26,7 +26,7 @@ import queue
 from types import ModuleType
 from typing import Any
 
-logger = logging.getLogger("kvagent.vllm_plugin")
+logger = logging.getLogger("vllm.kvagent")
 
 TARGET_MODULE = "vllm.v1.engine.core"
 SPIN_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
@@ -45,8 +45,8 @@ def wait_for_input(q: queue.Queue[Any], timeout_s: float) -> None:
 
 
 def patch_module(module: ModuleType, idle_poll_ms: int) -> bool:
-    """Patch `EngineCore._process_engine_step` in `vllm.v1.engine.core`."""
-    cls = module.EngineCore
+    """Patch `EngineCoreProc._process_engine_step` in `vllm.v1.engine.core`."""
+    cls = module.EngineCoreProc
     original = cls._process_engine_step
     if getattr(original, "__kvagent_wrapped__", False):
         return False

@@ -16,7 +16,7 @@ import logging
 from types import ModuleType
 from typing import Any
 
-logger = logging.getLogger("kvagent.vllm_plugin")
+logger = logging.getLogger("vllm.kvagent")
 
 # The wheels a `nixl._api` import resolves to (`nixl` is a meta package on PyPI).
 API_MODULES = ("nixl_cu12._api", "nixl_cu13._api", "nixl_rocm._api", "nixl._api")
