@@ -95,13 +95,16 @@ def foreign_vllm() -> list[str]:
 def wait_until_alone(timeout_s: float, *, poll_s: float = 10.0, log=print) -> None:
     """Wait (up to `timeout_s`) until no foreign vLLM runs; RuntimeError if one still does."""
     deadline = time.monotonic() + timeout_s
+    said = None
     while True:
         others = foreign_vllm()
         if not others:
             return
         if time.monotonic() >= deadline:
             raise RuntimeError("other vLLM processes are running:\n  " + "\n  ".join(others))
-        log(f"waiting for {len(others)} foreign vLLM process(es) to exit")
+        if said != len(others):
+            log(f"waiting for {len(others)} vLLM process(es) not started here to exit")
+            said = len(others)
         time.sleep(poll_s)
 
 

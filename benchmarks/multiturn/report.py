@@ -27,6 +27,7 @@ def plot_ttft_by_turn(report: BenchmarkReport, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator
 
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     for c in report.configs:
@@ -34,14 +35,18 @@ def plot_ttft_by_turn(report: BenchmarkReport, path: Path) -> None:
         if not rows:
             continue
         xs = [t.turn for t in rows]
-        p50 = [t.ttft_s.p50 for t in rows]
-        p90 = [t.ttft_s.p90 for t in rows]
+        p50 = [t.ttft_s.p50 * 1000 for t in rows]
+        p90 = [t.ttft_s.p90 * 1000 for t in rows]
         (line,) = ax.plot(xs, p50, marker="o", label=c.name)
         ax.fill_between(xs, p50, p90, color=line.get_color(), alpha=0.12)
     ax.set_xlabel("turn index (0 = first request of a conversation)")
-    ax.set_ylabel("TTFT (s), median; band to p90")
+    ax.set_ylabel("TTFT (ms): median, band up to p90")
     ax.set_title(f"Multi-turn agent workload: TTFT by turn ({report.workload_source})")
     ax.set_yscale("log")
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(True, which="both", alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend()

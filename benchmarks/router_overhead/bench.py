@@ -5,6 +5,8 @@ separate processes on 127.0.0.1, then drives streamed chat requests at 1, 16 and
 concurrent streams:
 
 - `direct`: client -> fake D (one plain streamed request, no P/D).
+- `bare_proxy`: client -> a 20-line starlette+httpx pass-through -> fake D: the floor any
+  Python proxy pays on this machine (`bare_proxy.py`).
 - `router_fresh`: client -> router -> P leg -> D leg (no session: nothing to reuse).
 - `router_reuse`: sessions carrying their token; each turn tokenizes, pulls from D via P.
 - `router_d_direct`: the same with `skip_prefill_max_tokens`: tokenize, then D only.
@@ -194,10 +196,17 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
             routers[name] = f"http://127.0.0.1:{port}"
             pids[name] = procs[-1].pid
             await wait_ready(f"{routers[name]}/ready")
-        which = {"direct": "direct", "router_fresh": "router", "router_reuse": "router",
-                 "router_d_direct": "router_dd"}
-        bases = {"direct": f"http://127.0.0.1:{d_port}", "router_fresh": routers["router"],
-                 "router_reuse": routers["router"], "router_d_direct": routers["router_dd"]}
+        port = free_port()
+        procs.append(start([sys.executable, str(HERE / "bare_proxy.py"), str(port),
+                            f"http://127.0.0.1:{d_port}"]))
+        routers["bare"] = f"http://127.0.0.1:{port}"
+        pids["bare"] = procs[-1].pid
+        which = {"direct": "direct", "bare_proxy": "bare", "router_fresh": "router",
+                 "router_reuse": "router", "router_d_direct": "router_dd"}
+        await asyncio.sleep(1.0)
+        bases = {"direct": f"http://127.0.0.1:{d_port}", "bare_proxy": routers["bare"],
+                 "router_fresh": routers["router"], "router_reuse": routers["router"],
+                 "router_d_direct": routers["router_dd"]}
         for concurrency in args.concurrency:
             for mode in args.modes:
                 res = await run_level(bases[mode], mode, concurrency, args.requests,
@@ -214,12 +223,17 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
     return results
 
 
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # so `main`'s finally stops the child processes
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, _interrupt)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=400, help="requests per level and mode")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--modes", nargs="+", default=["direct", "router_fresh", "router_reuse",
-                                                   "router_d_direct"])
+    ap.add_argument("--modes", nargs="+", default=["direct", "bare_proxy", "router_fresh",
+                                                   "router_reuse", "router_d_direct"])
     ap.add_argument("--cap-s", type=float, default=60.0, help="wall-clock cap per level")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()

@@ -129,16 +129,7 @@ For each call, return a JSON object within <tool_call></tool_call>:
 {% endif -%}
 """
 
-_WORDS = (
-    "the a an of to in and or for with on at by from as is are was be this that it agent "
-    "tool call result user system assistant file read write search list open close run "
-    "test build cache token prefix decode prefill node router session turn block memory "
-    "weather city temperature forecast json value key name arguments function return error "
-    "python import def class self if else while for yield async await print string number "
-    "true false null data path line code model request response stream chunk reuse kv "
-    "transfer remote local engine time second minute hour day week today tomorrow please "
-    "thanks hello world find get set update delete create add remove check status ok done"
-).split()
+_WORDS = ["the", "a", "an", "of", "to", "in", "and", "or", "for", "with", "on", "at", "by", "from", "as", "is", "are", "was", "be", "this", "that", "it", "agent", "tool", "call", "result", "user", "system", "assistant", "file", "read", "write", "search", "list", "open", "close", "run", "test", "build", "cache", "token", "prefix", "decode", "prefill", "node", "router", "session", "turn", "block", "memory", "weather", "city", "temperature", "forecast", "json", "value", "key", "name", "arguments", "function", "return", "error", "python", "import", "def", "class", "self", "if", "else", "while", "for", "yield", "async", "await", "print", "string", "number", "true", "false", "null", "data", "path", "line", "code", "model", "request", "response", "stream", "chunk", "reuse", "kv", "transfer", "remote", "local", "engine", "time", "second", "minute", "hour", "day", "week", "today", "tomorrow", "please", "thanks", "hello", "world", "find", "get", "set", "update", "delete", "create", "add", "remove", "check", "status", "ok", "done"]
 
 
 def default_cache_dir() -> Path:

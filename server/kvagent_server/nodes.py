@@ -174,21 +174,25 @@ class Bundle:
         self._stop.set()
         if self._monitor is not None and self._monitor is not threading.current_thread():
             self._monitor.join(timeout=10)
-        order = ([p for p in self.plan.processes if p.role == "router"]
-                 + [p for p in self.plan.processes if p.role != "router"])
+        # The router first (no requests into half-stopped nodes), then all nodes at once.
         survivors: list[int] = []
-        for spec in order:
-            popen = self._popens.get(spec.name)
-            pgids = [popen.pid] if popen is not None else []
+        waves = [[p for p in self.plan.processes if p.role == "router"], list(self.plan.nodes)]
+        for wave in waves:
+            if not wave:
+                continue
+            popens = [self._popens[s.name] for s in wave if s.name in self._popens]
+            name = "router" if wave[0].role == "router" else None
             survivors += processes.terminate(
-                pgids, self.run_dir, name=spec.name, grace=self.config.stop_grace_s,
-                reap=[popen] if popen is not None else [])
+                [p.pid for p in popens], self.run_dir, name=name,
+                grace=self.config.stop_grace_s, reap=popens)
             with self._lock:
-                ps = self.state.proc(spec.name)
-                if ps.status != "pending":
-                    ps.status = "stopped"
-                    if popen is not None:
-                        ps.exit_code = popen.poll()
+                for spec in wave:
+                    ps = self.state.proc(spec.name)
+                    if ps.status != "pending":
+                        ps.status = "stopped"
+                        popen = self._popens.get(spec.name)
+                        if popen is not None:
+                            ps.exit_code = popen.poll()
         survivors += processes.terminate([], self.run_dir, grace=self.config.stop_grace_s)
         with self._lock:
             self.state.phase = "stopped"

@@ -26,29 +26,57 @@ class DResult:
 
 
 def p_leg(p_url: str, prompt: list[int], kv_params: dict[str, Any] | None = None,
-          timeout: float = 600.0) -> dict[str, Any]:
-    """Prefill on P (max_tokens=1, non-streamed); returns P's response JSON."""
+          timeout: float = 600.0, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Prefill on P (max_tokens=1, non-streamed); returns P's response JSON.
+
+    `extra` adds body fields, e.g. `{"cache_salt": "x"}` to bypass P's prefix cache.
+    """
     body = {
         "model": MODEL, "prompt": prompt, "max_tokens": 1, "temperature": 0,
         "stream": False,
         "kv_transfer_params": dict(kv_params or FRESH_P_PARAMS),
+        **(extra or {}),
     }
     r = httpx.post(p_url + "/v1/completions", json=body, timeout=timeout)
     r.raise_for_status()
     return r.json()
 
 
+def p_leg_chat(p_url: str, messages: list[dict[str, Any]],
+               kv_params: dict[str, Any] | None = None, timeout: float = 600.0) -> dict[str, Any]:
+    """The P leg of a chat turn (max_tokens=1, non-streamed)."""
+    body = {
+        "model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0,
+        "stream": False, "kv_transfer_params": dict(kv_params or FRESH_P_PARAMS),
+    }
+    r = httpx.post(p_url + "/v1/chat/completions", json=body, timeout=timeout)
+    r.raise_for_status()
+    return r.json()
+
+
 def d_leg(d_url: str, prompt: list[int], p_params: dict[str, Any] | None, max_tokens: int,
-          timeout: float = 600.0) -> DResult:
+          timeout: float = 600.0, extra: dict[str, Any] | None = None) -> DResult:
     """Decode on D, streamed; returns generated token ids and the final chunk's params."""
     body: dict[str, Any] = {
         "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True},
-        "return_token_ids": True, "ignore_eos": True,
+        "return_token_ids": True, "ignore_eos": True, **(extra or {}),
     }
     if p_params is not None:
         body["kv_transfer_params"] = p_params
     return _stream(d_url + "/v1/completions", body, timeout)
+
+
+def chat_stream(url: str, messages: list[dict[str, Any]], max_tokens: int,
+                kv_params: dict[str, Any] | None = None, timeout: float = 600.0) -> DResult:
+    """A streamed chat completion (the D leg of a chat turn)."""
+    body: dict[str, Any] = {
+        "model": MODEL, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+        "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
+    }
+    if kv_params is not None:
+        body["kv_transfer_params"] = kv_params
+    return _stream(url + "/v1/chat/completions", body, timeout)
 
 
 def _stream(url: str, body: dict[str, Any], timeout: float) -> DResult:
@@ -72,12 +100,12 @@ def _stream(url: str, body: dict[str, Any], timeout: float) -> DResult:
 
 
 def plain(url: str, prompt: list[int], max_tokens: int, kv_params: dict[str, Any] | None = None,
-          timeout: float = 600.0) -> DResult:
+          timeout: float = 600.0, extra: dict[str, Any] | None = None) -> DResult:
     """A streamed completion straight to one node (no P/D legs)."""
     body: dict[str, Any] = {
         "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
         "stream": True, "stream_options": {"include_usage": True},
-        "return_token_ids": True, "ignore_eos": True,
+        "return_token_ids": True, "ignore_eos": True, **(extra or {}),
     }
     if kv_params is not None:
         body["kv_transfer_params"] = kv_params

@@ -19,9 +19,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Self
 
 import httpx
-
 from kvagent_server.demo_model import demo_serve_args, demo_serve_env, ensure_demo_model
 from kvagent_server.vllm_plugin.env import node_args, node_env
 
@@ -203,7 +203,7 @@ class PDPair:
         for n in self.nodes:
             n.stop()
 
-    def __enter__(self) -> PDPair:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
-from kvagent_server import demo_model  # noqa: E402
+from kvagent_server import demo_model
 
 TOOLS = [
     {

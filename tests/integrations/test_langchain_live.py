@@ -9,7 +9,7 @@ right argument value, a joke with a punchline) are skipped below, each with its 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import pytest
 
@@ -37,7 +37,7 @@ SYSTEM = "You are a helpful assistant that answers briefly and uses tools when a
 class TestChatKVAgentIntegration(ChatModelIntegrationTests):
     """The standard suite, pointed at the bundle's router."""
 
-    _params: dict[str, Any] = {}
+    _params: ClassVar[dict[str, Any]] = {}
 
     @pytest.fixture(autouse=True)
     def _point_at_bundle(self, bundle: Any) -> None:

@@ -184,15 +184,23 @@ class FakeCluster:
         if held is None or held.consumed_by is not None or held.expiry < time.monotonic():
             self.events.append(Event("failed_pull", puller, {"key": key}))
             return -1
-        count = min(int(params.get("remote_num_tokens") or 0), len(prompt)) - locally_cached
+        # D (do_remote_prefill) pulls the whole prompt from P; P (do_remote_decode) pulls
+        # min(remote_num_tokens, prompt) from D, like vLLM's pull scheduler.
+        if params.get("do_remote_prefill"):
+            n = len(prompt)
+        else:
+            n = min(int(params.get("remote_num_tokens") or 0), len(prompt))
+        count = n - locally_cached
         blocks = params.get("remote_block_ids") or [[]]
         held.consumed_by = puller  # a read, or a decline, frees the holder's blocks
-        n = min(int(params.get("remote_num_tokens") or 0), len(prompt))
-        if n > len(blocks[0]) * self.block_size and n != len(prompt):
-            self.events.append(Event("wrong_kv", puller, {"reason": "too few blocks"}))
         if count < self.recompute_threshold and puller.startswith("engine-p"):
             self.events.append(Event("decline", puller, {"count": count}))
             return 0
+        if not params.get("do_remote_prefill") and (
+                n % self.block_size or len(blocks[0]) != n // self.block_size):
+            # vLLM end-trims the remote list to the blocks it lacks: any other list length
+            # pairs P's positions with the wrong remote blocks.
+            self.events.append(Event("wrong_kv", puller, {"reason": "block list mismatch"}))
         if held.tokens[:n] != prompt[:n]:
             self.events.append(Event("wrong_kv", puller, {"n": n}))
         self.events.append(Event("pull", puller, {"tokens": n, "from": key[0]}))
@@ -216,6 +224,7 @@ class FakeNode:
         self.fail_next: list[int] = []
         #: Cut the stream (connection drop) after this many data chunks.
         self.cut_after_chunks: int | None = None
+        self.echo_errors = False
         self.requests: list[dict[str, Any]] = []
         self.tokenize_requests: list[dict[str, Any]] = []
         self.aborted: list[str] = []
@@ -298,8 +307,9 @@ class FakeNode:
         return min(best // bs * bs, (len(prompt) - 1) // bs * bs)
 
     def _kv_params(self, request_id: str, num_tokens: int, *, is_p: bool,
-                   expiry: float | None) -> dict[str, Any]:
-        nblocks = -(-num_tokens // self.cluster.block_size)
+                   expiry: float | None, nblocks: int | None = None) -> dict[str, Any]:
+        if nblocks is None:
+            nblocks = -(-num_tokens // self.cluster.block_size)
         base = 3000 if is_p else 7000
         return {
             "do_remote_prefill": is_p, "do_remote_decode": not is_p,
@@ -316,7 +326,10 @@ class FakeNode:
         if not self.healthy:
             return self._error(503, "node unhealthy")
         if self.fail_next:
-            return self._error(self.fail_next.pop(0), "injected failure")
+            status = self.fail_next.pop(0)
+            if self.echo_errors:  # like a pydantic validation error echoing its input
+                return self._error(status, f"invalid request: input_value={body!r}")
+            return self._error(status, "injected failure")
         if body.get("cache_salt") is not None and not body["cache_salt"]:
             return self._error(400, "Parameter 'cache_salt' must be a non-empty string")
         header_id = request.headers.get("x-request-id")
@@ -353,7 +366,10 @@ class FakeNode:
             self.engine_id, lease_id, list(prompt), len(prompt),
             time.monotonic() + self.cluster.lease_s)
         self.sequences.append(list(prompt))
-        kv = self._kv_params(lease_id, len(prompt), is_p=True, expiry=None)
+        # vLLM's P reports remote_num_tokens=0 (verified live, ENGINE_NOTES.md); its blocks
+        # cover the whole prompt.
+        kv = self._kv_params(lease_id, 0, is_p=True, expiry=None,
+                             nblocks=-(-len(prompt) // self.cluster.block_size))
         first = self.cluster.reply(prompt).generated_ids()[:1]
         text = decode_ids(first)
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "stop_reason": None,

@@ -161,6 +161,9 @@ async def test_edited_history_reuses_only_verified_prefix() -> None:
                                 token=kva2["cache_token"])
         assert kva3["path"] == "recompute" and kva3["reused_tokens"] == 0
         assert kva3["cache_token"]
+        # the claimed, unusable handle was released on D by P declining it (no TTL wait)
+        assert st.prefill[0].requests[-1]["kv_transfer_params"]["remote_num_tokens"] == 0
+        assert st.cluster.events_of("decline")
         no_wrong_kv(st)
 
 
@@ -257,7 +260,7 @@ async def test_tenant_concurrency_limit() -> None:
                                     headers=h) as first:
             assert first.status_code == 200
             r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST), headers=h)
-            assert r.status_code == 429
+            assert r.status_code == 429 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["type"] == "rate_limit_error"
             await first.aread()
         r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST), headers=h)
@@ -543,6 +546,12 @@ async def test_upstream_4xx_passed_as_openai_error() -> None:
         r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST))
         assert r.status_code == 400 and r.json()["error"]["message"] == "injected failure"
         assert_clean(st, r.text)
+        st.decode[0].fail_next = [422]
+        st.decode[0].echo_errors = True  # D's error echoes the body, P's params included
+        r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST))
+        assert r.status_code == 422 and r.json()["error"]["message"]
+        assert_clean(st, r.text)
+        assert not st.cluster.open_leases()
 
 
 async def test_models_health_ready_metrics() -> None:
@@ -574,3 +583,98 @@ async def test_models_health_ready_metrics() -> None:
         await asyncio.sleep(0.3)
         assert (await c.get("/ready")).status_code == 503
         assert (await c.get("/health")).status_code == 200
+
+
+async def test_spans_per_turn_and_leg(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvagent_server.router import telemetry
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(telemetry, "_tracer", provider.get_tracer("test"))
+    async with router_stack(skip_prefill_max_tokens=0) as st:
+        kva, answer, _ = await turn(st, FIRST, session="otel-1")
+        await turn(st, second(answer), session="otel-1", token=kva["cache_token"])
+        for _ in range(50):  # the streamed turn's span ends after the last byte
+            if len([s for s in exporter.get_finished_spans() if s.name == "kvagent.turn"]) == 2:
+                break
+            await asyncio.sleep(0.02)
+    spans = exporter.get_finished_spans()
+    turns = [s for s in spans if s.name == "kvagent.turn"]
+    assert [t.attributes["kvagent.path"] for t in turns] == ["pd_fresh", "pd_reuse"]
+    assert turns[1].attributes["gen_ai.conversation.id"] == "otel-1"
+    assert turns[1].attributes["kvagent.reused_tokens"] > 0
+    assert turns[1].attributes["gen_ai.request.model"] == MODEL
+    legs = [s for s in spans if s.name in ("kvagent.prefill_leg", "kvagent.decode_leg")]
+    assert len(legs) == 4
+    turn_ids = {t.context.span_id for t in turns}
+    assert all(leg.parent is not None and leg.parent.span_id in turn_ids for leg in legs)
+    assert {leg.attributes["kvagent.node"] for leg in legs} == {"p0", "d0"}
+    for s in spans:  # node names only, never addresses
+        assert not any(secret in str(s.attributes) for secret in st.internal_strings())
+
+
+async def test_negative_control_unverified_reuse_is_caught(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """The fakes catch a router that reuses unverified KV: this suite can fail."""
+    from kvagent_server.router import planner
+
+    original = planner.plan_reuse
+
+    def trusting(prompt_ids: Any, handle: Any, **kw: Any) -> Any:  # no token comparison
+        if handle is None:
+            return original(prompt_ids, handle, **kw)
+        n = min(planner.retained_tokens(handle), len(prompt_ids) - 1)
+        n = n // handle.block_size * handle.block_size
+        return planner.ReusePlan(reuse_tokens=n, reason="hit")
+
+    monkeypatch.setattr(planner, "plan_reuse", trusting)
+    async with router_stack(skip_prefill_max_tokens=0) as st:
+        kva, _, _ = await turn(st, FIRST)
+        await turn(st, second("a rewritten answer " * 12), token=kva["cache_token"])
+        assert st.cluster.events_of("wrong_kv")
+
+
+async def test_cli_serves_with_settings_file(tmp_path: Any) -> None:
+    """`python -m kvagent_server.router` with a settings file, against fake nodes."""
+    import sys
+
+    from fakes import FakeNode, free_port, serve
+
+    cluster = FakeCluster()
+    p, d = FakeNode(cluster, "prefill"), FakeNode(cluster, "decode")
+    cfg = tmp_path / "router.json"
+    cfg.write_text(json.dumps({"router": {"skip_prefill_max_tokens": 0,
+                                          "health_interval_s": 0.5}}))
+    port = free_port()
+    async with serve(p.app) as p_url, serve(d.app) as d_url:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvagent_server.router", "--port", str(port), "--prefill",
+            p_url, "--decode", d_url, "--settings", str(cfg), "--log-level", "warning")
+        try:
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
+                for _ in range(200):
+                    try:
+                        if (await c.get("/ready")).status_code == 200:
+                            break
+                    except httpx.HTTPError:
+                        pass
+                    await asyncio.sleep(0.1)
+                models = (await c.get("/v1/models")).json()
+                assert models["data"][0]["id"] == MODEL  # asked from the nodes
+                r = await c.post("/v1/chat/completions", json=chat_body(FIRST, stream=False),
+                                 headers={"X-Session-ID": "cli"})
+                assert r.status_code == 200 and r.json()["kvagent"]["path"] == "pd_fresh"
+        finally:
+            proc.terminate()
+            await asyncio.wait_for(proc.wait(), 10)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"nope": 1}))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvagent_server.router", "--prefill", "x", "--decode", "y",
+        "--settings", str(bad), stderr=asyncio.subprocess.PIPE)
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 2 and b"invalid settings" in err

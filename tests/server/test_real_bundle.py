@@ -43,6 +43,13 @@ def _ours(run_dir: Path) -> list[psutil.Process]:
     return list(found.values())
 
 
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvagent_server.cli", *args], check=False,
                           capture_output=True, text=True, timeout=timeout)
@@ -86,8 +93,7 @@ def test_up_detach_status_down_with_real_vllm(tmp_path: Path) -> None:
         down = cli("down", "--run-dir", str(run_dir), timeout=300)
         assert down.returncode == 0, down.stdout + down.stderr
         assert not _ours(run_dir)
-        assert not [pid for pid in vllm_pids if psutil.pid_exists(pid)
-                    and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        assert not [pid for pid in vllm_pids if _running(pid)]
     finally:
         cli("down", "--run-dir", str(run_dir), "--grace", "5", timeout=300)
         for proc in _ours(run_dir):

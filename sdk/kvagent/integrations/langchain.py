@@ -236,13 +236,13 @@ class ChatKVAgent(BaseChatModel):
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any
                 ) -> Iterator[ChatGenerationChunk]:
         session_id, model, init = self._prepare(messages, stop, kwargs)
-        with Session(self.base_url, model, http_client=self.http_client, **init) as session:
-            with session.stream() as events:
-                for event in events:
-                    chunk = _chunk(event, session_id)
-                    if run_manager:
-                        run_manager.on_llm_new_token(_chunk_text(event), chunk=chunk)
-                    yield chunk
+        with Session(self.base_url, model, http_client=self.http_client, **init) as session, \
+                session.stream() as events:
+            for event in events:
+                chunk = _chunk(event, session_id)
+                if run_manager:
+                    run_manager.on_llm_new_token(_chunk_text(event), chunk=chunk)
+                yield chunk
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None,

@@ -152,10 +152,9 @@ class KVAgentLLM(FunctionCallingLLM):
         async def gen() -> AsyncGenerator[ChatResponse, None]:
             parts = _Partial()
             async with AsyncSession(self.base_url, model, http_client=self.http_async_client,
-                                    **init) as session:
-                async with session.stream() as events:
-                    async for event in events:
-                        yield parts.feed(event, session_id)
+                                    **init) as session, session.stream() as events:
+                async for event in events:
+                    yield parts.feed(event, session_id)
 
         return gen()
 

@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 
 from .nodes import Node
+from .tokenize import CHAT_TEMPLATE_FIELDS
 
 log = logging.getLogger("kvagent.router.legs")
 
@@ -215,9 +216,11 @@ class Legs:
         Runs shielded from cancellation (the client may be gone); returns True once a
         decode node has read (and so freed) P's blocks.
         """
-        drain = decode_body({**body, "stream": False, "max_tokens": 1}, prefill.kv_params)
-        for key in ("stream_options", "max_completion_tokens", "min_tokens", "n"):
-            drain.pop(key, None)
+        # Only what renders the same prompt: sampling fields that made D refuse the real
+        # leg must not make it refuse the drain too.
+        keep = ("model", "messages", "prompt", "cache_salt", *CHAT_TEMPLATE_FIELDS)
+        drain = {k: body[k] for k in keep if k in body}
+        drain.update(stream=False, max_tokens=1, kv_transfer_params=prefill.kv_params)
 
         async def run() -> bool:
             for node in candidates:

@@ -48,5 +48,8 @@ class RouterSettings(BaseModel):
     kv_recompute_threshold: int = Field(default=64, ge=0)
     #: The decode nodes' `decoder_kv_blocks_ttl`: how long D keeps a turn's blocks.
     decode_blocks_ttl_s: float = Field(default=480.0, gt=0)
+    #: When a claimed handle is not reused (recompute), let P tell D to free its blocks
+    #: now (`remote_num_tokens=0` params) instead of holding them until the TTL.
+    release_unused_handles: bool = True
     #: A node with this many legs in flight is saturated (placement looks elsewhere).
     node_max_in_flight: int = Field(default=64, ge=1)

@@ -16,7 +16,7 @@ import httpx
 from . import placement, planner
 from .legs import DecodeStart, LegError, Legs, PrefillResult, decode_body, usage_cached
 from .metrics import RouterMetrics
-from .nodes import NodeRegistry
+from .nodes import Node, NodeRegistry
 from .relay import Capture, Final
 from .settings import RouterSettings
 from .state import Handle, SessionStore, new_handle_id
@@ -73,6 +73,7 @@ class Turn:
     decode: DecodeStart
     started: float
     first_byte_at: float | None = None
+    reused: int = 0  # set by finalize
 
     async def finalize(self, capture: Capture) -> Final:
         usage = capture.usage or {}
@@ -91,6 +92,7 @@ class Turn:
         token, expires_in = await self._next_token(capture)
         kvagent = {"cache_token": token, "reused_tokens": reused, "expires_in": expires_in,
                    "path": self.path}
+        self.reused = reused
         return Final(kvagent=kvagent, cached_tokens=cached)
 
     def _account(self, prompt_tokens: int, cached: int, reused: int) -> None:
@@ -164,29 +166,36 @@ def _pd_shape(body: dict[str, Any]) -> bool:
     return (body.get("n") or 1) == 1 and (body.get("best_of") or 1) == 1 and not batch
 
 
-async def plan_turn(r: Router, req: TurnRequest) -> Turn:
-    """Decide the path, run the P leg (if any) and open the D leg."""
-    started = time.perf_counter()
-    if not _pd_shape(req.body):
-        return await _whole_on_decode(r, req, started)
+@dataclass
+class _Choice:
+    """What the core decided for a turn, before any leg ran."""
+
+    handle: Handle | None
+    plan: planner.ReusePlan
+    path: planner.Path
+    holder: Node | None  # the decode node holding the handle's blocks, if alive and current
+    p_first: Node | None
+    d_first: Node | None
+
+
+async def _choose(r: Router, req: TurnRequest) -> _Choice:
+    """Claim the handle, verify the prompt against it, pick nodes and the path."""
     handle, rejected = await _claim(r, req)
     d_node = r.registry.get(handle.decode_node) if handle is not None else None
-    prefill_first = placement.pick_prefill(r.registry.states())
-    p_first = r.registry.get(prefill_first.node_id) if prefill_first else None
-
+    picked_p = placement.pick_prefill(r.registry.states())
+    p_first = r.registry.get(picked_p.node_id) if picked_p else None
+    holder = d_node if (handle is not None and d_node is not None and d_node.healthy
+                        and d_node.epoch == handle.decode_epoch
+                        and not handle.expired(time.time())) else None
     prompt_ids: list[int] = []
-    tokenize_failed = False
-    usable = (handle is not None and d_node is not None and d_node.healthy
-              and d_node.epoch == handle.decode_epoch and not handle.expired(time.time()))
-    if usable and p_first is not None:
+    plan: planner.ReusePlan | None = None
+    if holder is not None and p_first is not None:
         try:
             prompt_ids = await tokenize(r.client, p_first.url, req.body, chat=req.chat)
         except TokenizeError as exc:
             log.info("no reuse this turn: %s", exc)
-            tokenize_failed = True
-    if tokenize_failed:
-        plan = planner.ReusePlan(reuse_tokens=0, reason="tokenize_failed")
-    else:
+            plan = planner.ReusePlan(reuse_tokens=0, reason="tokenize_failed")
+    if plan is None:
         plan = planner.plan_reuse(
             prompt_ids, handle, threshold=r.settings.kv_recompute_threshold, now=time.time(),
             tenant=req.tenant.name, session=req.session,
@@ -194,53 +203,69 @@ async def plan_turn(r: Router, req: TurnRequest) -> Turn:
             node_epoch=d_node.epoch if d_node else None, enabled=r.settings.reuse,
             rejected=rejected,
             prefill_block_size=r.settings.block_size or (p_first.block_size if p_first else None))
-    d_choice, _ = placement.pick_decode(
-        r.registry.states(), affinity=handle.decode_node if handle else await _affinity(r, req))
-    d_first = r.registry.get(d_choice.node_id) if d_choice else None
+    affinity = handle.decode_node if handle else await _affinity(r, req)
+    picked_d, _ = placement.pick_decode(r.registry.states(), affinity=affinity)
+    d_first = r.registry.get(picked_d.node_id) if picked_d else None
     path = planner.choose_path(
         plan, len(prompt_ids), r.costs.snapshot(),
         skip_prefill_max_tokens=r.settings.skip_prefill_max_tokens,
-        d_healthy=d_first is not None and d_first is d_node)
+        d_healthy=d_first is not None and d_first is holder)
+    return _Choice(handle, plan, path, holder, p_first, d_first)
 
-    if path == "d_direct":
-        assert d_node is not None
+
+async def plan_turn(r: Router, req: TurnRequest) -> Turn:
+    """Decide the path, run the P leg (if any) and open the D leg."""
+    started = time.perf_counter()
+    if not _pd_shape(req.body):
+        return await _whole_on_decode(r, req, started)
+    c = await _choose(r, req)
+    if c.path == "d_direct":
+        assert c.holder is not None
         try:
             with leg_span(req.span, "decode") as span:
-                span.set_attribute("kvagent.node", d_node.name)
-                start = await r.legs.decode([d_node], req.endpoint,
+                span.set_attribute("kvagent.node", c.holder.name)
+                start = await r.legs.decode([c.holder], req.endpoint,
                                             decode_body(req.body, D_DIRECT_PARAMS), {},
                                             stream=req.stream)
             r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
-            return Turn(r, req, path, plan, None, start, started)
+            return Turn(r, req, c.path, c.plan, None, start, started)
         except LegError as exc:
             if exc.status < 500:
                 raise
-            log.info("d_direct on %s failed; recomputing", d_node.name)
-            plan = planner.ReusePlan(reuse_tokens=0, reason="decode_failed")
-            path, d_first = "recompute", None
+            log.info("d_direct on %s failed; recomputing", c.holder.name)
+            c.plan = planner.ReusePlan(reuse_tokens=0, reason="decode_failed")
+            c.path, c.holder, c.d_first = "recompute", None, None
+    return await _run_pd(r, req, c, started)
 
-    if path == "pd_reuse":
-        assert handle is not None
-        p_params = planner.reuse_transfer_params(handle, plan.reuse_tokens)
-    elif handle is not None and usable and d_node is not None and d_node.healthy:
-        p_params = planner.release_transfer_params(handle)  # frees D's blocks
+
+async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Turn:
+    """The P leg, then the D leg with P's params; P is released if D never comes."""
+    if c.path == "pd_reuse":
+        assert c.handle is not None
+        p_params = planner.reuse_transfer_params(c.handle, c.plan.reuse_tokens)
+    elif c.handle is not None and c.holder is not None and r.settings.release_unused_handles:
+        p_params = planner.release_transfer_params(c.handle)  # P tells D to free them
     else:
         p_params = planner.fresh_transfer_params()
-    p_nodes = r.registry.ranked("prefill", p_first if p_first and p_first.healthy else None)
+    p_nodes = r.registry.ranked("prefill", c.p_first if c.p_first and c.p_first.healthy
+                                else None)
     with leg_span(req.span, "prefill") as span:
         prefill = await r.legs.prefill(p_nodes, req.endpoint, req.body, p_params, {})
         span.set_attribute("kvagent.node", prefill.node.name)
         span.set_attribute("kvagent.pull_failed", prefill.pull_failed)
     r.metrics.leg_latency.labels(leg="prefill").observe(prefill.elapsed_s)
-    if prefill.node is not (p_nodes[0] if p_nodes else None):
+    if p_nodes and prefill.node is not p_nodes[0]:
         r.metrics.retries.labels(leg="prefill").inc()
+    path, plan = c.path, c.plan
     if prefill.pull_failed and path == "pd_reuse":
         path, plan = "recompute", planner.ReusePlan(reuse_tokens=0, reason="pull_failed")
-    d_nodes = r.registry.ranked("decode", d_first if d_first and d_first.healthy else None)
+    d_nodes = r.registry.ranked("decode", c.d_first if c.d_first and c.d_first.healthy
+                                else None)
     try:
         with leg_span(req.span, "decode") as span:
-            start = await r.legs.decode(d_nodes, req.endpoint, decode_body(req.body,
-                                        prefill.kv_params), {}, stream=req.stream)
+            start = await r.legs.decode(d_nodes, req.endpoint,
+                                        decode_body(req.body, prefill.kv_params), {},
+                                        stream=req.stream)
             span.set_attribute("kvagent.node", start.node.name)
     except BaseException:
         # Never leave P's blocks leased for a D leg that will not come (DESIGN.md hang).

@@ -40,7 +40,7 @@ def only_connector_work(scheduler: Any) -> bool:
 def wait_for_input(q: queue.Queue[Any], timeout_s: float) -> None:
     """Block until `q` has an item or `timeout_s` passed, without taking the item."""
     with q.not_empty:
-        if not q._qsize():  # noqa: SLF001 (the Condition protects exactly this)
+        if not q._qsize():
             q.not_empty.wait(timeout_s)
 
 

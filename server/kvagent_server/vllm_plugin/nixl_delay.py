@@ -29,7 +29,7 @@ class _BindingsWithDelay:
         self._bindings = bindings
         self._delay_us = delay_us
 
-    def nixlAgent(self, name: str, config: Any) -> Any:  # noqa: N802 (mirrors the binding)
+    def nixlAgent(self, name: str, config: Any) -> Any:
         config.pthrDelay = self._delay_us
         return self._bindings.nixlAgent(name, config)
 

@@ -1,0 +1,183 @@
+"""GPU check of the KV tiers: a node rendered from the bundle config with a CPU and an fs
+tier, filled beyond its GPU KV capacity, must serve a repeated prefix from a lower tier.
+
+Run through check_tiers.sh. `--dry-run` renders the node and parses it with vLLM's own
+argument parser without starting anything (works on a CPU-only machine).
+
+Checks (each one a line in the JSON report, `ok` true/false):
+1. cpu_tier_hit: prefix A, then enough other prompts to evict A from GPU memory, then A
+   again: vllm:external_prefix_cache_hits rises by about A's length (the connector served
+   it) and vllm:kv_offload_load_bytes rises (bytes came back from the offload tier).
+2. fs_files: block files appeared under the fs tier's directory.
+3. fs_tier_hit: the node is restarted (the CPU tier is process memory, so it is gone);
+   A again is still an external hit: it came from the fs tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kvagent_server.config import validate_config
+from kvagent_server.inputs import gather_inputs
+from kvagent_server.render import HostFacts, PlanInputs, ProcessSpec, plan
+
+BLOCK = 16
+
+
+def render_node(work: Path, model: str | None, gpu_blocks: int, port: int) -> ProcessSpec:
+    """prefill-0 of a 1P+1D bundle with both tiers, exactly as `kvagent-server up` would."""
+    cfg = validate_config({
+        "name": "tiercheck", "model": model, "device": "cuda", "run_dir": str(work / "run"),
+        "block_size": BLOCK, "router_enabled": False,
+        "prefill": {"ports": [port], "cuda_devices": ["0"],
+                    "extra_args": ["--num-gpu-blocks-override", str(gpu_blocks),
+                                   "--max-num-seqs", "4"]},
+        "decode": {"ports": [port + 1], "cuda_devices": ["0"]},
+        "kv_tiers": {"cpu": {"size_gib": 1}, "disk": {"path": str(work / "fs-tier")},
+                     "min_prefix_tokens": BLOCK, "roles": ["prefill"]},
+    })
+    gathered = gather_inputs(cfg, build_model=True)
+    inputs = PlanInputs(host=HostFacts(cpu_cores=gathered.host.cpu_cores, gpu_count=1),
+                        model=gathered.model, python=sys.executable,
+                        role_env=gathered.role_env, role_args=gathered.role_args)
+    return plan(cfg, inputs).by_name("prefill-0")
+
+
+def vllm_parse(node: ProcessSpec) -> dict[str, Any]:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    argv = list(node.argv)
+    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[argv.index("--model"):])
+    ktc = EngineArgs.from_cli_args(ns).kv_transfer_config
+    return {"kv_connector": ktc.kv_connector,
+            "children": [c["kv_connector"] for c in
+                         ktc.kv_connector_extra_config.get("connectors", [])],
+            "hash_algo": ns.prefix_caching_hash_algo}
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^(vllm:[a-z_]+?)(?:_total)?(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
+        if m and ("prefix_cache" in m.group(1) or "kv_offload" in m.group(1)):
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def complete(url: str, model: str, prompt: str) -> None:
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=300).read()
+
+
+def start(node: ProcessSpec, log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, **node.env}
+    proc = subprocess.Popen(list(node.argv), env=env, stdout=log.open("ab"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 900
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"node exited with {proc.returncode}; see {log}")
+        try:
+            urllib.request.urlopen(node.health_url, timeout=2)
+            return proc
+        except OSError:
+            time.sleep(2)
+    stop(proc)
+    raise SystemExit(f"node not healthy after 900 s; see {log}")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def prompt(i: int, words: int) -> str:
+    return " ".join(f"w{i}x{j}" for j in range(words))
+
+
+def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", type=Path, default=Path("/tmp/kvagent-tiercheck"))
+    ap.add_argument("--model", default=None, help="default: kvagent's demo model, built here")
+    ap.add_argument("--gpu-blocks", type=int, default=64,
+                    help="GPU KV blocks (x16 tokens): small, so a few prompts evict A")
+    ap.add_argument("--port", type=int, default=18300)
+    ap.add_argument("--words", type=int, default=300, help="words per prompt")
+    ap.add_argument("--out", type=Path, default=None, help="JSON report path")
+    ap.add_argument("--dry-run", action="store_true")
+    a = ap.parse_args()
+    a.work.mkdir(parents=True, exist_ok=True)
+    node = render_node(a.work, a.model, a.gpu_blocks, a.port)
+    report: dict[str, Any] = {"argv": list(node.argv), "env": node.env,
+                              "parsed": vllm_parse(node), "checks": {}}
+    if a.dry_run:
+        print(json.dumps(report, indent=2))
+        return 0
+    url = node.url
+    served = node.argv[node.argv.index("--served-model-name") + 1]
+    log = a.work / "node.log"
+    checks = report["checks"]
+    proc = start(node, log)
+    try:
+        complete(url, served, prompt(0, a.words))  # A
+        # Other prompts: together several times the GPU KV capacity, so A is evicted.
+        n_fill = max(4, (a.gpu_blocks * BLOCK * 3) // max(a.words, 1))
+        for i in range(1, n_fill + 1):
+            complete(url, served, prompt(i, a.words))
+        time.sleep(2)  # offload stores complete asynchronously
+        before = metrics(url)
+        complete(url, served, prompt(0, a.words))
+        after = metrics(url)
+        hits = delta(after, before, "vllm:external_prefix_cache_hits")
+        loaded = delta(after, before, "vllm:kv_offload_load_bytes")
+        checks["cpu_tier_hit"] = {"ok": hits >= BLOCK and loaded > 0,
+                                  "external_hit_tokens": hits, "load_bytes": loaded,
+                                  "fill_prompts": n_fill}
+        files = [p for p in (a.work / "fs-tier").rglob("*") if p.is_file()]
+        checks["fs_files"] = {"ok": len(files) > 0, "files": len(files)}
+    finally:
+        stop(proc)
+    proc = start(node, log)  # CPU tier gone with the process; fs tier files remain
+    try:
+        before = metrics(url)
+        complete(url, served, prompt(0, a.words))
+        after = metrics(url)
+        hits = delta(after, before, "vllm:external_prefix_cache_hits")
+        checks["fs_tier_hit"] = {"ok": hits >= BLOCK, "external_hit_tokens": hits}
+    finally:
+        stop(proc)
+    report["ok"] = all(c["ok"] for c in checks.values())
+    text = json.dumps(report, indent=2)
+    print(text)
+    if a.out:
+        a.out.write_text(text)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,431 @@
+"""KV tiers below GPU memory (CPU, local disk or a shared filesystem) and their vLLM flags.
+
+`KVTiers` is the validated config (the bundle's `kv_tiers:` section); `render_tiers` turns
+it into the extra arguments, environment and `--kv-transfer-config` of one node, combining
+the tier connector with the bundle's NIXL connector through vLLM's `MultiConnector`;
+`tier_score` estimates a node's prefill cost from its per-tier prefix hits (for placement).
+
+Facts this module relies on, read in vLLM 0.32's source (paths under `vllm/`):
+
+- The native tiers are `OffloadingConnector` with `CPUOffloadingSpec` (CPU only) or
+  `TieringOffloadingSpec` (CPU primary tier plus `secondary_tiers`, e.g. `{"type": "fs"}`);
+  both need a GPU platform (`CPU_OFFLOAD_PLATFORM_CHECK`).
+- `--kv-offloading-size` is not used: `VllmConfig._post_init_kv_transfer_config`
+  (`KV_OFFLOADING_SIZE_CLOBBERS`) replaces whatever `kv_connector` is configured (NIXL
+  here) by `OffloadingConnector` and sets `kv_role` to `kv_both`. An explicit
+  `MultiConnector` keeps both.
+- `MultiConnector` children must not carry `engine_id`: each child is built with
+  `KVTransferConfig(**child, engine_id=parent_engine_id)` (`MULTI_CONNECTOR_ENGINE_ID`),
+  so a child `engine_id` is a duplicate keyword (TypeError at start-up). MultiConnector
+  loads from the first child that has the tokens, so NIXL goes first: a P/D transfer the
+  router asked for must win over a local tier.
+- Block hashes are chained from `NONE_HASH`, derived from `PYTHONHASHSEED` when set, else
+  from a fixed seed for sha256 and a random one per process for xxhash
+  (`vllm/v1/core/kv_cache_utils.py`, `resolve_none_hash_seed`). Nodes that share a tier
+  must agree on both the algorithm and the seed.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Role = Literal["prefill", "decode"]
+Device = Literal["cpu", "cuda"]
+TierName = Literal["gpu", "cpu", "disk"]
+HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+
+#: Where vLLM refuses the native tiers off GPU (checked by tests/tiers against the source).
+CPU_OFFLOAD_PLATFORM_CHECK = "vllm/v1/kv_offload/cpu/spec.py:199"
+#: Where vLLM's LMCache adapter puts its buffers on `cuda:<index>`.
+LMCACHE_CUDA_DEVICE = (
+    "vllm/distributed/kv_transfer/kv_connector/v1/lmcache_integration/vllm_v1_adapter.py:491")
+#: Where `--kv-offloading-size` overwrites the configured connector and role.
+KV_OFFLOADING_SIZE_CLOBBERS = "vllm/config/vllm.py:1115"
+#: Where MultiConnector passes the parent's engine_id to every child.
+MULTI_CONNECTOR_ENGINE_ID = "vllm/distributed/kv_transfer/kv_connector/v1/multi_connector.py:238"
+#: `TieringOffloadingSpec.get_manager` rejects store_threshold >= 2.
+TIERING_NO_STORE_THRESHOLD = "vllm/v1/kv_offload/tiering/spec.py:341"
+#: Python refuses to start with any other PYTHONHASHSEED.
+PYTHONHASHSEED_MAX = 4294967295
+#: LMCache's FS connector only uses the path; the host:port part is kept for its URL parser.
+LMCACHE_FS_URL = "fs://localhost:0{path}"
+
+_GIB = 1 << 30
+
+
+class TierConfigError(ValueError):
+    """A tier setting that cannot work here; the message says which key and why."""
+
+
+class CPUTier(BaseModel):
+    """Host memory below the GPU KV cache (the primary offload tier)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    size_gib: float = Field(
+        gt=0, description="Host memory per node for offloaded KV blocks, GiB "
+        "(`cpu_bytes_to_use`, LMCache `max_local_cpu_size`).")
+    eviction: Literal["lru", "arc"] = Field(
+        default="lru", description="Eviction policy of the CPU tier (`eviction_policy`; "
+        "LMCache `cache_policy`).")
+
+
+class DiskTier(BaseModel):
+    """A local disk or a shared filesystem (NFS, Lustre, a ReadWriteMany volume)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: Path = Field(description="Directory for KV block files; absolute. Every node "
+                       "must see the same directory at this path when `shared`.")
+    shared: bool = Field(
+        default=False,
+        description="The directory is one filesystem shared by all nodes: a block one "
+        "node stored is a hit on the others (needs a common hash seed, set for you).")
+    size_gib: float | None = Field(
+        default=None, gt=0,
+        description="Disk budget per node, GiB (LMCache `max_local_disk_size`). vLLM's "
+        "native fs tier has no budget or eviction: leave it unset there and size the "
+        "filesystem instead.")
+    read_threads: int = Field(default=16, ge=1, le=256,
+                              description="Native fs tier read threads (`n_read_threads`).")
+    write_threads: int = Field(default=16, ge=1, le=256,
+                               description="Native fs tier write threads (`n_write_threads`).")
+    check_writable: bool = Field(
+        default=True,
+        description="Create the directory and check it is writable when the config is "
+        "validated (turn off when rendering for other machines).")
+
+    @field_validator("path")
+    @classmethod
+    def _absolute(cls, v: Path) -> Path:
+        if not v.is_absolute():
+            raise ValueError(f"must be an absolute path (got {str(v)!r}): every node "
+                             "resolves it on its own machine, so a relative path is ambiguous")
+        return v
+
+    @model_validator(mode="after")
+    def _writable(self) -> DiskTier:
+        if self.check_writable:
+            problem = writable_problem(self.path)
+            if problem:
+                raise ValueError(f"path: {problem} (or set check_writable: false when "
+                                 "the directory exists only on the nodes' machines)")
+        return self
+
+
+class KVTiers(BaseModel):
+    """KV cache tiers below GPU memory, the same on every node of the chosen roles."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["native", "lmcache"] = Field(
+        default="native",
+        description="`native`: vLLM's OffloadingConnector (CPU tier, fs tier through its "
+        "tiering spec). `lmcache`: LMCacheConnectorV1 configured by `LMCACHE_*` env.")
+    cpu: CPUTier | None = Field(default=None, description="The CPU tier; null: none.")
+    disk: DiskTier | None = Field(default=None, description="The disk/shared-fs tier.")
+    roles: list[Role] = Field(
+        default_factory=lambda: ["prefill", "decode"],
+        description="Node roles that get the tiers.")
+    min_prefix_tokens: int | None = Field(
+        default=None, ge=1,
+        description="Smallest prefix worth storing, in tokens: the offload chunk (native "
+        "`block_size`, a multiple of the KV block size; LMCache `chunk_size`). Shorter "
+        "prefixes are never stored. Null: one KV block (native), 256 (LMCache).")
+    store_after_hits: int = Field(
+        default=0, ge=0,
+        description="Store a chunk only after it was offered this many times (native "
+        "CPU-only tier: `store_threshold`; values below 2 store everything).")
+    offload_prompt_only: bool = Field(
+        default=True,
+        description="Only prompt blocks are offloaded, not generated ones (native "
+        "`offload_prompt_only`).")
+    hash_algo: HashAlgo = Field(
+        default="sha256",
+        description="`--prefix-caching-hash-algo`, set on every node when tiers are on, so "
+        "all nodes name blocks alike.")
+    hash_seed: int | None = Field(
+        default=None, ge=0, le=PYTHONHASHSEED_MAX,
+        description="PYTHONHASHSEED for every node (seeds vLLM's block hash chain). "
+        "Required with xxhash and a shared disk; null otherwise keeps vLLM's fixed "
+        "sha256 seed, which already agrees across processes.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.cpu is not None or self.disk is not None
+
+    @model_validator(mode="after")
+    def _check(self) -> KVTiers:
+        problems: list[str] = []
+        if len(set(self.roles)) != len(self.roles):
+            problems.append("roles: listed twice")
+        if self.enabled and not self.roles:
+            problems.append("roles: empty while a tier is configured (list prefill "
+                            "and/or decode, or remove the tiers)")
+        if self.backend == "native" and self.disk is not None:
+            if self.cpu is None:
+                problems.append(
+                    "disk: the native backend stages every block through a CPU tier "
+                    "(TieringOffloadingSpec's primary tier): add cpu: {size_gib: ...}")
+            if self.disk.size_gib is not None:
+                problems.append(
+                    "disk.size_gib: vLLM's native fs tier has no size limit or eviction; "
+                    "remove it and size the filesystem, or use backend: lmcache")
+            if self.store_after_hits >= 2:
+                problems.append(
+                    "store_after_hits: not supported with a disk tier on the native "
+                    f"backend ({TIERING_NO_STORE_THRESHOLD})")
+        if (self.backend == "lmcache" and self.disk is not None and not self.disk.shared
+                and self.disk.size_gib is None):
+            problems.append("disk.size_gib: required for LMCache's local disk "
+                            "(max_local_disk_size; 0 would store nothing)")
+        if self.backend == "lmcache" and self.store_after_hits >= 2:
+            problems.append("store_after_hits: native backend only (LMCache has no "
+                            "store threshold)")
+        if (self.disk is not None and self.disk.shared and self.hash_algo.startswith("xxhash")
+                and self.hash_seed is None):
+            problems.append(
+                f"hash_seed: required with hash_algo {self.hash_algo} and a shared disk: "
+                "vLLM seeds xxhash block hashes randomly per process unless PYTHONHASHSEED "
+                "is set, so no node would find another's blocks")
+        if problems:
+            raise ValueError("\n".join(f"kv_tiers.{p}" for p in problems))
+        return self
+
+
+def writable_problem(path: Path) -> str | None:
+    """Why `path` cannot hold KV files here (created if missing), or None if it can."""
+    if path.exists() and not path.is_dir():
+        return f"{path} is not a directory"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create {path} ({exc.strerror})"
+    if not path.is_dir():
+        return f"{path} is not a directory"
+    if not os.access(path, os.W_OK | os.X_OK):
+        return f"{path} is not writable by this user"
+    return None
+
+
+# ---------------------------------------------------------------------- rendering
+
+
+@dataclass(frozen=True)
+class TierRendering:
+    """What the tiers add to one node: argv, environment, and the final kv-transfer-config."""
+
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    kv_transfer_config: dict[str, Any] | None = None
+
+
+def render_tiers(tiers: KVTiers, *, role: Role, device: Device,
+                 base_kv_transfer_config: Mapping[str, Any] | None,
+                 block_size: int) -> TierRendering:
+    """The tier part of one node's command. Pure; raises `TierConfigError` when the
+    device cannot run the tiers (vLLM would otherwise start and fail at first use)."""
+    base = copy.deepcopy(dict(base_kv_transfer_config)) if base_kv_transfer_config else None
+    if not tiers.enabled or role not in tiers.roles:
+        return TierRendering(kv_transfer_config=base)
+    _check_device(tiers, device)
+    if tiers.min_prefix_tokens is not None and tiers.backend == "native" \
+            and tiers.min_prefix_tokens % block_size:
+        up = -(-tiers.min_prefix_tokens // block_size) * block_size
+        raise TierConfigError(
+            f"kv_tiers.min_prefix_tokens: {tiers.min_prefix_tokens} is not a multiple of the "
+            f"KV block size ({block_size}); use {up}")
+
+    buffer_device = (base or {}).get("kv_buffer_device", device)
+    child = (_native_connector(tiers) if tiers.backend == "native"
+             else _lmcache_connector())
+    child["kv_buffer_device"] = buffer_device
+    env = _lmcache_env(tiers) if tiers.backend == "lmcache" else {}
+    if tiers.hash_seed is not None:
+        env["PYTHONHASHSEED"] = str(tiers.hash_seed)
+    args = ["--prefix-caching-hash-algo", tiers.hash_algo]
+
+    if base is None:
+        return TierRendering(args=args, env=env, kv_transfer_config=child)
+    if base.get("kv_connector") == "MultiConnector":
+        raise TierConfigError("kv_tiers: the node already uses a MultiConnector; add the "
+                              "tier connector to its connectors list yourself")
+    nixl = {k: v for k, v in base.items() if k != "engine_id"}
+    parent: dict[str, Any] = {
+        "kv_connector": "MultiConnector",
+        "kv_role": base.get("kv_role"),
+        "kv_buffer_device": buffer_device,
+        "kv_connector_extra_config": {"connectors": [nixl, child]},
+    }
+    if "engine_id" in base:
+        parent["engine_id"] = base["engine_id"]
+    for key in ("kv_load_failure_policy", "kv_port"):
+        if key in base:
+            parent[key] = base[key]
+    return TierRendering(args=args, env=env, kv_transfer_config=parent)
+
+
+def _check_device(tiers: KVTiers, device: Device) -> None:
+    if device == "cuda":
+        return
+    what = "cpu tier" if tiers.cpu is not None else "disk tier"
+    if tiers.backend == "native":
+        raise TierConfigError(
+            f"kv_tiers: the {what} needs device=cuda: vLLM's OffloadingConnector "
+            f"requires a GPU platform ({CPU_OFFLOAD_PLATFORM_CHECK}: \"CPU Offloading is "
+            "currently only supported on CUDA-alike and XPU GPUs\"); on CPU nodes the KV "
+            "cache already lives in host memory (kv_cache_gib)")
+    raise TierConfigError(
+        f"kv_tiers: the {what} with backend lmcache needs device=cuda: vLLM's LMCache "
+        f"adapter allocates on cuda ({LMCACHE_CUDA_DEVICE})")
+
+
+def _native_connector(tiers: KVTiers) -> dict[str, Any]:
+    assert tiers.cpu is not None  # validated: native always has a CPU tier
+    extra: dict[str, Any] = {
+        "cpu_bytes_to_use": int(tiers.cpu.size_gib * _GIB),
+        "eviction_policy": tiers.cpu.eviction,
+        "offload_prompt_only": tiers.offload_prompt_only,
+    }
+    if tiers.min_prefix_tokens is not None:
+        extra["block_size"] = tiers.min_prefix_tokens
+    if tiers.store_after_hits >= 2:
+        extra["store_threshold"] = tiers.store_after_hits
+    if tiers.disk is not None:
+        extra["spec_name"] = "TieringOffloadingSpec"
+        extra["secondary_tiers"] = [{
+            "type": "fs",
+            "root_dir": str(tiers.disk.path),
+            "n_read_threads": tiers.disk.read_threads,
+            "n_write_threads": tiers.disk.write_threads,
+            "locality": "REMOTE" if tiers.disk.shared else "LOCAL",
+        }]
+    return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+            "kv_connector_extra_config": extra}
+
+
+def _lmcache_connector() -> dict[str, Any]:
+    return {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
+
+
+def _lmcache_env(tiers: KVTiers) -> dict[str, str]:
+    """LMCache reads `LMCACHE_<KEY>` for every key of its config when no file is given."""
+    env = {"LMCACHE_CHUNK_SIZE": str(tiers.min_prefix_tokens or 256),
+           "LMCACHE_SAVE_UNFULL_CHUNK": "False"}
+    if tiers.cpu is not None:
+        env.update(LMCACHE_LOCAL_CPU="True", LMCACHE_MAX_LOCAL_CPU_SIZE=_num(tiers.cpu.size_gib),
+                   LMCACHE_CACHE_POLICY=tiers.cpu.eviction.upper())
+    else:
+        env["LMCACHE_LOCAL_CPU"] = "False"
+    disk = tiers.disk
+    if disk is not None:
+        if disk.shared:
+            env["LMCACHE_REMOTE_URL"] = LMCACHE_FS_URL.format(path=disk.path)
+            env["LMCACHE_REMOTE_SERDE"] = "naive"
+        else:
+            assert disk.size_gib is not None  # validated
+            env["LMCACHE_LOCAL_DISK"] = f"file://{disk.path}/"
+            env["LMCACHE_MAX_LOCAL_DISK_SIZE"] = _num(disk.size_gib)
+    return env
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+# ---------------------------------------------------------------------- placement
+
+
+@dataclass(frozen=True)
+class TierCosts:
+    """Seconds per token to bring KV from each tier into GPU memory, and to recompute it.
+
+    Defaults are order-of-magnitude placeholders for a ~8B model (128 KiB KV per token):
+    measure them (benchmarks/gpu) and pass real ones.
+    """
+
+    recompute_s_per_token: float = 1.0e-4
+    gpu_s_per_token: float = 0.0
+    cpu_s_per_token: float = 5.0e-6
+    disk_s_per_token: float = 4.0e-5
+    queue_s_per_request: float = 0.05
+
+    def for_tier(self, tier: TierName) -> float:
+        return {"gpu": self.gpu_s_per_token, "cpu": self.cpu_s_per_token,
+                "disk": self.disk_s_per_token}[tier]
+
+
+@dataclass(frozen=True)
+class NodeTierHits:
+    """One node's view of a prompt: the longest prefix (tokens) each tier holds, and load.
+
+    From KV events (`BlockStored.medium`: GPU, CPU, STORAGE) matched against the prompt's
+    block hashes, or from a lookup; `in_flight` counts requests queued or running there.
+    """
+
+    node: str
+    gpu: int = 0
+    cpu: int = 0
+    disk: int = 0
+    in_flight: int = 0
+
+
+@dataclass(frozen=True)
+class TierScore:
+    """Estimated prefill cost of a prompt on one node (lower is better)."""
+
+    node: str
+    est_s: float
+    tokens: dict[str, int]  # served per tier, plus "recompute"
+    saved_s: float  # versus recomputing everything on an idle node
+
+
+_TIER_ORDER: tuple[TierName, ...] = ("gpu", "cpu", "disk")
+
+
+def tier_score(hits: NodeTierHits, *, prompt_tokens: int, costs: TierCosts = TierCosts(),
+               block_size: int = 1) -> TierScore:
+    """Cost of prefilling `prompt_tokens` on a node with these per-tier prefix hits.
+
+    Prefixes chain, so a slower tier only helps past the faster tiers' reach: tokens from
+    tier t = reach(t) - max(reach of faster tiers), block-aligned. vLLM always computes the
+    last prompt token, so at most `prompt_tokens - 1` are served from cache. A tier slower
+    than recomputing is skipped (its tokens are recomputed).
+    """
+    if prompt_tokens < 0 or block_size < 1:
+        raise ValueError("prompt_tokens must be >= 0 and block_size >= 1")
+    cap = max(prompt_tokens - 1, 0)
+    served: dict[str, int] = {}
+    covered = 0
+    est = 0.0
+    for tier in _TIER_ORDER:
+        reach = min(getattr(hits, tier), cap)
+        reach -= reach % block_size
+        extra = max(reach - covered, 0)
+        per_token = costs.for_tier(tier)
+        if extra and per_token < costs.recompute_s_per_token:
+            served[tier] = extra
+            est += extra * per_token
+            covered = reach
+        else:
+            served[tier] = 0
+    served["recompute"] = prompt_tokens - covered
+    est += served["recompute"] * costs.recompute_s_per_token
+    est += max(hits.in_flight, 0) * costs.queue_s_per_request
+    baseline = prompt_tokens * costs.recompute_s_per_token
+    return TierScore(node=hits.node, est_s=est, tokens=served, saved_s=baseline - est)
+
+
+def rank_nodes(nodes: Sequence[NodeTierHits], *, prompt_tokens: int,
+               costs: TierCosts = TierCosts(), block_size: int = 1) -> list[TierScore]:
+    """Nodes ordered best first (lowest estimated cost; ties keep the given order)."""
+    scores = [tier_score(n, prompt_tokens=prompt_tokens, costs=costs, block_size=block_size)
+              for n in nodes]
+    return sorted(scores, key=lambda s: s.est_s)

@@ -1,0 +1,342 @@
+"""The plugin's pure parts, without vLLM: version gate, node env, stream injection, patches."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import threading
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvagent_server import vllm_plugin
+from kvagent_server.vllm_plugin import (
+    affinity,
+    env,
+    idle_wait,
+    import_hooks,
+    nixl_delay,
+    stream_params,
+    version,
+)
+
+PARAMS = {"do_remote_decode": True, "remote_block_ids": [[1, 2]], "remote_num_tokens": 255,
+          "remote_blocks_expiry_time": 12.5}
+
+
+# --- version gate -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("v", ["0.32.0", "0.32.7", "0.33.0", "0.33.1rc1", "0.32.0+cpu"])
+def test_supported_versions(v: str) -> None:
+    assert version.is_supported(v)
+    version.check(v)
+
+
+@pytest.mark.parametrize("v", ["0.31.9", "0.34.0", "1.0.0", "dev", "", "0"])
+def test_unsupported_versions_refuse_loudly(v: str) -> None:
+    assert not version.is_supported(v)
+    with pytest.raises(version.UnsupportedVLLMVersion, match="not supported"):
+        version.check(v)
+
+
+# --- node env -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_node_env_enables_plugin_and_quiets_idle(role: str) -> None:
+    e = env.node_env(role)
+    assert e[env.PLUGIN_ENV] == "1"
+    assert int(e[env.NIXL_DELAY_ENV]) >= 1000
+    assert int(e[env.SPIN_ENV]) < int(e[env.IDLE_POLL_ENV])
+    assert e["UCX_RCACHE_MAX_UNRELEASED"] == "1024"
+    assert all(isinstance(v, str) for v in e.values())
+    assert "--enable-prompt-tokens-details" in env.node_args(role)
+
+
+def test_bad_role_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unknown node role"):
+        env.node_env("both")
+    with pytest.raises(ValueError):
+        env.node_args("p")
+
+
+# --- stream injection ---------------------------------------------------------------------
+
+def _event(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def test_params_are_added_at_top_level() -> None:
+    ev = _event({"id": "x", "choices": [], "usage": {"prompt_tokens": 3}})
+    out = stream_params.add_params_to_event(ev, PARAMS)
+    assert out.endswith("\n\n") and out.startswith("data: ")
+    obj = json.loads(out[6:])
+    assert obj["kv_transfer_params"] == PARAMS
+    assert obj["usage"] == {"prompt_tokens": 3}
+
+
+@pytest.mark.parametrize("ev", [
+    "data: [DONE]\n\n",
+    "data: not json\n\n",
+    ": comment\n\n",
+    _event({"error": {"message": "boom"}}),
+    _event({"id": "x", "kv_transfer_params": {"already": True}}),
+])
+def test_events_left_alone(ev: str) -> None:
+    assert stream_params.add_params_to_event(ev, PARAMS) == ev
+
+
+def test_only_last_data_event_gets_params() -> None:
+    evs = [_event({"n": 1}), _event({"n": 2}), "data: [DONE]\n\n"]
+    out = stream_params.inject_into_last_data_event(evs, PARAMS)
+    assert out[0] == evs[0] and out[2] == evs[2]
+    assert json.loads(out[1][6:])["kv_transfer_params"] == PARAMS
+
+
+@dataclass
+class FakeOutput:
+    finished: bool
+    kv_transfer_params: dict[str, Any] | None = None
+
+
+async def _outputs(items: list[Any]):
+    for item in items:
+        yield item
+
+
+def _fake_stream_generator(log: list[str]):
+    """Mimics vLLM: one chunk per engine output, then a usage chunk, then [DONE]."""
+
+    async def chat_completion_stream_generator(self: Any, request: Any, result_generator: Any,
+                                               request_id: str) -> Any:
+        async for res in result_generator:
+            log.append("out")
+            yield _event({"id": request_id, "choices": [{"finished": res.finished}]})
+        yield _event({"id": request_id, "choices": [], "usage": {}})
+        yield "data: [DONE]\n\n"
+
+    return chat_completion_stream_generator
+
+
+async def test_wrapped_generator_streams_unbuffered_and_tags_the_final_chunk() -> None:
+    log: list[str] = []
+    wrapped = stream_params.wrap_stream_generator(_fake_stream_generator(log))
+    outs = [FakeOutput(False), FakeOutput(False), FakeOutput(True, PARAMS)]
+    got: list[str] = []
+    async for ev in wrapped(None, None, _outputs(outs), "r1"):
+        got.append(ev)
+        # Chunks before the final output are relayed as soon as they are produced.
+        if len(got) <= 2:
+            assert len(log) == len(got)
+    assert got[-1] == "data: [DONE]\n\n"
+    objs = [json.loads(e[6:]) for e in got[:-1]]
+    assert [("kv_transfer_params" in o) for o in objs] == [False, False, False, True]
+    assert objs[-1]["kv_transfer_params"] == PARAMS
+    assert "usage" in objs[-1]
+
+
+async def test_wrapped_generator_without_params_is_unchanged() -> None:
+    log: list[str] = []
+    original = _fake_stream_generator(log)
+    outs = [FakeOutput(False), FakeOutput(True, None)]
+    plain = [e async for e in original(None, None, _outputs(outs), "r")]
+    wrapped = [e async for e in stream_params.wrap_stream_generator(original)(
+        None, None, _outputs(outs), "r")]
+    assert wrapped == plain
+
+
+async def test_completion_waits_for_every_prompt() -> None:
+    """Completions stream (index, output) pairs; only the last finished prompt counts."""
+    watch = stream_params.OutputWatch(expected=2)
+    watch.observe((0, FakeOutput(True, {"a": 1})))
+    assert not watch.finished
+    watch.observe((1, FakeOutput(True, {"b": 2})))
+    assert watch.finished and watch.params == {"b": 2}
+
+
+def test_patch_module_is_idempotent() -> None:
+    mod = types.ModuleType("vllm.entrypoints.openai.chat_completion.serving")
+
+    class OpenAIServingChat:
+        chat_completion_stream_generator = _fake_stream_generator([])
+
+    mod.OpenAIServingChat = OpenAIServingChat  # type: ignore[attr-defined]
+    assert stream_params.patch_module(mod)
+    first = OpenAIServingChat.chat_completion_stream_generator
+    assert not stream_params.patch_module(mod)
+    assert OpenAIServingChat.chat_completion_stream_generator is first
+
+
+def test_wrap_rejects_a_changed_signature() -> None:
+    async def chat_completion_stream_generator(self: Any, request: Any, results: Any) -> Any:
+        yield ""
+
+    with pytest.raises(TypeError, match="result_generator"):
+        stream_params.wrap_stream_generator(chat_completion_stream_generator)
+
+
+# --- idle wait ----------------------------------------------------------------------------
+
+class FakeScheduler:
+    def __init__(self, finished_pending: bool, unfinished: bool) -> None:
+        self.finished_pending, self.unfinished = finished_pending, unfinished
+
+    def has_requests(self) -> bool:
+        return self.finished_pending or self.unfinished
+
+    def has_unfinished_requests(self) -> bool:
+        return self.unfinished
+
+
+@pytest.mark.parametrize(("pending", "unfinished", "expected"), [
+    (True, False, True), (False, False, False), (True, True, False), (False, True, False),
+])
+def test_only_connector_work(pending: bool, unfinished: bool, expected: bool) -> None:
+    assert idle_wait.only_connector_work(FakeScheduler(pending, unfinished)) is expected
+
+
+def test_wait_for_input_times_out_and_wakes_early() -> None:
+    q: queue.Queue[int] = queue.Queue()
+    t = time.monotonic()
+    idle_wait.wait_for_input(q, 0.2)
+    assert time.monotonic() - t >= 0.19
+    threading.Timer(0.05, q.put, args=(1,)).start()
+    t = time.monotonic()
+    idle_wait.wait_for_input(q, 5.0)
+    assert time.monotonic() - t < 2.0
+    assert q.get_nowait() == 1  # the item is left for the engine loop
+
+
+def _fake_core_module(scheduler: FakeScheduler, executed: bool):
+    mod = types.ModuleType("vllm.v1.engine.core")
+
+    class EngineCoreProc:
+        def __init__(self) -> None:
+            self.scheduler = scheduler
+            self.input_queue: queue.Queue[int] = queue.Queue()
+            self.batch_queue = None
+
+        def _process_engine_step(self) -> bool:
+            return executed
+
+    mod.EngineCoreProc = EngineCoreProc  # type: ignore[attr-defined]
+    return mod
+
+
+def test_engine_step_waits_only_when_just_holding_blocks() -> None:
+    holding = _fake_core_module(FakeScheduler(True, False), executed=False)
+    assert idle_wait.patch_module(holding, 150)
+    assert not idle_wait.patch_module(holding, 150)
+    core = holding.EngineCoreProc()
+    t = time.monotonic()
+    assert core._process_engine_step() is False
+    assert time.monotonic() - t >= 0.14
+
+    busy = _fake_core_module(FakeScheduler(True, True), executed=False)
+    idle_wait.patch_module(busy, 5000)
+    t = time.monotonic()
+    busy.EngineCoreProc()._process_engine_step()
+    assert time.monotonic() - t < 1.0
+
+
+def test_spin_window_is_capped_for_readers_only() -> None:
+    mod = types.ModuleType("shm")
+
+    class SpinCondition:
+        def __init__(self, is_reader: bool, busy_loop_s: float = 1) -> None:
+            self.is_reader, self.busy_loop_s = is_reader, busy_loop_s
+
+    mod.SpinCondition = SpinCondition  # type: ignore[attr-defined]
+    assert idle_wait.patch_spin_module(mod, 20)
+    assert SpinCondition(True).busy_loop_s == pytest.approx(0.02)
+    assert SpinCondition(False, 0).busy_loop_s == 0
+    assert SpinCondition(True, 0.005).busy_loop_s == 0.005
+
+
+# --- NIXL delay ---------------------------------------------------------------------------
+
+def test_nixl_agent_gets_the_delay() -> None:
+    seen: list[int] = []
+
+    class Config:
+        pthrDelay = -1
+
+    bindings = types.SimpleNamespace(
+        nixlAgent=lambda name, cfg: seen.append(cfg.pthrDelay) or f"agent:{name}",
+        nixlAgentConfig=Config, DRAM_SEG=7)
+    api = types.ModuleType("nixl_cu12._api")
+    api.nixlBind = bindings  # type: ignore[attr-defined]
+    assert nixl_delay.patch_api_module(api, 5000)
+    assert not nixl_delay.patch_api_module(api, 5000)
+    cfg = api.nixlBind.nixlAgentConfig()
+    cfg.pthrDelay = 0  # what nixl_agent.__init__ does
+    assert api.nixlBind.nixlAgent("a", cfg) == "agent:a"
+    assert seen == [5000]
+    assert api.nixlBind.DRAM_SEG == 7
+
+
+# --- affinity -----------------------------------------------------------------------------
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux only")
+def test_worker_affinity_is_restored() -> None:
+    mod = types.ModuleType("base_worker")
+    before = os.sched_getaffinity(0)
+    target = {max(before)}
+
+    class NixlBaseConnectorWorker:
+        def __init__(self) -> None:
+            os.sched_setaffinity(0, target)
+
+    mod.NixlBaseConnectorWorker = NixlBaseConnectorWorker  # type: ignore[attr-defined]
+
+    def body() -> None:
+        assert affinity.patch_module(mod)
+        NixlBaseConnectorWorker()
+        result.append(os.sched_getaffinity(0))
+
+    result: list[set[int]] = []
+    th = threading.Thread(target=body)  # a thread of its own: affinity is per thread
+    th.start()
+    th.join()
+    assert result == [before]
+
+
+# --- import hooks and registration --------------------------------------------------------
+
+def test_when_imported_runs_after_import(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "kva_hook_probe.py").write_text("VALUE = 41\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[int] = []
+    import_hooks.when_imported("kva_hook_probe", lambda m: seen.append(m.VALUE + 1))
+    assert seen == []
+    import kva_hook_probe  # noqa: F401
+
+    assert seen == [42]
+    import_hooks.when_imported("kva_hook_probe", lambda m: seen.append(0))
+    assert seen == [42, 0]
+    sys.modules.pop("kva_hook_probe", None)
+
+
+def test_register_is_inert_without_the_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(env.PLUGIN_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # importing vllm would now fail
+    vllm_plugin.register()
+
+
+def test_register_refuses_an_untested_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(env.PLUGIN_ENV, "1")
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.40.0"))
+    with pytest.raises(version.UnsupportedVLLMVersion, match="0.40.0"):
+        vllm_plugin.register()
+
+
+def test_register_rejects_bad_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(env.PLUGIN_ENV, "1")
+    monkeypatch.setenv(env.NIXL_DELAY_ENV, "soon")
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.32.0"))
+    with pytest.raises(ValueError, match=env.NIXL_DELAY_ENV):
+        vllm_plugin.register()
