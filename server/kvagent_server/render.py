@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from kvagent_server.config import ROLES, BundleConfig, ConfigError, Role, reveal_secrets
+from kvagent_server.tiers import TierConfigError, render_tiers
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 ROUTER_MODULE = "kvagent_server.router"
@@ -154,7 +155,13 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
         args += ["--block-size", str(block_size)]
         args.append("--enable-prefix-caching" if rc.prefix_caching
                     else "--no-enable-prefix-caching")
-        args += ["--kv-transfer-config", json.dumps(kv_cfg, separators=(",", ":"))]
+        try:  # KV tiers: a MultiConnector around NIXL, hash flags (see tiers.py)
+            tiers = render_tiers(cfg.kv_tiers, role=role, device=device,
+                                 base_kv_transfer_config=kv_cfg, block_size=block_size)
+        except TierConfigError as exc:
+            raise ConfigError([str(exc)]) from None
+        args += ["--kv-transfer-config",
+                 json.dumps(tiers.kv_transfer_config, separators=(",", ":")), *tiers.args]
         if device == "cuda":
             args += ["--kv-cache-memory-bytes", str(cfg.kv_cache_gib * 1024**3)]
         args += [*inputs.model.extra_args, *inputs.role_args.get(role, ()), *rc.extra_args]
@@ -169,6 +176,7 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
             env["VLLM_CPU_OMP_THREADS_BIND"] = binds.get((role, i), "auto")
         else:
             env["CUDA_VISIBLE_DEVICES"] = gpus[(role, i)]
+        env.update(tiers.env)
         env.update(inputs.model.extra_env)
         env.update(inputs.role_env.get(role, {}))
         env.update(rc.extra_env)

@@ -42,7 +42,7 @@ def compose_check(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]
     path = tmp_path / "compose.yaml"
     path.write_text(text)
     return subprocess.run([str(binary), "-f", str(path), "config", "--quiet"],
-                          capture_output=True, text=True, timeout=60,
+                          check=False, capture_output=True, text=True, timeout=60,
                           env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
 
 
@@ -91,7 +91,7 @@ def test_dollar_signs_survive_interpolation(tmp_path: Path) -> None:
     path = tmp_path / "compose.yaml"
     path.write_text(text)
     out = subprocess.run([str(binary), "-f", str(path), "config", "--format", "json"],
-                         capture_output=True, text=True, timeout=60,
+                         check=False, capture_output=True, text=True, timeout=60,
                          env={"HOME": str(tmp_path), "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0, out.stderr
     resolved = json.loads(out.stdout)

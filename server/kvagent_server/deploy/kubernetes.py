@@ -165,7 +165,7 @@ def _statefulset(dp: DeployPlan, spec: RoleSpec) -> dict[str, Any]:
         # RDMA memory registration pins pages.
         container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
     pod: dict[str, Any] = {
-        "terminationGracePeriodSeconds": int(math.ceil(cfg.stop_grace_s)),
+        "terminationGracePeriodSeconds": math.ceil(cfg.stop_grace_s),
         "containers": [container], "volumes": volumes,
     }
     if o.node_selector:

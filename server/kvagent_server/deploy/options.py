@@ -6,9 +6,13 @@ these options say where they run (images, namespace, GPUs, RDMA, volumes, replic
 
 from __future__ import annotations
 
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from kvagent_server.config import ConfigError
 
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?$"
 
@@ -85,3 +89,27 @@ class DeployOptions(BaseModel):
         if self.rdma_resource:
             return self.rdma_resource
         return "vpc.amazonaws.com/efa" if self.rdma == "efa" else None
+
+
+def load_options(path: Path | None = None, overrides: dict[str, Any] | None = None
+                 ) -> DeployOptions:
+    """Options from a YAML file (optional) with flag overrides; `ConfigError` when invalid."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError([f"{path}: cannot read deploy options ({exc})"]) from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError([f"{path}: the top level must be a mapping of keys"])
+        data = dict(loaded or {})
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return DeployOptions.model_validate(data)
+    except ValidationError as err:
+        problems = []
+        for e in err.errors():
+            where = ".".join(str(p) for p in e["loc"]) or "<options>"
+            msg = "unknown option" if e["type"] == "extra_forbidden" else e["msg"]
+            problems.append(f"deploy options: {where}: {msg}")
+        raise ConfigError(problems) from None

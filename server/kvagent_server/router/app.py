@@ -62,7 +62,7 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
     `health_interval_s`.
     """
     registry = NodeRegistry(prefill, decode, interval_s=settings.health_interval_s,
-                            probe_timeout_s=min(2.0, settings.health_interval_s),
+                            probe_timeout_s=2.0,
                             max_in_flight=settings.node_max_in_flight)
     metrics = metrics or RouterMetrics()
     the_store = store or make_store(settings)

@@ -33,13 +33,14 @@ class Node:
     name: str
     url: str
     role: Role
-    healthy: bool = True
+    healthy: bool = False  # until its first successful probe
     epoch: str = "c1"
     in_flight: int = 0
     max_in_flight: int = 64
     #: KV block size reported by the node (None until known).
     block_size: int | None = None
     probed: bool = False
+    probe_failures: int = 0
     _comebacks: int = field(default=1, repr=False)
     failures: int = 0
     last_checked: float = 0.0
@@ -75,7 +76,8 @@ class NodeRegistry:
     """All P and D nodes; a background task probes `/health` every `interval_s`."""
 
     def __init__(self, prefill: list[str], decode: list[str], *, interval_s: float = 2.0,
-                 probe_timeout_s: float = 2.0, max_in_flight: int = 64) -> None:
+                 probe_timeout_s: float = 2.0, max_in_flight: int = 64,
+                 failures_to_down: int = 2) -> None:
         if not prefill or not decode:
             raise ValueError("the router needs at least one prefill and one decode node")
         self.nodes: dict[str, Node] = {}
@@ -86,6 +88,7 @@ class NodeRegistry:
                                         max_in_flight=max_in_flight)
         self.interval_s = interval_s
         self.probe_timeout_s = probe_timeout_s
+        self.failures_to_down = failures_to_down
         self._task: asyncio.Task[None] | None = None
 
     def role(self, role: Role) -> list[Node]:
@@ -106,22 +109,34 @@ class NodeRegistry:
         return [n.state() for n in self.nodes.values()]
 
     def ranked(self, role: Role, first: Node | None = None) -> list[Node]:
-        """Healthy nodes of `role`, least loaded first, `first` (if given) at the front."""
-        rest = sorted((n for n in self.healthy(role) if n is not first),
+        """Healthy nodes of `role`, least loaded first, `first` (if given) at the front.
+
+        With none healthy, every node of the role: trying one beats refusing outright
+        (the health check may just have been too slow on a loaded machine)."""
+        pool = self.healthy(role) or self.role(role)
+        rest = sorted((n for n in pool if n is not first),
                       key=lambda n: (n.in_flight / n.max_in_flight, n.name))
         return [first, *rest] if first is not None else rest
 
     async def probe(self, client: httpx.AsyncClient, node: Node) -> bool:
+        refused = False
         try:
             resp = await client.get(f"{node.url}/health", timeout=self.probe_timeout_s)
             ok = resp.status_code == 200
             reason = f"/health returned {resp.status_code}"
         except httpx.HTTPError as exc:
             ok, reason = False, f"{type(exc).__name__}"
+            refused = isinstance(exc, httpx.ConnectError)
         node.last_checked = time.monotonic()
         if not ok:
-            node.mark_down(reason)
-        elif not node.healthy or not node.probed:
+            # One slow or failed probe is noise on a busy machine; a refused connection or
+            # a second failure in a row is not.
+            node.probe_failures += 1
+            if refused or node.probe_failures >= self.failures_to_down:
+                node.mark_down(reason)
+            return False
+        node.probe_failures = 0
+        if not node.healthy or not node.probed:
             start_time, block_size = await self._node_info(client, node)
             node.block_size = block_size or node.block_size
             node.mark_up(start_time)
