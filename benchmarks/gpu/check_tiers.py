@@ -39,6 +39,9 @@ def render_node(work: Path, model: str | None, gpu_blocks: int, port: int) -> Pr
     cfg = validate_config({
         "name": "tiercheck", "model": model, "device": "cuda", "run_dir": str(work / "run"),
         "block_size": BLOCK, "router_enabled": False,
+        # GPU KV holds exactly one max-length request: vLLM accepts that, and a few
+        # prompts evict everything before them.
+        "max_model_len": gpu_blocks * BLOCK,
         "prefill": {"ports": [port], "cuda_devices": ["0"],
                     "extra_args": ["--num-gpu-blocks-override", str(gpu_blocks),
                                    "--max-num-seqs", "4"]},
@@ -127,7 +130,8 @@ def main() -> int:
     ap.add_argument("--gpu-blocks", type=int, default=64,
                     help="GPU KV blocks (x16 tokens): small, so a few prompts evict A")
     ap.add_argument("--port", type=int, default=18300)
-    ap.add_argument("--words", type=int, default=300, help="words per prompt")
+    ap.add_argument("--words", type=int, default=100,
+                    help="words per prompt (the demo tokenizer makes ~4 tokens of each)")
     ap.add_argument("--out", type=Path, default=None, help="JSON report path")
     ap.add_argument("--dry-run", action="store_true")
     a = ap.parse_args()
@@ -146,7 +150,7 @@ def main() -> int:
     try:
         complete(url, served, prompt(0, a.words))  # A
         # Other prompts: together several times the GPU KV capacity, so A is evicted.
-        n_fill = max(4, (a.gpu_blocks * BLOCK * 3) // max(a.words, 1))
+        n_fill = max(4, (a.gpu_blocks * BLOCK * 3) // max(4 * a.words, 1))
         for i in range(1, n_fill + 1):
             complete(url, served, prompt(i, a.words))
         time.sleep(2)  # offload stores complete asynchronously

@@ -126,6 +126,18 @@ class Worker:
         return ttft or total, total, kva.get("path")
 
 
+async def miss_reasons(base: str) -> dict[str, float]:
+    """The router's cumulative reuse misses by reason (from its /metrics)."""
+    async with httpx.AsyncClient() as c:
+        text = (await c.get(f"{base}/metrics", timeout=30)).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kvagent_router_reuse_misses_total{"):
+            reason = line.split('reason="', 1)[1].split('"', 1)[0]
+            out[reason] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def cpu_s(pid: int) -> float:
     import psutil
 
@@ -211,12 +223,14 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
             for mode in args.modes:
                 res = await run_level(bases[mode], mode, concurrency, args.requests,
                                       args.cap_s, pids[which[mode]])
+                if mode.startswith("router"):
+                    res["misses_so_far"] = await miss_reasons(bases[mode])
                 results.append(res)
                 print(f"c={concurrency:>3} {mode:<16} n={res['requests']:>4} "
                       f"ttft p50={res['ttft_p50_ms']:7.2f} p99={res['ttft_p99_ms']:7.2f} ms  "
                       f"total p50={res['total_p50_ms']:7.2f} p99={res['total_p99_ms']:7.2f} "
                       f"ms  {res['rps']:6.1f} req/s  cpu {res['server_cpu_ms_per_request']:.2f} "
-                      f"ms/req  {res['paths']}", flush=True)
+                      f"ms/req  {res['paths']} {res.get('misses_so_far', '')}", flush=True)
     finally:
         for proc in reversed(procs):
             stop(proc)

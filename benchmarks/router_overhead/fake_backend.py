@@ -17,7 +17,8 @@ from fakes import FakeCluster, FakeNode, Reply
 async def main(p_port: int, d_port: int) -> None:
     import uvicorn
 
-    cluster = FakeCluster(reply=lambda prompt: Reply(content="ok " * 8), lease_s=3600)
+    cluster = FakeCluster(reply=lambda prompt: Reply(content="ok " * 8), lease_s=3600,
+                          prefix_cache=False)
     servers = []
     for role, port in (("prefill", p_port), ("decode", d_port)):
         node = FakeNode(cluster, role, 0)

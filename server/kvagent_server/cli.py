@@ -135,7 +135,7 @@ _STYLE = {"healthy": "green", "starting": "yellow", "pending": "dim", "restartin
           "failed": "bold red", "stopped": "dim"}
 
 
-def _progress_table(state: RunState, t0: float) -> Table:
+def _progress_table(state: RunState) -> Table:
     table = Table(title=f"kvagent bundle '{state.name}' on {state.device}: {state.phase}",
                   title_justify="left")
     for col in ("process", "status", "url", "pid", "restarts", "note"):
@@ -148,15 +148,13 @@ def _progress_table(state: RunState, t0: float) -> Table:
     return table
 
 
-def _watch(get_state: Any, done: Any, what: str) -> RunState | None:
+def _watch(get_state: Any, done: Any) -> RunState | None:
     """Show a live table until `done(state)`; returns the last state seen."""
-    t0 = time.time()
-    state = get_state()
     with Live(console=console, refresh_per_second=4, transient=False) as live:
         while True:
             state = get_state()
             if state is not None:
-                live.update(_progress_table(state, t0))
+                live.update(_progress_table(state))
             if done(state):
                 return state
             time.sleep(0.25)
@@ -207,16 +205,15 @@ def up(
     if cfg.model is None:
         console.print("[dim]Preparing the demo model…[/]")
     try:
-        bundle = Bundle(cfg, inputs=gather_inputs(cfg))
+        bundle = Bundle(cfg, inputs=gather_inputs(cfg), on_event=lambda msg: console.print(
+            f"[dim]{time.strftime('%H:%M:%S')}[/] {msg}"))
     except ConfigError as exc:
         _fail_config(exc)
     if detach:
         raise typer.Exit(_up_detached(cfg, bundle))
 
-    bundle._on_event = lambda msg: console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {msg}")
-
     def wait(b: Bundle) -> None:
-        _watch(b.snapshot, lambda s: s.phase != "starting", "start")
+        _watch(b.snapshot, lambda s: s.phase != "starting")
         b.wait_healthy(timeout=1.0)
 
     def ready(b: Bundle) -> None:
@@ -239,7 +236,7 @@ def _up_detached(cfg: BundleConfig, bundle: Any) -> int:
 
     run_dir = cfg.resolved_run_dir()
     try:
-        bundle._preflight()
+        bundle.check_can_start()
     except BundleError as exc:
         err.print(f"[bold red]Error:[/] {exc}")
         return 1
@@ -264,7 +261,7 @@ def _up_detached(cfg: BundleConfig, bundle: Any) -> int:
             state is not None and state.phase != "starting")
 
     try:
-        state = _watch(current, done, "start")
+        state = _watch(current, done)
     except KeyboardInterrupt:
         err.print("Interrupted: stopping…")
         _stop_supervisor(daemon.pid, processes.create_time(daemon.pid), cfg.stop_grace_s)
@@ -352,6 +349,11 @@ def status(config: ConfigOpt = None, name: NameOpt = None, run_dir: RunDirOpt = 
     state = load_state(rd)
     if state is None:
         err.print(f"No bundle state in {rd / STATE_FILE}.")
+        root = DEFAULT_RUN_ROOT.expanduser()
+        others = sorted(p.parent.name for p in root.glob(f"*/{STATE_FILE}")) \
+            if root.is_dir() else []
+        if others:
+            err.print(f"Bundles in {root}: {', '.join(others)} (select one with --name).")
         raise typer.Exit(1)
     sup_alive = processes.is_alive(state.supervisor_pid, state.supervisor_create_time)
     rows = []

@@ -127,7 +127,7 @@ class Bundle:
         Raises `BundleError` (after stopping what it started) when a process fails for good
         or does not become healthy in time; Ctrl-C while waiting also stops everything.
         """
-        self._preflight()
+        self.check_can_start()
         self._started = True
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._write_files()
@@ -211,7 +211,9 @@ class Bundle:
 
     # ----------------------------------------------------------------- internals
 
-    def _preflight(self) -> None:
+    def check_can_start(self) -> None:
+        """Raise `BundleError` if this run dir's bundle is running (or left processes), and
+        `ConfigError` if a listener's port is taken or its host is not an address here."""
         existing = load_state(self.run_dir)
         if existing is not None and existing.phase not in ("stopped", "failed") and \
                 processes.is_alive(existing.supervisor_pid, existing.supervisor_create_time):

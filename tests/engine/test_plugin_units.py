@@ -340,3 +340,20 @@ def test_register_rejects_bad_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.32.0"))
     with pytest.raises(ValueError, match=env.NIXL_DELAY_ENV):
         vllm_plugin.register()
+
+
+def test_load_failures_recompute_when_a_connector_exists() -> None:
+    from kvagent_server.vllm_plugin import load_failure
+
+    mod = types.ModuleType("vllm.v1.core.sched.scheduler")
+
+    class Scheduler:
+        def __init__(self, connector: object | None) -> None:
+            self.connector = connector
+            self.recompute_kv_load_failures = connector is None
+
+    mod.Scheduler = Scheduler  # type: ignore[attr-defined]
+    assert load_failure.patch_module(mod)
+    assert not load_failure.patch_module(mod)
+    assert Scheduler(object()).recompute_kv_load_failures is True
+    assert Scheduler(None).recompute_kv_load_failures is True

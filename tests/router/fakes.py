@@ -151,7 +151,8 @@ class FakeCluster:
                  decode_ttl_s: float = 480.0, lease_s: float = 30.0,
                  reply: Callable[[list[int]], Reply] = default_reply,
                  kv_params_chunk: str = "usage", chunk_chars: int = 4,
-                 token_delay_s: float = 0.0, prefill_delay_s: float = 0.0) -> None:
+                 token_delay_s: float = 0.0, prefill_delay_s: float = 0.0,
+                 prefix_cache: bool = True) -> None:
         self.block_size = block_size
         self.recompute_threshold = recompute_threshold
         self.decode_ttl_s = decode_ttl_s
@@ -161,6 +162,7 @@ class FakeCluster:
         self.chunk_chars = chunk_chars
         self.token_delay_s = token_delay_s
         self.prefill_delay_s = prefill_delay_s
+        self.prefix_cache = prefix_cache  # off: an "instant" backend for benchmarks
         self.retained: dict[tuple[str, str], Retained] = {}
         self.events: list[Event] = []
         self._ids = itertools.count(1)
@@ -302,6 +304,8 @@ class FakeNode:
                                        "code": status}}, status_code=status)
 
     def _local_prefix_hit(self, prompt: list[int]) -> int:
+        if not self.cluster.prefix_cache:
+            return 0
         bs = self.cluster.block_size
         best = max((_common_prefix(seq, prompt) for seq in self.sequences), default=0)
         return min(best // bs * bs, (len(prompt) - 1) // bs * bs)

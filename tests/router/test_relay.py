@@ -154,3 +154,29 @@ def test_non_streamed_rewrite() -> None:
     assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert "token_ids" not in out["choices"][0] and "kv_transfer_params" not in out
     assert out["kvagent"] == {"path": "pd_fresh"}
+
+
+@pytest.mark.parametrize("compact", [True, False])
+async def test_fast_path_matches_json_path(compact: bool) -> None:
+    """Pattern-scrubbed chunks equal the JSON-path result, whatever vLLM's spacing."""
+    seps = (",", ":") if compact else (", ", ": ")
+    chunks = [chunk("", ids=[], prompt_token_ids=[7, 8]), chunk('a "quoted", "token_ids":[1]',
+                                                                 ids=[40, 41]),
+              chunk("b", ids=[]), chunk(None, ids=[5], finish="length"),
+              usage_chunk(kv_transfer_params=KV)]
+    data = b"".join(b"data: " + json.dumps(c, separators=seps).encode() + b"\n\n"
+                    for c in chunks) + b"data: [DONE]\n\n"
+    out, seen = await run(data, 10_000)
+    evs = events(out)
+    assert evs[1]["choices"][0]["delta"]["content"] == 'a "quoted", "token_ids":[1]'
+    assert all("token_ids" not in e["choices"][0] for e in evs[:4])
+    assert seen[0].sequence == [7, 8, 40, 41, 5] and seen[0].finish_reason == "length"
+
+
+async def test_second_choice_tokens_not_mixed_into_choice_zero() -> None:
+    other = chunk("z", ids=[99])
+    other["choices"][0]["index"] = 1
+    data = sse(chunk("", ids=[], prompt_token_ids=[1]), chunk("a", ids=[2]), other,
+               usage_chunk(kv_transfer_params=KV), b"[DONE]")
+    _, seen = await run(data, 10_000)
+    assert seen[0].output_token_ids == [2] and seen[0].sequence is None  # n > 1: no handle

@@ -105,8 +105,8 @@ def _node_service(dp: DeployPlan, node: ProcessSpec, role_env: dict[str, str]
         volumes.append(f"{model}:{model}:ro")
     else:
         volumes.append("${HOME}/.cache/huggingface:/root/.cache/huggingface")
-    tiers = getattr(cfg, "kv_tiers", None)
-    if tiers is not None and tiers.disk is not None and node.role in tiers.roles:
+    tiers = cfg.kv_tiers
+    if tiers.disk is not None and node.role in tiers.roles:
         volumes.append(f"{tiers.disk.path}:{tiers.disk.path}")
     svc["volumes"] = volumes
     if o.hf_token_secret:

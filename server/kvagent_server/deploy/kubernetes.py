@@ -140,8 +140,8 @@ def _statefulset(dp: DeployPlan, spec: RoleSpec) -> dict[str, Any]:
         mounts.append({"name": "model", "mountPath": o.model_mount_path, "readOnly": True})
         volumes.append({"name": "model", "persistentVolumeClaim": {
             "claimName": o.model_volume_claim, "readOnly": True}})
-    tiers = getattr(cfg, "kv_tiers", None)
-    if tiers is not None and tiers.disk is not None and spec.role in tiers.roles:
+    tiers = cfg.kv_tiers
+    if tiers.disk is not None and spec.role in tiers.roles:
         mounts.append({"name": "kv-tier", "mountPath": str(tiers.disk.path)})
         volumes.append({"name": "kv-tier", "persistentVolumeClaim": {
             "claimName": o.tier_volume_claim}} if tiers.disk.shared

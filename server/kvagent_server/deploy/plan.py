@@ -9,7 +9,7 @@ becomes the pod name and the side-channel host the pod IP (NIXL binds to it).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -57,7 +57,6 @@ class DeployPlan:
     router_argv: tuple[str, ...] | None
     router_settings: dict[str, Any]
     redis: Literal["bundled", "external", "none"]
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def deploy_plan(cfg: BundleConfig, options: DeployOptions, *, target: Target,
@@ -70,8 +69,8 @@ def deploy_plan(cfg: BundleConfig, options: DeployOptions, *, target: Target,
                         "machine; give a model name or a path inside the image/volume)")
     device: Literal["cpu", "cuda"] = "cpu" if cfg.device == "cpu" else "cuda"
     redis = _redis_mode(cfg, options, target, problems)
-    tiers = getattr(cfg, "kv_tiers", None)
-    if (target == "kubernetes" and tiers is not None and tiers.disk is not None
+    tiers = cfg.kv_tiers
+    if (target == "kubernetes" and tiers.disk is not None
             and tiers.disk.shared and options.tier_volume_claim is None):
         problems.append("kv_tiers.disk.shared: needs options tier_volume_claim (a "
                         "ReadWriteMany PersistentVolumeClaim mounted on every node)")

@@ -62,7 +62,7 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
     `health_interval_s`.
     """
     registry = NodeRegistry(prefill, decode, interval_s=settings.health_interval_s,
-                            probe_timeout_s=2.0,
+                            probe_timeout_s=5.0,
                             max_in_flight=settings.node_max_in_flight)
     metrics = metrics or RouterMetrics()
     the_store = store or make_store(settings)
@@ -76,9 +76,13 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
         # a request rarely meets a connection the node is closing.
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
                               keepalive_expiry=4)
-        async with httpx.AsyncClient(transport=transport, limits=limits) as client:
+
+        def make_client() -> httpx.AsyncClient:
+            return httpx.AsyncClient(transport=transport, limits=limits)
+
+        async with make_client() as client:
             codec = TokenCodec(await key_ring_for(settings, the_store))
-            legs = Legs(client, max_retries=settings.max_retries,
+            legs = Legs(make_client, max_retries=settings.max_retries,
                         timeout_s=settings.request_timeout_s)
             app.state.router = Router(settings=settings, registry=registry, legs=legs,
                                       store=the_store, codec=codec, metrics=metrics,
@@ -91,6 +95,7 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
                 yield
             finally:
                 await registry.stop()
+                await legs.aclose()
                 await the_store.close()
 
     async def completions(request: Request) -> Response:

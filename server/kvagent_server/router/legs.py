@@ -28,7 +28,8 @@ log = logging.getLogger("kvagent.router.legs")
 RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 #: Sampling fields a one-token P leg must not carry (they would fail validation or waste work).
 _PREFILL_DROP = ("stream_options", "min_tokens", "logprobs", "top_logprobs", "echo",
-                 "prompt_logprobs", "max_completion_tokens", "n", "best_of")
+                 "prompt_logprobs", "max_completion_tokens", "n", "best_of",
+                 "return_token_ids")
 
 #: Errors of a connection that broke before the node answered: safe to send again once.
 _STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
@@ -53,7 +54,6 @@ class LegError(Exception):
 class PrefillResult:
     node: Node
     kv_params: dict[str, Any]
-    prompt_token_ids: list[int] | None
     cached_tokens: int | None  # None: the node does not report it (no prompt_tokens_details)
     prompt_tokens: int
     pull_failed: bool
@@ -72,7 +72,7 @@ class DecodeStart:
 def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
     """The P leg's body: one token, not streamed, with the transfer params."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
-    out.update(stream=False, max_tokens=1, kv_transfer_params=kv_params, return_token_ids=True)
+    out.update(stream=False, max_tokens=1, kv_transfer_params=kv_params)
     return out
 
 
@@ -109,12 +109,27 @@ def usage_cached(usage: dict[str, Any] | None) -> int | None:
 class Legs:
     """Runs legs against the node registry; `pick` callables come from the placement core."""
 
-    def __init__(self, client: httpx.AsyncClient, *, max_retries: int, timeout_s: float,
+    def __init__(self, make_client: Callable[[], httpx.AsyncClient], *, max_retries: int,
+                 timeout_s: float,
                  on_node_error: Callable[[Node, str], None] | None = None) -> None:
-        self.client = client
+        self.make_client = make_client
+        self.clients: dict[str, httpx.AsyncClient] = {}
         self.max_retries = max_retries
         self.timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
         self.on_node_error = on_node_error or (lambda node, reason: node.mark_down(reason))
+
+    def client(self, node: Node) -> httpx.AsyncClient:
+        """One connection pool per node: httpx's pool bookkeeping grows with the number of
+        connections it holds, so several small pools beat one big one under load."""
+        client = self.clients.get(node.name)
+        if client is None:
+            client = self.clients[node.name] = self.make_client()
+        return client
+
+    async def aclose(self) -> None:
+        for client in self.clients.values():
+            await client.aclose()
+        self.clients.clear()
 
     async def _post(self, node: Node, path: str, body: dict[str, Any], headers: dict[str, str],
                     *, stream: bool) -> httpx.Response:
@@ -124,10 +139,11 @@ class Legs:
         node.in_flight += 1
         try:
             for attempt in (0, 1):
-                request = self.client.build_request("POST", f"{node.url}{path}", json=body,
-                                                    headers=headers, timeout=self.timeout)
+                client = self.client(node)
+                request = client.build_request("POST", f"{node.url}{path}", json=body,
+                                               headers=headers, timeout=self.timeout)
                 try:
-                    return await self.client.send(request, stream=stream)
+                    return await client.send(request, stream=stream)
                 except _STALE_CONNECTION:
                     if attempt:
                         raise
@@ -176,9 +192,7 @@ class Legs:
                 raise LegError("prefill node returned no kv_transfer_params (is it a P/D node?)",
                                leg="prefill")
             usage = data.get("usage") or {}
-            choices = data.get("choices") or [{}]
-            prompt_ids = data.get("prompt_token_ids") or choices[0].get("prompt_token_ids")
-            return PrefillResult(node=node, kv_params=params_out, prompt_token_ids=prompt_ids,
+            return PrefillResult(node=node, kv_params=params_out,
                                  cached_tokens=usage_cached(usage),
                                  prompt_tokens=int(usage.get("prompt_tokens") or 0),
                                  pull_failed=pull_failed,

@@ -11,6 +11,7 @@ The last data chunk before `[DONE]` gets the top-level `kvagent` object and
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,12 @@ INTERNAL_FIELDS = ("kv_transfer_params", "ec_transfer_params")
 #: Token-id fields the router requests for itself (`return_token_ids`).
 TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")
 DONE = b"[DONE]"
+#: A chunk holding any of these takes the JSON path (rewrite, capture or final chunk).
+_SLOW_MARKERS = (b'"kv_transfer_params"', b'"ec_transfer_params"', b'"prompt_token_ids"',
+                 b'"usage"')
+_TOKEN_IDS_RE = re.compile(rb',\s*"token_ids":\s*\[([0-9,\s]*)\]')
+_FINISH_RE = re.compile(rb'"finish_reason":\s*"([a-z_]+)"')
+_INDEX_RE = re.compile(rb'"index":\s*([0-9]+)')
 
 
 @dataclass
@@ -85,6 +92,34 @@ class Scrubber:
             cap.usage = obj["usage"]
         return obj
 
+    def scrub_bytes(self, payload: bytes) -> bytes | None:
+        """The common chunk (one choice, a few tokens) without a JSON round trip: strip
+        and record `token_ids` by pattern. None: the chunk needs the full path.
+
+        Safe on vLLM's compact JSON: inside a string every quote is escaped, so
+        `,"token_ids":[` can only be the field itself."""
+        cap = self.capture
+        if not cap.template or any(m in payload for m in _SLOW_MARKERS):
+            return None
+        index = _INDEX_RE.findall(payload)
+        if len(index) != 1:  # no choice, several, or tool-call deltas: the JSON path
+            return None
+        choice = int(index[0])
+        cap.choices.add(choice)
+        if b'"token_ids"' in payload:
+            found = _TOKEN_IDS_RE.search(payload)
+            if found is None:
+                return None
+            ids = found.group(1).strip()
+            if ids and choice == 0:
+                cap.output_token_ids.extend(int(t) for t in ids.split(b","))
+            if not self.keep_token_ids:
+                payload = payload[:found.start()] + payload[found.end():]
+        reason = _FINISH_RE.search(payload)
+        if reason is not None and choice == 0:
+            cap.finish_reason = reason.group(1).decode()
+        return payload
+
     def _take_prompt_ids(self, holder: dict[str, Any]) -> None:
         ids = holder.get("prompt_token_ids") if self.keep_token_ids else holder.pop(
             "prompt_token_ids", None)
@@ -148,16 +183,22 @@ async def relay_sse(upstream: AsyncIterator[bytes], scrubber: Scrubber,
 
 async def _event(event: bytes, scrubber: Scrubber, finalize: Finalize,
                  finished: bool) -> tuple[bytes, bool] | None:
-    lines = [ln for ln in event.split(b"\n") if ln.startswith(b"data:")]
-    if not lines:
-        return None  # comments / keep-alives carry nothing the client needs
-    payload = b"\n".join(ln[5:].strip() for ln in lines)
+    if event.startswith(b"data: ") and b"\n" not in event:  # the usual one-line event
+        payload = event[6:].strip()
+    else:
+        lines = [ln for ln in event.split(b"\n") if ln.startswith(b"data:")]
+        if not lines:
+            return None  # comments / keep-alives carry nothing the client needs
+        payload = b"\n".join(ln[5:].strip() for ln in lines)
     if payload == DONE:
         tail = b""
         if not finished:  # no usage chunk came: add one carrying `kvagent`
             obj = {**scrubber.capture.template, "choices": []}
             tail = _dump(scrubber.finish(obj, await finalize(scrubber.capture)))
         return tail + b"data: [DONE]\n\n", True
+    fast = scrubber.scrub_bytes(payload)
+    if fast is not None:
+        return b"data: " + fast + b"\n\n", finished
     try:
         obj = json.loads(payload)
     except ValueError:

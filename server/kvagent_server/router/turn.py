@@ -102,6 +102,8 @@ class Turn:
         m.recomputed_tokens.inc(max(0, prompt_tokens - cached))
         if reused:
             m.reuse_hits.inc()
+        elif self.plan.reuses:
+            m.miss("node_recomputed")  # planned, but the node reports nothing cached
         elif self.plan.reason not in ("no_handle", "reuse_disabled"):
             m.miss(self.plan.reason.split(":")[0])
         if self.first_byte_at is not None and prompt_tokens:
@@ -191,7 +193,8 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
     plan: planner.ReusePlan | None = None
     if holder is not None and p_first is not None:
         try:
-            prompt_ids = await tokenize(r.client, p_first.url, req.body, chat=req.chat)
+            prompt_ids = await tokenize(r.legs.client(p_first), p_first.url, req.body,
+                                        chat=req.chat)
         except TokenizeError as exc:
             log.info("no reuse this turn: %s", exc)
             plan = planner.ReusePlan(reuse_tokens=0, reason="tokenize_failed")

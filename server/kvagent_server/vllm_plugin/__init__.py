@@ -5,6 +5,8 @@ Inert unless `KVAGENT_PLUGIN=1` (the bundle sets it on the nodes it starts). Whe
 - adds `kv_transfer_params` to the final chunk of streamed chat and text completions
   (`stream_params`), as the non-streamed responses already carry them;
 - gives NIXL's UCX progress thread a poll timeout so an idle node sleeps (`nixl_delay`);
+- makes a failed or declined KV load recompute instead of failing the request
+  (`load_failure`);
 - keeps the worker's compute thread on the node's cores (`affinity`);
 - lets an engine that only holds KV blocks for a remote reader wait for input instead of
   stepping every millisecond (`idle_wait`).
@@ -47,7 +49,14 @@ def register() -> None:
         return
     import vllm
 
-    from kvagent_server.vllm_plugin import affinity, idle_wait, nixl_delay, stream_params, version
+    from kvagent_server.vllm_plugin import (
+        affinity,
+        idle_wait,
+        load_failure,
+        nixl_delay,
+        stream_params,
+        version,
+    )
     from kvagent_server.vllm_plugin.import_hooks import when_imported
 
     try:
@@ -70,5 +79,7 @@ def register() -> None:
         when_imported(idle_wait.TARGET_MODULE, lambda m: idle_wait.patch_module(m, idle_ms))
     if os.environ.get(env.KEEP_AFFINITY_ENV, "1") == "1":
         when_imported(affinity.TARGET_MODULE, affinity.patch_module)
+    if os.environ.get(env.RECOMPUTE_ENV, "1") == "1":
+        when_imported(load_failure.TARGET_MODULE, load_failure.patch_module)
     if spin_ms > 0:
         when_imported(idle_wait.SPIN_MODULE, lambda m: idle_wait.patch_spin_module(m, spin_ms))

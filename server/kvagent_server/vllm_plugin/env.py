@@ -24,6 +24,8 @@ SPIN_ENV = "KVAGENT_SPIN_MS"
 DEFAULT_SPIN_MS = 20
 #: "1": undo the NIXL worker's move of the compute thread onto the last core (see affinity.py).
 KEEP_AFFINITY_ENV = "KVAGENT_KEEP_AFFINITY"
+#: "1": a failed/declined KV load (e.g. an expired D handle) recomputes instead of HTTP 500.
+RECOMPUTE_ENV = "KVAGENT_RECOMPUTE_ON_LOAD_FAILURE"
 
 
 def _check_role(role: str) -> None:
@@ -40,6 +42,7 @@ def node_env(role: str) -> dict[str, str]:
         IDLE_POLL_ENV: str(DEFAULT_IDLE_POLL_MS),
         SPIN_ENV: str(DEFAULT_SPIN_MS),
         KEEP_AFFINITY_ENV: "1",
+        RECOMPUTE_ENV: "1",
         # vLLM sets this itself only if NIXL is not imported yet; the plugin may import it
         # earlier, so set it explicitly (works around a rare UCX registration-cache leak).
         "UCX_RCACHE_MAX_UNRELEASED": "1024",
