@@ -5,7 +5,6 @@ A thin shell: configuration in `config`, commands in `render`, supervision in `n
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import signal
@@ -512,21 +511,25 @@ def _demo_main() -> None:
 
 
 @demo_app.command()
-def demo(ctx: typer.Context) -> None:
-    """Run the kvagent demo (agent turns with KV reuse against a local bundle)."""
-    try:
-        mod = importlib.import_module("kvagent_server.demo")
-    except ModuleNotFoundError as exc:
-        if exc.name != "kvagent_server.demo":
-            raise
-        err.print("The demo is provided by the module kvagent_server.demo, which is not "
-                  "installed in this build.")
-        raise typer.Exit(1) from None
-    entry = getattr(mod, "main", None)
-    if entry is None:
-        err.print("kvagent_server.demo has no main().")
-        raise typer.Exit(1)
-    raise typer.Exit(entry() or 0)
+def demo(
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help="Model path or name (default: the locally built demo model).")
+    ] = None,
+    keep_running: Annotated[bool, typer.Option(
+        "--keep-running", help="Leave the bundle up after the agent (Ctrl-C stops it).")
+    ] = False,
+    turns: Annotated[int, typer.Option("--turns", help="User turns of the agent (1-5).")] = 5,
+    port: Annotated[int, typer.Option("--port", help="Router port (a free one if taken).")
+                    ] = 8000,
+    baseline: Annotated[bool, typer.Option(
+        "--baseline/--no-baseline",
+        help="Also time each call recomputed from scratch on the prefill node.")] = True,
+) -> None:
+    """Bring up 1 P + 1 D + the router, run a tool-using agent, show per-turn reuse and TTFT."""
+    from kvagent_server.demo import run_demo
+
+    raise typer.Exit(run_demo(model=model, keep_running=keep_running, turns=turns, port=port,
+                              baseline=baseline))
 
 
 if __name__ == "__main__":

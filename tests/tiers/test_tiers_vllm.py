@@ -90,6 +90,21 @@ def test_multiconnector_children_resolve_to_real_connectors(tmp_path: Path) -> N
     assert off_vc.kv_transfer_config.kv_role == "kv_both"
 
 
+def test_nixl_and_offloading_agree_on_the_kv_layout(tmp_path: Path) -> None:
+    """MultiConnector refuses children that need different KV cache layouts."""
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    kv = render_tiers(both_tiers(tmp_path), role="decode", device="cuda",
+                      base_kv_transfer_config=NIXL_D, block_size=16).kv_transfer_config
+    assert kv is not None
+    vc = types.SimpleNamespace(
+        kv_transfer_config=KVTransferConfig(**kv),
+        model_config=types.SimpleNamespace(use_mla=False),
+        attention_config=types.SimpleNamespace(hisparse_config=None))
+    assert MultiConnector.get_required_kvcache_layout(vc) == "LBHNC"
+
+
 def test_child_engine_id_would_crash_multiconnector() -> None:
     """Why render_tiers strips engine_id from the NIXL child."""
     from vllm.config.kv_transfer import KVTransferConfig
