@@ -210,8 +210,8 @@ def start_bundle(config):
     bundle.start(wait=True)
     handle = KVAgentBundle(
         available=True,
-        base_url=f"{bundle.router_url()}/v1",
-        router_url=bundle.router_url() or "",
+        base_url=f"{bundle.router_url}/v1",
+        router_url=bundle.router_url or "",
         model=config.served_model_name or "kvagent-demo",
         prefill_urls=tuple(bundle.node_urls("prefill")),
         decode_urls=tuple(bundle.node_urls("decode")),

@@ -46,7 +46,7 @@ def search_logs(service: Service) -> str:
     """Return the latest log lines of a service."""
     rng = random.Random(f"logs-{service}")
     lines = []
-    for i in range(36):
+    for i in range(12):
         level = rng.choice(("INFO", "INFO", "WARN", "ERROR"))
         lines.append(f"2026-11-30T10:{i:02d}:{rng.randint(0, 59):02d}Z {level} {service} "
                      f"req={rng.randint(10**5, 10**6)} dur_ms={rng.randint(3, 2400)} "
@@ -61,7 +61,7 @@ def get_metrics(service: Service, window: Window) -> str:
         "service": service, "window": window,
         "points": [{"t": i, "rps": rng.randint(200, 900), "err": round(rng.random() / 20, 4),
                     "p50_ms": rng.randint(8, 40), "p99_ms": rng.randint(120, 2400)}
-                   for i in range(24)],
+                   for i in range(8)],
     }
     return json.dumps(series)
 
@@ -69,7 +69,7 @@ def get_metrics(service: Service, window: Window) -> str:
 def read_runbook(topic: Topic) -> str:
     """Return the on-call runbook section for a topic."""
     rng = random.Random(f"runbook-{topic}")
-    steps = [f"{i + 1}. {_sentence(rng, 14)}" for i in range(18)]
+    steps = [f"{i + 1}. {_sentence(rng, 14)}" for i in range(8)]
     return f"# Runbook: {topic}\n" + "\n".join(steps)
 
 
@@ -84,7 +84,7 @@ USER_TURNS: tuple[str, ...] = (
 )
 
 
-def system_prompt(handbook_sentences: int = 220) -> str:
+def system_prompt(handbook_sentences: int = 36) -> str:
     """A long, stable system prompt: the part every turn shares."""
     rng = random.Random("handbook")
     handbook = "\n".join(_sentence(rng, 12) for _ in range(handbook_sentences))
@@ -257,13 +257,13 @@ def run_demo(*, model: str | None = None, keep_running: bool = False, turns: int
         with console.status("waiting for the nodes to become healthy…"):
             bundle.start(wait=True)
         console.print(f"[green]Ready in {time.monotonic() - t0:.0f} s.[/] Router at "
-                      f"{bundle.router_url()}/v1, logs in {config.resolved_run_dir()}")
+                      f"{bundle.router_url}/v1, logs in {config.resolved_run_dir()}")
         served = config.served_model_name or _served_name(config)
-        rows = run_agent(bundle.router_url() or "", bundle.node_urls("prefill")[0], served,
+        rows = run_agent(bundle.router_url or "", bundle.node_urls("prefill")[0], served,
                          turns=turns, baseline=baseline)
         summarise(rows)
         if keep_running:
-            console.print(f"[bold]Still running[/] at {bundle.router_url()}/v1 (model "
+            console.print(f"[bold]Still running[/] at {bundle.router_url}/v1 (model "
                           f"{served!r}). Ctrl-C stops everything.")
             while True:
                 time.sleep(1)

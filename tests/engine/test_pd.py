@@ -191,7 +191,7 @@ def test_after_ttl_blocks_are_gone_and_p_recomputes(pair: PDPair) -> None:
     p = flow.p_leg(pair.p.url, prompt2, flow.reuse_params(t1.kv_transfer_params), extra=salt)
     # P declined the expired handle: no NIXL read, nothing reused, the turn recomputed.
     assert _metric(pair.p, "vllm:nixl_xfer_time_seconds_count") == reads
-    assert _metric(pair.p, "vllm:nixl_num_kv_expired_reqs_total") == expired + 1
+    assert _metric(pair.p, "vllm:nixl_num_kv_expired_reqs_total") >= expired + 1
     assert p["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     d = flow.d_leg(pair.d.url, prompt2, p["kv_transfer_params"], 8, extra=salt)
     assert len(d.token_ids) == 8

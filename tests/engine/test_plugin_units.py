@@ -357,3 +357,25 @@ def test_load_failures_recompute_when_a_connector_exists() -> None:
     assert not load_failure.patch_module(mod)
     assert Scheduler(object()).recompute_kv_load_failures is True
     assert Scheduler(None).recompute_kv_load_failures is True
+
+
+def test_a_failed_pull_is_not_offered_again() -> None:
+    from kvagent_server.vllm_plugin import load_failure
+
+    mod = types.ModuleType("pull_scheduler")
+
+    class NixlPullConnectorScheduler:
+        def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> Any:
+            return 640 - num_computed, True
+
+    mod.NixlPullConnectorScheduler = NixlPullConnectorScheduler  # type: ignore[attr-defined]
+    assert load_failure.patch_pull_scheduler(mod)
+    sched = NixlPullConnectorScheduler()
+    fresh = types.SimpleNamespace(kv_transfer_params={"do_remote_decode": True,
+                                                      "remote_block_ids": [[1]]})
+    assert sched.get_num_new_matched_tokens(fresh, 0) == (640, True)
+    fresh.kv_transfer_params["_remote_blocks_processed"] = True
+    assert sched.get_num_new_matched_tokens(fresh, 0) == (0, False)
+    d_side = types.SimpleNamespace(kv_transfer_params={"do_remote_prefill": False,
+                                                       "_remote_blocks_processed": True})
+    assert sched.get_num_new_matched_tokens(d_side, 0) == (640, True)

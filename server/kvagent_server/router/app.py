@@ -119,6 +119,8 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
         return response
 
     async def models(request: Request) -> Response:
+        if holder["model"] is None:  # the nodes were not up when the router started
+            holder["model"] = await _served_model(request.app.state.router.client, registry)
         name = holder["model"] or "unknown"
         return JSONResponse({"object": "list", "data": [
             {"id": name, "object": "model", "created": 0, "owned_by": "kvagent"}]})

@@ -107,7 +107,7 @@ def usage_cached(usage: dict[str, Any] | None) -> int | None:
 
 
 class Legs:
-    """Runs legs against the node registry; `pick` callables come from the placement core."""
+    """Runs legs on candidate nodes, in the order placement ranked them."""
 
     def __init__(self, make_client: Callable[[], httpx.AsyncClient], *, max_retries: int,
                  timeout_s: float,

@@ -106,7 +106,8 @@ class Turn:
             m.miss("node_recomputed")  # planned, but the node reports nothing cached
         elif self.plan.reason not in ("no_handle", "reuse_disabled"):
             m.miss(self.plan.reason.split(":")[0])
-        if self.first_byte_at is not None and prompt_tokens:
+        if (self.first_byte_at is not None and prompt_tokens
+                and self.plan.reason != "unsupported_shape"):
             ttft = self.first_byte_at - self.started
             try:
                 self.router.costs.observe(self.path, max(0, prompt_tokens - cached), ttft,

@@ -81,5 +81,6 @@ def register() -> None:
         when_imported(affinity.TARGET_MODULE, affinity.patch_module)
     if os.environ.get(env.RECOMPUTE_ENV, "1") == "1":
         when_imported(load_failure.TARGET_MODULE, load_failure.patch_module)
+        when_imported(load_failure.PULL_SCHEDULER_MODULE, load_failure.patch_pull_scheduler)
     if spin_ms > 0:
         when_imported(idle_wait.SPIN_MODULE, lambda m: idle_wait.patch_spin_module(m, spin_ms))

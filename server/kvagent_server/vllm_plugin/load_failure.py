@@ -36,3 +36,39 @@ def patch_module(module: ModuleType) -> bool:
     __init__.__kvagent_wrapped__ = True  # type: ignore[attr-defined]
     cls.__init__ = __init__
     return True
+
+
+PULL_SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler"
+
+
+def already_pulled(params: dict[str, Any] | None) -> bool:
+    """True for a P-side request whose one pull from D was already attempted."""
+    return bool(params) and bool(params.get("do_remote_decode")) and bool(
+        params.get("_remote_blocks_processed"))
+
+
+def patch_pull_scheduler(module: ModuleType) -> bool:
+    """Never offer D's blocks twice for one P request (the retry would wait forever).
+
+    When a P leg's pull from D fails or is declined (an expired handle), the scheduler
+    (policy "recompute") puts the request back to WAITING with nothing computed. On the
+    retry, `NixlPullConnectorScheduler.get_num_new_matched_tokens` again reports D's
+    tokens as loadable asynchronously, but `update_state_after_alloc` skips requests whose
+    blocks were already processed, so no read is ever started and the request stays in
+    WAITING_FOR_REMOTE_KVS forever (observed: P leg hung; vLLM 0.32.0). After the first
+    attempt, report no remote tokens: the retry recomputes.
+    """
+    cls = module.NixlPullConnectorScheduler
+    original = cls.get_num_new_matched_tokens
+    if getattr(original, "__kvagent_wrapped__", False):
+        return False
+
+    @functools.wraps(original)
+    def get_num_new_matched_tokens(self: Any, request: Any, num_computed_tokens: int) -> Any:
+        if already_pulled(getattr(request, "kv_transfer_params", None)):
+            return 0, False
+        return original(self, request, num_computed_tokens)
+
+    get_num_new_matched_tokens.__kvagent_wrapped__ = True  # type: ignore[attr-defined]
+    cls.get_num_new_matched_tokens = get_num_new_matched_tokens
+    return True
