@@ -84,6 +84,12 @@ class StreamMeter:
         ts = self.token_times
         return [b - a for a, b in itertools.pairwise(ts)]
 
+    def tpot_s(self, completion_tokens: int | None) -> float | None:
+        ts = self.token_times
+        if not ts or not completion_tokens or completion_tokens < 2:
+            return None
+        return (ts[-1] - ts[0]) / (completion_tokens - 1)
+
     @property
     def answer(self) -> str:
         return "".join(self.text)

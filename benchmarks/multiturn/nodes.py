@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
 import httpx
 import psutil
@@ -106,6 +106,32 @@ def wait_until_alone(timeout_s: float, *, poll_s: float = 10.0, log=print) -> No
             log(f"waiting for {len(others)} vLLM process(es) not started here to exit")
             said = len(others)
         time.sleep(poll_s)
+
+
+class ContentionWatch:
+    """Samples `foreign_vllm()` in a thread while a workload runs; `.max` is the most seen."""
+
+    def __init__(self, every_s: float = 2.0) -> None:
+        import threading
+
+        self.max = 0
+        self._every = every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="contention-watch", daemon=True)
+
+    def _run(self) -> None:
+        while True:
+            self.max = max(self.max, len(foreign_vllm()))
+            if self._stop.wait(self._every):
+                return
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
 
 
 @contextmanager

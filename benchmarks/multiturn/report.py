@@ -80,13 +80,14 @@ def markdown_summary(report: BenchmarkReport) -> str:
         f"Workload: {report.workload_source}, fingerprint `{report.workload_fingerprint}`, "
         + ", ".join(f"{k}={v}" for k, v in report.workload.items()),
         "",
-        ("TTFT and E2E in ms; \"later\" = turns after the first. Reuse = share of later turns "
-         "with `kvagent.reused_tokens > 0`; cache hit = share with `cached_tokens > 0`."),
+        ("TTFT, ITL (gap between chunks), TPOT (time per output token after the first) and "
+         "E2E in ms; \"later\" = turns after the first. Reuse = share of later turns with "
+         "`kvagent.reused_tokens > 0`; cache hit = share with `cached_tokens > 0`."),
         "",
         ("| config | status | req | err | TTFT p50 | TTFT p90 | TTFT p99 | later TTFT p50 | "
-         "later TTFT p90 | ITL p50 | E2E p50 | reuse | cache hit | reused tok | recomputed tok "
+         "later TTFT p90 | ITL p50 | TPOT p50 | E2E p50 | reuse | cache hit | reused tok | recomputed tok "
          "| req/s | answers = ref |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in report.configs:
         lines.append(_row(c))
@@ -104,6 +105,10 @@ def markdown_summary(report: BenchmarkReport) -> str:
               + f", kvagent reuse rate = {_pct(tg.kvagent_reuse_rate)}; met: "
               + ", ".join(f"{k}: {'–' if v is None else ('yes' if v else 'no')}"
                           for k, v in tg.met.items()), ""]
+    busy = [f"{c.name} ({c.foreign_vllm_max})" for c in report.configs if c.foreign_vllm_max]
+    if busy:
+        lines += ["Contention: vLLM processes not started by the benchmark ran during "
+                  "the workload of " + ", ".join(busy) + "; those numbers include it.", ""]
     for c in report.configs:
         if c.error:
             lines += [f"**{c.name}** {c.status}: {c.error}", ""]
@@ -113,11 +118,12 @@ def markdown_summary(report: BenchmarkReport) -> str:
 def _row(c: ConfigResult) -> str:
     s = c.summary
     if s is None:
-        return f"| {c.name} | {c.status} |" + " – |" * 15
+        return f"| {c.name} | {c.status} |" + " – |" * 16
     agree = ("–" if s.answers_compared is None
              else f"{s.answers_matching_reference}/{s.answers_compared}")
     return (f"| {c.name} | {c.status} | {s.requests} | {s.errors} | {_ms(s.ttft_s.p50)} | "
             f"{_ms(s.ttft_s.p90)} | {_ms(s.ttft_s.p99)} | {_ms(s.ttft_later_turns_s.p50)} | "
-            f"{_ms(s.ttft_later_turns_s.p90)} | {_ms(s.itl_s.p50)} | {_ms(s.e2e_s.p50)} | "
+            f"{_ms(s.ttft_later_turns_s.p90)} | {_ms(s.itl_s.p50)} | {_ms(s.tpot_s.p50)} | "
+            f"{_ms(s.e2e_s.p50)} | "
             f"{_pct(s.reuse_rate_later_turns)} | {_pct(s.cache_hit_rate_later_turns)} | "
             f"{s.tokens.reused} | {s.tokens.recomputed} | {_num(s.requests_per_s)} | {agree} |")

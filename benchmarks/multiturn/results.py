@@ -25,6 +25,9 @@ class RequestRecord(BaseModel):
     first_chunk_s: float | None = None  # first data chunk of any kind
     e2e_s: float | None = None
     itl_s: list[float] = Field(default_factory=list)  # gaps between token-bearing chunks
+    #: (last token - first token) / (completion_tokens - 1): per-token decode time, robust to
+    #: servers that put several tokens in one chunk or flush chunks in bursts.
+    tpot_s: float | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
@@ -61,6 +64,7 @@ class TurnStats(BaseModel):
     errors: int
     ttft_s: Distribution
     itl_s: Distribution
+    tpot_s: Distribution
     e2e_s: Distribution
     prompt_tokens_mean: float | None
     tokens: TokenTotals
@@ -78,6 +82,7 @@ class Summary(BaseModel):
     ttft_s: Distribution
     ttft_later_turns_s: Distribution  # turns after the first: where reuse can happen
     itl_s: Distribution
+    tpot_s: Distribution
     e2e_s: Distribution
     e2e_later_turns_s: Distribution
     tokens: TokenTotals
@@ -99,6 +104,9 @@ class ConfigResult(BaseModel):
     status: Literal["ok", "failed", "skipped"]
     error: str | None = None
     startup_s: float | None = None
+    #: Most vLLM processes not started by the benchmark seen running while the workload ran
+    #: (sampled every few seconds): non-zero means the numbers include contention.
+    foreign_vllm_max: int | None = None
     summary: Summary | None = None
     per_turn: list[TurnStats] = Field(default_factory=list)
     records: list[RequestRecord] = Field(default_factory=list)

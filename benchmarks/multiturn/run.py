@@ -27,7 +27,15 @@ import httpx
 from . import report as report_mod
 from . import stats
 from .driver import run_workload
-from .nodes import CONFIGS, REFERENCE_CONFIG, BenchConfig, log_tails, serve, wait_until_alone
+from .nodes import (
+    CONFIGS,
+    REFERENCE_CONFIG,
+    BenchConfig,
+    ContentionWatch,
+    log_tails,
+    serve,
+    wait_until_alone,
+)
 from .results import BenchmarkReport, ConfigResult, RequestRecord
 from .workload import Workload, WorkloadSpec, generate, load_replay
 
@@ -121,6 +129,7 @@ def run_config(config: BenchConfig, workload: Workload, work_dir: Path, *, run_i
     t0 = time.perf_counter()
     records: list[RequestRecord] = []
     startup = None
+    watch = ContentionWatch()
 
     def progress(r: RequestRecord) -> None:
         status = r.error or (f"ttft {r.ttft_s * 1000:.0f} ms" if r.ttft_s is not None else "")
@@ -135,22 +144,25 @@ def run_config(config: BenchConfig, workload: Workload, work_dir: Path, *, run_i
             _log(f"{config.name}: up in {startup:.0f} s at {ep.base_url}")
             if not args.no_warmup:
                 _warmup(ep.base_url, ep.model)
-            records, wall = asyncio.run(run_workload(
-                ep.base_url, ep.model, workload, config=config.name, run_id=run_id,
-                keep_recorded_answers=args.keep_assistant, timeout_s=args.request_timeout,
-                on_record=progress))
-        _log(f"{config.name}: done, stopped")
+            with watch:
+                records, wall = asyncio.run(run_workload(
+                    ep.base_url, ep.model, workload, config=config.name, run_id=run_id,
+                    keep_recorded_answers=args.keep_assistant,
+                    timeout_s=args.request_timeout, on_record=progress))
+        _log(f"{config.name}: done, stopped"
+             + (f" ({watch.max} foreign vLLM processes ran meanwhile)" if watch.max else ""))
     except Exception as exc:  # noqa: BLE001 - a broken configuration must not lose the others' results
         _log(f"{config.name}: FAILED: {exc}")
         return ConfigResult(name=config.name, description=config.description,
                             status="failed", error=f"{type(exc).__name__}: {exc}",
-                            startup_s=startup, records=records,
+                            startup_s=startup, foreign_vllm_max=watch.max, records=records,
                             logs=log_tails(cdir / "run" / "logs") or None)
     errors = [r.error for r in records if r.error]
     return ConfigResult(
         name=config.name, description=config.description, status="ok",
         error=f"{len(errors)} request(s) failed; first: {errors[0]}" if errors else None,
-        startup_s=startup, summary=stats.summarize(records, wall),
+        startup_s=startup, foreign_vllm_max=watch.max,
+        summary=stats.summarize(records, wall),
         per_turn=stats.per_turn(records), records=records,
         logs=log_tails(cdir / "run" / "logs") if errors else None)
 

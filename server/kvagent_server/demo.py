@@ -149,7 +149,10 @@ def run_agent(router_url: str, prefill_url: str, model: str, *, turns: int,
     session = Session(f"{router_url}/v1", model, system=system_prompt(), tools=TOOLS,
                       temperature=0.0, timeout=600,
                       extra_body={"parallel_tool_calls": False})
-    with session, Live(_table(rows), console=console, refresh_per_second=4) as live:
+    # A live table on a terminal; one line per call otherwise (logs, CI), the table at the end.
+    live = Live(_table(rows), console=console, refresh_per_second=4,
+                transient=not console.is_terminal)
+    with session, live:
 
         def record(kind: str, result: TurnResult, history: Sequence[Message],
                    options: dict[str, Any]) -> None:
@@ -162,6 +165,12 @@ def run_agent(router_url: str, prefill_url: str, model: str, *, turns: int,
                 ttft_recompute=(recompute_ttft(prefill_url, model, history, options)
                                 if baseline else None)))
             live.update(_table(rows))
+            if not console.is_terminal:
+                r = rows[-1]
+                console.print(f"call {r.index} {r.kind}: prompt {r.prompt_tokens} tok, reused "
+                              f"{r.reused}, path {r.path}, TTFT {r.ttft * 1000:.0f} ms"
+                              + (f" (recomputed: {r.ttft_recompute * 1000:.0f} ms)"
+                                 if r.ttft_recompute else ""))
 
         for text in USER_TURNS[:turns]:
             before = [*session.messages, UserMessage(content=text)]
@@ -174,6 +183,8 @@ def run_agent(router_url: str, prefill_url: str, model: str, *, turns: int,
             opts = {"tool_choice": "none", "max_tokens": 24}
             answer = session.send(None, **opts)
             record("answer", answer, before, opts)
+    if not console.is_terminal:
+        console.print(_table(rows))
     return rows
 
 

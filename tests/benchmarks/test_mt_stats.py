@@ -45,7 +45,8 @@ def rec(conv: str, turn: int, ttft: float, *, prompt: int = 1000, cached: int | 
         reused: int | None = None, path: str | None = None, error: str | None = None,
         answer: str = "x", itl=(0.01, 0.02), config: str = "c") -> RequestRecord:
     return RequestRecord(config=config, conversation=conv, turn=turn, start_s=0.0,
-                         ttft_s=ttft, e2e_s=ttft + 0.1, itl_s=list(itl), prompt_tokens=prompt,
+                         ttft_s=ttft, e2e_s=ttft + 0.1, itl_s=list(itl), tpot_s=0.03,
+                         prompt_tokens=prompt,
                          completion_tokens=4, cached_tokens=cached, reused_tokens=reused,
                          path=path, answer=answer, error=error)
 
@@ -88,6 +89,7 @@ def test_summary_overall() -> None:
     assert s.output_tokens_per_s == pytest.approx(2.0)
     assert s.paths == {"pd_fresh": 2, "pd_reuse": 2, "recompute": 1}
     assert s.itl_s.n == 10
+    assert s.tpot_s.n == 5 and s.tpot_s.p50 == pytest.approx(0.03)
 
 
 def test_reuse_rate_is_none_without_kvagent_object() -> None:
@@ -158,6 +160,8 @@ def test_stream_meter_times_tokens_usage_and_kvagent() -> None:
     assert m.first_chunk_s == 0.10 and m.first_choice_s == 0.10
     assert m.ttft_s == 0.20
     assert m.itl_s == pytest.approx([0.05, 0.07])
+    assert m.tpot_s(3) == pytest.approx(0.06)
+    assert m.tpot_s(1) is None and m.tpot_s(None) is None and StreamMeter().tpot_s(5) is None
     assert m.answer == "Hello"
     assert m.cached_tokens() == 2048 and m.usage["prompt_tokens"] == 2101
     assert m.kvagent["reused_tokens"] == 2048

@@ -17,20 +17,22 @@ from typing import Any, TypeVar
 import httpx
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
 from .legs import LegError, Legs
+from .limits import GuardedStream, HeaderLimit
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .nodes import NodeRegistry
 from .relay import Scrubber, relay_sse, rewrite_response
 from .request import (
-    CLIENT_FORBIDDEN,
     ClientGone,
     HTTPError,
     error_response,
     read_json,
+    sanitize,
     session_and_token,
     validate,
 )
@@ -150,6 +152,8 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
         Route("/metrics", prometheus, methods=["GET"]),
     ]
     return Starlette(routes=routes, lifespan=lifespan,
+                     middleware=[Middleware(HeaderLimit,
+                                            max_header_bytes=settings.max_header_bytes)],
                      exception_handlers={404: _not_found, 405: _not_allowed})
 
 
@@ -183,12 +187,11 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
     except ClientDisconnect:
         raise ClientGone from None
     chat = endpoint == CHAT
-    validate(body, chat=chat)
+    validate(body, chat=chat, max_tokens_limit=r.settings.max_tokens_limit)
     session, token = session_and_token(request.headers, body)
     wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     keep_ids = bool(body.get("return_token_ids"))
-    for name in CLIENT_FORBIDDEN:  # only the router may steer KV transfers
-        body.pop(name, None)
+    sanitize(body)  # only the router may steer KV transfers
     body["cache_salt"] = tenant.cache_salt
     stream = bool(body.get("stream"))
     req = TurnRequest(endpoint=endpoint, body=body, tenant=tenant, session=session,
@@ -215,15 +218,18 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
 
     handed_off = False
     try:
-        turn = await _until_disconnect(request, plan_turn(r, req))
+        turn = await _until_disconnect(request, _first_byte_deadline(
+            plan_turn(r, req), r.settings.first_byte_timeout_s))
         scrubber = Scrubber(keep_token_ids=keep_ids, keep_usage=wants_usage or not stream)
         if stream:
             handed_off = True
-            return StreamingResponse(_stream(turn, scrubber, cleanup, span),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache",
-                                              "X-Accel-Buffering": "no"},
-                                     background=BackgroundTask(cleanup, turn))
+            return GuardedStream(_stream(turn, scrubber, cleanup, span),
+                                 media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache",
+                                          "X-Accel-Buffering": "no"},
+                                 background=BackgroundTask(cleanup, turn),
+                                 write_timeout_s=r.settings.stream_write_timeout_s,
+                                 on_stall=r.metrics.slow_clients.inc)
         try:
             return await _whole(turn, scrubber, span)
         finally:
@@ -256,6 +262,16 @@ def _leg_error(exc: LegError) -> HTTPError:
     status = 503 if exc.status == 503 else 502
     return HTTPError(status, f"{exc.leg} leg failed: no node could serve the request",
                      type_="server_error", code="upstream_unavailable")
+
+
+async def _first_byte_deadline(work: Awaitable[T], seconds: float) -> T:
+    """`work` (planning and opening the legs), or a 504 once `seconds` have passed.
+    Cancelling the turn closes its legs (a P leg whose D leg never came is released)."""
+    try:
+        return await asyncio.wait_for(work, seconds)
+    except TimeoutError:
+        raise HTTPError(504, f"the model servers did not start answering within {seconds:g} s",
+                        type_="server_error", code="upstream_timeout") from None
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -51,6 +51,9 @@ class RouterMetrics:
         self.client_disconnects = Counter("kvagent_router_client_disconnects",
                                           "Requests whose client went away mid-turn.",
                                           registry=r)
+        self.slow_clients = Counter("kvagent_router_slow_clients",
+                                    "Streams cut because the client stopped reading.",
+                                    registry=r)
         self.prefill_releases = Counter("kvagent_router_prefill_releases",
                                         "Orphaned P legs finished explicitly.", ["ok"],
                                         registry=r)

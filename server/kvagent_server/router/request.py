@@ -7,6 +7,8 @@ reaches vLLM.
 from __future__ import annotations
 
 import json
+import math
+import re
 from typing import Any
 
 from kvagent._protocol import (
@@ -25,6 +27,7 @@ from starlette.responses import JSONResponse
 #: Body fields a client must not set: they would make a node pull or push KV blocks the
 #: router did not vet (another tenant's, say). `cache_salt` is always the tenant's.
 CLIENT_FORBIDDEN = ("kv_transfer_params", "ec_transfer_params")
+
 
 class HTTPError(Exception):
     """An error answered to the client in OpenAI's error format."""
@@ -54,8 +57,20 @@ class ClientGone(Exception):
     """The client disconnected before its response started."""
 
 
+#: A JSON escape of a UTF-16 surrogate: legal JSON, but a lone one cannot be re-encoded as
+#: UTF-8 when the body is forwarded (checked precisely only when this matches).
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
 async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object: 413 over `limit` bytes, 400 when malformed."""
+    """The request body as a JSON object: 413 over `limit` bytes, 400 when malformed.
+
+    Strict JSON only: no NaN/Infinity, no lone surrogates (both parse in Python but cannot
+    be forwarded), no nesting deep enough to exhaust the parser."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise HTTPError(413, f"request body exceeds {limit} bytes", code="body_too_large")
@@ -66,35 +81,222 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         if size > limit:
             raise HTTPError(413, f"request body exceeds {limit} bytes", code="body_too_large")
         chunks.append(chunk)
+    return parse_json(b"".join(chunks))
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """`raw` as a JSON object, or a 400 that says what is wrong (never the body itself)."""
     try:
-        body = json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise HTTPError(400, f"request body is not valid JSON: {exc}") from None
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise HTTPError(400, "request body is nested too deeply") from None
+    except UnicodeDecodeError:
+        raise HTTPError(400, "request body is not valid UTF-8 JSON") from None
+    except ValueError as exc:
+        raise HTTPError(400, f"request body is not valid JSON: {_short(exc)}") from None
     if not isinstance(body, dict):
         raise HTTPError(400, "request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise HTTPError(400, "request body holds a lone UTF-16 surrogate") from None
+        except RecursionError:
+            raise HTTPError(400, "request body is nested too deeply") from None
     return body
 
 
-def validate(body: dict[str, Any], *, chat: bool) -> None:
-    """The checks the router itself needs; vLLM validates the rest and answers 400."""
+def _short(exc: ValueError) -> str:
+    """json's message names a position, never echoes content; keep it one short line."""
+    return str(exc).splitlines()[0][:200]
+
+
+# ------------------------------------------------------------------ validation
+#
+# The router checks the types of the OpenAI fields it knows, so a wrong type gets a 400
+# naming the field before any node is contacted (a node's error would come after a P leg
+# ran, and a fake or older server might answer 500). Unknown top-level fields pass through
+# unchanged: vLLM accepts many of its own (`top_k`, `min_p`, `guided_json`, ...) and
+# ignores, with a warning in its log, those it does not know.
+
+_NUMBERS = ("temperature", "top_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty", "min_p", "length_penalty")
+_INTS = ("top_k", "seed", "top_logprobs", "min_tokens", "prompt_logprobs",
+         "truncate_prompt_tokens")
+_BOOLS = ("stream", "echo", "return_token_ids", "ignore_eos", "skip_special_tokens",
+          "add_generation_prompt", "continue_final_message", "parallel_tool_calls",
+          "include_stop_str_in_output", "add_special_tokens")
+_STRINGS = ("model", "user", "suffix", "chat_template", "reasoning_effort")
+_OBJECTS = ("stream_options", "logit_bias", "response_format", "chat_template_kwargs",
+            "vllm_xargs", "metadata")
+_TOOL_CHOICES = ("none", "auto", "required")
+#: Keys of `vllm_xargs` that vLLM copies over the transfer params (only the router sets them).
+_XARGS_FORBIDDEN = ("kv_transfer_params", "ec_transfer_params")
+
+
+def _bad(param: str, message: str) -> HTTPError:
+    return HTTPError(400, f"'{param}' {message}", param=param)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value))
+
+
+def validate(body: dict[str, Any], *, chat: bool, max_tokens_limit: int = 1 << 20) -> None:
+    """Type checks of the OpenAI fields the router knows; 400 naming the first bad field.
+
+    vLLM still validates values against the model (context length, vocabulary).
+    """
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise HTTPError(400, "'messages' must be a non-empty list", param="messages")
-        if not all(isinstance(m, dict) for m in messages):
-            raise HTTPError(400, "every message must be an object", param="messages")
-    elif "prompt" not in body:
-        raise HTTPError(400, "'prompt' is required", param="prompt")
-    if "stream" in body and not isinstance(body["stream"], bool | None):
-        raise HTTPError(400, "'stream' must be a boolean", param="stream")
-    opts = body.get("stream_options")
-    if opts is not None and not isinstance(opts, dict):
-        raise HTTPError(400, "'stream_options' must be an object", param="stream_options")
-    for name in ("n", "max_tokens", "max_completion_tokens"):
+        _messages(body.get("messages"))
+        if body.get("tools") is not None:
+            _tools(body["tools"])
+        if body.get("tool_choice") is not None:
+            _tool_choice(body["tool_choice"])
+        if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
+            raise _bad("logprobs", "must be a boolean")
+    else:
+        if "prompt" not in body:
+            raise HTTPError(400, "'prompt' is required", param="prompt")
+        _prompt(body["prompt"])
+        if body.get("logprobs") is not None and not (_is_int(body["logprobs"])
+                                                     and body["logprobs"] >= 0):
+            raise _bad("logprobs", "must be a non-negative integer")
+    _scalars(body)
+    for name in ("n", "best_of"):
         value = body.get(name)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                  or value < (0 if name != "n" else 1)):
-            raise HTTPError(400, f"'{name}' must be a positive integer", param=name)
+        if value is not None and not (_is_int(value) and 1 <= value <= 128):
+            raise _bad(name, "must be an integer from 1 to 128")
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None and not (_is_int(value) and value >= 0):
+            raise _bad(name, "must be a positive integer")
+        if value is not None and value > max_tokens_limit:
+            raise HTTPError(400, f"'{name}' exceeds this router's limit of {max_tokens_limit}",
+                            param=name, code="max_tokens_too_large")
+    opts = body.get("stream_options")
+    if opts is not None and opts.get("include_usage") is not None and not isinstance(
+            opts["include_usage"], bool):
+        raise _bad("stream_options.include_usage", "must be a boolean")
+    stop = body.get("stop")
+    if stop is not None and not (isinstance(stop, str) or (
+            isinstance(stop, list) and all(isinstance(s, str) for s in stop))):
+        raise _bad("stop", "must be a string or a list of strings")
+    ids = body.get("stop_token_ids")
+    if ids is not None and not (isinstance(ids, list) and all(_is_int(i) and i >= 0
+                                                               for i in ids)):
+        raise _bad("stop_token_ids", "must be a list of token ids")
+    bias = body.get("logit_bias")
+    if bias is not None and not all(_is_number(v) for v in bias.values()):
+        raise _bad("logit_bias", "must map token ids to numbers")
+
+
+def _scalars(body: dict[str, Any]) -> None:
+    for name in _NUMBERS:
+        if body.get(name) is not None and not _is_number(body[name]):
+            raise _bad(name, "must be a number")
+    for name in _INTS:
+        if body.get(name) is not None and not _is_int(body[name]):
+            raise _bad(name, "must be an integer")
+    for name in _BOOLS:
+        if body.get(name) is not None and not isinstance(body[name], bool):
+            raise _bad(name, "must be a boolean")
+    for name in _STRINGS:
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise _bad(name, "must be a string")
+    for name in _OBJECTS:
+        if body.get(name) is not None and not isinstance(body[name], dict):
+            raise _bad(name, "must be an object")
+
+
+def _messages(messages: Any) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise HTTPError(400, "'messages' must be a non-empty list", param="messages")
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise HTTPError(400, "every message must be an object", param="messages")
+        if not isinstance(m.get("role"), str) or not m["role"]:
+            raise _bad(f"{where}.role", "must be a non-empty string")
+        content = m.get("content")
+        if content is not None and not isinstance(content, str):
+            if not isinstance(content, list):
+                raise _bad(f"{where}.content", "must be a string, a list of parts or null")
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                    raise _bad(f"{where}.content[{j}]", "must be an object with a 'type'")
+                if part["type"] == "text" and not isinstance(part.get("text"), str):
+                    raise _bad(f"{where}.content[{j}].text", "must be a string")
+        for name in ("name", "tool_call_id", "reasoning", "reasoning_content"):
+            if m.get(name) is not None and not isinstance(m[name], str):
+                raise _bad(f"{where}.{name}", "must be a string")
+        calls = m.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list):
+                raise _bad(f"{where}.tool_calls", "must be a list")
+            for j, call in enumerate(calls):
+                fn = call.get("function") if isinstance(call, dict) else None
+                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                    raise _bad(f"{where}.tool_calls[{j}].function.name", "must be a string")
+                if not isinstance(fn.get("arguments"), str):
+                    raise _bad(f"{where}.tool_calls[{j}].function.arguments",
+                               "must be a JSON string")
+
+
+def _tools(tools: Any) -> None:
+    if not isinstance(tools, list):
+        raise _bad("tools", "must be a list")
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
+            raise _bad(f"{where}.type", "must be 'function'")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise _bad(f"{where}.function", "must be an object")
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise _bad(f"{where}.function.name", "must be a non-empty string")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise _bad(f"{where}.function.parameters", "must be a JSON Schema object")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise _bad(f"{where}.function.description", "must be a string")
+        if fn.get("strict") is not None and not isinstance(fn["strict"], bool):
+            raise _bad(f"{where}.function.strict", "must be a boolean")
+
+
+def _tool_choice(choice: Any) -> None:
+    if isinstance(choice, str):
+        if choice not in _TOOL_CHOICES:
+            raise _bad("tool_choice", f"must be one of {', '.join(_TOOL_CHOICES)} or an object")
+        return
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise _bad("tool_choice", "must name a function: {'type': 'function', "
+                                  "'function': {'name': ...}}")
+
+
+def _prompt(prompt: Any) -> None:
+    ok = isinstance(prompt, str) or (isinstance(prompt, list) and prompt and (
+        all(isinstance(p, str) for p in prompt)
+        or all(_is_int(t) and t >= 0 for t in prompt)
+        or all(isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p)
+               for p in prompt)))
+    if not ok:
+        raise _bad("prompt", "must be a string, a list of strings, or token ids")
+
+
+def sanitize(body: dict[str, Any]) -> None:
+    """Remove what only the router may set: transfer params, also via `vllm_xargs`."""
+    for name in CLIENT_FORBIDDEN:
+        body.pop(name, None)
+    xargs = body.get("vllm_xargs")
+    if isinstance(xargs, dict):
+        for name in _XARGS_FORBIDDEN:
+            xargs.pop(name, None)
 
 
 def session_and_token(headers: Any, body: dict[str, Any]) -> tuple[str | None, str | None]:

@@ -38,8 +38,20 @@ class RouterSettings(BaseModel):
     #: Reuse is disabled entirely (for A/B comparisons and benchmarks).
     reuse: bool = True
     health_interval_s: float = Field(default=2.0, gt=0)
+    # ---- limits (docs/reliability.md "Limits")
+    #: One leg's HTTP timeout; also the longest a decode stream may stay silent.
     request_timeout_s: float = Field(default=600.0, gt=0)
+    #: From arrival to the response's first byte (all legs and retries): 504 after it.
+    first_byte_timeout_s: float = Field(default=600.0, gt=0)
+    #: A streaming client that accepts no bytes for this long is cut and its legs closed.
+    stream_write_timeout_s: float = Field(default=30.0, gt=0)
+    #: Largest request body (413 above).
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    #: Largest request line plus headers (431 above).
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024)
+    #: Largest `max_tokens` / `max_completion_tokens` accepted (400 above); vLLM further
+    #: caps generation at the model's context length.
+    max_tokens_limit: int = Field(default=1 << 20, ge=1)
     max_retries: int = Field(default=2, ge=0)
     #: The nodes' KV block size; reuse is aligned to whole blocks. None: read it from the
     #: nodes' `/metrics` (`vllm:cache_config_info`); no token is issued while unknown.

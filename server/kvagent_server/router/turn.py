@@ -27,6 +27,14 @@ from .tokenize import TokenizeError, tokenize
 
 log = logging.getLogger("kvagent.router.turn")
 
+try:  # the Redis store's errors; the in-memory store raises none of its own
+    from redis.exceptions import RedisError as _RedisError
+except ImportError:  # pragma: no cover - redis is a server dependency
+    _RedisError = OSError  # type: ignore[misc,assignment]
+
+#: A session store that cannot be reached (Redis down) degrades reuse, never fails a turn.
+STORE_ERRORS: tuple[type[BaseException], ...] = (_RedisError, OSError, TimeoutError)
+
 #: D-leg params when P is skipped: D computes the delta itself (its prefix cache holds
 #: the session's blocks) and, being a P/D request, retains the result for the next turn.
 D_DIRECT_PARAMS: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False}
@@ -136,7 +144,13 @@ class Turn:
         if planner.retained_tokens(handle) is None:
             log.warning("decode node %s returned unusable kv_transfer_params", node.name)
             return None, 0
-        await r.store.put(handle)
+        try:
+            await r.store.put(handle)
+        except STORE_ERRORS as exc:
+            log.warning("session store unavailable (%s): no cache token this turn",
+                        type(exc).__name__)
+            r.metrics.miss("store_unavailable")
+            return None, 0
         token = r.codec.encode(tenant=req.tenant.name, session=req.session,
                                handle=handle.handle_id, iat=int(now), exp=int(now) + ttl)
         return token, ttl
@@ -146,6 +160,14 @@ async def _claim(r: Router, req: TurnRequest) -> tuple[Handle | None, str | None
     """The handle this turn may reuse, or why there is none (never raises)."""
     if req.session is None or not r.settings.reuse:
         return None, None
+    try:
+        return await _claim_from_store(r, req)
+    except STORE_ERRORS as exc:
+        log.warning("session store unavailable (%s): recomputing this turn", type(exc).__name__)
+        return None, "store_unavailable"
+
+
+async def _claim_from_store(r: Router, req: TurnRequest) -> tuple[Handle | None, str | None]:
     tenant = req.tenant.name
     if req.token is None:
         return await r.store.claim_latest(tenant, req.session), None
@@ -302,5 +324,8 @@ async def _affinity(r: Router, req: TurnRequest) -> str | None:
     """Without a claimable handle, keep the session on the node it used last."""
     if req.session is None:
         return None
-    latest = await r.store.peek_latest(req.tenant.name, req.session)
+    try:
+        latest = await r.store.peek_latest(req.tenant.name, req.session)
+    except STORE_ERRORS:
+        return None  # affinity is an optimisation; the store being down must not fail a turn
     return latest.decode_node if latest is not None else None

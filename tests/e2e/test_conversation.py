@@ -1,0 +1,252 @@
+"""Reuse through the router on real vLLM, checked against reuse-off answers.
+
+Every answer of a reusing conversation is compared with the same request served with no
+reuse at all (another tenant: its own cache salt, a fresh session): greedy decoding of
+the demo model is deterministic, so any wrong KV (a wrong block pulled, a stale handle,
+a diverged prefix) shows up as a different answer.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from kvagent import AssistantMessage, UserMessage
+from kvagent_server.demo import USER_TURNS
+
+from .conftest import (
+    ALPHA_KEY,
+    BETA_KEY,
+    E2E,
+    SIGNING_KEY,
+    SIGNING_KID,
+    TEXT_TURN,
+    TOOL_TURN,
+    answer,
+    reference,
+    run_tools,
+    session,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def checked_send(e: E2E, s: Any, content: Any, opts: dict[str, Any]) -> Any:
+    """Send a turn and assert its answer equals the reuse-off answer of the same request."""
+    before = list(s.messages)
+    result = s.send(content, **opts)
+    ref = reference(e, before, content, opts)
+    assert answer(result) == answer(ref), (result.path, result.reused_tokens)
+    return result
+
+
+def codec():
+    from kvagent_server.router.keys import KeyRing
+    from kvagent_server.router.token import TokenCodec
+
+    return TokenCodec(KeyRing({SIGNING_KID: SIGNING_KEY.encode()}, SIGNING_KID))
+
+
+def with_token(messages: list[Any], token: str) -> list[Any]:
+    """The history with the last answer's cache token replaced (what a client would send)."""
+    out = list(messages)
+    for i in range(len(out) - 1, -1, -1):
+        if isinstance(out[i], AssistantMessage):
+            out[i] = out[i].model_copy(update={"cache_token": token,
+                                               "cache_token_expires_at": None})
+            return out
+    raise AssertionError("no assistant message")
+
+
+def test_release_unused_handle_frees_decode_blocks(e2e: E2E) -> None:
+    """A claimed handle the turn cannot use (the prompt diverges at token 0) is released:
+    the P leg carries `remote_num_tokens=0`, P notifies D, D frees the blocks at once
+    instead of holding them for the TTL. Runs first, on an idle D, so D's block usage is
+    this conversation's alone."""
+    usage = "vllm:kv_cache_usage_perc"
+    with session(e2e) as s:
+        first = s.send(USER_TURNS[0], **TOOL_TURN)
+        assert first.cache_token_received
+        time.sleep(1.0)
+        held = e2e.metric(e2e.decode_url, usage)
+        assert held > 0, "D should hold the first turn's blocks"
+        # Same session and token, a different conversation: nothing reusable.
+        other = with_token([UserMessage(content="Hi.")], s.cache_token)
+        with session(e2e, system=None, messages=other, session_id=s.session_id) as s2:
+            r = s2.send(None, **TEXT_TURN)
+    assert r.path == "recompute" and r.reused_tokens == 0
+    time.sleep(1.0)
+    after = e2e.metric(e2e.decode_url, usage)
+    # The new turn holds ~1 block; the first turn's ~10+ blocks must be gone.
+    assert after < held / 2, f"D still holds the released blocks ({held} -> {after})"
+
+
+def test_agent_conversation_reuses_and_matches_reuse_off(e2e: E2E) -> None:
+    """Tool calls, tool results, short replies: >= 90% of later turns reuse, answers equal
+    the reuse-off answers, small deltas skip P (`d_direct`)."""
+    results = []
+    with session(e2e) as s:
+        for question in USER_TURNS[:3]:
+            call = checked_send(e2e, s, question, TOOL_TURN)
+            results.append(call)
+            run_tools(s, call)
+            results.append(checked_send(e2e, s, None, TEXT_TURN))
+            results.append(checked_send(e2e, s, "Thanks, go on.", TEXT_TURN))
+    later = results[1:]
+    reused = [r for r in later if r.reused_tokens and r.reused_tokens > 0]
+    paths = [(r.path, r.reused_tokens, r.usage.prompt_tokens if r.usage else None)
+             for r in results]
+    print("paths:", paths)
+    assert len(reused) >= 0.9 * len(later), paths
+    assert all(r.path in ("pd_reuse", "d_direct") for r in reused), paths
+    assert any(r.path == "d_direct" for r in later), paths  # short replies skip P
+    assert any(r.path == "pd_reuse" for r in later), paths  # tool results do not
+
+
+def test_history_edit_reuses_only_the_common_prefix(e2e: E2E) -> None:
+    """Editing an earlier message: the next turn reuses at most the verified common prefix
+    (the system prompt's blocks) and answers exactly like a recompute."""
+    with session(e2e) as s:
+        call = checked_send(e2e, s, USER_TURNS[0], TOOL_TURN)
+        run_tools(s, call)
+        last = checked_send(e2e, s, None, TEXT_TURN)
+        history = list(s.messages)
+    edited_at = next(i for i, m in enumerate(history) if isinstance(m, UserMessage))
+    history[edited_at] = UserMessage(content="Payments fail since 09:00. Check the queue.")
+    with session(e2e, system=None, messages=history, session_id=s.session_id) as s2:
+        r = checked_send(e2e, s2, "And now?", TEXT_TURN)
+    assert r.path in ("pd_reuse", "d_direct"), r.path
+    assert r.reused_tokens and 0 < r.reused_tokens < last.usage.prompt_tokens, (
+        r.reused_tokens, last.usage.prompt_tokens)
+
+
+@pytest.mark.parametrize("fault", ["tampered", "expired", "other_tenant", "other_session",
+                                   "replayed"])
+def test_bad_tokens_recompute_with_the_same_answer(e2e: E2E, fault: str) -> None:
+    with session(e2e) as s:
+        call = checked_send(e2e, s, USER_TURNS[1], TOOL_TURN)
+        run_tools(s, call)
+        good = s.cache_token
+        assert good
+        history = list(s.messages)
+        sid, key = s.session_id, ALPHA_KEY
+        if fault == "tampered":
+            token = good[:-2] + ("AA" if good[-2:] != "AA" else "BB")
+        elif fault == "expired":
+            claims = codec().decode(good, now=time.time())
+            token = codec().encode(tenant=claims.tenant, session=claims.session,
+                                   handle=claims.handle, iat=claims.iat - 200,
+                                   exp=int(time.time()) - 5)
+        elif fault == "other_tenant":
+            token, key = good, BETA_KEY
+        elif fault == "other_session":
+            token, sid = good, s.session_id + "-other"
+        else:  # replayed: the legitimate turn uses it first
+            used = checked_send(e2e, s, None, TEXT_TURN)
+            assert used.reused_tokens and used.reused_tokens > 0, used.path
+            token = good
+        with session(e2e, api_key=key, system=None, messages=with_token(history, token),
+                     session_id=sid) as bad:
+            r = checked_send(e2e, bad, None, TEXT_TURN)
+    assert r.path == "recompute", (fault, r.path)
+    assert r.reused_tokens == 0
+    assert r.cache_token_received and bad.cache_token not in (None, token)
+
+
+def test_two_requests_racing_for_one_handle(e2e: E2E) -> None:
+    """Both requests of one session carry the same token: exactly one claims the handle,
+    the other recomputes; both answers are right."""
+    with session(e2e) as s:
+        call = checked_send(e2e, s, USER_TURNS[2], TOOL_TURN)
+        run_tools(s, call)
+        a, b = s.fork(), s.fork()
+        ref = reference(e2e, s.messages, None, TEXT_TURN)
+        out: dict[str, Any] = {}
+
+        def go(name: str, sess: Any) -> None:
+            out[name] = sess.send(None, **TEXT_TURN)
+
+        threads = [threading.Thread(target=go, args=(n, x)) for n, x in (("a", a), ("b", b))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+    results = [out["a"], out["b"]]
+    assert [answer(r) for r in results] == [answer(ref)] * 2
+    reused = sorted(bool(r.reused_tokens) for r in results)
+    assert reused == [False, True], [(r.path, r.reused_tokens) for r in results]
+    assert {r.path for r in results if not r.reused_tokens} == {"recompute"}
+
+
+def test_orphaned_prefill_leg_is_released(e2e: E2E) -> None:
+    """D rejects a request P accepted (P drops logprob fields): the router drains P's
+    leased blocks with a one-token D read, so P never reaches its lease-expiry path, and
+    the next turn is served normally."""
+    releases = "kvagent_router_prefill_releases_total"
+    reads = "vllm:nixl_xfer_time_seconds_count"
+    before_rel = e2e.metric(e2e.router_url, releases)
+    before_reads = e2e.metric(e2e.decode_url, reads)
+    from kvagent_server.demo import system_prompt
+
+    body = {"model": e2e.model, "max_tokens": 4, "logprobs": True, "top_logprobs": 25,
+            "messages": [{"role": "system", "content": system_prompt()},
+                         {"role": "user", "content": "orphan check"}]}
+    resp = httpx.post(f"{e2e.base_url}/chat/completions", json=body, timeout=600,
+                      headers={"Authorization": f"Bearer {ALPHA_KEY}",
+                               "X-Session-ID": "orphan-check"})
+    assert resp.status_code == 400, resp.text
+    assert "remote_" not in resp.text and "kv_transfer" not in resp.text
+    assert e2e.metric(e2e.router_url, releases) >= before_rel + 1
+    assert e2e.metric(e2e.decode_url, reads) >= before_reads + 1  # D read P's blocks
+    # P is not wedged: past P's 30 s lease, a new turn still completes normally.
+    time.sleep(35)
+    with session(e2e) as s:
+        r = checked_send(e2e, s, USER_TURNS[3], TOOL_TURN)
+    assert r.tool_calls
+
+
+def test_blocks_expired_on_decode_recompute(e2e: E2E) -> None:
+    """The router believes a handle is live but D already dropped its blocks (a TTL
+    misconfigured, a clock jump): P's read is declined, P recomputes, the answer is right.
+    Simulated by re-dating the router's record of a handle past D's TTL."""
+    import asyncio
+
+    from kvagent_server.router.state_redis import RedisStore
+
+    from .conftest import TTL_S
+
+    with session(e2e) as s:
+        call = checked_send(e2e, s, USER_TURNS[4], TOOL_TURN)
+        run_tools(s, call)
+        history = list(s.messages)
+        claims = codec().decode(s.cache_token, now=time.time())
+
+    async def peek() -> Any:
+        store = RedisStore.from_url(e2e.redis.url)
+        try:
+            return await store.peek_latest("alpha", claims.session)
+        finally:
+            await store.close()
+
+    async def put(handle: Any) -> None:
+        store = RedisStore.from_url(e2e.redis.url)
+        try:
+            await store.put(handle)
+        finally:
+            await store.close()
+
+    handle = asyncio.run(peek())
+    assert handle is not None and handle.handle_id == claims.handle
+    time.sleep(TTL_S + 10)  # D's blocks expire (and the router's record with them)
+    asyncio.run(put(handle.model_copy(update={"expires_at": time.time() + 600})))
+    now = int(time.time())
+    token = codec().encode(tenant="alpha", session=claims.session, handle=claims.handle,
+                           iat=now, exp=now + 300)
+    with session(e2e, system=None, messages=with_token(history, token),
+                 session_id=claims.session) as late:
+        r = checked_send(e2e, late, None, TEXT_TURN)
+    assert r.cache_token_received
+    print("after D expiry:", r.path, r.reused_tokens)

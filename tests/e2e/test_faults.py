@@ -1,0 +1,184 @@
+"""Fault injection on the real bundle, each fault mid-conversation.
+
+After every fault the conversation must go on with answers equal to the reuse-off
+answers (see test_conversation.py), and nothing the client already has may be lost: a
+turn fails only when its stream was already cut (`StreamInterrupted` with the partial
+text, history and token unchanged) or when no node could serve it at all (an HTTP error
+before any byte); a plain retry then works. docs/reliability.md ("Faults") tabulates it.
+Processes are killed by the pid the supervisor recorded, never by name.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from typing import Any
+
+import pytest
+from kvagent import APIStatusError, StreamInterrupted, TextDelta
+from kvagent_server.demo import USER_TURNS
+
+from .conftest import E2E, TEXT_TURN, TOOL_TURN, answer, reference, run_tools, session
+from .test_conversation import checked_send
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+
+def start_turns(e: E2E, s: Any) -> Any:
+    """Turn 1 (tool call) and its tool results: the conversation every fault hits."""
+    call = checked_send(e, s, USER_TURNS[0], TOOL_TURN)
+    run_tools(s, call)
+    return call
+
+
+def reuses(r: Any) -> bool:
+    return bool(r.reused_tokens) and r.path in ("pd_reuse", "d_direct")
+
+
+def test_router_restart_keeps_reusing(e2e: E2E) -> None:
+    """Tokens are signed with the configured key and handles live in Redis, so a router
+    that crashed and was restarted by the supervisor verifies and reuses them."""
+    with session(e2e) as s:
+        start_turns(e2e, s)
+        before = e2e.restarts("router")
+        e2e.kill("router")
+        e2e.wait_restarted("router", before)
+        r = checked_send(e2e, s, None, TEXT_TURN)
+        assert reuses(r), (r.path, r.reused_tokens)
+
+
+def test_decode_killed_during_stream_then_restarted(e2e: E2E) -> None:
+    """D dies mid-stream: the client gets `StreamInterrupted` with the partial text and
+    keeps its history and token. Once the supervisor has restarted D (same address, new
+    epoch) the retried turn is recomputed, never read from the dead node's blocks, and the
+    turn after it reuses again from the new D."""
+    with session(e2e) as s:
+        start_turns(e2e, s)
+        token, n_messages = s.cache_token, len(s.messages)
+        before = e2e.restarts("decode-0")
+        partial = ""
+        with (pytest.raises(StreamInterrupted) as info,
+              s.stream(None, tool_choice="none", max_tokens=2000) as events):
+            for ev in events:
+                if isinstance(ev, TextDelta) and not partial:
+                    partial = ev.text
+                    e2e.kill("decode-0")
+        assert partial and info.value.partial_text.startswith(partial)
+        assert s.cache_token == token and len(s.messages) == n_messages
+        e2e.wait_restarted("decode-0", before)
+        e2e.wait_router_sees("d0", True)
+        retry = checked_send(e2e, s, None, TEXT_TURN)
+        assert retry.path in ("recompute", "pd_fresh") and not retry.reused_tokens
+        nxt = checked_send(e2e, s, "Thanks, go on.", TEXT_TURN)
+        assert reuses(nxt), (nxt.path, nxt.reused_tokens)
+        call = checked_send(e2e, s, USER_TURNS[1], TOOL_TURN)
+        run_tools(s, call)
+        after_tool = checked_send(e2e, s, None, TEXT_TURN)
+        assert reuses(after_tool), (after_tool.path, after_tool.reused_tokens)
+
+
+def test_decode_killed_between_turns(e2e: E2E) -> None:
+    with session(e2e) as s:
+        start_turns(e2e, s)
+        before = e2e.restarts("decode-0")
+        e2e.kill("decode-0")
+        e2e.wait_restarted("decode-0", before)
+        e2e.wait_router_sees("d0", True)
+        r = checked_send(e2e, s, None, TEXT_TURN)
+        assert r.path in ("recompute", "pd_fresh") and not r.reused_tokens
+        assert r.cache_token_received
+        call = checked_send(e2e, s, USER_TURNS[2], TOOL_TURN)
+        assert reuses(call), (call.path, call.reused_tokens)
+
+
+def test_prefill_killed_during_its_leg(e2e: E2E) -> None:
+    """P is frozen with the P leg in it, then killed: the client gets a 502 before any
+    byte (nothing to lose), and the retry after P's restart is served correctly."""
+    with session(e2e) as s:
+        start_turns(e2e, s)
+        before = e2e.restarts("prefill-0")
+        e2e.kill("prefill-0", signal.SIGSTOP)
+        err: dict[str, Any] = {}
+
+        def turn() -> None:
+            try:
+                err["result"] = s.send(None, **TEXT_TURN)
+            except Exception as exc:  # noqa: BLE001 - recorded and asserted below
+                err["exc"] = exc
+
+        t = threading.Thread(target=turn)
+        t.start()
+        time.sleep(2.0)
+        e2e.kill("prefill-0", signal.SIGKILL)
+        t.join(600)
+        assert isinstance(err.get("exc"), APIStatusError), err
+        assert err["exc"].status_code in (502, 503)
+        e2e.wait_restarted("prefill-0", before)
+        e2e.wait_router_sees("p0", True)
+        r = checked_send(e2e, s, None, TEXT_TURN)
+        assert r.cache_token_received
+
+
+def test_decode_frozen_during_transfer(e2e: E2E) -> None:
+    """D stops answering (SIGSTOP) while P pulls from it, then resumes: the turn is slow,
+    not wrong."""
+    with session(e2e) as s:
+        start_turns(e2e, s)
+        e2e.kill("decode-0", signal.SIGSTOP)
+        out: dict[str, Any] = {}
+        before = list(s.messages)
+
+        def turn() -> None:
+            try:
+                out["result"] = s.send(None, **TEXT_TURN)
+            except Exception as exc:  # noqa: BLE001
+                out["exc"] = exc
+
+        t = threading.Thread(target=turn)
+        t.start()
+        time.sleep(4.0)
+        e2e.kill("decode-0", signal.SIGCONT)
+        t.join(600)
+        assert "result" in out, out
+        ref = reference(e2e, before, None, TEXT_TURN)
+        assert answer(out["result"]) == answer(ref)
+        print("frozen D:", out["result"].path, out["result"].reused_tokens)
+        nxt = checked_send(e2e, s, "Thanks, go on.", TEXT_TURN)
+        assert nxt.cache_token_received
+
+
+def test_redis_down_degrades_reuse_only(e2e: E2E) -> None:
+    """Redis dies mid-conversation: turns keep working (recomputed, no token); when Redis
+    is back the conversation reuses again. Runs last: it replaces the Redis process."""
+    redis = e2e.redis
+    with session(e2e) as s:
+        start_turns(e2e, s)
+        redis.proc.kill()
+        redis.proc.wait(10)
+        r = checked_send(e2e, s, None, TEXT_TURN)
+        assert r.path == "recompute" and not r.reused_tokens
+        assert s.cache_token is None  # no token could be stored: none is issued
+        r2 = checked_send(e2e, s, "Thanks, go on.", TEXT_TURN)
+        assert not r2.reused_tokens
+        workdir = tempfile.mkdtemp(prefix="kvagent-redis-")
+        binary = shutil.which("redis-server")
+        assert binary
+        back = subprocess.Popen(
+            [binary, "--port", str(redis.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", workdir],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            time.sleep(1.0)
+            call = checked_send(e2e, s, USER_TURNS[1], TOOL_TURN)
+            assert call.cache_token_received
+            run_tools(s, call)
+            r3 = checked_send(e2e, s, None, TEXT_TURN)
+            assert reuses(r3), (r3.path, r3.reused_tokens)
+        finally:
+            back.kill()
+            back.wait(10)
+            shutil.rmtree(workdir, ignore_errors=True)
