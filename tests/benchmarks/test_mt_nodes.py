@@ -44,7 +44,7 @@ def test_aggregated_node_has_prefix_cache_and_cached_token_counts() -> None:
 def test_foreign_vllm_ignores_own_children_and_sees_orphans() -> None:
     child = subprocess.Popen(SLEEPER)
     # An orphan (its parent shell exits at once) is not ours: like another user's node.
-    out = subprocess.run(["sh", "-c", " ".join(f"'{a}'" for a in SLEEPER) + " & echo $!"],
+    out = subprocess.run(["sh", "-c", " ".join(f"'{a}'" for a in SLEEPER) + " >/dev/null 2>&1 & echo $!"],
                          capture_output=True, text=True, check=True)
     orphan = int(out.stdout.strip())
     try:

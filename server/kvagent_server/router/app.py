@@ -37,7 +37,7 @@ from .request import (
     validate,
 )
 from .settings import RouterSettings
-from .state import SessionStore, key_ring_for, make_store
+from .state import MemoryStore, SessionStore, key_ring_for, make_store
 from .telemetry import record_error, record_outcome, start_turn
 from .tenancy import AuthError, TenantResolver
 from .token import TokenCodec
@@ -140,6 +140,10 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
     async def prometheus(request: Request) -> Response:
         for node in registry.nodes.values():
             metrics.node_healthy.labels(node=node.name, role=node.role).set(int(node.healthy))
+        if isinstance(the_store, MemoryStore):  # a scrape also drops expired handles
+            the_store.sweep()
+            metrics.store_handles.set(len(the_store))
+            metrics.store_tokens.set(the_store.retained_tokens)
         return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
 
     routes = [

@@ -57,6 +57,10 @@ class RouterMetrics:
         self.prefill_releases = Counter("kvagent_router_prefill_releases",
                                         "Orphaned P legs finished explicitly.", ["ok"],
                                         registry=r)
+        self.store_handles = Gauge("kvagent_router_store_handles",
+                                   "Live session handles in this router's store.", registry=r)
+        self.store_tokens = Gauge("kvagent_router_store_tokens",
+                                  "Token ids held by those handles.", registry=r)
         self.node_healthy = Gauge("kvagent_router_node_healthy", "1 when a node is healthy.",
                                   ["node", "role"], registry=r)
 
