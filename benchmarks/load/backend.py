@@ -46,7 +46,8 @@ class PruningCluster(FakeCluster):
 
 
 def make_cluster() -> PruningCluster:
-    return PruningCluster(reply=echo_reply, lease_s=3600, prefix_cache=False)
+    return PruningCluster(reply=echo_reply, lease_s=3600, prefix_cache=False,
+                          chunk_chars=16)
 
 
 async def main(p_port: int, d_port: int) -> None:

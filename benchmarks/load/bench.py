@@ -94,6 +94,20 @@ class MemorySampler:
             await asyncio.sleep(self.every_s)
 
 
+async def miss_reasons(base: str) -> dict[str, float]:
+    """The router's reuse misses by reason and non-200 answers, from its /metrics."""
+    async with httpx.AsyncClient() as c:
+        text = (await c.get(f"{base}/metrics", timeout=30)).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvagent_router_reuse_misses_total{"):
+            out[line.split('reason="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith("kvagent_router_requests_total{") and 'status="200"' not in line:
+            out["http_" + line.split('status="', 1)[1].split('"', 1)[0]] = float(
+                line.rsplit(" ", 1)[1])
+    return out
+
+
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     p_port, d_port, r_port = free_port(), free_port(), free_port()
     settings = {
@@ -150,6 +164,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                                      2),
             "rss_samples_s_mib": mem.samples[:: max(1, len(mem.samples) // 40)],
         }
+        summary["router"]["reuse_misses"] = await miss_reasons(base)
         summary["machine"] = {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()}
         summary["settings"] = settings
         router_log = (logs / "router.log").read_text(errors="replace")
@@ -168,7 +183,7 @@ if __name__ == "__main__":
     ap.add_argument("--sessions", type=int, default=200)
     ap.add_argument("--turns", type=int, default=25)
     ap.add_argument("--cap-s", type=float, default=900.0)
-    ap.add_argument("--stagger-s", type=float, default=2.0,
+    ap.add_argument("--stagger-s", type=float, default=20.0,
                     help="spread session starts over this many seconds")
     ap.add_argument("--skip-prefill-max-tokens", type=int, default=0,
                     help="0: every turn takes the P leg (pd_reuse), the heavier path")

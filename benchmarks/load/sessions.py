@@ -10,10 +10,12 @@ turn. Used by `bench.py` (separate processes) and by tests/reliability (in-proce
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import statistics
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -37,6 +39,7 @@ class TurnRecord:
     total_s: float | None = None
     path: str | None = None
     reused_tokens: int = 0
+    retried: int = 0  # connection errors before any byte, retried once
     lost: bool = False
     crossed: bool = False
     error: str | None = None
@@ -67,6 +70,7 @@ class LoadResult:
             "turns_sent": len(self.records), "turns_completed": len(done),
             "lost": sum(r.lost for r in self.records),
             "crossed": sum(r.crossed for r in self.records),
+            "retried_before_first_byte": sum(r.retried for r in self.records),
             "errors": sorted({r.error for r in self.records if r.error})[:10],
             "reused_later_turns": sum(r.reused_tokens > 0 for r in later),
             "later_turns": len(later), "paths": paths,
@@ -100,8 +104,7 @@ async def one_turn(client: httpx.AsyncClient, session: str, turn: int,
     last: dict[str, Any] | None = None
     done = False
     try:
-        async with client.stream("POST", "/v1/chat/completions", json=body,
-                                 headers=h) as r:
+        async with _open(client, body, h, rec) as r:
             rec.status = r.status_code
             if r.status_code != 200:
                 await r.aread()
@@ -136,6 +139,28 @@ async def one_turn(client: httpx.AsyncClient, session: str, turn: int,
         rec.crossed = True
         rec.error = f"answer for {echo.groups() if echo else None}"
     return rec, answer, kva.get("cache_token")
+
+
+@contextlib.asynccontextmanager
+async def _open(client: httpx.AsyncClient, body: dict[str, Any], headers: dict[str, str],
+                rec: TurnRecord) -> AsyncIterator[httpx.Response]:
+    """The response, retried once on a connection error before any byte (a pooled
+    connection the server closed while idle), as openai-python and the SDK do."""
+    for attempt in range(2):
+        try:
+            cm = client.stream("POST", "/v1/chat/completions", json=body, headers=headers)
+            r = await cm.__aenter__()
+        except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError,
+                httpx.WriteError):
+            if attempt:
+                raise
+            rec.retried += 1
+            continue
+        try:
+            yield r
+        finally:
+            await cm.__aexit__(None, None, None)
+        return
 
 
 async def run_session(client: httpx.AsyncClient, session: str, turns: int,

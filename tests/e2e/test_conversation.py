@@ -61,25 +61,31 @@ def with_token(messages: list[Any], token: str) -> list[Any]:
     raise AssertionError("no assistant message")
 
 
+def decode_usage(e: E2E) -> float:
+    """D's KV block usage now. vLLM updates the gauge only when its engine steps, so make
+    it step once with a one-token request of its own (which holds one block meanwhile)."""
+    httpx.post(f"{e.decode_url}/v1/completions", timeout=120,
+               json={"model": e.model, "prompt": "usage probe", "max_tokens": 1})
+    return e.metric(e.decode_url, "vllm:kv_cache_usage_perc")
+
+
 def test_release_unused_handle_frees_decode_blocks(e2e: E2E) -> None:
     """A claimed handle the turn cannot use (the prompt diverges at token 0) is released:
     the P leg carries `remote_num_tokens=0`, P notifies D, D frees the blocks at once
     instead of holding them for the TTL. Runs first, on an idle D, so D's block usage is
     this conversation's alone."""
-    usage = "vllm:kv_cache_usage_perc"
     with session(e2e) as s:
         first = s.send(USER_TURNS[0], **TOOL_TURN)
         assert first.cache_token_received
-        time.sleep(1.0)
-        held = e2e.metric(e2e.decode_url, usage)
+        held = decode_usage(e2e)
         assert held > 0, "D should hold the first turn's blocks"
         # Same session and token, a different conversation: nothing reusable.
         other = with_token([UserMessage(content="Hi.")], s.cache_token)
         with session(e2e, system=None, messages=other, session_id=s.session_id) as s2:
             r = s2.send(None, **TEXT_TURN)
-    assert r.path == "recompute" and r.reused_tokens == 0
-    time.sleep(1.0)
-    after = e2e.metric(e2e.decode_url, usage)
+    assert r.path == "recompute" and r.reused_tokens == 0, (r.path, r.reused_tokens)
+    time.sleep(1.0)  # P's notification reaches D
+    after = decode_usage(e2e)
     # The new turn holds ~1 block; the first turn's ~10+ blocks must be gone.
     assert after < held / 2, f"D still holds the released blocks ({held} -> {after})"
 
@@ -245,8 +251,12 @@ def test_blocks_expired_on_decode_recompute(e2e: E2E) -> None:
     now = int(time.time())
     token = codec().encode(tenant="alpha", session=claims.session, handle=claims.handle,
                            iat=now, exp=now + 300)
+    expired = "vllm:nixl_num_kv_expired_reqs_total"
+    declined_before = e2e.metric(e2e.prefill_url, expired)
     with session(e2e, system=None, messages=with_token(history, token),
                  session_id=claims.session) as late:
         r = checked_send(e2e, late, None, TEXT_TURN)
     assert r.cache_token_received
+    assert r.path == "pd_reuse"  # the router did try: P declined the read
+    assert e2e.metric(e2e.prefill_url, expired) >= declined_before + 1
     print("after D expiry:", r.path, r.reused_tokens)
