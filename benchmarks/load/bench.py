@@ -95,13 +95,16 @@ class MemorySampler:
 
 
 async def miss_reasons(base: str) -> dict[str, float]:
-    """The router's reuse misses by reason and non-200 answers, from its /metrics."""
+    """The router's reuse misses by reason, non-200 answers and store size (/metrics)."""
     async with httpx.AsyncClient() as c:
         text = (await c.get(f"{base}/metrics", timeout=30)).text
     out: dict[str, float] = {}
     for line in text.splitlines():
         if line.startswith("kvagent_router_reuse_misses_total{"):
             out[line.split('reason="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+        elif line.startswith(("kvagent_router_store_handles ", "kvagent_router_store_tokens ")):
+            out[line.split(" ", 1)[0].removeprefix("kvagent_router_")] = float(
+                line.rsplit(" ", 1)[1])
         elif line.startswith("kvagent_router_requests_total{") and 'status="200"' not in line:
             out["http_" + line.split('status="', 1)[1].split('"', 1)[0]] = float(
                 line.rsplit(" ", 1)[1])

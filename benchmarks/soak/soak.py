@@ -1,8 +1,9 @@
 """Soak run against a live bundle: conversations keep starting and ending for tens of
 minutes; afterwards nothing may have leaked.
 
-    kvagent-server up --detach --ttl 60          # short block TTL: a short drain
-    python benchmarks/soak/soak.py --duration-s 1800 --out benchmarks/soak/results.json
+    kvagent-server up --detach --ttl 120         # short block TTL: a short drain
+    python benchmarks/soak/soak.py --duration-s 1800 --drain-s 180 \
+        --out benchmarks/soak/results.json
     kvagent-server down
 
 Processes are found with `kvagent-server status --json` (or given with `--router` and
@@ -54,6 +55,7 @@ class Totals:
     turns: int = 0
     errors: dict[str, int] = field(default_factory=dict)
     reused_turns: int = 0
+    paths: dict[str, int] = field(default_factory=dict)
 
 
 def metric(text: str, name: str) -> float | None:
@@ -158,6 +160,8 @@ async def conversation(client: httpx.AsyncClient, model: str, rng: random.Random
         token = kva.get("cache_token")
         totals.turns += 1
         totals.reused_turns += int((kva.get("reused_tokens") or 0) > 0)
+        path = str(kva.get("path"))
+        totals.paths[path] = totals.paths.get(path, 0) + 1
         answer = body["choices"][0]["message"].get("content") or ""
         messages += [{"role": "assistant", "content": answer},
                      {"role": "user", "content": f"Go on ({turn + 1})."}]
@@ -228,7 +232,7 @@ def verdicts(procs: list[Proc], base: dict[str, Any], final: dict[str, Any],
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--duration-s", type=float, default=1800)
-    ap.add_argument("--drain-s", type=float, default=120,
+    ap.add_argument("--drain-s", type=float, default=180,
                     help="wait after the load (must exceed the decode block TTL)")
     ap.add_argument("--sample-s", type=float, default=15)
     ap.add_argument("--concurrency", type=int, default=3)

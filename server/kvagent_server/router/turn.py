@@ -179,6 +179,10 @@ async def _claim_from_store(r: Router, req: TurnRequest) -> tuple[Handle | None,
     if mismatch is not None:
         return None, mismatch
     handle = await r.store.claim(tenant, claims.handle)
+    if handle is not None and (handle.tenant, handle.session) != (tenant, req.session):
+        # Only a holder of the signing key can name another session's handle: use it
+        # neither for reuse nor to release its blocks (reliability.md, Hostile input).
+        return None, "other_session"
     return handle, None if handle is not None else "already_used"
 
 
