@@ -9,11 +9,11 @@ import string
 from typing import Any
 
 import pytest
-from conftest import LoopBridge, is_openai_error, leaks
 from fakes import FakeCluster, Reply, Stack, router_stack
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from kvagent_server.router.request import HTTPError, parse_json, validate
+from reliability_support import LoopBridge, is_openai_error, leaks
 
 MODEL = "fake-model"
 GOOD_CHAT: dict[str, Any] = {

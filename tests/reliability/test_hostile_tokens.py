@@ -19,12 +19,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from conftest import LoopBridge, leaks
 from fakes import FakeCluster, Stack, decode_ids, router_stack
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from kvagent_server.router.keys import KeyRing
 from kvagent_server.router.token import TokenCodec
+from reliability_support import LoopBridge, leaks
 
 TENANTS = [{"name": "acme", "api_keys": ["sk-acme-0123456789"], "max_concurrent_streams": 8},
            {"name": "globex", "api_keys": ["sk-globex-9876543210"]}]
