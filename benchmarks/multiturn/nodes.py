@@ -199,7 +199,8 @@ def aggregated_node(work_dir: Path, *, kv_cache_gib: int, startup_timeout_s: flo
     run_dir = work_dir / "run"
     log_path = run_dir / "logs" / "aggregated.log"
     ncpu = len(os.sched_getaffinity(0))
-    env = {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+    serve_env = getattr(demo_model, "demo_serve_env", dict)  # same env the bundle's nodes get
+    env = {**serve_env(), "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
            "VLLM_CPU_OMP_THREADS_BIND": cpu_bind or f"0-{ncpu - 1}"}
     popen = processes.launch([sys.executable, "-m", VLLM_MODULE,
                               *aggregated_args(model_path, port)],
