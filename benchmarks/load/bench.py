@@ -34,6 +34,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
+from benchmarks._procs import stop, wait_ready
 from benchmarks.load.sessions import run_load
 
 API_KEY = "load-test-key-0123456789"
@@ -49,29 +50,6 @@ def start(argv: list[str], log: Path) -> subprocess.Popen:
     with log.open("wb") as f:
         return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
-async def wait_ready(url: str, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient() as c:
-        while time.monotonic() < deadline:
-            try:
-                if (await c.get(url, timeout=2)).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} not ready")
 
 
 class MemorySampler:

@@ -37,6 +37,10 @@ from typing import Any
 import httpx
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1]))
+
+from benchmarks._procs import stop, wait_ready
+
 MODEL = "fake-model"
 PROMPT = "Summarise the history of lighthouses in three sentences. " * 4
 
@@ -50,29 +54,6 @@ def free_port() -> int:
 def start(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, env={**os.environ, **(env or {})})
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
-async def wait_ready(url: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    async with httpx.AsyncClient() as c:
-        while time.monotonic() < deadline:
-            try:
-                if (await c.get(url, timeout=1)).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            await asyncio.sleep(0.1)
-    raise RuntimeError(f"{url} not ready")
 
 
 class Worker:

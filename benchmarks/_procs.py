@@ -1,0 +1,36 @@
+"""Process helpers shared by the benchmarks that start their own servers."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+
+import httpx
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group, SIGKILL it after 10 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+async def wait_ready(url: str, timeout: float = 60, interval: float = 0.1) -> None:
+    """Poll `url` until it answers 200, or raise after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    async with httpx.AsyncClient() as c:
+        while time.monotonic() < deadline:
+            try:
+                if (await c.get(url, timeout=2)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(interval)
+    raise RuntimeError(f"{url} not ready")
