@@ -8,10 +8,6 @@ helpers they use live in `tests/support.py`.
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
-import tempfile
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -23,7 +19,9 @@ from support import (
     free_port,
     kill_group,
     start_bundle,
+    start_redis,
     start_vllm_node,
+    stop_redis,
     vllm_available,
 )
 
@@ -34,29 +32,13 @@ __all__ = ["KVAgentBundle", "RedisServer", "VLLMNode", "bundle_config", "free_po
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisServer]:
     """A real Debian `redis-server` on a free loopback port, in a temp dir."""
-    binary = shutil.which("redis-server")
-    if binary is None:
+    if shutil.which("redis-server") is None:
         pytest.skip("redis-server binary not installed (./dev test installs it)")
-    port = free_port()
-    workdir = tempfile.mkdtemp(prefix="kvagent-redis-")
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", workdir],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                break
-        except OSError:
-            time.sleep(0.05)
-    else:
-        kill_group(proc)
-        pytest.fail("redis-server did not start")
-    yield RedisServer(url=f"redis://127.0.0.1:{port}/0", port=port, proc=proc)
-    kill_group(proc)
-    shutil.rmtree(workdir, ignore_errors=True)
+    server = start_redis()
+    try:
+        yield server
+    finally:
+        stop_redis(server)
 
 
 # --------------------------------------------------------------------------- vLLM

@@ -7,9 +7,11 @@ folder is on sys.path); the fixtures built on them live in `tests/conftest.py`.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -61,6 +63,36 @@ class RedisServer:
     url: str
     port: int
     proc: subprocess.Popen
+    workdir: str
+
+
+def start_redis(port: int | None = None, timeout: float = 20.0) -> RedisServer:
+    """Start a real `redis-server` on 127.0.0.1 (a free port unless given), no persistence."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise RuntimeError("redis-server binary not installed (./dev test installs it)")
+    port = port or free_port()
+    workdir = tempfile.mkdtemp(prefix="kvagent-redis-")
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", workdir],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                return RedisServer(url=f"redis://127.0.0.1:{port}/0", port=port, proc=proc,
+                                   workdir=workdir)
+        except OSError:
+            time.sleep(0.05)
+    kill_group(proc)
+    raise RuntimeError("redis-server did not start")
+
+
+def stop_redis(server: RedisServer) -> None:
+    kill_group(server.proc)
+    shutil.rmtree(server.workdir, ignore_errors=True)
 
 
 @dataclass(frozen=True)

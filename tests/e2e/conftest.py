@@ -20,7 +20,15 @@ from typing import Any
 
 import httpx
 import pytest
-from support import RedisServer, bundle_config, free_port, start_bundle, vllm_available
+from support import (
+    RedisServer,
+    bundle_config,
+    free_port,
+    start_bundle,
+    start_redis,
+    stop_redis,
+    vllm_available,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -97,9 +105,12 @@ class E2E:
 
 
 @pytest.fixture(scope="session")
-def e2e(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) -> Iterator[E2E]:
+def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
     if not vllm_available():
         pytest.skip("vLLM is not installed (./dev test installs the CPU engine)")
+    # Its own Redis: the fault tests kill and replace it, which must not touch the
+    # session's shared `redis_server`.
+    redis_server = start_redis()
     config = bundle_config(
         tmp_path_factory.mktemp("e2e"),
         decoder_kv_blocks_ttl_s=TTL_S,
@@ -113,13 +124,16 @@ def e2e(tmp_path_factory: pytest.TempPathFactory, redis_server: RedisServer) -> 
                         {"name": "beta", "api_keys": [BETA_KEY]}],
         },
     )
-    handle, bundle = start_bundle(config)
     try:
-        yield E2E(bundle=bundle, base_url=handle.base_url, router_url=handle.router_url,
-                  model=handle.model, prefill_url=handle.prefill_urls[0],
-                  decode_url=handle.decode_urls[0], redis=redis_server)
+        handle, bundle = start_bundle(config)
+        try:
+            yield E2E(bundle=bundle, base_url=handle.base_url, router_url=handle.router_url,
+                      model=handle.model, prefill_url=handle.prefill_urls[0],
+                      decode_url=handle.decode_urls[0], redis=redis_server)
+        finally:
+            bundle.stop()
     finally:
-        bundle.stop()
+        stop_redis(redis_server)
 
 
 # ------------------------------------------------------------------ conversations
