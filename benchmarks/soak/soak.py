@@ -25,6 +25,7 @@ import asyncio
 import json
 import random
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -80,7 +81,8 @@ def discover(args: argparse.Namespace) -> list[Proc]:
             procs.append(Proc(name, url, int(pid) if pid else None, role))
         return procs
     exe = shutil.which("kvagent-server") or "kvagent-server"
-    out = subprocess.run([exe, "status", "--json", *args.status_args], capture_output=True,
+    extra = [a for item in args.status_args for a in shlex.split(item)]
+    out = subprocess.run([exe, "status", "--json", *extra], capture_output=True,
                          text=True, check=False)
     state = json.loads(out.stdout)
     procs = []
@@ -244,7 +246,7 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--router", help="URL[@PID] instead of `kvagent-server status`")
     ap.add_argument("--node", action="append", help="NAME=URL[@PID] (with --router)")
-    ap.add_argument("--status-args", nargs="*", default=[],
+    ap.add_argument("--status-args", action="append", default=[],
                     help="extra arguments for `kvagent-server status` (e.g. --name x)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
