@@ -108,6 +108,16 @@ def choose_session(configured: str | None, last: Carrier | None) -> tuple[str, C
     return new_session_id(), None
 
 
+def attach_token(history: list[Any], index: int | None, carrier: Carrier | None) -> list[Any]:
+    """Put the carried token back on the assistant message at `index`, the one it came with,
+    so the session sends it on the next turn."""
+    if index is not None and carrier is not None and carrier.cache_token:
+        history[index] = history[index].model_copy(update={
+            "cache_token": carrier.cache_token,
+            "cache_token_expires_at": carrier.cache_token_expires_at})
+    return history
+
+
 def usage_counts(usage: Usage | None) -> dict[str, int] | None:
     """Usage as (input, output, total, cached) counts, or None when the server sent none."""
     if usage is None:

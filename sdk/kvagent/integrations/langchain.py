@@ -52,6 +52,7 @@ from ..results import TurnResult
 from ..session import Session
 from ._carry import (
     METADATA_KEY,
+    attach_token,
     carrier_metadata,
     choose_session,
     read_carrier,
@@ -279,12 +280,9 @@ class ChatKVAgent(BaseChatModel):
         carrier = (read_carrier(last_ai.response_metadata, last_ai.additional_kwargs)
                    if last_ai is not None else None)
         session_id, usable = choose_session(self.session_id, carrier)
-        history = [_to_kvagent(m) for m in messages]
-        if last_ai is not None and usable is not None and usable.cache_token:
-            index = max(i for i, m in enumerate(messages) if m is last_ai)
-            history[index] = history[index].model_copy(update={
-                "cache_token": usable.cache_token,
-                "cache_token_expires_at": usable.cache_token_expires_at})
+        index = (max(i for i, m in enumerate(messages) if m is last_ai)
+                 if last_ai is not None else None)
+        history = attach_token([_to_kvagent(m) for m in messages], index, usable)
         options: dict[str, Any] = {}
         for key in _SAMPLING:
             value = call.pop(key, None)

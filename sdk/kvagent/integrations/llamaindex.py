@@ -52,7 +52,14 @@ from ..async_session import AsyncSession
 from ..events import Done, TextDelta, ToolCallDelta
 from ..results import TurnResult
 from ..session import Session
-from ._carry import METADATA_KEY, carrier_metadata, choose_session, read_carrier, usage_counts
+from ._carry import (
+    METADATA_KEY,
+    attach_token,
+    carrier_metadata,
+    choose_session,
+    read_carrier,
+    usage_counts,
+)
 
 try:  # llama-index-core >= 0.14 has typed tool-call blocks; older ones use additional_kwargs
     from llama_index.core.base.llms.types import ToolCallBlock
@@ -248,11 +255,7 @@ class KVAgentLLM(FunctionCallingLLM):
                       if messages[i].role == MessageRole.ASSISTANT), None)
         carrier = read_carrier(messages[index].additional_kwargs) if index is not None else None
         session_id, usable = choose_session(self.session_id, carrier)
-        history = [_to_kvagent(m) for m in messages]
-        if index is not None and usable is not None and usable.cache_token:
-            history[index] = history[index].model_copy(update={
-                "cache_token": usable.cache_token,
-                "cache_token_expires_at": usable.cache_token_expires_at})
+        history = attach_token([_to_kvagent(m) for m in messages], index, usable)
         options: dict[str, Any] = {}
         for key in _SAMPLING:
             value = call.pop(key, None)
