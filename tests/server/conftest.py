@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,22 +10,10 @@ from typing import Any
 import psutil
 import pytest
 from kvagent_server.render import HostFacts, ModelSource, PlanInputs
+from support import free_ports
 
 FAKE_NODE = Path(__file__).with_name("fake_node.py")
 
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct ports that are free right now (held open together while picking)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def fake_inputs(cores: tuple[int, ...] = (0, 1), gpus: int = 0) -> PlanInputs:
