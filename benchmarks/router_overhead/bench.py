@@ -5,6 +5,8 @@ separate processes on 127.0.0.1, then drives streamed chat requests at 1, 16 and
 concurrent streams:
 
 - `direct`: client -> fake D (one plain streamed request, no P/D).
+- `direct_pd`: what a client without a router does for a P/D turn: the P leg (one token,
+  not streamed) against fake P, then the streamed D leg with P's `kv_transfer_params`.
 - `bare_proxy`: client -> a 20-line starlette+httpx pass-through -> fake D: the floor any
   Python proxy pays on this machine (`bare_proxy.py`).
 - `router_fresh`: client -> router -> P leg -> D leg (no session: nothing to reuse).
@@ -12,10 +14,12 @@ concurrent streams:
 - `router_d_direct`: the same with `skip_prefill_max_tokens`: tokenize, then D only.
 
 Latency is measured per request to the first content chunk (TTFT) and to `[DONE]`;
-the backend answers instantly, so what remains is HTTP and router work. Bounded: a fixed
-number of requests per level and a wall-clock cap.
+the backend answers instantly, so what remains is HTTP and router work. Every level runs
+`--repeats` rounds with the modes interleaved (a noisy shared machine then hits all modes
+alike); percentiles pool the rounds' samples. Bounded: a fixed number of requests per
+level and round, and a wall-clock cap.
 
-    python benchmarks/router_overhead/bench.py [--requests 400] [--out results.json]
+    python benchmarks/router_overhead/bench.py [--requests 400] [--repeats 3] [--out results.json]
 """
 
 from __future__ import annotations
@@ -59,8 +63,9 @@ def start(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Pope
 class Worker:
     """One client stream: a conversation that resets every few turns."""
 
-    def __init__(self, base: str, mode: str, idx: int) -> None:
+    def __init__(self, base: str, mode: str, idx: int, prefill_base: str | None = None) -> None:
         self.base, self.mode, self.idx = base, mode, idx
+        self.prefill_base = prefill_base  # direct_pd: the client runs the P leg itself
         self.messages: list[dict[str, Any]] = []
         self.token: str | None = None
         self.turns = 0
@@ -82,6 +87,15 @@ class Worker:
     async def one(self, client: httpx.AsyncClient) -> tuple[float, float, str | None]:
         url, body, headers = self.request()
         t0 = time.perf_counter()
+        if self.prefill_base is not None:
+            p_body = {**body, "stream": False, "max_tokens": 1,
+                      "kv_transfer_params": {"do_remote_decode": True,
+                                             "do_remote_prefill": False}}
+            del p_body["stream_options"]
+            p = await client.post(f"{self.prefill_base}/v1/chat/completions", json=p_body)
+            if p.status_code != 200:
+                raise RuntimeError(f"P leg {p.status_code}: {p.text[:200]}")
+            body = {**body, "kv_transfer_params": p.json()["kv_transfer_params"]}
         ttft = None
         last = b""
         text = []
@@ -127,8 +141,14 @@ def cpu_s(pid: int) -> float:
     return t.user + t.system
 
 
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
+
+
 async def run_level(base: str, mode: str, concurrency: int, total: int,
-                    cap_s: float, pid: int) -> dict[str, Any]:
+                    cap_s: float, pid: int, prefill_base: str | None = None) -> dict[str, Any]:
+    """One round of one mode at one concurrency; keeps the raw samples for pooling."""
     per = max(1, total // concurrency)
     limits = httpx.Limits(max_connections=concurrency + 8,
                           max_keepalive_connections=concurrency + 8)
@@ -137,7 +157,7 @@ async def run_level(base: str, mode: str, concurrency: int, total: int,
     paths: dict[str, int] = {}
     deadline = time.monotonic() + cap_s
     async with httpx.AsyncClient(limits=limits, timeout=30) as client:
-        workers = [Worker(base, mode, i) for i in range(concurrency)]
+        workers = [Worker(base, mode, i, prefill_base) for i in range(concurrency)]
         for w in workers:  # warm-up: connections, first turn
             await w.one(client)
 
@@ -154,22 +174,68 @@ async def run_level(base: str, mode: str, concurrency: int, total: int,
         await asyncio.gather(*(loop(w) for w in workers))
         wall, cpu = time.perf_counter() - t0, cpu_s(pid) - c0
 
-    def pct(xs: list[float], q: float) -> float:
-        xs = sorted(xs)
-        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
-
     return {"mode": mode, "concurrency": concurrency, "requests": len(totals),
             "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p99_ms": pct(ttfts, 0.99),
             "total_p50_ms": pct(totals, 0.5), "total_p99_ms": pct(totals, 0.99),
             "mean_ms": statistics.fmean(totals) * 1000, "rps": len(totals) / wall,
             "server_cpu_ms_per_request": cpu / max(1, len(totals)) * 1000,
-            "paths": paths}
+            "paths": paths, "_ttfts": ttfts, "_totals": totals}
 
 
-async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
+def summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (concurrency, mode): percentiles over every round's samples pooled, CPU per
+    request as the median of the rounds, and the spread of the rounds' TTFT p50."""
+    out = []
+    keys = sorted({(r["concurrency"], r["mode"]) for r in rounds},
+                  key=lambda k: (k[0], MODES.index(k[1])))
+    for c, mode in keys:
+        rs = [r for r in rounds if (r["concurrency"], r["mode"]) == (c, mode)]
+        ttfts = [x for r in rs for x in r["_ttfts"]]
+        totals = [x for r in rs for x in r["_totals"]]
+        out.append({"mode": mode, "concurrency": c, "rounds": len(rs), "requests": len(totals),
+                    "ttft_p50_ms": pct(ttfts, 0.5), "ttft_p99_ms": pct(ttfts, 0.99),
+                    "total_p50_ms": pct(totals, 0.5), "total_p99_ms": pct(totals, 0.99),
+                    "rps": statistics.median(r["rps"] for r in rs),
+                    "server_cpu_ms_per_request": statistics.median(
+                        r["server_cpu_ms_per_request"] for r in rs),
+                    "round_ttft_p50_ms": [round(r["ttft_p50_ms"], 3) for r in rs]})
+    return out
+
+
+def added(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The router's added latency (TTFT) over each baseline, per concurrency."""
+    by = {(s["concurrency"], s["mode"]): s for s in summary}
+    out = []
+    for (c, mode), s in by.items():
+        if not mode.startswith("router"):
+            continue
+        for base in ("direct_pd", "direct"):
+            b = by.get((c, base))
+            if b is None:
+                continue
+            out.append({"concurrency": c, "mode": mode, "baseline": base,
+                        "added_ttft_p50_ms": s["ttft_p50_ms"] - b["ttft_p50_ms"],
+                        "added_ttft_p99_ms": s["ttft_p99_ms"] - b["ttft_p99_ms"],
+                        "added_total_p50_ms": s["total_p50_ms"] - b["total_p50_ms"],
+                        "added_total_p99_ms": s["total_p99_ms"] - b["total_p99_ms"]})
+    return out
+
+
+def line(res: dict[str, Any]) -> str:
+    return (f"c={res['concurrency']:>3} {res['mode']:<16} n={res['requests']:>5} "
+            f"ttft p50={res['ttft_p50_ms']:7.2f} p99={res['ttft_p99_ms']:7.2f} ms  "
+            f"total p50={res['total_p50_ms']:7.2f} p99={res['total_p99_ms']:7.2f} "
+            f"ms  {res['rps']:6.1f} req/s  cpu {res['server_cpu_ms_per_request']:.2f} ms/req")
+
+
+MODES = ["direct", "direct_pd", "bare_proxy", "router_fresh", "router_reuse", "router_d_direct"]
+
+
+async def main(args: argparse.Namespace) -> dict[str, Any]:
     p_port, d_port = free_port(), free_port()
     procs = [start([sys.executable, str(HERE / "fake_backend.py"), str(p_port), str(d_port)])]
-    results: list[dict[str, Any]] = []
+    rounds: list[dict[str, Any]] = []
+    load_before = os.getloadavg()
     try:
         await wait_ready(f"http://127.0.0.1:{d_port}/health")
         await wait_ready(f"http://127.0.0.1:{p_port}/health")
@@ -194,28 +260,36 @@ async def main(args: argparse.Namespace) -> list[dict[str, Any]]:
                             f"http://127.0.0.1:{d_port}"]))
         routers["bare"] = f"http://127.0.0.1:{port}"
         pids["bare"] = procs[-1].pid
-        which = {"direct": "direct", "bare_proxy": "bare", "router_fresh": "router",
-                 "router_reuse": "router", "router_d_direct": "router_dd"}
+        which = {"direct": "direct", "direct_pd": "direct", "bare_proxy": "bare",
+                 "router_fresh": "router", "router_reuse": "router",
+                 "router_d_direct": "router_dd"}
         await asyncio.sleep(1.0)
-        bases = {"direct": f"http://127.0.0.1:{d_port}", "bare_proxy": routers["bare"],
-                 "router_fresh": routers["router"], "router_reuse": routers["router"],
-                 "router_d_direct": routers["router_dd"]}
+        bases = {"direct": f"http://127.0.0.1:{d_port}", "direct_pd": f"http://127.0.0.1:{d_port}",
+                 "bare_proxy": routers["bare"], "router_fresh": routers["router"],
+                 "router_reuse": routers["router"], "router_d_direct": routers["router_dd"]}
         for concurrency in args.concurrency:
-            for mode in args.modes:
-                res = await run_level(bases[mode], mode, concurrency, args.requests,
-                                      args.cap_s, pids[which[mode]])
-                if mode.startswith("router"):
-                    res["misses_so_far"] = await miss_reasons(bases[mode])
-                results.append(res)
-                print(f"c={concurrency:>3} {mode:<16} n={res['requests']:>4} "
-                      f"ttft p50={res['ttft_p50_ms']:7.2f} p99={res['ttft_p99_ms']:7.2f} ms  "
-                      f"total p50={res['total_p50_ms']:7.2f} p99={res['total_p99_ms']:7.2f} "
-                      f"ms  {res['rps']:6.1f} req/s  cpu {res['server_cpu_ms_per_request']:.2f} "
-                      f"ms/req  {res['paths']} {res.get('misses_so_far', '')}", flush=True)
+            for rnd in range(args.repeats):
+                for mode in args.modes:
+                    res = await run_level(bases[mode], mode, concurrency, args.requests,
+                                          args.cap_s, pids[which[mode]],
+                                          f"http://127.0.0.1:{p_port}"
+                                          if mode == "direct_pd" else None)
+                    if mode.startswith("router"):
+                        res["misses_so_far"] = await miss_reasons(bases[mode])
+                    res["round"] = rnd
+                    rounds.append(res)
+                    print(f"r{rnd} {line(res)}  {res['paths']} {res.get('misses_so_far', '')}",
+                          flush=True)
     finally:
         for proc in reversed(procs):
             stop(proc)
-    return results
+    summary = summarise(rounds)
+    return {"command": " ".join(["python", *sys.argv]),
+            "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+            "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+            "cpus": os.cpu_count(), "repeats": args.repeats,
+            "summary": summary, "added": added(summary),
+            "rounds": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rounds]}
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -225,13 +299,24 @@ def _interrupt(signum: int, frame: Any) -> None:
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, _interrupt)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=400, help="requests per level and mode")
+    ap.add_argument("--requests", type=int, default=400,
+                    help="requests per level, mode and round")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    ap.add_argument("--modes", nargs="+", default=["direct", "bare_proxy", "router_fresh",
-                                                   "router_reuse", "router_d_direct"])
-    ap.add_argument("--cap-s", type=float, default=60.0, help="wall-clock cap per level")
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds per level")
+    ap.add_argument("--cap-s", type=float, default=60.0,
+                    help="wall-clock cap per level, mode and round")
+    ap.add_argument("--out", type=Path, help="results.json (a results.txt goes beside it)")
     args = ap.parse_args()
     out = asyncio.run(main(args))
+    text = [f"{out['date_utc']} UTC  load average before {out['loadavg_before']}, "
+            f"after {out['loadavg_after']}  ({out['cpus']} CPUs)", out["command"], "",
+            "pooled over rounds:"] + [line(s) for s in out["summary"]] + ["", "added TTFT/total:"]
+    text += [f"c={a['concurrency']:>3} {a['mode']:<16} vs {a['baseline']:<9} "
+             f"ttft p50 {a['added_ttft_p50_ms']:+7.2f} p99 {a['added_ttft_p99_ms']:+8.2f} ms   "
+             f"total p50 {a['added_total_p50_ms']:+7.2f} p99 {a['added_total_p99_ms']:+8.2f} ms"
+             for a in out["added"]]
+    print("\n".join(text))
     if args.out:
         args.out.write_text(json.dumps(out, indent=2))
+        args.out.with_suffix(".txt").write_text("\n".join(text) + "\n")

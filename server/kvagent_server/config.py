@@ -93,6 +93,39 @@ _ROLE_DEFAULTS: dict[str, dict[str, int]] = {
 }
 
 
+#: vLLM binds its KV event PUB socket only for a wildcard (`*`), an address with `::`
+#: or ipc; `tcp://<IPv4>:port` makes it connect instead. The bundle uses `tcp://*:port`
+#: (wildcard bind_host) or ipc.
+KV_EVENTS_BIND_RULE = "vllm/distributed/kv_events.py:ZmqEventPublisher._is_bind_endpoint"
+_WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+
+
+class KVEventsConfig(BaseModel):
+    """vLLM KV cache events from the nodes to the router, for tier-aware P placement."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(
+        default=True,
+        description="Nodes publish KV cache events (`--kv-events-config`) and the router "
+        "subscribes: a fresh prompt goes to the P node that holds its prefix in any tier, "
+        "weighed against load (docs/tiers.md).")
+    transport: Literal["auto", "ipc", "tcp"] = Field(
+        default="auto",
+        description="`ipc`: a socket file in run_dir (nodes and router on one machine). "
+        "`tcp`: `tcp://*:port` (all interfaces; needs a wildcard bind_host). "
+        "`auto`: tcp when bind_host is a wildcard, else ipc.")
+    port_base: int = Field(
+        default=5800, ge=1, le=65535,
+        description="tcp only: the k-th publishing node (prefill first) uses port_base + k.")
+    topic: str = Field(default="kvagent", max_length=64,
+                       description="ZMQ topic of the events (`--kv-events-config` topic).")
+    roles: list[Role] = Field(
+        default_factory=lambda: ["prefill", "decode"],
+        description="Roles whose nodes publish (placement uses prefill nodes' events). "
+        "Nodes without prefix caching never publish.")
+
+
 def _prefill_default() -> RoleConfig:
     return RoleConfig(**_ROLE_DEFAULTS["prefill"])
 
@@ -213,6 +246,11 @@ class BundleConfig(BaseModel):
         "docs/tiers.md. Off by default.",
     )
 
+    kv_events: KVEventsConfig = Field(
+        default_factory=KVEventsConfig,
+        description="KV cache events for tier-aware prefill placement (see below).",
+    )
+
     @model_validator(mode="before")
     @classmethod
     def _role_defaults(cls, data: Any) -> Any:
@@ -248,6 +286,20 @@ class BundleConfig(BaseModel):
         if problems:
             raise ValueError("\n".join(problems))
         problems += _port_clashes(self)
+        ev = self.kv_events
+        if ev.enabled and ev.transport == "tcp" and not _binds_tcp(self.bind_host):
+            problems.append(
+                f"kv_events.transport: tcp needs a wildcard bind_host (got "
+                f"{self.bind_host!r}): vLLM binds its event socket only for those and "
+                f"connects for any other address ({KV_EVENTS_BIND_RULE}); use ipc (one "
+                "machine) or bind_host 0.0.0.0")
+        if ev.enabled and len(set(ev.roles)) != len(ev.roles):
+            problems.append("kv_events.roles: listed twice")
+        if ev.enabled and self.kv_events_transport == "tcp":
+            last = ev.port_base + len(self.kv_event_nodes()) - 1
+            if last > 65535:
+                problems.append(f"kv_events.port_base: {ev.port_base} + "
+                                f"{len(self.kv_event_nodes())} nodes exceeds 65535")
         margin = self.router.token_safety_margin_s
         if self.decoder_kv_blocks_ttl_s <= margin:
             problems.append(
@@ -286,10 +338,34 @@ class BundleConfig(BaseModel):
         rc = self.role(role)
         return list(rc.hosts) if rc.hosts is not None else [self.advertise_host] * rc.count
 
+    @property
+    def kv_events_transport(self) -> Literal["ipc", "tcp"]:
+        t = self.kv_events.transport
+        return t if t != "auto" else ("tcp" if self.bind_host in _WILDCARD_HOSTS else "ipc")
+
+    def kv_event_nodes(self) -> list[tuple[Role, int]]:
+        """The nodes that publish KV events, in port order (prefill first)."""
+        ev = self.kv_events
+        if not ev.enabled:
+            return []
+        return [(role, i) for role in ROLES if role in ev.roles
+                and self.role(role).prefix_caching for i in range(self.role(role).count)]
+
+    def kv_event_ports(self) -> dict[tuple[Role, int], int]:
+        """tcp only: each publishing node's event port."""
+        if self.kv_events_transport != "tcp":
+            return {}
+        return {node: self.kv_events.port_base + k
+                for k, node in enumerate(self.kv_event_nodes())}
+
     def resolved_run_dir(self) -> Path:
         """The run directory, `~` expanded (absolute)."""
         path = self.run_dir if self.run_dir is not None else DEFAULT_RUN_ROOT / self.name
         return path.expanduser().absolute()
+
+
+def _binds_tcp(host: str) -> bool:
+    return host in _WILDCARD_HOSTS
 
 
 def _port_clashes(cfg: BundleConfig) -> list[str]:
@@ -300,6 +376,8 @@ def _port_clashes(cfg: BundleConfig) -> list[str]:
             owners.setdefault(port, []).append(f"{role}[{i}].port")
         for i, port in enumerate(cfg.side_channel_ports(role)):
             owners.setdefault(port, []).append(f"{role}[{i}].side_channel_port")
+    for (role, i), port in cfg.kv_event_ports().items():
+        owners.setdefault(port, []).append(f"{role}[{i}].kv_events port")
     if cfg.router_enabled:
         owners.setdefault(cfg.router.port, []).append("router.port")
     return [
@@ -461,6 +539,8 @@ def config_reference_markdown() -> str:
     for name, field in RoleConfig.model_fields.items():
         rows.append(_row(f"prefill.{name} / decode.{name}", field, RoleConfig,
                          default=_role_default(name)))
+    for name, field in KVEventsConfig.model_fields.items():
+        rows.append(_row(f"kv_events.{name}", field, KVEventsConfig))
     for name, field in RouterSettings.model_fields.items():
         rows.append(_row(f"router.{name}", field, RouterSettings))
     return "\n".join(rows) + "\n"

@@ -124,6 +124,10 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
     max_len = cfg.max_model_len or inputs.model.default_max_model_len
     block_size = cfg.block_size or DEFAULT_BLOCK_SIZE[device]
     router_settings = _router_settings(cfg, block_size)
+    run_dir = cfg.resolved_run_dir()
+    event_nodes = set(cfg.kv_event_nodes())
+    event_ports = cfg.kv_event_ports()
+    event_sources: dict[str, dict[str, Any]] = {}
 
     nodes: list[ProcessSpec] = []
     for role, i in roles:
@@ -157,13 +161,20 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
                     else "--no-enable-prefix-caching")
         try:  # KV tiers: a MultiConnector around NIXL, hash flags (see tiers.py)
             tiers = render_tiers(cfg.kv_tiers, role=role, device=device,
-                                 base_kv_transfer_config=kv_cfg, block_size=block_size)
+                                 base_kv_transfer_config=kv_cfg, block_size=block_size,
+                                 kv_events=(role, i) in event_nodes)
         except TierConfigError as exc:
             raise ConfigError([str(exc)]) from None
         args += ["--kv-transfer-config",
                  json.dumps(tiers.kv_transfer_config, separators=(",", ":")), *tiers.args]
         if device == "cuda":
             args += ["--kv-cache-memory-bytes", str(cfg.kv_cache_gib * 1024**3)]
+        events = None
+        if (role, i) in event_nodes:  # KV events for tier-aware placement (see kv_index.py)
+            events = _kv_events_endpoints(cfg, role, i, run_dir, host, event_ports)
+            args += ["--kv-events-config", json.dumps({
+                "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events[0],
+                "topic": cfg.kv_events.topic}, separators=(",", ":"))]
         args += [*inputs.model.extra_args, *inputs.role_args.get(role, ()), *rc.extra_args]
 
         env = {
@@ -181,6 +192,11 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
         env.update(inputs.role_env.get(role, {}))
         env.update(rc.extra_env)
 
+        if events is not None:
+            event_sources[http_url(host, port)] = {
+                "endpoint": events[1], "topic": cfg.kv_events.topic,
+                "hash_algo": _last_flag(args, "--prefix-caching-hash-algo") or "sha256",
+                "hash_seed": env.get("PYTHONHASHSEED")}
         engine = cfg.engine_command or [inputs.python, "-m", VLLM_MODULE]
         nodes.append(ProcessSpec(
             name=f"{role}-{i}", role=role, index=i, argv=(*engine, *args), env=env,
@@ -191,7 +207,11 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
             cpu_bind=env.get("VLLM_CPU_OMP_THREADS_BIND"), cuda_device=gpus.get((role, i)),
         ))
 
-    run_dir = cfg.resolved_run_dir()
+    if event_sources:
+        if cfg.router.kv_events:
+            raise ConfigError(["router.kv_events: the bundle fills it from kv_events; set "
+                               "kv_events.enabled: false to list sources yourself"])
+        router_settings["kv_events"] = event_sources
     settings_path = run_dir / ROUTER_SETTINGS_FILE
     router = None
     if cfg.router_enabled:
@@ -212,6 +232,35 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
         router_settings_path=settings_path,
         router_settings=router_settings,
     )
+
+
+#: Longest ipc socket path (sockaddr_un.sun_path, less the final NUL).
+IPC_PATH_MAX = 107
+
+
+def _kv_events_endpoints(cfg: BundleConfig, role: Role, i: int, run_dir: Path, host: str,
+                         ports: dict[tuple[Role, int], int]) -> tuple[str, str]:
+    """(the node's `--kv-events-config` endpoint, the one the router connects to)."""
+    if cfg.kv_events_transport == "tcp":
+        port = ports[(role, i)]
+        return f"tcp://*:{port}", (f"tcp://[{host}]:{port}" if ":" in host
+                                   else f"tcp://{host}:{port}")
+    path = run_dir / f"kv-events-{role}-{i}.ipc"
+    if len(str(path)) > IPC_PATH_MAX:
+        raise ConfigError([f"kv_events: ipc socket path {path} is longer than "
+                           f"{IPC_PATH_MAX} bytes; use a shorter run_dir"])
+    return f"ipc://{path}", f"ipc://{path}"
+
+
+def _last_flag(args: list[str], flag: str) -> str | None:
+    """The value the last `flag VALUE` / `flag=VALUE` in `args` gives (argparse: last wins)."""
+    value = None
+    for k, arg in enumerate(args):
+        if arg == flag and k + 1 < len(args):
+            value = args[k + 1]
+        elif arg.startswith(flag + "="):
+            value = arg.split("=", 1)[1]
+    return value
 
 
 def _router_settings(cfg: BundleConfig, block_size: int) -> dict[str, Any]:

@@ -229,9 +229,13 @@ class TierRendering:
 
 def render_tiers(tiers: KVTiers, *, role: Role, device: Device,
                  base_kv_transfer_config: Mapping[str, Any] | None,
-                 block_size: int) -> TierRendering:
+                 block_size: int, kv_events: bool = False) -> TierRendering:
     """The tier part of one node's command. Pure; raises `TierConfigError` when the
-    device cannot run the tiers (vLLM would otherwise start and fail at first use)."""
+    device cannot run the tiers (vLLM would otherwise start and fail at first use).
+
+    With `kv_events` (the node publishes KV events) the native tiers announce every
+    block of an offloaded chunk, not only its last (`self_describing_kv_events`), so the
+    router can match prompt prefixes block by block."""
     base = copy.deepcopy(dict(base_kv_transfer_config)) if base_kv_transfer_config else None
     if not tiers.enabled or role not in tiers.roles:
         return TierRendering(kv_transfer_config=base)
@@ -244,7 +248,7 @@ def render_tiers(tiers: KVTiers, *, role: Role, device: Device,
             f"KV block size ({block_size}); use {up}")
 
     buffer_device = (base or {}).get("kv_buffer_device", device)
-    child = (_native_connector(tiers) if tiers.backend == "native"
+    child = (_native_connector(tiers, kv_events=kv_events) if tiers.backend == "native"
              else _lmcache_connector())
     child["kv_buffer_device"] = buffer_device
     env = _lmcache_env(tiers) if tiers.backend == "lmcache" else {}
@@ -287,7 +291,7 @@ def _check_device(tiers: KVTiers, device: Device) -> None:
         f"adapter allocates on cuda ({LMCACHE_CUDA_DEVICE})")
 
 
-def _native_connector(tiers: KVTiers) -> dict[str, Any]:
+def _native_connector(tiers: KVTiers, *, kv_events: bool = False) -> dict[str, Any]:
     assert tiers.cpu is not None  # validated: native always has a CPU tier
     extra: dict[str, Any] = {
         "cpu_bytes_to_use": int(tiers.cpu.size_gib * _GIB),
@@ -298,6 +302,8 @@ def _native_connector(tiers: KVTiers) -> dict[str, Any]:
         extra["block_size"] = tiers.min_prefix_tokens
     if tiers.store_after_hits >= 2:
         extra["store_threshold"] = tiers.store_after_hits
+    if kv_events:
+        extra["self_describing_kv_events"] = True
     if tiers.disk is not None:
         extra["spec_name"] = "TieringOffloadingSpec"
         extra["secondary_tiers"] = [{

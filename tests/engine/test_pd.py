@@ -197,6 +197,31 @@ def test_after_ttl_blocks_are_gone_and_p_recomputes(pair: PDPair) -> None:
     assert len(d.token_ids) == 8
 
 
+def _released(pair: PDPair, request_id: str) -> bool:
+    return f"Releasing expired KV blocks for request {request_id} " in pair.d.log_path.read_text(
+        errors="replace")
+
+
+def test_d_retained_blocks_expire_and_can_be_released_early(pair: PDPair) -> None:
+    """The soak's leak: stock vLLM 0.32 never expires a sequence D computed itself (sent
+    with `{"do_remote_prefill": false}`, the router's d_direct path), so D's KV filled up.
+    With the plugin it expires at the TTL, and a later request can release it at once."""
+    a = _turn1_on_d(pair, _prompt(8, 900), 4)
+    a_id = a.kv_transfer_params["remote_request_id"]
+    b = flow.plain(pair.d.url, _prompt(9, 600), 4,
+                   kv_params={"do_remote_prefill": False, "kvagent_release": [a_id]})
+    b_id = b.kv_transfer_params["remote_request_id"]
+    deadline = time.monotonic() + 10
+    while not _released(pair, a_id):
+        assert time.monotonic() < deadline, "A was not released when B finished"
+        time.sleep(0.5)
+    assert not _released(pair, b_id)  # B is retained for the next turn...
+    deadline = time.monotonic() + TTL_S + 20
+    while not _released(pair, b_id):  # ...and freed at its TTL, not never
+        assert time.monotonic() < deadline, "B's blocks never expired (the leak)"
+        time.sleep(1)
+
+
 def test_idle_bundle_uses_under_a_fifth_of_a_core(pair: PDPair) -> None:
     procs = [psutil.Process(pid) for pid in pair.pids()]
     time.sleep(2)

@@ -379,3 +379,86 @@ def test_a_failed_pull_is_not_offered_again() -> None:
     d_side = types.SimpleNamespace(kv_transfer_params={"do_remote_prefill": False,
                                                        "_remote_blocks_processed": True})
     assert sched.get_num_new_matched_tokens(d_side, 0) == (640, True)
+
+
+# --- decode retention: every retained sequence expires; early release -----------------------
+
+def _retention_scheduler() -> Any:
+    """A stand-in for vLLM 0.32's NixlPullConnectorScheduler.request_finished: a finished
+    decode-side request with params is retained (deadline stamped in `_reqs_need_send`)."""
+    from kvagent_server.vllm_plugin import retention
+
+    mod = types.ModuleType("pull_scheduler")
+
+    class NixlPullConnectorScheduler:
+        is_bidirectional_kv_xfer_enabled = True
+
+        def __init__(self) -> None:
+            self._reqs_need_send: dict[str, float] = {}
+            self._reqs_in_batch: set[str] = set()
+
+        def request_finished(self, request: Any, block_ids: Any) -> Any:
+            params = request.kv_transfer_params
+            if not params:
+                return False, None
+            if params.get("do_remote_prefill"):  # a P/D decode leg: already in a batch
+                self._reqs_in_batch.add(request.request_id)
+            self._reqs_need_send[request.request_id] = time.perf_counter() + 480
+            return True, {"do_remote_prefill": False, "do_remote_decode": True,
+                          "remote_request_id": request.request_id}
+
+    mod.NixlPullConnectorScheduler = NixlPullConnectorScheduler  # type: ignore[attr-defined]
+    assert retention.patch_module(mod)
+    assert not retention.patch_module(mod)
+    return NixlPullConnectorScheduler()
+
+
+def _req(rid: str, params: dict[str, Any] | None) -> Any:
+    return types.SimpleNamespace(request_id=rid, kv_transfer_params=params)
+
+
+def test_a_d_direct_request_joins_the_batch_so_its_deadline_counts() -> None:
+    sched = _retention_scheduler()
+    delay, out = sched.request_finished(_req("a", {"do_remote_prefill": False}), ([1],))
+    assert delay and out is not None
+    # Without this the worker never stamps the deadline and the blocks never expire.
+    assert "a" in sched._reqs_in_batch and "a" in sched._reqs_need_send
+    assert sched.request_finished(_req("plain", None), ([1],)) == (False, None)
+    assert "plain" not in sched._reqs_in_batch
+
+
+def test_release_moves_only_retained_deadlines_to_now() -> None:
+    sched = _retention_scheduler()
+    sched.request_finished(_req("a", {"do_remote_prefill": False}), ([1],))
+    sched._reqs_need_send.clear()  # the step that sent a's deadline to the worker
+    before = time.perf_counter()
+    sched.request_finished(_req("b", {"do_remote_prefill": False,
+                                      "kvagent_release": ["a", "running", "b", 7]}), ([2],))
+    assert before <= sched._reqs_need_send["a"] <= time.perf_counter()
+    assert "running" not in sched._reqs_need_send  # never retained here: ignored
+    assert sched._reqs_need_send["b"] > time.perf_counter() + 400  # not itself
+    sched._reqs_need_send.clear()
+    sched.request_finished(_req("c", {"do_remote_prefill": False,
+                                      "kvagent_release": ["a"]}), ([3],))
+    assert "a" not in sched._reqs_need_send  # released once only
+
+
+def test_a_release_only_request_is_not_retained() -> None:
+    sched = _retention_scheduler()
+    sched.request_finished(_req("a", {"do_remote_prefill": False}), ([1],))
+    sched._reqs_need_send.clear()
+    assert sched.request_finished(_req("r", {"kvagent_release": ["a"]}), ([9],)) == (
+        False, None)
+    assert "r" not in sched._reqs_need_send and "r" not in sched._reqs_in_batch
+    assert "a" in sched._reqs_need_send
+
+
+def test_release_ids_are_bounded_and_typed() -> None:
+    from kvagent_server.vllm_plugin import retention
+
+    assert retention.release_ids(None) == []
+    assert retention.release_ids({"kvagent_release": "a"}) == []
+    assert retention.release_ids({"kvagent_release": ["a", "a", "", 3, "b"]}) == ["a", "b"]
+    many = [f"r{i}" for i in range(1000)]
+    assert len(retention.release_ids({"kvagent_release": many})) == (
+        retention.MAX_RELEASES_PER_REQUEST)

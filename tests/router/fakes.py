@@ -139,7 +139,7 @@ class Retained:
 
 @dataclass
 class Event:
-    kind: str  # pull | decline | wrong_kv | failed_pull | abort | prefix_hit
+    kind: str  # pull | decline | wrong_kv | failed_pull | abort | prefix_hit | release
     node: str
     detail: dict[str, Any] = field(default_factory=dict)
 
@@ -152,7 +152,7 @@ class FakeCluster:
                  reply: Callable[[list[int]], Reply] = default_reply,
                  kv_params_chunk: str = "usage", chunk_chars: int = 4,
                  token_delay_s: float = 0.0, prefill_delay_s: float = 0.0,
-                 prefix_cache: bool = True) -> None:
+                 prefix_cache: bool = True, kv_blocks: int = 1_000_000) -> None:
         self.block_size = block_size
         self.recompute_threshold = recompute_threshold
         self.decode_ttl_s = decode_ttl_s
@@ -163,6 +163,7 @@ class FakeCluster:
         self.token_delay_s = token_delay_s
         self.prefill_delay_s = prefill_delay_s
         self.prefix_cache = prefix_cache  # off: an "instant" backend for benchmarks
+        self.kv_blocks = kv_blocks  # each node's KV capacity, for kv_cache_usage_perc
         self.retained: dict[tuple[str, str], Retained] = {}
         self.events: list[Event] = []
         self._ids = itertools.count(1)
@@ -256,6 +257,16 @@ class FakeNode:
 
     # ------------------------------------------------------------------ routes
 
+    def kv_usage(self) -> float:
+        """Blocks this node holds for others (live, unconsumed) over the cluster's
+        `kv_blocks`: what `vllm:kv_cache_usage_perc` shows while nothing runs."""
+        now = time.monotonic()
+        held = sum(-(-r.num_tokens // self.cluster.block_size)
+                   for r in self.cluster.retained.values()
+                   if r.engine_id == self.engine_id and r.consumed_by is None
+                   and r.expiry > now)
+        return min(1.0, held / self.cluster.kv_blocks)
+
     async def _health(self, request: Request) -> Response:
         return Response(status_code=200 if self.healthy else 503)
 
@@ -269,7 +280,8 @@ class FakeNode:
         return PlainTextResponse(
             f"process_start_time_seconds {self.start_time}\n"
             f'vllm:cache_config_info{{block_size="{self.cluster.block_size}",'
-            f'cache_dtype="auto"}} 1.0\n'
+            f'cache_dtype="auto",num_gpu_blocks="{self.cluster.kv_blocks}"}} 1.0\n'
+            f'vllm:kv_cache_usage_perc{{model_name="{self.model}"}} {self.kv_usage()}\n'
             f'vllm:num_requests_running{{model_name="{self.model}"}} {running}\n'
             f'vllm:num_requests_waiting{{model_name="{self.model}"}} 0\n')
 
@@ -339,6 +351,13 @@ class FakeNode:
         header_id = request.headers.get("x-request-id")
         request_id = header_id or self.cluster.next_id("req")
         params = body.get("kv_transfer_params") or None
+        if params and "kvagent_release" in params:  # the kvagent plugin's early release
+            for rid in params["kvagent_release"]:
+                held = self.cluster.retained.get((self.engine_id, rid))
+                if held is not None and held.consumed_by is None:
+                    held.consumed_by = "released"
+                    self.cluster.events.append(Event("release", self.engine_id, {"id": rid}))
+            params = {k: v for k, v in params.items() if k != "kvagent_release"} or None
         cached = self._local_prefix_hit(prompt)
         if params and params.get("do_remote_decode"):
             if self.cluster.prefill_delay_s and await _disconnected_within(

@@ -174,8 +174,14 @@ async def test_d_direct_when_delta_small() -> None:
         kva2, _, evs = await turn(st, second(answer, "ok"), token=kva["cache_token"])
         assert kva2["path"] == "d_direct" and kva2["reused_tokens"] > 0
         assert len(st.prefill[0].requests) == p_calls  # P skipped
-        assert st.decode[0].requests[-1]["kv_transfer_params"] == {
-            "do_remote_prefill": False, "do_remote_decode": False}
+        # D computes the delta itself and releases the handle this turn superseded: it is
+        # never offered again, so it must not pin D's memory until the TTL.
+        sent = st.decode[0].requests[-1]["kv_transfer_params"]
+        assert (sent["do_remote_prefill"], sent["do_remote_decode"]) == (False, False)
+        turn1 = next(r.request_id for r in st.cluster.retained.values()
+                     if r.engine_id == st.decode[0].engine_id)
+        released = [e.detail["id"] for e in st.cluster.events_of("release")]
+        assert sent["kvagent_release"] == released == [turn1]
         assert evs[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == kva2[
             "reused_tokens"]
         kva3, _, _ = await turn(st, second(answer, "ok") + [

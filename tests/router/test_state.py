@@ -192,6 +192,36 @@ async def test_drop_node(store: SessionStore, clock: FakeClock) -> None:
     assert await store.drop_node("never-seen") == 0
 
 
+async def test_evict_oldest_takes_a_nodes_oldest_until_enough_blocks(
+        store: SessionStore, clock: FakeClock) -> None:
+    for i in range(6):  # 3 blocks each, one second apart: a0 is the oldest
+        await store.put(handle(clock, f"a{i}", session=f"s{i}", node="d0"))
+        await store.put(handle(clock, f"b{i}", session=f"t{i}", node="d1"))
+        clock.advance(1)
+    evicted = await store.evict_oldest("d0", 5, 100)  # 5 blocks: two handles
+    ids = [h.handle_id for h in evicted]
+    assert ids[:2] == ["a0", "a1"] and all(h.decode_node == "d0" for h in evicted)
+    # Redis takes a small batch at once; never more than the node holds or the bound.
+    assert len(ids) <= 6
+    for h in evicted:  # evicted is claimed: no turn can present it any more
+        assert await store.claim("acme", h.handle_id) is None
+    assert await store.claim("acme", "b0") is not None  # other nodes untouched
+    left = await store.evict_oldest("d0", -1, 100)  # negative: up to the bound
+    assert {h.handle_id for h in left} == {f"a{i}" for i in range(6)} - set(ids)
+    assert await store.evict_oldest("d0", 10, 100) == []
+
+
+async def test_evict_oldest_respects_the_bound_and_skips_expired(
+        store: SessionStore, clock: FakeClock) -> None:
+    await store.put(handle(clock, "old", session="s0", node="d0", ttl=5))
+    clock.advance(1)
+    for i in range(4):
+        await store.put(handle(clock, f"a{i}", session=f"s{i + 1}", node="d0"))
+    clock.advance(10)  # "old" expired
+    evicted = await store.evict_oldest("d0", 1000, 2)
+    assert [h.handle_id for h in evicted] == ["a0", "a1"]
+
+
 async def test_large_token_lists_round_trip(store: SessionStore, clock: FakeClock) -> None:
     h = handle(clock, tokens=[(i * 7919) % 152_000 for i in range(120_000)])
     await store.put(h)

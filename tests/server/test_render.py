@@ -36,6 +36,8 @@ def test_default_plan_golden() -> None:
         "--model", "/models/m", "--served-model-name", "m",
         "--host", "127.0.0.1", "--port", "8100", "--block-size", "128",
         "--enable-prefix-caching", "--kv-transfer-config", KV_P,
+        "--kv-events-config", '{"enable_kv_cache_events":true,"publisher":"zmq",'
+        '"endpoint":"ipc:///run/x/kv-events-prefill-0.ipc","topic":"kvagent"}',
     )
     assert p.env == {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
@@ -61,6 +63,10 @@ def test_default_plan_golden() -> None:
     assert bp.router_settings["block_size"] == 128
     assert bp.router_settings["kv_recompute_threshold"] == 64
     assert bp.router_settings["decode_blocks_ttl_s"] == 480
+    assert bp.router_settings["kv_events"] == {  # ipc: bind_host is not a wildcard
+        url: {"endpoint": f"ipc:///run/x/kv-events-{role}-0.ipc", "topic": "kvagent",
+              "hash_algo": "sha256", "hash_seed": None}
+        for url, role in ((p.url, "prefill"), (d.url, "decode"))}
 
 
 def test_router_settings_follow_the_nodes() -> None:

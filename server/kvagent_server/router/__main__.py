@@ -57,6 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     host = args.host or settings.host
     port = args.port or settings.port
     app = create_app(settings, args.prefill, args.decode, model=args.model)
+    # loop/http "auto": uvloop and httptools (the `server` extra installs both).
     uvicorn.run(app, host=host, port=port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=5,
                 h11_max_incomplete_event_size=settings.max_header_bytes)

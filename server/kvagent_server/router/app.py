@@ -22,11 +22,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+from . import fastjson, kv_placement
 from .legs import LegError, Legs
 from .limits import GuardedStream, HeaderLimit
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .nodes import NodeRegistry
 from .relay import Scrubber, relay_sse, rewrite_response
+from .retention import RetentionGuard
 from .request import (
     ClientGone,
     HTTPError,
@@ -42,6 +44,7 @@ from .telemetry import record_error, record_outcome, start_turn
 from .tenancy import AuthError, TenantResolver
 from .token import TokenCodec
 from .turn import Router, Turn, TurnRequest, plan_turn
+from .upstream import UpstreamError
 
 log = logging.getLogger("kvagent.router")
 T = TypeVar("T")
@@ -59,7 +62,8 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
                metrics: RouterMetrics | None = None) -> Starlette:
     """The router app for the given node URLs (root URLs, e.g. `http://127.0.0.1:8100`).
 
-    `transport` replaces the network for tests; `store` defaults from `settings`
+    `transport` replaces the network of the health probes and the model lookup (httpx;
+    the legs use `upstream.NodeClient`); `store` defaults from `settings`
     (Redis when `redis_url` is set). Node health is probed at start-up and then every
     `health_interval_s`.
     """
@@ -74,29 +78,35 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        # Expire idle connections before the nodes do (uvicorn's keep-alive is 5 s), so
-        # a request rarely meets a connection the node is closing.
+        # The probes' client; the legs pool their own connections (`upstream`). Idle
+        # connections expire before the nodes close them (uvicorn's keep-alive is 5 s).
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
                               keepalive_expiry=4)
-
-        def make_client() -> httpx.AsyncClient:
-            return httpx.AsyncClient(transport=transport, limits=limits)
-
-        async with make_client() as client:
+        async with httpx.AsyncClient(transport=transport, limits=limits) as client:
             codec = TokenCodec(await key_ring_for(settings, the_store))
-            legs = Legs(make_client, max_retries=settings.max_retries,
-                        timeout_s=settings.request_timeout_s)
+            legs = Legs(max_retries=settings.max_retries, timeout_s=settings.request_timeout_s)
             app.state.router = Router(settings=settings, registry=registry, legs=legs,
                                       store=the_store, codec=codec, metrics=metrics,
                                       client=client)
+            # KV events feed tier-aware P placement (kv_placement; None without sources)
+            app.state.router.tiers, kv_events = kv_placement.from_settings(settings, registry)
+            if kv_events is not None:
+                kv_events.start()
             await registry.probe_all(client)
             if holder["model"] is None:
                 holder["model"] = await _served_model(client, registry)
             registry.start(client)
+            guard = _retention_guard(settings, registry, the_store, client, metrics, holder)
+            if guard is not None:
+                guard.start()
             try:
                 yield
             finally:
+                if guard is not None:
+                    await guard.stop()
                 await registry.stop()
+                if kv_events is not None:
+                    await kv_events.stop()
                 await legs.aclose()
                 await the_store.close()
 
@@ -170,6 +180,23 @@ async def _not_allowed(request: Request, exc: Exception) -> Response:
                           code="method_not_allowed")
 
 
+def _retention_guard(settings: RouterSettings, registry: NodeRegistry, store: SessionStore,
+                     client: httpx.AsyncClient, metrics: RouterMetrics,
+                     holder: dict[str, Any]) -> RetentionGuard | None:
+    """Keeps decode nodes' retained KV under the watermark (router/retention.py)."""
+    if settings.retention_high_watermark is None or not settings.reuse:
+        return None
+    return RetentionGuard(
+        client,
+        nodes=lambda: [(n.name, n.url, n.epoch) for n in registry.healthy("decode")],
+        evict=store.evict_oldest, model=lambda: holder["model"],
+        high=settings.retention_high_watermark, low=settings.retention_low_watermark,
+        interval_s=settings.retention_check_interval_s,
+        on_evicted=metrics.retention_evictions.inc,
+        on_released=lambda ok, n: metrics.retention_releases.labels(
+            ok=str(ok).lower()).inc(n))
+
+
 async def _served_model(client: httpx.AsyncClient, registry: NodeRegistry) -> str | None:
     for node in registry.healthy("decode") + registry.healthy("prefill"):
         try:
@@ -222,8 +249,8 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
 
     handed_off = False
     try:
-        turn = await _until_disconnect(request, _first_byte_deadline(
-            plan_turn(r, req), r.settings.first_byte_timeout_s))
+        turn = await _until_disconnect(request, plan_turn(r, req),
+                                       r.settings.first_byte_timeout_s)
         scrubber = Scrubber(keep_token_ids=keep_ids, keep_usage=wants_usage or not stream)
         if stream:
             handed_off = True
@@ -268,18 +295,10 @@ def _leg_error(exc: LegError) -> HTTPError:
                      type_="server_error", code="upstream_unavailable")
 
 
-async def _first_byte_deadline(work: Awaitable[T], seconds: float) -> T:
-    """`work` (planning and opening the legs), or a 504 once `seconds` have passed.
-    Cancelling the turn closes its legs (a P leg whose D leg never came is released)."""
-    try:
-        return await asyncio.wait_for(work, seconds)
-    except TimeoutError:
-        raise HTTPError(504, f"the model servers did not start answering within {seconds:g} s",
-                        type_="server_error", code="upstream_timeout") from None
-
-
-async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run `work`, cancelling it if the client disconnects first (legs then abort)."""
+async def _until_disconnect(request: Request, work: Awaitable[T], seconds: float) -> T:
+    """Run `work` (planning and opening the legs): cancelled if the client disconnects
+    first (ClientGone), or a 504 once `seconds` have passed. Cancelling the turn closes
+    its legs (a P leg whose D leg never came is released)."""
     task = asyncio.ensure_future(work)
 
     async def disconnected() -> None:
@@ -290,7 +309,8 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
 
     watch = asyncio.ensure_future(disconnected())
     try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({task, watch}, timeout=seconds,
+                                     return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         task.cancel()
         raise
@@ -301,14 +321,18 @@ async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
     task.cancel()
     with contextlib.suppress(BaseException):
         await task
-    raise ClientGone
+    if watch in done:
+        raise ClientGone
+    raise HTTPError(504, f"the model servers did not start answering within {seconds:g} s",
+                    type_="server_error", code="upstream_timeout")
 
 
 async def _whole(turn: Turn, scrubber: Scrubber, span: Any) -> Response:
     resp = turn.decode.response
     turn.first_byte_at = time.perf_counter()
     turn.router.metrics.ttft.observe(turn.first_byte_at - turn.started)
-    data = resp.json()
+    assert resp.content is not None  # a non-streamed leg's body is read whole
+    data, std = fastjson.parse(resp.content)
     scrubber.scrub(data)
     final = await turn.finalize(scrubber.capture)
     out = rewrite_response(data, scrubber, final)
@@ -316,7 +340,9 @@ async def _whole(turn: Turn, scrubber: Scrubber, span: Any) -> Response:
     record_outcome(span, path=turn.path, reused=final.kvagent["reused_tokens"],
                    prompt_tokens=usage.get("prompt_tokens"),
                    completion_tokens=usage.get("completion_tokens"), reason=turn.plan.reason)
-    return JSONResponse(out)
+    if std:  # NaN/Infinity: starlette's encoder refuses them, as it always has
+        return JSONResponse(out)
+    return Response(fastjson.dumps(out), media_type="application/json")
 
 
 async def _stream(turn: Turn, scrubber: Scrubber, cleanup: Callable[[Turn], Awaitable[None]],
@@ -337,10 +363,10 @@ async def _stream(turn: Turn, scrubber: Scrubber, cleanup: Callable[[Turn], Awai
                        prompt_tokens=usage.get("prompt_tokens"),
                        completion_tokens=usage.get("completion_tokens"),
                        reason=turn.plan.reason)
-    except httpx.HTTPError as exc:
+    except UpstreamError as exc:
         m.stream_cuts.inc()
-        record_error(span, f"stream cut: {type(exc).__name__}")
-        log.warning("decode stream from %s cut: %s", turn.decode.node.name, type(exc).__name__)
+        record_error(span, f"stream cut: {exc}")
+        log.warning("decode stream from %s cut: %s", turn.decode.node.name, exc)
         raise
     except (asyncio.CancelledError, GeneratorExit):
         if not finished:

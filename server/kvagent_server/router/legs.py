@@ -18,10 +18,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from .nodes import Node
 from .tokenize import CHAT_TEMPLATE_FIELDS
+from .upstream import ConnectFailed, NodeClient, NodeResponse, StaleConnection, UpstreamError
 
 log = logging.getLogger("kvagent.router.legs")
 
@@ -30,9 +29,6 @@ RETRYABLE_STATUS = frozenset({408, 409, 429, 500, 502, 503, 504})
 _PREFILL_DROP = ("stream_options", "min_tokens", "logprobs", "top_logprobs", "echo",
                  "prompt_logprobs", "max_completion_tokens", "n", "best_of",
                  "return_token_ids")
-
-#: Errors of a connection that broke before the node answered: safe to send again once.
-_STALE_CONNECTION = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 _background: set[asyncio.Future[bool]] = set()
 
@@ -65,7 +61,7 @@ class DecodeStart:
     """An open decode response (streamed or not), before the client has seen a byte."""
 
     node: Node
-    response: httpx.Response
+    response: NodeResponse
     elapsed_s: float  # time to response headers
 
 
@@ -89,7 +85,7 @@ def decode_body(body: dict[str, Any], kv_params: dict[str, Any] | None) -> dict[
     return out
 
 
-def _error_body(resp: httpx.Response) -> dict[str, Any] | None:
+def _error_body(resp: NodeResponse) -> dict[str, Any] | None:
     try:
         data = resp.json()
     except ValueError:
@@ -109,21 +105,18 @@ def usage_cached(usage: dict[str, Any] | None) -> int | None:
 class Legs:
     """Runs legs on candidate nodes, in the order placement ranked them."""
 
-    def __init__(self, make_client: Callable[[], httpx.AsyncClient], *, max_retries: int,
-                 timeout_s: float,
+    def __init__(self, *, max_retries: int, timeout_s: float,
                  on_node_error: Callable[[Node, str], None] | None = None) -> None:
-        self.make_client = make_client
-        self.clients: dict[str, httpx.AsyncClient] = {}
+        self.clients: dict[str, NodeClient] = {}
         self.max_retries = max_retries
-        self.timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
+        self.timeout_s = timeout_s
         self.on_node_error = on_node_error or (lambda node, reason: node.mark_down(reason))
 
-    def client(self, node: Node) -> httpx.AsyncClient:
-        """One connection pool per node: httpx's pool bookkeeping grows with the number of
-        connections it holds, so several small pools beat one big one under load."""
+    def client(self, node: Node) -> NodeClient:
+        """One connection pool per node (also used for the node's `/tokenize`)."""
         client = self.clients.get(node.name)
         if client is None:
-            client = self.clients[node.name] = self.make_client()
+            client = self.clients[node.name] = NodeClient(timeout_s=self.timeout_s)
         return client
 
     async def aclose(self) -> None:
@@ -132,23 +125,22 @@ class Legs:
         self.clients.clear()
 
     async def _post(self, node: Node, path: str, body: dict[str, Any], headers: dict[str, str],
-                    *, stream: bool) -> httpx.Response:
+                    *, stream: bool) -> NodeResponse:
         """POST once more on the same node if the connection dropped before any response
         (a pooled keep-alive connection the node had just closed); unreachable nodes are
         marked down at once."""
         node.in_flight += 1
         try:
+            client = self.client(node)
+            url = f"{node.url}{path}"
             for attempt in (0, 1):
-                client = self.client(node)
-                request = client.build_request("POST", f"{node.url}{path}", json=body,
-                                               headers=headers, timeout=self.timeout)
                 try:
-                    return await client.send(request, stream=stream)
-                except _STALE_CONNECTION:
+                    return await client.post(url, body, headers=headers, stream=stream)
+                except StaleConnection:
                     if attempt:
                         raise
-                except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-                    self.on_node_error(node, type(exc).__name__)
+                except ConnectFailed as exc:
+                    self.on_node_error(node, str(exc))
                     raise
             raise AssertionError("unreachable")
         finally:
@@ -166,8 +158,8 @@ class Legs:
             try:
                 resp = await self._post(node, path, prefill_body(body, params), headers,
                                         stream=False)
-            except httpx.HTTPError as exc:
-                last = LegError(f"prefill node unreachable ({type(exc).__name__})", leg="prefill")
+            except UpstreamError as exc:
+                last = LegError(f"prefill node unreachable ({exc})", leg="prefill")
                 continue
             if resp.status_code >= 500 and reuse and not pull_failed:
                 # The pull from D failed (blocks gone, D down): recompute on the same node.
@@ -177,7 +169,7 @@ class Legs:
                 try:
                     resp = await self._post(node, path, prefill_body(body, FRESH_PARAMS),
                                             headers, stream=False)
-                except httpx.HTTPError:
+                except UpstreamError:
                     last = LegError("prefill node unreachable", leg="prefill")
                     continue
             if resp.status_code != 200:
@@ -207,15 +199,12 @@ class Legs:
             started = time.perf_counter()
             try:
                 resp = await self._post(node, path, body, headers, stream=stream)
-            except httpx.HTTPError as exc:
-                last = LegError(f"decode node unreachable ({type(exc).__name__})")
+            except UpstreamError as exc:
+                last = LegError(f"decode node unreachable ({exc})")
                 continue
             if resp.status_code == 200:
                 return DecodeStart(node=node, response=resp,
                                    elapsed_s=time.perf_counter() - started)
-            if stream:
-                await resp.aread()
-                await resp.aclose()
             if resp.status_code in RETRYABLE_STATUS:
                 last = LegError(f"decode failed ({resp.status_code})")
                 continue
@@ -240,7 +229,7 @@ class Legs:
             for node in candidates:
                 try:
                     resp = await self._post(node, path, drain, headers, stream=False)
-                except httpx.HTTPError:
+                except UpstreamError:
                     continue
                 if resp.status_code == 200:
                     return True

@@ -70,6 +70,35 @@ class GuardedStream(StreamingResponse):
         self.write_timeout_s = write_timeout_s
         self.on_stall = on_stall
 
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """starlette's ASGI < 2.4 behaviour (stream, and stop at the client's disconnect)
+        in plain asyncio: one watcher task that cancels this one, instead of an anyio task
+        group and its cancel scopes on every request."""
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        current = asyncio.current_task()
+        assert current is not None
+        gone = False
+
+        async def watch() -> None:
+            nonlocal gone
+            await self.listen_for_disconnect(receive)
+            gone = True
+            current.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            await self.stream_response(send)
+        except asyncio.CancelledError:
+            if not gone or current.uncancel() > 0:
+                raise  # cancelled from outside (shutdown), not by the disconnect
+        finally:
+            if not watcher.done():
+                watcher.cancel()
+        if self.background is not None:
+            await self.background()
+
     async def stream_response(self, send: Send) -> None:
         async def timed_send(message: Message) -> None:
             # `asyncio.timeout` (a timer, no task per chunk): cheap enough for every chunk.

@@ -57,10 +57,22 @@ class RouterMetrics:
         self.prefill_releases = Counter("kvagent_router_prefill_releases",
                                         "Orphaned P legs finished explicitly.", ["ok"],
                                         registry=r)
+        self.retention_evictions = Counter(
+            "kvagent_router_retention_evictions",
+            "Retained handles evicted because their decode node's KV passed the high "
+            "watermark.", registry=r)
+        self.retention_releases = Counter(
+            "kvagent_router_retention_releases",
+            "Retained decode requests released early (evicted), by delivery.", ["ok"],
+            registry=r)
         self.store_handles = Gauge("kvagent_router_store_handles",
                                    "Live session handles in this router's store.", registry=r)
         self.store_tokens = Gauge("kvagent_router_store_tokens",
                                   "Token ids held by those handles.", registry=r)
+        self.placements = Counter("kvagent_router_prefill_placements",
+                                  "P-node choices by reason (tier_hit: a cached prefix "
+                                  "won; tier_miss: matched, no hit; least_loaded).",
+                                  ["reason"], registry=r)
         self.node_healthy = Gauge("kvagent_router_node_healthy", "1 when a node is healthy.",
                                   ["node", "role"], registry=r)
 

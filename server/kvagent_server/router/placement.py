@@ -3,15 +3,25 @@
 Affinity matters on decode because the node holding a session's retained blocks can
 extend them without a transfer (`d_direct`) and a reuse pull from it stays local to it.
 It yields to health and to overload: a recompute is cheaper than a queue.
+
+Prefill without a handle to reuse may still find the prompt's prefix cached on a P node
+(in GPU memory or a lower tier, as its KV events tell): `pick_prefill_by_tiers` weighs
+those hits against load with `tiers.rank_nodes`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..tiers import NodeTierHits, TierCosts, rank_nodes
+
+#: Why a P node was chosen: by load alone, by a tier hit, by load after the index found
+#: no hit, or none healthy.
+PrefillReason = Literal["least_loaded", "tier_hit", "tier_miss", "no_healthy_node"]
 DecodeReason = Literal[
     "affinity", "least_loaded", "affinity_unknown", "affinity_unhealthy",
     "affinity_overloaded", "no_healthy_node",
@@ -52,6 +62,46 @@ def _least_loaded(nodes: Sequence[NodeState]) -> NodeState | None:
 def pick_prefill(nodes: Sequence[NodeState]) -> NodeState | None:
     """The least loaded healthy prefill node; None when there is none."""
     return _least_loaded([n for n in nodes if n.role == "prefill"])
+
+
+def consult_tiers(nodes: Sequence[NodeState], *, indexed: bool) -> bool:
+    """Whether matching a prompt against the KV index can change the P choice.
+
+    Matching needs the prompt's token ids (a `/tokenize` call for a text prompt), so it
+    is only worth it with a choice to make (two or more healthy P nodes) and something
+    to find (`indexed`: some P node is known to hold blocks).
+    """
+    return indexed and sum(1 for n in nodes if n.role == "prefill" and n.healthy) >= 2
+
+
+def pick_prefill_by_tiers(
+    nodes: Sequence[NodeState],
+    hits: Mapping[str, NodeTierHits],
+    *,
+    prompt_tokens: int,
+    costs: TierCosts = TierCosts(),
+    block_size: int = 1,
+) -> tuple[NodeState | None, PrefillReason]:
+    """The P node where this prompt is cheapest to prefill, and why.
+
+    `hits` holds each node's per-tier prefix reach (nodes missing from it hold none);
+    load enters as `in_flight` queue cost. Saturated nodes are passed over unless all
+    are. Equal estimates go to the least loaded node. Without any hit it is exactly
+    `pick_prefill` (reason `tier_miss`).
+    """
+    healthy = [n for n in nodes if n.role == "prefill" and n.healthy]
+    if not healthy:
+        return None, "no_healthy_node"
+    pool = [n for n in healthy if not n.saturated] or healthy
+    pool.sort(key=lambda n: (n.load, n.in_flight, n.node_id))
+    least = pool[0]
+    candidates = [dataclasses.replace(hits.get(n.node_id) or NodeTierHits(node=n.node_id),
+                                      node=n.node_id, in_flight=n.in_flight) for n in pool]
+    best = rank_nodes(candidates, prompt_tokens=prompt_tokens, costs=costs,
+                      block_size=block_size)[0]
+    if best.tokens["recompute"] >= prompt_tokens:
+        return least, "tier_miss"
+    return next(n for n in pool if n.node_id == best.node), "tier_hit"
 
 
 def pick_decode(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+
+from .kv_index import KVEventSource
 
 
 class TenantSettings(BaseModel):
@@ -63,5 +65,23 @@ class RouterSettings(BaseModel):
     #: When a claimed handle is not reused (recompute), let P tell D to free its blocks
     #: now (`remote_num_tokens=0` params) instead of holding them until the TTL.
     release_unused_handles: bool = True
+    #: Decode KV usage (0..1, `vllm:kv_cache_usage_perc`) at which the oldest retained
+    #: handles on that node are evicted and released, down to the low watermark; None:
+    #: retention is bounded by the TTL only (router/retention.py).
+    retention_high_watermark: float | None = Field(default=0.8, gt=0, le=1)
+    retention_low_watermark: float = Field(default=0.6, gt=0, lt=1)
+    #: How often each decode node's KV usage is read for the watermark.
+    retention_check_interval_s: float = Field(default=2.0, gt=0)
     #: A node with this many legs in flight is saturated (placement looks elsewhere).
     node_max_in_flight: int = Field(default=64, ge=1)
+    #: KV event sources by node URL (the bundle fills this from `kv_events`): prefill
+    #: placement then weighs the prompt's cached prefix per node and tier against load.
+    kv_events: dict[str, KVEventSource] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _watermarks(self) -> RouterSettings:
+        high = self.retention_high_watermark
+        if high is not None and self.retention_low_watermark >= high:
+            raise ValueError(f"retention_low_watermark ({self.retention_low_watermark}) "
+                             f"must be below retention_high_watermark ({high})")
+        return self

@@ -101,6 +101,16 @@ def handle_meta(data: bytes) -> dict[str, Any]:
     return json.loads(data[_LEN.size:_LEN.size + meta_len])
 
 
+def handle_blocks(handle: Handle) -> int:
+    """Blocks the handle pins on its decode node (first KV cache group; an upper bound,
+    since blocks shared with other sequences are not freed by releasing one of them)."""
+    groups = handle.kv_transfer_params.get("remote_block_ids")
+    if not isinstance(groups, list) or not groups:
+        return 0
+    first = groups[0]
+    return len(first) if isinstance(first, list) else len(groups)
+
+
 # ------------------------------------------------------------------ the store interface
 
 
@@ -122,6 +132,12 @@ class SessionStore(Protocol):
 
     async def drop_node(self, decode_node: str, *, keep_epoch: str | None = None) -> int:
         """Forget a lost node's handles (except `keep_epoch`'s); returns how many were live."""
+
+    async def evict_oldest(self, decode_node: str, min_blocks: int,
+                           max_handles: int) -> list[Handle]:
+        """Remove and return the node's oldest live handles until they pin `min_blocks`
+        blocks (when negative: just `max_handles` of them), at most `max_handles`.
+        Each removal is a claim: a later turn presenting one of them recomputes."""
 
     async def ping(self) -> bool:
         """True when the store answers (readiness)."""
@@ -233,6 +249,23 @@ class MemoryStore:
             self._remove(key)
             dropped += now < entry[1]
         return dropped
+
+    async def evict_oldest(self, decode_node: str, min_blocks: int,
+                           max_handles: int) -> list[Handle]:
+        now = self._clock()
+        out: list[Handle] = []
+        freed = 0
+        for key, entry in list(self._handles.items()):  # oldest stored first
+            if len(out) >= max_handles or (min_blocks >= 0 and freed >= min_blocks):
+                break
+            if entry[3] != decode_node:
+                continue
+            self._remove(key)
+            if now < entry[1]:
+                handle = unpack_handle(entry[0])
+                out.append(handle)
+                freed += handle_blocks(handle)
+        return out
 
     async def ping(self) -> bool:
         return True

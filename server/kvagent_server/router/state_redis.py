@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from .keys import KeyRing
-from .state import Handle, handle_meta, pack_handle, unpack_handle
+from .state import Handle, handle_blocks, handle_meta, pack_handle, unpack_handle
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +161,31 @@ class RedisStore:
                 pipe.zrem(nkey, *doomed)
                 await pipe.execute()
         return len(dropped)
+
+    async def evict_oldest(self, decode_node: str, min_blocks: int,
+                           max_handles: int) -> list[Handle]:
+        nkey = self._node_key(decode_node)
+        out: list[Handle] = []
+        freed = 0
+        batch = 8
+        while len(out) < max_handles and (min_blocks < 0 or freed < min_blocks):
+            # Scored by expiry: with one TTL, the lowest scores are the oldest handles.
+            # A whole batch is taken (may overshoot by a few: they are the oldest anyway).
+            n = min(batch, max_handles - len(out))
+            members: list[bytes] = await self._r.zrange(nkey, 0, n - 1)
+            if not members:
+                break
+            async with self._r.pipeline(transaction=False) as pipe:
+                for member in members:
+                    pipe.getdel(member)  # each GETDEL is the claim: one winner
+                values = await pipe.execute()
+            await self._r.zrem(nkey, *members)
+            for value in values:
+                handle = self._live(value)
+                if handle is not None:
+                    out.append(handle)
+                    freed += handle_blocks(handle)
+        return out
 
     async def ping(self) -> bool:
         try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import httpx
+from .upstream import NodeClient, UpstreamError
 
 #: Chat-request fields that change how vLLM renders messages into tokens.
 CHAT_TEMPLATE_FIELDS = ("tools", "add_generation_prompt", "continue_final_message",
@@ -61,7 +61,7 @@ def prompt_ids(body: dict[str, Any]) -> list[int] | None:
     return None
 
 
-async def tokenize(client: httpx.AsyncClient, base_url: str, body: dict[str, Any], *,
+async def tokenize(client: NodeClient, base_url: str, body: dict[str, Any], *,
                    chat: bool, timeout_s: float = 30.0) -> list[int]:
     """Token ids of the prompt `body` describes, as the node at `base_url` renders it."""
     ids = None if chat else prompt_ids(body)
@@ -71,12 +71,17 @@ async def tokenize(client: httpx.AsyncClient, base_url: str, body: dict[str, Any
     if request is None:
         raise TokenizeError("prompt shape cannot be tokenized for reuse")
     try:
-        resp = await client.post(f"{base_url}/tokenize", json=request, timeout=timeout_s)
-    except httpx.HTTPError as exc:
-        raise TokenizeError(f"tokenize call failed: {type(exc).__name__}") from exc
+        resp = await client.post(f"{base_url}/tokenize", request, stream=False,
+                                 timeout_s=timeout_s)
+    except UpstreamError as exc:
+        raise TokenizeError(f"tokenize call failed: {exc}") from exc
     if resp.status_code != 200:
         raise TokenizeError(f"tokenize returned {resp.status_code}")
-    tokens = resp.json().get("tokens")
+    try:
+        answer = resp.json()
+    except ValueError:
+        raise TokenizeError("tokenize response is not JSON") from None
+    tokens = answer.get("tokens") if isinstance(answer, dict) else None
     if not isinstance(tokens, list):
         raise TokenizeError("tokenize response has no token list")
     return tokens

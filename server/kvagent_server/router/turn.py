@@ -14,10 +14,12 @@ from typing import Any
 import httpx
 
 from . import placement, planner
+from .kv_placement import TierPlacement
 from .legs import DecodeStart, LegError, Legs, PrefillResult, decode_body, usage_cached
 from .metrics import RouterMetrics
 from .nodes import Node, NodeRegistry
 from .relay import Capture, Final
+from .retention import remote_request_id, with_release
 from .settings import RouterSettings
 from .state import Handle, SessionStore, new_handle_id
 from .telemetry import leg_span
@@ -52,6 +54,8 @@ class Router:
     metrics: RouterMetrics
     client: httpx.AsyncClient
     costs: planner.CostModel = field(default_factory=planner.CostModel)
+    #: Tier-aware P placement from the nodes' KV events (None: by load only).
+    tiers: TierPlacement | None = None
 
 
 @dataclass
@@ -216,6 +220,19 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
     holder = d_node if (handle is not None and d_node is not None and d_node.healthy
                         and d_node.epoch == handle.decode_epoch
                         and not handle.expired(time.time())) else None
+    # -- tier-aware P placement (issue 7): no D handle to reuse, so a P node whose KV
+    # -- cache (any tier) holds the prompt's prefix may beat the least loaded one.
+    p_reason: placement.PrefillReason = "least_loaded" if p_first else "no_healthy_node"
+    if holder is None and p_first is not None and r.tiers is not None:
+        states = r.registry.states()
+        if r.tiers.wants(states):
+            name, p_reason = await r.tiers.place(r.legs.client(p_first), p_first, states,
+                                                 req.body, chat=req.chat)
+            p_first = r.registry.get(name) if name else p_first
+    r.metrics.placements.labels(reason=p_reason).inc()
+    if req.span is not None:
+        req.span.set_attribute("kvagent.placement", p_reason)
+    # -- end tier-aware P placement
     prompt_ids: list[int] = []
     plan: planner.ReusePlan | None = None
     if holder is not None and p_first is not None:
@@ -254,8 +271,13 @@ async def plan_turn(r: Router, req: TurnRequest) -> Turn:
         try:
             with leg_span(req.span, "decode") as span:
                 span.set_attribute("kvagent.node", c.holder.name)
+                # The superseded handle is released when this request finishes (the
+                # kvagent plugin): never offered again, it must not pin D until its TTL.
+                params = with_release(D_DIRECT_PARAMS, [remote_request_id(c.handle)]
+                                      if c.handle is not None and remote_request_id(c.handle)
+                                      else [])
                 start = await r.legs.decode([c.holder], req.endpoint,
-                                            decode_body(req.body, D_DIRECT_PARAMS), {},
+                                            decode_body(req.body, params), {},
                                             stream=req.stream)
             r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
             return Turn(r, req, c.path, c.plan, None, start, started)

@@ -8,6 +8,8 @@ Inert unless `KVAGENT_PLUGIN=1` (the bundle sets it on the nodes it starts). Whe
 - makes a failed or declined KV load recompute instead of failing the request
   (`load_failure`);
 - keeps the worker's compute thread on the node's cores (`affinity`);
+- makes every block a decode node retains expire, and lets the router release retained
+  blocks early (`retention`);
 - lets an engine that only holds KV blocks for a remote reader wait for input instead of
   stepping every millisecond (`idle_wait`).
 
@@ -54,6 +56,7 @@ def register() -> None:
         idle_wait,
         load_failure,
         nixl_delay,
+        retention,
         stream_params,
         version,
     )
@@ -82,5 +85,7 @@ def register() -> None:
     if os.environ.get(env.RECOMPUTE_ENV, "1") == "1":
         when_imported(load_failure.TARGET_MODULE, load_failure.patch_module)
         when_imported(load_failure.PULL_SCHEDULER_MODULE, load_failure.patch_pull_scheduler)
+    if os.environ.get(env.RETENTION_ENV, "1") == "1":
+        when_imported(retention.TARGET_MODULE, retention.patch_module)
     if spin_ms > 0:
         when_imported(idle_wait.SPIN_MODULE, lambda m: idle_wait.patch_spin_module(m, spin_ms))

@@ -26,6 +26,9 @@ DEFAULT_SPIN_MS = 20
 KEEP_AFFINITY_ENV = "KVAGENT_KEEP_AFFINITY"
 #: "1": a failed/declined KV load (e.g. an expired D handle) recomputes instead of HTTP 500.
 RECOMPUTE_ENV = "KVAGENT_RECOMPUTE_ON_LOAD_FAILURE"
+#: "1": every sequence a decode node retains expires, and the router may release one early
+#: (see retention.py; "0" only to reproduce vLLM's leak).
+RETENTION_ENV = "KVAGENT_FIX_RETENTION"
 
 
 def _check_role(role: str) -> None:
@@ -43,6 +46,7 @@ def node_env(role: str) -> dict[str, str]:
         SPIN_ENV: str(DEFAULT_SPIN_MS),
         KEEP_AFFINITY_ENV: "1",
         RECOMPUTE_ENV: "1",
+        RETENTION_ENV: "1",
         # vLLM sets this itself only if NIXL is not imported yet; the plugin may import it
         # earlier, so set it explicitly (works around a rare UCX registration-cache leak).
         "UCX_RCACHE_MAX_UNRELEASED": "1024",

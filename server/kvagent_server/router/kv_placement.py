@@ -1,0 +1,107 @@
+"""Tier-aware P placement for one turn: tokenize, hash, look up, choose.
+
+The wiring between the KV index (fed by `kv_events`), vLLM's block hashes (`kv_hash`)
+and the pure choice (`placement.pick_prefill_by_tiers`). `router.turn` calls `place`
+only for a turn with no usable D handle, and only when `wants` says matching can pay.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..tiers import NodeTierHits, TierCosts
+from . import placement
+from .kv_hash import BlockHasher, HashUnavailable
+from .kv_index import KVEventSource, KVIndex, sources_by_node
+from .nodes import Node, NodeRegistry
+from .placement import NodeState, PrefillReason
+from .settings import RouterSettings
+from .tokenize import TokenizeError, tokenize
+
+if TYPE_CHECKING:
+    from .kv_events import KVEventSubscriber
+
+log = logging.getLogger("kvagent.router.kv_placement")
+
+
+class TierPlacement:
+    """The index and how to hash prompts for each node it covers."""
+
+    def __init__(self, index: KVIndex, sources: Mapping[str, KVEventSource], *,
+                 costs: TierCosts | None = None, block_size: int | None = None) -> None:
+        self.index = index
+        self.costs = costs or TierCosts()
+        self.block_size = block_size  # the router's setting; the nodes' events win
+        self.hashers: dict[str, BlockHasher] = {}
+        for name, source in sources.items():
+            try:
+                self.hashers[name] = BlockHasher(source.hash_algo, source.hash_seed)
+            except HashUnavailable as exc:
+                log.warning("no tier-aware placement for %s: %s", name, exc)
+
+    def wants(self, states: Sequence[NodeState]) -> bool:
+        for s in states:  # a node that came back under a new epoch holds other blocks
+            if s.node_id in self.hashers:
+                self.index.observe_epoch(s.node_id, s.epoch)
+        covered = [s.node_id for s in states if s.role == "prefill" and s.node_id in self.hashers]
+        return placement.consult_tiers(states, indexed=self.index.holds_any(covered))
+
+    def hits(self, states: Sequence[NodeState], prompt_ids: Sequence[int], *,
+             cache_salt: str | None, default_block_size: int | None
+             ) -> tuple[dict[str, NodeTierHits], int]:
+        """Per-tier prefix hits of each covered P node, and the block size used."""
+        out: dict[str, NodeTierHits] = {}
+        keys_cache: dict[tuple[str, str, int], list[int]] = {}
+        used = 1
+        for s in states:
+            hasher = self.hashers.get(s.node_id)
+            if s.role != "prefill" or hasher is None:
+                continue
+            bs = self.index.block_size(s.node_id) or self.block_size or default_block_size
+            if not bs:
+                continue
+            used = bs
+            ck = (hasher.algo, hasher.seed, bs)
+            if ck not in keys_cache:
+                keys_cache[ck] = hasher.keys(prompt_ids, bs, cache_salt=cache_salt)
+            out[s.node_id] = self.index.tier_hits(s.node_id, keys_cache[ck], bs,
+                                                  in_flight=s.in_flight)
+        return out, used
+
+    async def place(self, client: Any, tokenizer: Node,
+                    states: Sequence[NodeState], body: dict[str, Any], *, chat: bool
+                    ) -> tuple[str | None, PrefillReason]:
+        """The P node's name for this prompt and why. Tokenizes on `tokenizer` with
+        `client` (what `router.tokenize.tokenize` takes: the legs' client for it)."""
+        try:
+            ids = await tokenize(client, tokenizer.url, body, chat=chat)
+        except TokenizeError as exc:
+            log.info("tier placement skipped: %s", exc)
+            return tokenizer.name, "least_loaded"
+        salt = body.get("cache_salt")
+        hits, bs = self.hits(states, ids, cache_salt=salt if isinstance(salt, str) else None,
+                             default_block_size=tokenizer.block_size)
+        chosen, reason = placement.pick_prefill_by_tiers(
+            states, hits, prompt_tokens=len(ids), costs=self.costs, block_size=bs)
+        return (chosen.node_id if chosen else None), reason
+
+
+def from_settings(settings: RouterSettings, registry: NodeRegistry
+                  ) -> tuple[TierPlacement | None, KVEventSubscriber | None]:
+    """The placement and its (not yet started) subscriber for the settings' KV event
+    sources; (None, None) when there are none."""
+    urls = {n.name: n.url for n in registry.nodes.values()}
+    sources = sources_by_node(settings.kv_events, urls)
+    unknown = set(u.rstrip("/") for u in settings.kv_events) - set(urls.values())
+    if unknown:
+        log.warning("kv_events for unknown node URL(s) ignored: %s", ", ".join(sorted(unknown)))
+    if not sources:
+        return None, None
+    from .kv_events import KVEventSubscriber  # pyzmq only when there is something to hear
+
+    index = KVIndex()
+    tiers = TierPlacement(index, sources, block_size=settings.block_size)
+    usable = {name: s for name, s in sources.items() if name in tiers.hashers}
+    return tiers, KVEventSubscriber(index, usable) if usable else None

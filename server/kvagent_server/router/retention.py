@@ -1,0 +1,235 @@
+"""Keep what decode nodes retain for the next turn within their memory.
+
+A decode node keeps every finished turn's blocks until its TTL so the next turn can reuse
+them. Bounded only by time, that fills the node's KV cache under sustained churn (the
+soak run: 15% to 100% in three minutes), and then new decode legs cannot allocate blocks
+and wait. Two things keep it bounded:
+
+- A handle the router will never offer again is released at once: a `d_direct` turn names
+  the handle it supersedes in its own D leg (`kvagent_release`, honoured by the kvagent
+  vLLM plugin when that request finishes).
+- A watermark per decode node: when its KV usage (`vllm:kv_cache_usage_perc`) reaches
+  `retention_high_watermark`, the oldest handles on that node are evicted from the store
+  (claimed, so no turn can use them any more) until the blocks they hold cover the excess
+  over `retention_low_watermark`, and released with one small request to the node.
+
+Releasing is only safe for handles no one can present again: every released handle has
+first been removed from the store atomically (`evict_oldest`, or the claim of the turn
+that supersedes it), so a token naming it finds nothing and the turn recomputes.
+
+`blocks_to_free`, `ReleaseQueue` and the handle helpers are pure; `RetentionGuard` is the I/O shell.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import re
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from .state import Handle, handle_blocks
+
+log = logging.getLogger("kvagent.router.retention")
+
+#: The plugin's key (kvagent_server.vllm_plugin.retention.RELEASE_KEY).
+RELEASE_KEY = "kvagent_release"
+#: The plugin honours at most this many ids per request.
+MAX_RELEASES_PER_REQUEST = 256
+
+_USAGE_RE = re.compile(r"^vllm:kv_cache_usage_perc(?:\{[^}]*\})? (\S+)$", re.M)
+_BLOCKS_RE = re.compile(r'^vllm:cache_config_info\{[^}]*\bnum_gpu_blocks="(\d+)"', re.M)
+
+
+def remote_request_id(handle: Handle) -> str | None:
+    """The decode node's id for the request whose blocks `handle` names."""
+    rid = handle.kv_transfer_params.get("remote_request_id")
+    return rid if isinstance(rid, str) and rid else None
+
+
+def with_release(params: dict[str, Any], ids: Iterable[str]) -> dict[str, Any]:
+    """`params` plus the ids to release (a copy; bounded as the plugin bounds it)."""
+    wanted = [i for i in ids if i][:MAX_RELEASES_PER_REQUEST]
+    if not wanted:
+        return params
+    return {**params, RELEASE_KEY: wanted}
+
+
+@dataclass(frozen=True)
+class NodeKV:
+    """A decode node's KV cache as its `/metrics` reports it."""
+
+    usage: float  # 0..1
+    total_blocks: int | None
+
+
+def parse_node_kv(metrics_text: str) -> NodeKV | None:
+    """`vllm:kv_cache_usage_perc` and the block count from a node's `/metrics`."""
+    found = _USAGE_RE.search(metrics_text)
+    if found is None:
+        return None
+    try:
+        usage = float(found.group(1))
+    except ValueError:
+        return None
+    blocks = _BLOCKS_RE.search(metrics_text)
+    return NodeKV(usage=usage, total_blocks=int(blocks.group(1)) if blocks else None)
+
+
+def blocks_to_free(kv: NodeKV, *, high: float, low: float) -> int:
+    """Blocks to free on a node: none below `high`; at or above it, the excess over `low`
+    (at least one). -1 when the node does not report its block count: the caller then
+    evicts a fixed number of handles per round, so repeated rounds converge."""
+    if not 0 < low < high <= 1:
+        raise ValueError("need 0 < low < high <= 1")
+    if kv.usage < high:
+        return 0
+    if not kv.total_blocks:
+        return -1
+    return max(1, math.ceil((kv.usage - low) * kv.total_blocks - 1e-6))
+
+
+class ReleaseQueue:
+    """Decode request ids waiting to be released, per node (bounded: what falls off the
+    end is freed by the node's TTL anyway)."""
+
+    def __init__(self, max_per_node: int = 4096) -> None:
+        self._max = max_per_node
+        self._ids: dict[str, deque[str]] = {}
+
+    def add(self, node: str, ids: Iterable[str]) -> None:
+        q = self._ids.setdefault(node, deque(maxlen=self._max))
+        q.extend(i for i in ids if i)
+
+    def drain(self, node: str, limit: int = MAX_RELEASES_PER_REQUEST) -> list[str]:
+        q = self._ids.get(node)
+        if not q:
+            return []
+        return [q.popleft() for _ in range(min(limit, len(q)))]
+
+    def pending(self, node: str) -> int:
+        return len(self._ids.get(node) or ())
+
+    def nodes(self) -> list[str]:
+        return [n for n, q in self._ids.items() if q]
+
+
+class RetentionGuard:
+    """Watches each decode node's KV usage and evicts/releases the oldest handles.
+
+    `evict(node, min_blocks, max_handles)` must atomically remove and return the node's
+    oldest live handles until they hold `min_blocks` blocks (any number when negative),
+    at most `max_handles` (the store's `evict_oldest`); `nodes()` yields (name, url, epoch)
+    of the healthy decode nodes; `model()` the served model name for release requests.
+    """
+
+    def __init__(self, client: httpx.AsyncClient, *,
+                 nodes: Callable[[], Sequence[tuple[str, str, str]]],
+                 evict: Callable[[str, int, int], Awaitable[list[Handle]]],
+                 model: Callable[[], str | None],
+                 high: float, low: float, interval_s: float,
+                 on_evicted: Callable[[int], None] = lambda n: None,
+                 on_released: Callable[[bool, int], None] = lambda ok, n: None,
+                 scan_limit: int = 512, blind_batch: int = 16,
+                 timeout_s: float = 30.0) -> None:
+        blocks_to_free(NodeKV(usage=0.0, total_blocks=None), high=high, low=low)  # checks
+        self.client = client
+        self.nodes = nodes
+        self.evict = evict
+        self.model = model
+        self.high, self.low, self.interval_s = high, low, interval_s
+        self.on_evicted, self.on_released = on_evicted, on_released
+        self.scan_limit = scan_limit
+        self.blind_batch = blind_batch
+        self.timeout_s = timeout_s
+        self.queue = ReleaseQueue()
+        self._task: asyncio.Task[None] | None = None
+
+    async def read_kv(self, url: str) -> NodeKV | None:
+        try:
+            resp = await self.client.get(f"{url}/metrics", timeout=self.timeout_s)
+        except httpx.HTTPError:
+            return None
+        return parse_node_kv(resp.text) if resp.status_code == 200 else None
+
+    async def check(self, name: str, url: str, epoch: str) -> int:
+        """One round for one node: returns how many handles were evicted."""
+        kv = await self.read_kv(url)
+        if kv is None:
+            return 0
+        need = blocks_to_free(kv, high=self.high, low=self.low)
+        if need == 0:
+            return 0
+        evicted = await self.evict(name, need, self.scan_limit if need > 0
+                                   else self.blind_batch)
+        if not evicted:
+            return 0
+        ids = [rid for h in evicted if h.decode_epoch == epoch
+               and (rid := remote_request_id(h)) is not None]
+        self.queue.add(name, ids)
+        self.on_evicted(len(evicted))
+        log.info("decode %s at %.0f%% KV: evicted %d retained handle(s) (%d blocks)",
+                 name, kv.usage * 100, len(evicted), sum(map(handle_blocks, evicted)))
+        await self.flush(name, url)
+        return len(evicted)
+
+    async def flush(self, name: str, url: str) -> bool:
+        """Send the node's queued releases in one tiny completion (not retained itself)."""
+        ok = True
+        while (ids := self.queue.drain(name)):
+            model = self.model()
+            if model is None:
+                self.queue.add(name, ids)
+                return False
+            body = {"model": model, "prompt": ".", "max_tokens": 1, "stream": False,
+                    "kv_transfer_params": {RELEASE_KEY: ids}}
+            try:
+                resp = await self.client.post(f"{url}/v1/completions", json=body,
+                                              timeout=self.timeout_s)
+                sent = resp.status_code == 200
+            except httpx.HTTPError:
+                sent = False
+            self.on_released(sent, len(ids))
+            ok = ok and sent
+            if not sent:
+                log.warning("could not release %d handle(s) on %s: they expire at the TTL",
+                            len(ids), name)
+                return False
+        return ok
+
+    async def run_once(self) -> int:
+        nodes = list(self.nodes())
+        counts = await asyncio.gather(*(self.check(*n) for n in nodes),
+                                      return_exceptions=True)
+        total = 0
+        for node, n in zip(nodes, counts, strict=True):
+            if isinstance(n, BaseException):
+                log.warning("retention check of %s failed: %r", node[0], n)
+            else:
+                total += n
+        return total
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._loop(), name="kvagent-retention")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.run_once()
+            except Exception:  # the guard must outlive any one bad round
+                log.exception("retention round failed")
+            await asyncio.sleep(self.interval_s)

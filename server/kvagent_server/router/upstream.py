@@ -1,0 +1,158 @@
+"""The HTTP client of the legs: POSTs to one node over a pooled aiohttp session.
+
+aiohttp rather than httpx on this path: per request it costs about a third of httpx's
+CPU (`benchmarks/router_overhead`), and a turn makes two or three such requests. The
+rest of the router sees only `NodeResponse` and `UpstreamError`, never aiohttp itself.
+
+Error classes (what `Legs` does with them):
+
+    UpstreamError            any failure talking to a node (a leg retries elsewhere,
+    |                        a started stream is cut)
+    +-- ConnectFailed        no connection (refused, connect timeout): node marked down
+    +-- StaleConnection      the connection broke before any response: sent again once
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from . import fastjson
+
+#: Timeouts in the sense httpx had them: connect, and the longest wait for any byte.
+CONNECT_TIMEOUT_S = 5.0
+#: Idle keep-alive connections are dropped before the nodes drop them (uvicorn: 5 s), so
+#: a request rarely meets a connection the node is closing.
+KEEPALIVE_S = 4.0
+#: Identity only: the relay forwards D's bytes as they come, never compressed ones.
+_HEADERS = {"Content-Type": "application/json", "Accept-Encoding": "identity"}
+
+
+class UpstreamError(Exception):
+    """Talking to a node failed; the message is the underlying error's class name."""
+
+
+class ConnectFailed(UpstreamError):
+    """No connection to the node could be made."""
+
+
+class StaleConnection(UpstreamError):
+    """A (pooled) connection broke before the node sent a response."""
+
+
+def _wrap(exc: BaseException) -> UpstreamError:
+    name = type(exc).__name__
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+        return ConnectFailed(name)
+    if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError
+                  | aiohttp.ClientPayloadError):
+        return StaleConnection(name)
+    return UpstreamError(name)
+
+
+#: What aiohttp raises for a failed exchange (its timeouts are also `TimeoutError`s).
+_ERRORS = (aiohttp.ClientError, TimeoutError)
+
+
+def _buffered(reader: aiohttp.StreamReader) -> bytes:
+    """Bytes received but not yet read. aiohttp raises a stream's error before handing
+    out what it buffered; httpx handed it out first, and so does the relay."""
+    try:
+        return reader._read_nowait(-1) if reader._buffer else b""  # noqa: SLF001
+    except Exception:  # a private API: lose the tail rather than fail differently
+        return b""
+
+
+class NodeResponse:
+    """A node's answer. Not streamed, or not 200: `content` holds the whole body.
+    Streamed: `aiter_raw` yields the body as it arrives, `aclose` ends it."""
+
+    __slots__ = ("_resp", "content", "status_code")
+
+    def __init__(self, resp: aiohttp.ClientResponse, content: bytes | None) -> None:
+        self._resp = resp
+        self.status_code = resp.status
+        self.content = content
+
+    def json(self) -> Any:
+        if self.content is None:
+            raise ValueError("streamed response: no body to parse")
+        return fastjson.loads(self.content)
+
+    async def aiter_raw(self) -> AsyncIterator[bytes]:
+        """The body's bytes (de-chunked, not decoded) as the node sends them."""
+        if self.content is not None:
+            yield self.content
+            return
+        reader = self._resp.content
+        try:
+            async for piece in reader.iter_any():
+                yield piece
+        except _ERRORS as exc:
+            rest = _buffered(reader)
+            if rest:  # what the node sent before the failure still reaches the client
+                yield rest
+            raise _wrap(exc) from exc
+
+    async def aclose(self) -> None:
+        """Idempotent. A body read to its end frees the connection for reuse; an unfinished
+        one closes it, which makes vLLM abort the request."""
+        resp = self._resp
+        if resp.closed:
+            return
+        if self.content is not None or resp.content.at_eof():
+            resp.release()
+        else:
+            resp.close()
+
+
+class NodeClient:
+    """One node's connection pool (one per node: small pools stay cheap under load)."""
+
+    def __init__(self, *, timeout_s: float) -> None:
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(CONNECT_TIMEOUT_S,
+                                                                         timeout_s),
+                                             sock_read=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        # Created lazily: a session binds the running event loop.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE_S)
+        return aiohttp.ClientSession(connector=connector, timeout=self.timeout,
+                                     auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
+                                     skip_auto_headers=("User-Agent",))
+
+    async def post(self, url: str, body: dict[str, Any], *, stream: bool,
+                   headers: dict[str, str] | None = None,
+                   timeout_s: float | None = None) -> NodeResponse:
+        """POST `body` as JSON. Raises `UpstreamError`; any status is a `NodeResponse`."""
+        session = self._session
+        if session is None or session.closed:
+            session = self._session = self._open()
+        timeout = self.timeout if timeout_s is None else aiohttp.ClientTimeout(
+            total=None, sock_connect=min(CONNECT_TIMEOUT_S, timeout_s), sock_read=timeout_s)
+        try:
+            resp = await session.post(url, data=fastjson.dumps(body),
+                                      headers={**_HEADERS, **headers} if headers else _HEADERS,
+                                      timeout=timeout)
+        except _ERRORS as exc:
+            raise _wrap(exc) from exc
+        if stream and resp.status == 200:
+            return NodeResponse(resp, None)
+        try:
+            content = await resp.read()
+        except _ERRORS as exc:
+            resp.close()
+            raise _wrap(exc) from exc
+        except BaseException:
+            resp.close()
+            raise
+        resp.release()
+        return NodeResponse(resp, content)
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None

@@ -1,0 +1,124 @@
+"""Decode-side retention: every retained sequence expires, and the router can free one early.
+
+**The leak (vLLM 0.32.0, found by the soak run).** With `bidirectional_kv_xfer`, a decode
+node keeps the blocks of every finished request that carries `kv_transfer_params` for
+`decoder_kv_blocks_ttl` seconds. The scheduler stamps the deadline, but the worker only
+honours deadlines of requests that went through `_reqs_in_batch`, which
+`update_state_after_alloc` fills for P/D requests only (`do_remote_decode`, or
+`do_remote_prefill`). A request sent to D with `{"do_remote_prefill": false}` — kvagent's
+`d_direct` path, which lets D compute a small delta itself — is retained and *never*
+expires: its blocks stay pinned until the engine restarts, D's KV cache fills, and new
+decode legs wait for memory forever. A later pull of such a handle logs `Potentially
+invalid KV blocks for unrecognized request` (the blocks were still pinned, so the data was
+right) and does not free them either. Fix: a retained decode-side request joins
+`_reqs_in_batch` when it finishes, so its deadline reaches the worker like any other.
+
+**Early release.** A handle the router will never offer again (superseded by a `d_direct`
+turn, or evicted to keep D's retention under budget) should not pin memory until its TTL.
+The router names such requests under `kv_transfer_params["kvagent_release"]` of a later
+request to the same decode node; when that request finishes, the scheduler moves their
+deadline to now, and the worker frees them on its next step. Only requests this scheduler
+itself retained (and whose deadline has not passed) are released: a running request or
+an unknown id is ignored, so a wrong id can never free blocks that are in use. A request
+whose `kv_transfer_params` hold nothing but `kvagent_release` is a pure release and is not
+retained itself.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Iterable
+from types import ModuleType
+from typing import Any
+
+logger = logging.getLogger("vllm.kvagent")
+
+TARGET_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler"
+
+#: The `kv_transfer_params` key carrying request ids to release (see module docstring).
+RELEASE_KEY = "kvagent_release"
+#: At most this many ids per request: a bound on what one request body can make us do.
+MAX_RELEASES_PER_REQUEST = 256
+
+
+def release_ids(params: dict[str, Any] | None) -> list[str]:
+    """The request ids named under `RELEASE_KEY` (strings only, de-duplicated, bounded)."""
+    if not params:
+        return []
+    raw = params.get(RELEASE_KEY)
+    if not isinstance(raw, list):
+        return []
+    seen: dict[str, None] = {}
+    for rid in raw[:MAX_RELEASES_PER_REQUEST]:
+        if isinstance(rid, str) and rid:
+            seen[rid] = None
+    return list(seen)
+
+
+def release_only(params: dict[str, Any] | None) -> bool:
+    """A request that exists only to carry releases: its own blocks are not retained."""
+    return bool(params) and set(params) == {RELEASE_KEY}
+
+
+def is_decode_retention(delay_free: bool, out: dict[str, Any] | None) -> bool:
+    """True when `request_finished` kept a decode-side request's blocks for a later reader."""
+    return bool(delay_free and out and out.get("do_remote_decode"))
+
+
+class Retained:
+    """Request ids this decode scheduler retained, with their deadlines (perf_counter)."""
+
+    def __init__(self) -> None:
+        self._deadlines: dict[str, float] = {}
+
+    def add(self, request_id: str, deadline: float) -> None:
+        self._deadlines[request_id] = deadline
+
+    def take(self, ids: Iterable[str], now: float) -> list[str]:
+        """Forget and return those of `ids` still retained (deadline not passed)."""
+        self.prune(now)
+        return [rid for rid in ids if self._deadlines.pop(rid, None) is not None]
+
+    def prune(self, now: float) -> None:
+        expired = [rid for rid, deadline in self._deadlines.items() if deadline <= now]
+        for rid in expired:
+            del self._deadlines[rid]
+
+    def __len__(self) -> int:
+        return len(self._deadlines)
+
+
+def patch_module(module: ModuleType) -> bool:
+    """Wrap `NixlPullConnectorScheduler.request_finished` (see the module docstring)."""
+    cls = module.NixlPullConnectorScheduler
+    original = cls.request_finished
+    if getattr(original, "__kvagent_wrapped__", False):
+        return False
+
+    @functools.wraps(original)
+    def request_finished(self: Any, request: Any, block_ids: Any) -> Any:
+        releases = release_ids(getattr(request, "kv_transfer_params", None))
+        delay_free, out = original(self, request, block_ids)
+        if not getattr(self, "is_bidirectional_kv_xfer_enabled", False):
+            return delay_free, out
+        retained: Retained = self.__dict__.setdefault("_kvagent_retained", Retained())
+        now = time.perf_counter()
+        if is_decode_retention(delay_free, out) and release_only(
+                getattr(request, "kv_transfer_params", None)):
+            self._reqs_need_send.pop(request.request_id, None)
+            delay_free, out = False, None  # freed now, like a request without params
+        if is_decode_retention(delay_free, out):
+            # The deadline original() stamped, so the worker sees it (the leak fix).
+            self._reqs_in_batch.add(request.request_id)
+            deadline = self._reqs_need_send.get(request.request_id, now)
+            retained.add(request.request_id, deadline)
+        for rid in retained.take((r for r in releases if r != request.request_id), now):
+            self._reqs_need_send[rid] = now  # the worker frees it on its next step
+            logger.debug("kvagent: releasing retained blocks of %s early", rid)
+        return delay_free, out
+
+    request_finished.__kvagent_wrapped__ = True  # type: ignore[attr-defined]
+    cls.request_finished = request_finished
+    return True

@@ -1,0 +1,127 @@
+"""The `kv_events` setting: what every node publishes and what the router is told."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from kvagent_server.config import ConfigError, validate_config
+from kvagent_server.render import HostFacts, ModelSource, PlanInputs, plan
+from kvagent_server.router.settings import RouterSettings
+
+
+def inputs(gpus: int = 0) -> PlanInputs:
+    return PlanInputs(host=HostFacts(cpu_cores=(0, 1, 2, 3), gpu_count=gpus),
+                      model=ModelSource(model="/models/m", served_name="m"),
+                      python=sys.executable)
+
+
+def events_of(argv: tuple[str, ...]) -> dict[str, Any] | None:
+    if "--kv-events-config" not in argv:
+        return None
+    return json.loads(argv[argv.index("--kv-events-config") + 1])
+
+
+def test_default_is_ipc_in_the_run_dir_for_every_node(tmp_path: Path) -> None:
+    bp = plan(validate_config({"run_dir": str(tmp_path), "prefill": {"count": 2}}), inputs())
+    sources = bp.router_settings["kv_events"]
+    assert len(bp.nodes) == 3 and len(sources) == 3
+    for node in bp.nodes:
+        ev = events_of(node.argv)
+        path = tmp_path / f"kv-events-{node.role}-{node.index}.ipc"
+        assert ev == {"enable_kv_cache_events": True, "publisher": "zmq",
+                      "endpoint": f"ipc://{path}", "topic": "kvagent"}
+        assert sources[node.url] == {"endpoint": f"ipc://{path}", "topic": "kvagent",
+                                     "hash_algo": "sha256", "hash_seed": None}
+    RouterSettings.model_validate(bp.router_settings)  # what the router will load
+
+
+def test_wildcard_bind_publishes_on_tcp_ports(tmp_path: Path) -> None:
+    cfg = validate_config({"run_dir": str(tmp_path), "bind_host": "0.0.0.0",
+                           "advertise_host": "10.1.2.3", "prefill": {"count": 2},
+                           "decode": {"hosts": ["10.1.2.9"]},
+                           "kv_events": {"port_base": 6100, "topic": "t"}})
+    bp = plan(cfg, inputs())
+    got = {n.name: (events_of(n.argv)["endpoint"], bp.router_settings["kv_events"][n.url]
+                    ["endpoint"]) for n in bp.nodes}
+    assert got == {"prefill-0": ("tcp://*:6100", "tcp://10.1.2.3:6100"),
+                   "prefill-1": ("tcp://*:6101", "tcp://10.1.2.3:6101"),
+                   "decode-0": ("tcp://*:6102", "tcp://10.1.2.9:6102")}
+
+
+def test_disabled_roles_and_nodes_without_prefix_caching_do_not_publish(tmp_path: Path) -> None:
+    off = plan(validate_config({"run_dir": str(tmp_path), "kv_events": {"enabled": False}}),
+               inputs())
+    assert all(events_of(n.argv) is None for n in off.nodes)
+    assert off.router_settings["kv_events"] == {}
+    some = plan(validate_config({"run_dir": str(tmp_path), "kv_events": {"roles": ["prefill"]},
+                                 "prefill": {"count": 2, "prefix_caching": False}}), inputs())
+    assert all(events_of(n.argv) is None for n in some.nodes)
+    only_p = plan(validate_config({"run_dir": str(tmp_path),
+                                   "kv_events": {"roles": ["prefill"]}}), inputs())
+    assert [n.role for n in only_p.nodes if events_of(n.argv)] == ["prefill"]
+
+
+def test_the_router_learns_each_nodes_hash_algo_and_seed(tmp_path: Path) -> None:
+    cfg = validate_config({
+        "run_dir": str(tmp_path / "run"), "device": "cuda",
+        "kv_tiers": {"cpu": {"size_gib": 8}, "hash_algo": "sha256_cbor", "hash_seed": 42},
+        "decode": {"extra_env": {"PYTHONHASHSEED": "7"}}})
+    bp = plan(cfg, inputs(gpus=2))
+    p, d = bp.nodes
+    src = bp.router_settings["kv_events"]
+    assert (src[p.url]["hash_algo"], src[p.url]["hash_seed"]) == ("sha256_cbor", "42")
+    assert (src[d.url]["hash_algo"], src[d.url]["hash_seed"]) == ("sha256_cbor", "7")
+    # The offload tier announces every block of a chunk, so prefixes match block by block.
+    kv = json.loads(p.argv[p.argv.index("--kv-transfer-config") + 1])
+    tier = kv["kv_connector_extra_config"]["connectors"][1]
+    assert tier["kv_connector_extra_config"]["self_describing_kv_events"] is True
+    algo_flag = validate_config({"run_dir": str(tmp_path), "prefill": {
+        "extra_args": ["--prefix-caching-hash-algo=sha256_cbor"]}})
+    src = plan(algo_flag, inputs()).router_settings["kv_events"]
+    assert sorted(s["hash_algo"] for s in src.values()) == ["sha256", "sha256_cbor"]
+
+
+def test_bad_kv_events_settings_are_explained(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="kv_events.transport: tcp needs a wildcard"):
+        validate_config({"kv_events": {"transport": "tcp"}})
+    with pytest.raises(ConfigError, match="5700 is used by both"):
+        validate_config({"bind_host": "0.0.0.0", "kv_events": {"port_base": 5699},
+                         "prefill": {"count": 1}})
+    with pytest.raises(ConfigError, match="exceeds 65535"):
+        validate_config({"bind_host": "0.0.0.0", "kv_events": {"port_base": 65535}})
+    with pytest.raises(ConfigError, match="listed twice"):
+        validate_config({"kv_events": {"roles": ["prefill", "prefill"]}})
+    with pytest.raises(ConfigError, match="kv_events.endpoint: unknown key"):
+        validate_config({"kv_events": {"endpoint": "tcp://x:1"}})
+    long_dir = tmp_path / ("d" * 120)
+    with pytest.raises(ConfigError, match="shorter run_dir"):
+        plan(validate_config({"run_dir": str(long_dir)}), inputs())
+    given = validate_config({"run_dir": str(tmp_path),
+                             "router": {"kv_events": {"http://x:1": {"endpoint": "ipc:///x"}}}})
+    with pytest.raises(ConfigError, match="router.kv_events"):
+        plan(given, inputs())
+    given.kv_events.enabled = False
+    assert "http://x:1" in plan(given, inputs()).router_settings["kv_events"]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("bind", ["127.0.0.1", "0.0.0.0"])
+def test_vllm_parses_the_kv_events_flag(tmp_path: Path, bind: str) -> None:
+    try:
+        from vllm.entrypoints.launchers.cli_args import make_arg_parser
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except Exception as exc:  # noqa: BLE001 - any import failure means "not installed"
+        pytest.skip(f"vLLM is not importable ({exc!r})")
+    bp = plan(validate_config({"run_dir": str(tmp_path), "bind_host": bind}), inputs())
+    parser = make_arg_parser(FlexibleArgumentParser())
+    for node in bp.nodes:
+        ev = parser.parse_args(list(node.argv[3:])).kv_events_config
+        assert ev.enable_kv_cache_events and ev.publisher == "zmq" and ev.topic == "kvagent"
+        assert ev.endpoint == events_of(node.argv)["endpoint"]
+        # vLLM binds (not connects) its PUB socket for exactly these endpoints.
+        from vllm.distributed.kv_events import ZmqEventPublisher
+        assert ZmqEventPublisher._is_bind_endpoint(ev.endpoint)
