@@ -277,6 +277,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                     if mode.startswith("router"):
                         res["misses_so_far"] = await miss_reasons(bases[mode])
                     res["round"] = rnd
+                    res["loadavg_1m"] = round(os.getloadavg()[0], 2)
                     rounds.append(res)
                     print(f"r{rnd} {line(res)}  {res['paths']} {res.get('misses_so_far', '')}",
                           flush=True)
@@ -284,9 +285,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         for proc in reversed(procs):
             stop(proc)
     summary = summarise(rounds)
+    loads = [round(x, 2) for x in load_before], [round(x, 2) for x in os.getloadavg()]
     return {"command": " ".join(["python", *sys.argv]),
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-            "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
+            "loadavg_before": loads[0], "loadavg_after": loads[1],
             "cpus": os.cpu_count(), "repeats": args.repeats,
             "summary": summary, "added": added(summary),
             "rounds": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rounds]}
@@ -309,9 +311,10 @@ if __name__ == "__main__":
     ap.add_argument("--out", type=Path, help="results.json (a results.txt goes beside it)")
     args = ap.parse_args()
     out = asyncio.run(main(args))
-    text = [f"{out['date_utc']} UTC  load average before {out['loadavg_before']}, "
-            f"after {out['loadavg_after']}  ({out['cpus']} CPUs)", out["command"], "",
-            "pooled over rounds:"] + [line(s) for s in out["summary"]] + ["", "added TTFT/total:"]
+    head = (f"{out['date_utc']} UTC  load average before {out['loadavg_before']}, "
+            f"after {out['loadavg_after']}  ({out['cpus']} CPUs)")
+    text = [head, out["command"], "", "pooled over rounds:"]
+    text += [line(s) for s in out["summary"]] + ["", "added TTFT/total:"]
     text += [f"c={a['concurrency']:>3} {a['mode']:<16} vs {a['baseline']:<9} "
              f"ttft p50 {a['added_ttft_p50_ms']:+7.2f} p99 {a['added_ttft_p99_ms']:+8.2f} ms   "
              f"total p50 {a['added_total_p50_ms']:+7.2f} p99 {a['added_total_p99_ms']:+8.2f} ms"

@@ -15,7 +15,9 @@ included: vLLM's engine core) open file descriptors and RSS; from the router's
 Checks, after the load stops and `--drain-s` has passed (set it above the decode TTL):
 KV cache usage of every node back to its baseline (+ `--kv-tolerance` points), open fds of
 every process back to baseline (+ `--fd-tolerance`), the router's store back to its
-baseline, nothing in flight. Exit status 0 only when every check passes.
+baseline, nothing in flight; with `--verify-every N`, every Nth turn that reused KV gave
+the same greedy answer as the same request without a session (nothing reused). Exit
+status 0 only when every check passes.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class Totals:
     errors: dict[str, int] = field(default_factory=dict)
     reused_turns: int = 0
     paths: dict[str, int] = field(default_factory=dict)
+    verified: int = 0  # reused turns whose answer was compared with a no-reuse reference
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
 
 
 def metric(text: str, name: str) -> float | None:
@@ -134,8 +138,32 @@ async def sample(client: httpx.AsyncClient, procs: list[Proc], t0: float) -> dic
     return out
 
 
+async def verify(client: httpx.AsyncClient, model: str, messages: list[dict[str, Any]],
+                 max_tokens: int, answer: str, kva: dict[str, Any], totals: Totals) -> None:
+    """The same request without a session (nothing reused from D): greedy answers must
+    match. A mismatch is recorded, not fatal: read it with the path and reuse it had."""
+    try:
+        r = await client.post("/v1/chat/completions", json={
+            "model": model, "messages": messages, "max_tokens": max_tokens,
+            "temperature": 0, "stream": False})
+    except httpx.HTTPError as exc:
+        totals.errors[f"verify_{type(exc).__name__}"] = totals.errors.get(
+            f"verify_{type(exc).__name__}", 0) + 1
+        return
+    if r.status_code != 200:
+        totals.errors[f"verify_http_{r.status_code}"] = totals.errors.get(
+            f"verify_http_{r.status_code}", 0) + 1
+        return
+    reference = r.json()["choices"][0]["message"].get("content") or ""
+    totals.verified += 1
+    if reference != answer:
+        totals.mismatches.append({"path": kva.get("path"), "reused": kva.get("reused_tokens"),
+                                  "answer": answer, "reference": reference})
+
+
 async def conversation(client: httpx.AsyncClient, model: str, rng: random.Random,
-                       max_turns: int, max_tokens: int, totals: Totals, idx: int) -> None:
+                       max_turns: int, max_tokens: int, totals: Totals, idx: int,
+                       verify_every: int = 0) -> None:
     session = f"soak-{idx}-{rng.randrange(1 << 30)}"
     topic = rng.choice(TOPICS)
     messages = [{"role": "system", "content": "You are concise."},
@@ -165,6 +193,9 @@ async def conversation(client: httpx.AsyncClient, model: str, rng: random.Random
         path = str(kva.get("path"))
         totals.paths[path] = totals.paths.get(path, 0) + 1
         answer = body["choices"][0]["message"].get("content") or ""
+        if verify_every and (kva.get("reused_tokens") or 0) > 0 and (
+                totals.turns % verify_every == 0):
+            await verify(client, model, messages, max_tokens, answer, kva, totals)
         messages += [{"role": "assistant", "content": answer},
                      {"role": "user", "content": f"Go on ({turn + 1})."}]
     totals.conversations += 1
@@ -187,7 +218,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             n = 0
             while time.monotonic() < stop_at:
                 await conversation(client, model, rng, args.max_turns, args.max_tokens,
-                                   totals, i * 1_000_000 + n)
+                                   totals, i * 1_000_000 + n, args.verify_every)
                 n += 1
 
         async def sampler(phase: str, until: float) -> None:
@@ -204,6 +235,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         final = await sample(client, procs, t0)
         samples.append({**final, "phase": "final"})
     checks = verdicts(procs, baseline, final, args)
+    if args.verify_every:
+        checks.append({"check": "reused answers equal no-reuse answers",
+                       "baseline": totals.verified, "final": len(totals.mismatches),
+                       "tolerance": 0,
+                       "ok": totals.verified > 0 and not totals.mismatches})
     return {"ok": all(c["ok"] for c in checks), "checks": checks,
             "totals": totals.__dict__, "duration_s": args.duration_s,
             "drain_s": args.drain_s, "concurrency": args.concurrency, "samples": samples}
@@ -244,6 +280,9 @@ def main() -> int:
     ap.add_argument("--kv-tolerance", type=float, default=0.5)
     ap.add_argument("--fd-tolerance", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--verify-every", type=int, default=0,
+                    help="every Nth turn, if it reused KV, compare its answer with the same "
+                         "request sent without a session (no reuse); 0: off")
     ap.add_argument("--router", help="URL[@PID] instead of `kvagent-server status`")
     ap.add_argument("--node", action="append", help="NAME=URL[@PID] (with --router)")
     ap.add_argument("--status-args", action="append", default=[],

@@ -209,8 +209,8 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
 
     if event_sources:
         if cfg.router.kv_events:
-            raise ConfigError(["router.kv_events: the bundle fills it from kv_events; set "
-                               "kv_events.enabled: false to list sources yourself"])
+            raise ConfigError([("router.kv_events: the bundle fills it from kv_events; set "
+                                "kv_events.enabled: false to list sources yourself")])
         router_settings["kv_events"] = event_sources
     settings_path = run_dir / ROUTER_SETTINGS_FILE
     router = None
@@ -247,8 +247,8 @@ def _kv_events_endpoints(cfg: BundleConfig, role: Role, i: int, run_dir: Path, h
                                    else f"tcp://{host}:{port}")
     path = run_dir / f"kv-events-{role}-{i}.ipc"
     if len(str(path)) > IPC_PATH_MAX:
-        raise ConfigError([f"kv_events: ipc socket path {path} is longer than "
-                           f"{IPC_PATH_MAX} bytes; use a shorter run_dir"])
+        raise ConfigError([(f"kv_events: ipc socket path {path} is longer than "
+                            f"{IPC_PATH_MAX} bytes; use a shorter run_dir")])
     return f"ipc://{path}", f"ipc://{path}"
 
 

@@ -133,3 +133,16 @@ async def test_no_eviction_below_the_watermark_or_when_disabled() -> None:
                            session=f"s{i}")
             await asyncio.sleep(0.3)
             assert not cluster.events_of("release"), kw
+
+
+async def test_blocks_no_handle_records_are_released() -> None:
+    """A turn without a session gets no cache token, yet D retained its blocks: the
+    router has them freed instead of pinned until the TTL."""
+    async with router_stack(retention_check_interval_s=0.05) as st:
+        await turn(st, [{"role": "user", "content": LONG}], session=None)
+        await _wait_for(lambda: st.cluster.events_of("release"))
+        assert st.decode[0].kv_usage() == 0
+        kva, _, _ = await turn(st, [{"role": "user", "content": "other " + LONG}])
+        await asyncio.sleep(0.3)  # a recorded handle is kept for the next turn
+        assert len(st.cluster.events_of("release")) == 1 and kva["cache_token"]
+        no_wrong_kv(st)

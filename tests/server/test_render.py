@@ -36,8 +36,9 @@ def test_default_plan_golden() -> None:
         "--model", "/models/m", "--served-model-name", "m",
         "--host", "127.0.0.1", "--port", "8100", "--block-size", "128",
         "--enable-prefix-caching", "--kv-transfer-config", KV_P,
-        "--kv-events-config", '{"enable_kv_cache_events":true,"publisher":"zmq",'
-        '"endpoint":"ipc:///run/x/kv-events-prefill-0.ipc","topic":"kvagent"}',
+        "--kv-events-config", ('{"enable_kv_cache_events":true,"publisher":"zmq",'
+                               '"endpoint":"ipc:///run/x/kv-events-prefill-0.ipc",'
+                               '"topic":"kvagent"}'),
     )
     assert p.env == {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",

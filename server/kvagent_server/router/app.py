@@ -97,6 +97,7 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
                 holder["model"] = await _served_model(client, registry)
             registry.start(client)
             guard = _retention_guard(settings, registry, the_store, client, metrics, holder)
+            app.state.router.retention = guard
             if guard is not None:
                 guard.start()
             try:
@@ -184,7 +185,7 @@ def _retention_guard(settings: RouterSettings, registry: NodeRegistry, store: Se
                      client: httpx.AsyncClient, metrics: RouterMetrics,
                      holder: dict[str, Any]) -> RetentionGuard | None:
     """Keeps decode nodes' retained KV under the watermark (router/retention.py)."""
-    if settings.retention_high_watermark is None or not settings.reuse:
+    if settings.retention_high_watermark is None:
         return None
     return RetentionGuard(
         client,

@@ -94,7 +94,7 @@ def from_settings(settings: RouterSettings, registry: NodeRegistry
     sources; (None, None) when there are none."""
     urls = {n.name: n.url for n in registry.nodes.values()}
     sources = sources_by_node(settings.kv_events, urls)
-    unknown = set(u.rstrip("/") for u in settings.kv_events) - set(urls.values())
+    unknown = {u.rstrip("/") for u in settings.kv_events} - set(urls.values())
     if unknown:
         log.warning("kv_events for unknown node URL(s) ignored: %s", ", ".join(sorted(unknown)))
     if not sources:

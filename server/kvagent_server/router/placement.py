@@ -79,7 +79,7 @@ def pick_prefill_by_tiers(
     hits: Mapping[str, NodeTierHits],
     *,
     prompt_tokens: int,
-    costs: TierCosts = TierCosts(),
+    costs: TierCosts | None = None,
     block_size: int = 1,
 ) -> tuple[NodeState | None, PrefillReason]:
     """The P node where this prompt is cheapest to prefill, and why.
@@ -97,7 +97,7 @@ def pick_prefill_by_tiers(
     least = pool[0]
     candidates = [dataclasses.replace(hits.get(n.node_id) or NodeTierHits(node=n.node_id),
                                       node=n.node_id, in_flight=n.in_flight) for n in pool]
-    best = rank_nodes(candidates, prompt_tokens=prompt_tokens, costs=costs,
+    best = rank_nodes(candidates, prompt_tokens=prompt_tokens, costs=costs or TierCosts(),
                       block_size=block_size)[0]
     if best.tokens["recompute"] >= prompt_tokens:
         return least, "tier_miss"

@@ -8,6 +8,8 @@ and wait. Two things keep it bounded:
 - A handle the router will never offer again is released at once: a `d_direct` turn names
   the handle it supersedes in its own D leg (`kvagent_release`, honoured by the kvagent
   vLLM plugin when that request finishes).
+- A turn whose blocks no handle records (no session id, reuse off, the store down) is
+  released on the next round: D retains every P/D request's blocks, wanted or not.
 - A watermark per decode node: when its KV usage (`vllm:kv_cache_usage_perc`) reaches
   `retention_high_watermark`, the oldest handles on that node are evicted from the store
   (claimed, so no turn can use them any more) until the blocks they hold cover the excess
@@ -203,9 +205,15 @@ class RetentionGuard:
                 return False
         return ok
 
+    async def check_and_flush(self, name: str, url: str, epoch: str) -> int:
+        evicted = await self.check(name, url, epoch)
+        if self.queue.pending(name):  # e.g. turns no handle records (no session)
+            await self.flush(name, url)
+        return evicted
+
     async def run_once(self) -> int:
         nodes = list(self.nodes())
-        counts = await asyncio.gather(*(self.check(*n) for n in nodes),
+        counts = await asyncio.gather(*(self.check_and_flush(*n) for n in nodes),
                                       return_exceptions=True)
         total = 0
         for node, n in zip(nodes, counts, strict=True):

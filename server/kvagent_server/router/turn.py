@@ -19,7 +19,7 @@ from .legs import DecodeStart, LegError, Legs, PrefillResult, decode_body, usage
 from .metrics import RouterMetrics
 from .nodes import Node, NodeRegistry
 from .relay import Capture, Final
-from .retention import remote_request_id, with_release
+from .retention import RetentionGuard, remote_request_id, with_release
 from .settings import RouterSettings
 from .state import Handle, SessionStore, new_handle_id
 from .telemetry import leg_span
@@ -56,6 +56,8 @@ class Router:
     costs: planner.CostModel = field(default_factory=planner.CostModel)
     #: Tier-aware P placement from the nodes' KV events (None: by load only).
     tiers: TierPlacement | None = None
+    #: Bounds what decode nodes retain (router/retention.py; None: TTL only).
+    retention: RetentionGuard | None = None
 
 
 @dataclass
@@ -102,6 +104,8 @@ class Turn:
             cached if self.path == "d_direct" else 0)
         self._account(prompt_tokens, cached, reused)
         token, expires_in = await self._next_token(capture)
+        if token is None:
+            self._release_unrecorded(capture)
         kvagent = {"cache_token": token, "reused_tokens": reused, "expires_in": expires_in,
                    "path": self.path}
         self.reused = reused
@@ -126,6 +130,14 @@ class Turn:
                                           reused_tokens=reused)
             except ValueError:
                 pass
+
+    def _release_unrecorded(self, capture: Capture) -> None:
+        """D retained this turn's blocks, but no handle records them (no session, reuse
+        off, store down...): nobody can ever reuse them, so let D free them now."""
+        params = capture.kv_params
+        rid = params.get("remote_request_id") if isinstance(params, dict) else None
+        if self.router.retention is not None and isinstance(rid, str) and rid:
+            self.router.retention.queue.add(self.decode.node.name, [rid])
 
     async def _next_token(self, capture: Capture) -> tuple[str | None, int]:
         r, req = self.router, self.req
