@@ -549,3 +549,16 @@ def test_redis_store_matches_the_model(redis_server: Any) -> None:
                                                                   database=None))
     finally:
         StoreMachine.redis_url = None
+
+
+async def test_redis_down_at_start_gives_a_process_key_not_a_crash() -> None:
+    """Routing works without Redis, so its absence at start-up must not stop the router:
+    the replica signs with a key of its own (reuse across replicas degrades, nothing fails)."""
+    from support import free_port
+
+    store = RedisStore.from_url(f"redis://127.0.0.1:{free_port()}/0")
+    try:
+        ring = await key_ring_for(RouterSettings(), store)
+        assert ring.key(ring.active_kid)
+    finally:
+        await store.close()

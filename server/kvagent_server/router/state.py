@@ -12,6 +12,7 @@ replicas share handles, with claims that stay atomic across replicas.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 import struct
 import sys
@@ -22,6 +23,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Annotated, Any, Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+log = logging.getLogger("kvagent.router.state")
 
 if TYPE_CHECKING:
     from .keys import KeyRing
@@ -297,5 +300,21 @@ async def key_ring_for(settings: RouterSettings, store: SessionStore) -> KeyRing
         return KeyRing.from_settings(settings)
     shared = getattr(store, "shared_key_ring", None)
     if shared is not None:
-        return await shared()
+        try:
+            return await shared()
+        except (OSError, TimeoutError, _store_errors()) as exc:
+            # Redis down at start-up must not keep the router down: routing works without
+            # it. Until a restart with Redis up, this replica's tokens are its own (another
+            # replica's token fails verification and that turn recomputes).
+            log.warning("no shared signing key (%s: %s): using a key of this process only; "
+                        "configure router.signing_keys to share keys without Redis",
+                        type(exc).__name__, exc)
     return KeyRing.generate()
+
+
+def _store_errors() -> type[BaseException]:
+    try:
+        from redis.exceptions import RedisError
+    except ImportError:  # pragma: no cover - redis is a server dependency
+        return OSError
+    return RedisError
