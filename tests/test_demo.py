@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from kvagent_server import demo
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -142,6 +142,8 @@ def cpu_s(pid: int) -> float:
 
 
 def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
 
@@ -155,6 +157,7 @@ async def run_level(base: str, mode: str, concurrency: int, total: int,
     ttfts: list[float] = []
     totals: list[float] = []
     paths: dict[str, int] = {}
+    errors: dict[str, int] = {}
     deadline = time.monotonic() + cap_s
     async with httpx.AsyncClient(limits=limits, timeout=30) as client:
         workers = [Worker(base, mode, i, prefill_base) for i in range(concurrency)]
@@ -165,7 +168,12 @@ async def run_level(base: str, mode: str, concurrency: int, total: int,
             for _ in range(per):
                 if time.monotonic() > deadline:
                     return
-                ttft, tot, path = await w.one(client)
+                try:
+                    ttft, tot, path = await w.one(client)
+                except (httpx.HTTPError, RuntimeError) as exc:  # counted, not timed
+                    errors[type(exc).__name__] = errors.get(type(exc).__name__, 0) + 1
+                    w.turns = 0  # start a fresh conversation
+                    continue
                 ttfts.append(ttft)
                 totals.append(tot)
                 paths[str(path)] = paths.get(str(path), 0) + 1
@@ -179,7 +187,7 @@ async def run_level(base: str, mode: str, concurrency: int, total: int,
             "total_p50_ms": pct(totals, 0.5), "total_p99_ms": pct(totals, 0.99),
             "mean_ms": statistics.fmean(totals) * 1000, "rps": len(totals) / wall,
             "server_cpu_ms_per_request": cpu / max(1, len(totals)) * 1000,
-            "paths": paths, "_ttfts": ttfts, "_totals": totals}
+            "paths": paths, "errors": errors, "_ttfts": ttfts, "_totals": totals}
 
 
 def summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -198,7 +206,8 @@ def summarise(rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     "rps": statistics.median(r["rps"] for r in rs),
                     "server_cpu_ms_per_request": statistics.median(
                         r["server_cpu_ms_per_request"] for r in rs),
-                    "round_ttft_p50_ms": [round(r["ttft_p50_ms"], 3) for r in rs]})
+                    "round_ttft_p50_ms": [round(r["ttft_p50_ms"], 3) for r in rs],
+                    "errors": sum(sum(r["errors"].values()) for r in rs)})
     return out
 
 
@@ -225,7 +234,8 @@ def line(res: dict[str, Any]) -> str:
     return (f"c={res['concurrency']:>3} {res['mode']:<16} n={res['requests']:>5} "
             f"ttft p50={res['ttft_p50_ms']:7.2f} p99={res['ttft_p99_ms']:7.2f} ms  "
             f"total p50={res['total_p50_ms']:7.2f} p99={res['total_p99_ms']:7.2f} "
-            f"ms  {res['rps']:6.1f} req/s  cpu {res['server_cpu_ms_per_request']:.2f} ms/req")
+            f"ms  {res['rps']:6.1f} req/s  cpu {res['server_cpu_ms_per_request']:.2f} ms/req"
+            + (f"  errors {res['errors']}" if res.get("errors") else ""))
 
 
 MODES = ["direct", "direct_pd", "bare_proxy", "router_fresh", "router_reuse", "router_d_direct"]

@@ -234,7 +234,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await sampler("drain", time.monotonic() + args.drain_s)
         final = await sample(client, procs, t0)
         samples.append({**final, "phase": "final"})
-    checks = verdicts(procs, baseline, final, args)
+    warm = next((x for x in samples if x.get("phase") == "load"), baseline)
+    checks = verdicts(procs, baseline, warm, final, args)
     if args.verify_every:
         checks.append({"check": "reused answers equal no-reuse answers",
                        "baseline": totals.verified, "final": len(totals.mismatches),
@@ -245,8 +246,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "drain_s": args.drain_s, "concurrency": args.concurrency, "samples": samples}
 
 
-def verdicts(procs: list[Proc], base: dict[str, Any], final: dict[str, Any],
-             args: argparse.Namespace) -> list[dict[str, Any]]:
+def verdicts(procs: list[Proc], base: dict[str, Any], warm: dict[str, Any],
+             final: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """KV, store and in-flight back to the pre-run baseline; open fds back to the first
+    sample under load (`warm`): the first transfers open NIXL side-channel and keep-alive
+    sockets that stay open for the node's life, which is not a leak; growth after that is."""
     out = []
 
     def check(what: str, before: float | None, after: float | None, tolerance: float) -> None:
@@ -256,7 +260,8 @@ def verdicts(procs: list[Proc], base: dict[str, Any], final: dict[str, Any],
 
     for p in procs:
         b, f = base[p.name], final[p.name]
-        check(f"{p.name} open fds", b.get("fds"), f.get("fds"), args.fd_tolerance)
+        check(f"{p.name} open fds (vs warm)", warm[p.name].get("fds"), f.get("fds"),
+              args.fd_tolerance)
         if p.role == "router":
             check("router store handles", b.get("store_handles"), f.get("store_handles"), 0)
             check("router in flight", 0.0, f.get("in_flight"), 0)
@@ -265,6 +270,28 @@ def verdicts(procs: list[Proc], base: dict[str, Any], final: dict[str, Any],
                   f.get("kv_cache_usage_pct"), args.kv_tolerance)
             check(f"{p.name} running requests", 0.0, f.get("running"), 0)
     return out
+
+
+def rejudge(args: argparse.Namespace) -> dict[str, Any]:
+    """The verdicts of a saved run under this script's current rules."""
+    result = json.loads(args.rejudge.read_text())
+    samples = result["samples"]
+    base = next(x for x in samples if x["phase"] == "baseline")
+    final = next(x for x in samples if x["phase"] == "final")
+    warm = next((x for x in samples if x["phase"] == "load"), base)
+    roles = {"router": "router"}
+    procs = [Proc(name, "", None, roles.get(name, "prefill" if name.startswith("prefill")
+                                              else "decode"))
+             for name, v in base.items() if isinstance(v, dict)]
+    checks = verdicts(procs, base, warm, final, args)
+    totals = result["totals"]
+    if totals.get("verified") is not None:
+        checks.append({"check": "reused answers equal no-reuse answers",
+                       "baseline": totals["verified"], "final": len(totals["mismatches"]),
+                       "tolerance": 0,
+                       "ok": totals["verified"] > 0 and not totals["mismatches"]})
+    return {**result, "ok": all(c["ok"] for c in checks), "checks": checks,
+            "rejudged_from": str(args.rejudge)}
 
 
 def main() -> int:
@@ -288,8 +315,10 @@ def main() -> int:
     ap.add_argument("--status-args", action="append", default=[],
                     help="extra arguments for `kvagent-server status` (e.g. --name x)")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--rejudge", type=Path,
+                    help="recompute the verdicts of a saved --out file (no load is run)")
     args = ap.parse_args()
-    result = asyncio.run(run(args))
+    result = rejudge(args) if args.rejudge else asyncio.run(run(args))
     summary = {k: v for k, v in result.items() if k != "samples"}
     print(json.dumps(summary, indent=1))
     if args.out:

@@ -117,7 +117,8 @@ class KVEventsConfig(BaseModel):
         "`auto`: tcp when bind_host is a wildcard, else ipc.")
     port_base: int = Field(
         default=5800, ge=1, le=65535,
-        description="tcp only: the k-th publishing node (prefill first) uses port_base + k.")
+        description="tcp only: the k-th publishing node on a host (prefill first) uses "
+        "port_base + k.")
     topic: str = Field(default="kvagent", max_length=64,
                        description="ZMQ topic of the events (`--kv-events-config` topic).")
     roles: list[Role] = Field(
@@ -296,10 +297,10 @@ class BundleConfig(BaseModel):
         if ev.enabled and len(set(ev.roles)) != len(ev.roles):
             problems.append("kv_events.roles: listed twice")
         if ev.enabled and self.kv_events_transport == "tcp":
-            last = ev.port_base + len(self.kv_event_nodes()) - 1
+            last = max(self.kv_event_ports().values(), default=0)
             if last > 65535:
                 problems.append(f"kv_events.port_base: {ev.port_base} + "
-                                f"{len(self.kv_event_nodes())} nodes exceeds 65535")
+                                f"{last - ev.port_base + 1} nodes on one host exceeds 65535")
         margin = self.router.token_safety_margin_s
         if self.decoder_kv_blocks_ttl_s <= margin:
             problems.append(
@@ -352,11 +353,18 @@ class BundleConfig(BaseModel):
                 and self.role(role).prefix_caching for i in range(self.role(role).count)]
 
     def kv_event_ports(self) -> dict[tuple[Role, int], int]:
-        """tcp only: each publishing node's event port."""
+        """tcp only: each publishing node's event port, port_base + the number of
+        publishing nodes before it on the same host (nodes on hosts of their own, like
+        Kubernetes pods, all use port_base)."""
         if self.kv_events_transport != "tcp":
             return {}
-        return {node: self.kv_events.port_base + k
-                for k, node in enumerate(self.kv_event_nodes())}
+        on_host: dict[str, int] = {}
+        out: dict[tuple[Role, int], int] = {}
+        for role, i in self.kv_event_nodes():
+            host = self.node_hosts(role)[i]
+            out[(role, i)] = self.kv_events.port_base + on_host.get(host, 0)
+            on_host[host] = on_host.get(host, 0) + 1
+        return out
 
     def resolved_run_dir(self) -> Path:
         """The run directory, `~` expanded (absolute)."""
@@ -376,8 +384,11 @@ def _port_clashes(cfg: BundleConfig) -> list[str]:
             owners.setdefault(port, []).append(f"{role}[{i}].port")
         for i, port in enumerate(cfg.side_channel_ports(role)):
             owners.setdefault(port, []).append(f"{role}[{i}].side_channel_port")
+    kv_ports: set[int] = set()
     for (role, i), port in cfg.kv_event_ports().items():
-        owners.setdefault(port, []).append(f"{role}[{i}].kv_events port")
+        if port not in kv_ports:  # a repeated event port is on another host by design
+            kv_ports.add(port)
+            owners.setdefault(port, []).append(f"{role}[{i}].kv_events port")
     if cfg.router_enabled:
         owners.setdefault(cfg.router.port, []).append("router.port")
     return [

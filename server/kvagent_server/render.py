@@ -391,6 +391,8 @@ def render_shell(bp: BundlePlan, *, reveal_secrets: bool = False) -> str:
         f"node(s) on {bp.device}" + (" + router" if bp.router else ""),
         "# Start each command on its machine (every one runs in the foreground).",
     ]
+    if any("ipc://" in arg for spec in bp.nodes for arg in spec.argv):
+        lines.append(f"mkdir -p {shlex.quote(str(bp.run_dir))}  # the KV event sockets")
     for spec in bp.nodes:
         where = f"cores {spec.cpu_bind}" if spec.cpu_bind else (
             f"GPU {spec.cuda_device}" if spec.cuda_device else "")

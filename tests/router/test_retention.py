@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import pytest
+from fakes import FakeCluster, router_stack
 from kvagent_server.router.retention import (
     RELEASE_KEY,
     NodeKV,
@@ -16,8 +17,6 @@ from kvagent_server.router.retention import (
     with_release,
 )
 from kvagent_server.router.state import Handle, handle_blocks
-
-from fakes import FakeCluster, router_stack
 from test_app import LONG, no_wrong_kv, turn
 
 

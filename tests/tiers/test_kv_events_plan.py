@@ -49,7 +49,7 @@ def test_wildcard_bind_publishes_on_tcp_ports(tmp_path: Path) -> None:
                     ["endpoint"]) for n in bp.nodes}
     assert got == {"prefill-0": ("tcp://*:6100", "tcp://10.1.2.3:6100"),
                    "prefill-1": ("tcp://*:6101", "tcp://10.1.2.3:6101"),
-                   "decode-0": ("tcp://*:6102", "tcp://10.1.2.9:6102")}
+                   "decode-0": ("tcp://*:6100", "tcp://10.1.2.9:6100")}  # its own host
 
 
 def test_disabled_roles_and_nodes_without_prefix_caching_do_not_publish(tmp_path: Path) -> None:
@@ -125,3 +125,30 @@ def test_vllm_parses_the_kv_events_flag(tmp_path: Path, bind: str) -> None:
         # vLLM binds (not connects) its PUB socket for exactly these endpoints.
         from vllm.distributed.kv_events import ZmqEventPublisher
         assert ZmqEventPublisher._is_bind_endpoint(ev.endpoint)
+
+
+def test_shell_output_creates_the_socket_directory_first(tmp_path: Path) -> None:
+    from kvagent_server.render import render_shell
+
+    run = tmp_path / "run"
+    text = render_shell(plan(validate_config({"run_dir": str(run)}), inputs()))
+    assert text.index(f"mkdir -p {run}") < text.index("--kv-events-config")
+    off = validate_config({"run_dir": str(run), "kv_events": {"enabled": False}})
+    assert "KV event sockets" not in render_shell(plan(off, inputs()))
+
+
+def test_deployments_publish_only_where_the_router_can_listen() -> None:
+    from kvagent_server.deploy.options import DeployOptions
+    from kvagent_server.deploy.plan import deploy_plan
+
+    cfg = validate_config({"model": "/m", "prefill": {"count": 2}, "decode": {"count": 2}})
+    k8s = deploy_plan(cfg, DeployOptions(), target="kubernetes", plugin=({}, {}))
+    for role in ("prefill", "decode"):  # every pod runs the role's argv: one port per role
+        assert events_of(k8s.roles[role].argv)["endpoint"] == "tcp://*:5800"
+    sources = k8s.router_settings["kv_events"]
+    assert len(sources) == 4
+    for node in k8s.bundle.nodes:
+        assert sources[node.url]["endpoint"] == f"tcp://{node.host}:5800"
+    compose = deploy_plan(cfg, DeployOptions(gpus=4), target="compose", plugin=({}, {}))
+    assert all(events_of(n.argv) is None for n in compose.bundle.nodes)
+    assert compose.router_settings["kv_events"] == {}

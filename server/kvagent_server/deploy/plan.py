@@ -93,6 +93,10 @@ def deploy_plan(cfg: BundleConfig, options: DeployOptions, *, target: Target,
         "python": CONTAINER_PYTHON, "engine_command": None, "router_command": None,
         "kv_connector_extra": kv_extra, "router": settings_router,
     }
+    if target == "compose":
+        # Containers share no directory for KV event ipc sockets, and tcp would publish
+        # on every host interface: no tier-aware placement here (docs/tiers.md, Limits).
+        update["kv_events"] = cfg.kv_events.model_copy(update={"enabled": False})
     if target == "kubernetes":
         update["bind_host"] = "0.0.0.0"
         for role in ROLES:

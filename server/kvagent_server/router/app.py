@@ -28,7 +28,6 @@ from .limits import GuardedStream, HeaderLimit
 from .metrics import CONTENT_TYPE, RouterMetrics
 from .nodes import NodeRegistry
 from .relay import Scrubber, relay_sse, rewrite_response
-from .retention import RetentionGuard
 from .request import (
     ClientGone,
     HTTPError,
@@ -38,6 +37,7 @@ from .request import (
     session_and_token,
     validate,
 )
+from .retention import RetentionGuard
 from .settings import RouterSettings
 from .state import MemoryStore, SessionStore, key_ring_for, make_store
 from .telemetry import record_error, record_outcome, start_turn

@@ -45,8 +45,8 @@ RELEASE_KEY = "kvagent_release"
 #: The plugin honours at most this many ids per request.
 MAX_RELEASES_PER_REQUEST = 256
 
-_USAGE_RE = re.compile(r"^vllm:kv_cache_usage_perc(?:\{[^}]*\})? (\S+)$", re.M)
-_BLOCKS_RE = re.compile(r'^vllm:cache_config_info\{[^}]*\bnum_gpu_blocks="(\d+)"', re.M)
+_USAGE_RE = re.compile(r"^vllm:kv_cache_usage_perc(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
+_BLOCKS_RE = re.compile(r'^vllm:cache_config_info\{[^}]*\bnum_gpu_blocks="(\d+)"', re.MULTILINE)
 
 
 def remote_request_id(handle: Handle) -> str | None:

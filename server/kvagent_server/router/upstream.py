@@ -18,6 +18,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
+from aiohttp.helpers import get_env_proxy_for_url
+from yarl import URL
 
 from . import fastjson
 
@@ -108,6 +110,16 @@ class NodeResponse:
             resp.close()
 
 
+def _env_proxy(url: str) -> tuple[str | None, aiohttp.BasicAuth | None]:
+    """The proxy `HTTP(S)_PROXY`/`NO_PROXY` name for a node, as httpx honoured them, read
+    once per node (aiohttp's `trust_env` would read the environment on every request)."""
+    try:
+        proxy, auth = get_env_proxy_for_url(URL(url))
+    except LookupError:
+        return None, None
+    return str(proxy), auth
+
+
 class NodeClient:
     """One node's connection pool (one per node: small pools stay cheap under load)."""
 
@@ -116,6 +128,7 @@ class NodeClient:
                                                                          timeout_s),
                                              sock_read=timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        self._proxy: tuple[str | None, aiohttp.BasicAuth | None] = (None, None)
 
     def _open(self) -> aiohttp.ClientSession:
         # Created lazily: a session binds the running event loop.
@@ -131,12 +144,14 @@ class NodeClient:
         session = self._session
         if session is None or session.closed:
             session = self._session = self._open()
+            self._proxy = _env_proxy(url)
         timeout = self.timeout if timeout_s is None else aiohttp.ClientTimeout(
             total=None, sock_connect=min(CONNECT_TIMEOUT_S, timeout_s), sock_read=timeout_s)
         try:
             resp = await session.post(url, data=fastjson.dumps(body),
                                       headers={**_HEADERS, **headers} if headers else _HEADERS,
-                                      timeout=timeout)
+                                      timeout=timeout, proxy=self._proxy[0],
+                                      proxy_auth=self._proxy[1])
         except _ERRORS as exc:
             raise _wrap(exc) from exc
         if stream and resp.status == 200:
