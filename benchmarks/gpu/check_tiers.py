@@ -11,6 +11,13 @@ Checks (each one a line in the JSON report, `ok` true/false):
 2. fs_files: block files appeared under the fs tier's directory.
 3. fs_tier_hit: the node is restarted (the CPU tier is process memory, so it is gone);
    A again is still an external hit: it came from the fs tier.
+4. tier_events (the router's placement side, tier_events.py): the node publishes KV
+   events as the bundle renders them (`--kv-events-config`, ipc socket in the run dir);
+   the router's own subscriber and index listen in this process. Once A is evicted from
+   GPU memory (before A is sent again), the index must hold all of A's blocks (hashed by
+   the router from /tokenize ids with the node's hash settings) in the cpu tier and none
+   on GPU, and the router's placement must prefer this node for A over an idle empty
+   node. After the restart the index's view is recorded (`after_restart`, no verdict).
 """
 
 from __future__ import annotations
@@ -29,13 +36,17 @@ from typing import Any
 
 from kvagent_server.config import validate_config
 from kvagent_server.inputs import gather_inputs
-from kvagent_server.render import HostFacts, PlanInputs, ProcessSpec, plan
+from kvagent_server.render import BundlePlan, HostFacts, PlanInputs, ProcessSpec, plan
+from kvagent_server.router.kv_hash import BlockHasher
+from kvagent_server.router.tokenize import tokenize_request
+from tier_events import EventListener, a_in_cpu, event_source, judge, snapshot, synthetic_check
 
 BLOCK = 16
 
 
-def render_node(work: Path, model: str | None, gpu_blocks: int, port: int) -> ProcessSpec:
-    """prefill-0 of a 1P+1D bundle with both tiers, exactly as `kvagent-server up` would."""
+def render_bundle(work: Path, model: str | None, gpu_blocks: int, port: int) -> BundlePlan:
+    """A 1P+1D bundle with both tiers, exactly as `kvagent-server up` would render it
+    (KV events on, the default); the check starts its prefill-0 only."""
     cfg = validate_config({
         "name": "tiercheck", "model": model, "device": "cuda", "run_dir": str(work / "run"),
         "block_size": BLOCK, "router_enabled": False,
@@ -53,7 +64,7 @@ def render_node(work: Path, model: str | None, gpu_blocks: int, port: int) -> Pr
     inputs = PlanInputs(host=HostFacts(cpu_cores=gathered.host.cpu_cores, gpu_count=1),
                         model=gathered.model, python=sys.executable,
                         role_env=gathered.role_env, role_args=gathered.role_args)
-    return plan(cfg, inputs).by_name("prefill-0")
+    return plan(cfg, inputs)
 
 
 def vllm_parse(node: ProcessSpec) -> dict[str, Any]:
@@ -63,11 +74,15 @@ def vllm_parse(node: ProcessSpec) -> dict[str, Any]:
 
     argv = list(node.argv)
     ns = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[argv.index("--model"):])
-    ktc = EngineArgs.from_cli_args(ns).kv_transfer_config
+    engine = EngineArgs.from_cli_args(ns)
+    ktc, kec = engine.kv_transfer_config, engine.kv_events_config
     return {"kv_connector": ktc.kv_connector,
             "children": [c["kv_connector"] for c in
                          ktc.kv_connector_extra_config.get("connectors", [])],
-            "hash_algo": ns.prefix_caching_hash_algo}
+            "hash_algo": ns.prefix_caching_hash_algo,
+            "kv_events": None if kec is None else {
+                "enabled": kec.enable_kv_cache_events, "publisher": kec.publisher,
+                "endpoint": kec.endpoint, "topic": kec.topic}}
 
 
 def metrics(url: str) -> dict[str, float]:
@@ -80,6 +95,14 @@ def metrics(url: str) -> dict[str, float]:
     return out
 
 
+def token_ids(url: str, model: str, prompt: str) -> list[int]:
+    """The prompt's token ids from the node's /tokenize, with the router's request body."""
+    body = tokenize_request({"model": model, "prompt": prompt}, chat=False)
+    req = urllib.request.Request(f"{url}/tokenize", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    return list(json.loads(urllib.request.urlopen(req, timeout=60).read())["tokens"])
+
+
 def complete(url: str, model: str, prompt: str) -> None:
     body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1,
                        "temperature": 0}).encode()
@@ -90,6 +113,8 @@ def complete(url: str, model: str, prompt: str) -> None:
 
 def start(node: ProcessSpec, log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, **node.env}
+    if "PYTHONHASHSEED" not in node.env:  # the router's source says "unset": make it so
+        env.pop("PYTHONHASHSEED", None)
     proc = subprocess.Popen(list(node.argv), env=env, stdout=log.open("ab"),
                             stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 900
@@ -132,49 +157,82 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=18300)
     ap.add_argument("--words", type=int, default=100,
                     help="words per prompt (the demo tokenizer makes ~4 tokens of each)")
+    ap.add_argument("--events-wait", type=float, default=30.0,
+                    help="seconds to wait for A's CPU-tier KV events (tier_events)")
     ap.add_argument("--out", type=Path, default=None, help="JSON report path")
-    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="render and parse only; tier_events runs on synthetic events")
     a = ap.parse_args()
     a.work.mkdir(parents=True, exist_ok=True)
-    node = render_node(a.work, a.model, a.gpu_blocks, a.port)
+    bundle = render_bundle(a.work, a.model, a.gpu_blocks, a.port)
+    node = bundle.by_name("prefill-0")
+    source = event_source(bundle.router_settings, node.url)
     report: dict[str, Any] = {"argv": list(node.argv), "env": node.env,
-                              "parsed": vllm_parse(node), "checks": {}}
+                              "parsed": vllm_parse(node),
+                              "kv_events_source": source.model_dump(), "checks": {}}
     if a.dry_run:
+        # Not a check of vLLM: the router's subscriber, index and placement against
+        # vLLM-encoded events on the rendered endpoint (what tier_events does for real).
+        synthetic = synthetic_check(node.name, source, block_size=BLOCK)
+        report["synthetic_tier_events"] = synthetic
         print(json.dumps(report, indent=2))
-        return 0
+        return 0 if synthetic["ok"] else 1
     url = node.url
     served = node.argv[node.argv.index("--served-model-name") + 1]
     log = a.work / "node.log"
     checks = report["checks"]
-    proc = start(node, log)
+    a_prompt = prompt(0, a.words)
+    listener = EventListener(node.name, source)
     try:
-        complete(url, served, prompt(0, a.words))  # A
-        # Other prompts: together several times the GPU KV capacity, so A is evicted.
-        n_fill = max(4, (a.gpu_blocks * BLOCK * 3) // max(4 * a.words, 1))
-        for i in range(1, n_fill + 1):
-            complete(url, served, prompt(i, a.words))
-        time.sleep(2)  # offload stores complete asynchronously
-        before = metrics(url)
-        complete(url, served, prompt(0, a.words))
-        after = metrics(url)
-        hits = delta(after, before, "vllm:external_prefix_cache_hits")
-        loaded = delta(after, before, "vllm:kv_offload_load_bytes")
-        checks["cpu_tier_hit"] = {"ok": hits >= BLOCK and loaded > 0,
-                                  "external_hit_tokens": hits, "load_bytes": loaded,
-                                  "fill_prompts": n_fill}
-        files = [p for p in (a.work / "fs-tier").rglob("*") if p.is_file()]
-        checks["fs_files"] = {"ok": len(files) > 0, "files": len(files)}
+        proc = start(node, log)
+        try:
+            listener.start()  # the node has bound its publisher by the time it is healthy
+            time.sleep(1.0)  # let the SUB socket join before the first event
+            a_ids = token_ids(url, served, a_prompt)
+            a_keys = BlockHasher(source.hash_algo, source.hash_seed).keys(a_ids, BLOCK)
+            complete(url, served, a_prompt)  # A
+            # Other prompts: together several times the GPU KV capacity, so A is evicted.
+            n_fill = max(4, (a.gpu_blocks * BLOCK * 3) // max(4 * a.words, 1))
+            for i in range(1, n_fill + 1):
+                complete(url, served, prompt(i, a.words))
+            time.sleep(2)  # offload stores complete asynchronously
+            # tier_events before A comes back: reloading A re-announces it on GPU.
+            arrived = listener.wait_for(lambda idx: a_in_cpu(idx, node.name, a_keys),
+                                        a.events_wait)
+            verdict = listener.read(lambda idx: judge(idx, node.name, source, a_ids,
+                                                      block_size=BLOCK))
+            verdict.update(waited_for_events=arrived, bad_messages=listener.bad_messages,
+                           prompt_tokens=len(a_ids))
+            verdict["ok"] = verdict["ok"] and listener.bad_messages == 0
+            checks["tier_events"] = verdict
+            before = metrics(url)
+            complete(url, served, a_prompt)
+            after = metrics(url)
+            hits = delta(after, before, "vllm:external_prefix_cache_hits")
+            loaded = delta(after, before, "vllm:kv_offload_load_bytes")
+            checks["cpu_tier_hit"] = {"ok": hits >= BLOCK and loaded > 0,
+                                      "external_hit_tokens": hits, "load_bytes": loaded,
+                                      "fill_prompts": n_fill}
+            files = [p for p in (a.work / "fs-tier").rglob("*") if p.is_file()]
+            checks["fs_files"] = {"ok": len(files) > 0, "files": len(files)}
+        finally:
+            stop(proc)
+        proc = start(node, log)  # CPU tier gone with the process; fs tier files remain
+        try:
+            before = metrics(url)
+            complete(url, served, a_prompt)
+            after = metrics(url)
+            hits = delta(after, before, "vllm:external_prefix_cache_hits")
+            checks["fs_tier_hit"] = {"ok": hits >= BLOCK, "external_hit_tokens": hits}
+            time.sleep(2)
+            # The new process numbers its batches from 0 again: the index must have
+            # noticed (resets >= 1) and relearned A from the new node's events.
+            checks["tier_events"]["after_restart"] = listener.read(
+                lambda idx: snapshot(idx, node.name, a_keys))
+        finally:
+            stop(proc)
     finally:
-        stop(proc)
-    proc = start(node, log)  # CPU tier gone with the process; fs tier files remain
-    try:
-        before = metrics(url)
-        complete(url, served, prompt(0, a.words))
-        after = metrics(url)
-        hits = delta(after, before, "vllm:external_prefix_cache_hits")
-        checks["fs_tier_hit"] = {"ok": hits >= BLOCK, "external_hit_tokens": hits}
-    finally:
-        stop(proc)
+        listener.stop()
     report["ok"] = all(c["ok"] for c in checks.values())
     text = json.dumps(report, indent=2)
     print(text)

@@ -313,6 +313,8 @@ def _native_connector(tiers: KVTiers, *, kv_events: bool = False) -> dict[str, A
             "n_write_threads": tiers.disk.write_threads,
             "locality": "REMOTE" if tiers.disk.shared else "LOCAL",
         }]
+        if kv_events:  # the fs tier publishes (medium STORAGE) only when asked to
+            extra["secondary_tiers"][0]["enable_kv_events"] = True
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": extra}
 

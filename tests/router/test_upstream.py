@@ -264,3 +264,19 @@ async def test_request_body_is_compact_json_with_identity_encoding() -> None:
     assert json.loads(heads[1]) == body
     assert b"accept-encoding: identity" in heads[0].lower()
     assert b"content-type: application/json" in heads[0].lower()
+
+
+async def test_a_redirect_is_an_answer_not_followed() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      index: int) -> None:
+        await script.read_request(reader)
+        writer.write(b"HTTP/1.1 307 Temporary Redirect\r\nlocation: /elsewhere\r\n"
+                     b"content-length: 0\r\n\r\n")
+        await writer.drain()
+
+    async with scripted(handler) as (script, url):
+        client = NodeClient(timeout_s=5)
+        resp = await client.post(f"{url}/v1/completions", {"prompt": "x"}, stream=True)
+        await client.aclose()
+    assert resp.status_code == 307 and resp.content == b""
+    assert len(script.requests) == 1

@@ -152,3 +152,17 @@ def test_deployments_publish_only_where_the_router_can_listen() -> None:
     compose = deploy_plan(cfg, DeployOptions(gpus=4), target="compose", plugin=({}, {}))
     assert all(events_of(n.argv) is None for n in compose.bundle.nodes)
     assert compose.router_settings["kv_events"] == {}
+
+
+def test_the_disk_tier_publishes_its_blocks_when_events_are_on(tmp_path: Path) -> None:
+    """vLLM's fs tier emits BlockStored (medium STORAGE) only with `enable_kv_events` on
+    its own entry; without it the router would never see a prefix that survives on disk."""
+    for on in (True, False):
+        cfg = validate_config({
+            "run_dir": str(tmp_path / "run"), "device": "cuda", "kv_events": {"enabled": on},
+            "kv_tiers": {"cpu": {"size_gib": 8}, "disk": {"path": str(tmp_path / "kv")}}})
+        p = plan(cfg, inputs(gpus=2)).nodes[0]
+        kv = json.loads(p.argv[p.argv.index("--kv-transfer-config") + 1])
+        (fs,) = kv["kv_connector_extra_config"]["connectors"][1][
+            "kv_connector_extra_config"]["secondary_tiers"]
+        assert fs.get("enable_kv_events", False) is on

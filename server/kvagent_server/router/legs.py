@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -102,6 +103,23 @@ def usage_cached(usage: dict[str, Any] | None) -> int | None:
     return int(details["cached_tokens"])
 
 
+def pulls_kv(body: dict[str, Any]) -> bool:
+    """Whether the request reads another node's KV blocks (a reuse P leg, a D leg).
+
+    Such a request must never be sent twice with the same params once it may have reached
+    a node: the first read frees the blocks on the holder (its "done" notification), and
+    a second read of freed, maybe reallocated blocks is wrong KV. After an ambiguous
+    failure (the connection broke, a timeout, a 5xx) a P leg recomputes instead, and a D
+    leg fails before its first byte (the client's retry starts a new turn)."""
+    params = body.get("kv_transfer_params")
+    if not isinstance(params, dict):
+        return False
+    if params.get("do_remote_prefill"):
+        return True
+    return bool(params.get("do_remote_decode") and params.get("remote_block_ids")
+                and (params.get("remote_num_tokens") or 0) > 0)
+
+
 class Legs:
     """Runs legs on candidate nodes, in the order placement ranked them."""
 
@@ -127,8 +145,9 @@ class Legs:
     async def _post(self, node: Node, path: str, body: dict[str, Any], headers: dict[str, str],
                     *, stream: bool) -> NodeResponse:
         """POST once more on the same node if the connection dropped before any response
-        (a pooled keep-alive connection the node had just closed); unreachable nodes are
-        marked down at once."""
+        (a pooled keep-alive connection the node had just closed) — unless the request
+        pulls KV (see `pulls_kv`). A node that refuses connections is marked down at once;
+        one slow to accept (overloaded) is left to the health checks."""
         node.in_flight += 1
         try:
             client = self.client(node)
@@ -137,10 +156,11 @@ class Legs:
                 try:
                     return await client.post(url, body, headers=headers, stream=stream)
                 except StaleConnection:
-                    if attempt:
+                    if attempt or pulls_kv(body):
                         raise
                 except ConnectFailed as exc:
-                    self.on_node_error(node, str(exc))
+                    if not exc.timed_out:
+                        self.on_node_error(node, str(exc))
                     raise
             raise AssertionError("unreachable")
         finally:
@@ -160,6 +180,8 @@ class Legs:
                                         stream=False)
             except UpstreamError as exc:
                 last = LegError(f"prefill node unreachable ({exc})", leg="prefill")
+                if reuse and not isinstance(exc, ConnectFailed):
+                    pull_failed = True  # it may have read D's blocks: never offer them again
                 continue
             if resp.status_code >= 500 and reuse and not pull_failed:
                 # The pull from D failed (blocks gone, D down): recompute on the same node.
@@ -195,18 +217,23 @@ class Legs:
                      headers: dict[str, str], *, stream: bool) -> DecodeStart:
         """Open the D leg on the first candidate that answers 200 (headers only when streamed)."""
         last: LegError | None = None
+        pulls = pulls_kv(body)
         for node in list(candidates)[: self.max_retries + 1]:
             started = time.perf_counter()
             try:
                 resp = await self._post(node, path, body, headers, stream=stream)
             except UpstreamError as exc:
                 last = LegError(f"decode node unreachable ({exc})")
+                if pulls and not isinstance(exc, ConnectFailed):
+                    break  # it may have read P's blocks: no second reader (see pulls_kv)
                 continue
             if resp.status_code == 200:
                 return DecodeStart(node=node, response=resp,
                                    elapsed_s=time.perf_counter() - started)
             if resp.status_code in RETRYABLE_STATUS:
                 last = LegError(f"decode failed ({resp.status_code})")
+                if pulls and resp.status_code != 503:
+                    break
                 continue
             raise LegError("request rejected", status=resp.status_code, body=_error_body(resp))
         raise last or LegError("no healthy decode node", status=503)
@@ -223,7 +250,11 @@ class Legs:
         # leg must not make it refuse the drain too.
         keep = ("model", "messages", "prompt", "cache_salt", *CHAT_TEMPLATE_FIELDS)
         drain = {k: body[k] for k in keep if k in body}
-        drain.update(stream=False, max_tokens=1, kv_transfer_params=prefill.kv_params)
+        # A salt of its own: if a failed D leg did read P's blocks after all, this read
+        # gets freed blocks, and they must not enter D's prefix cache under the real
+        # prompt's hashes (its output is discarded; KV content does not depend on the salt).
+        drain.update(stream=False, max_tokens=1, kv_transfer_params=prefill.kv_params,
+                     cache_salt=f"kvagent-drain-{uuid.uuid4().hex}")
 
         async def run() -> bool:
             for node in candidates:

@@ -37,7 +37,14 @@ class UpstreamError(Exception):
 
 
 class ConnectFailed(UpstreamError):
-    """No connection to the node could be made."""
+    """No connection to the node could be made (the request was never sent).
+
+    `timed_out`: the node did not accept in time (overloaded, or a network problem)
+    rather than refusing outright (nothing listening)."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 class StaleConnection(UpstreamError):
@@ -46,7 +53,9 @@ class StaleConnection(UpstreamError):
 
 def _wrap(exc: BaseException) -> UpstreamError:
     name = type(exc).__name__
-    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return ConnectFailed(name, timed_out=True)
+    if isinstance(exc, aiohttp.ClientConnectorError):
         return ConnectFailed(name)
     if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError
                   | aiohttp.ClientPayloadError):
@@ -151,7 +160,8 @@ class NodeClient:
             resp = await session.post(url, data=fastjson.dumps(body),
                                       headers={**_HEADERS, **headers} if headers else _HEADERS,
                                       timeout=timeout, proxy=self._proxy[0],
-                                      proxy_auth=self._proxy[1])
+                                      proxy_auth=self._proxy[1],
+                                      allow_redirects=False)  # as httpx: a node's answer
         except _ERRORS as exc:
             raise _wrap(exc) from exc
         if stream and resp.status == 200:
