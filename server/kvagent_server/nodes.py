@@ -26,7 +26,7 @@ import httpx
 
 from kvagent_server import processes
 from kvagent_server.config import BundleConfig, ConfigError, dump_config, validate_config
-from kvagent_server.render import BundlePlan, PlanInputs, ProcessSpec, plan
+from kvagent_server.render import BundlePlan, PlanInputs, ProcessSpec, ipc_socket_dirs, plan
 from kvagent_server.runstate import (
     CONFIG_FILE,
     LOG_DIR,
@@ -130,6 +130,8 @@ class Bundle:
         self.check_can_start()
         self._started = True
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        for folder in ipc_socket_dirs(self.plan):  # may be outside run_dir (render.py)
+            folder.mkdir(parents=True, exist_ok=True)
         self._write_files()
         try:
             with self._lock:

@@ -7,8 +7,10 @@ vLLM plugin's per-role env and args); `kvagent-server up` launches what it retur
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shlex
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -245,11 +247,31 @@ def _kv_events_endpoints(cfg: BundleConfig, role: Role, i: int, run_dir: Path, h
         port = ports[(role, i)]
         return f"tcp://*:{port}", (f"tcp://[{host}]:{port}" if ":" in host
                                    else f"tcp://{host}:{port}")
-    path = run_dir / f"kv-events-{role}-{i}.ipc"
-    if len(str(path)) > IPC_PATH_MAX:
-        raise ConfigError([(f"kv_events: ipc socket path {path} is longer than "
-                            f"{IPC_PATH_MAX} bytes; use a shorter run_dir")])
+    path = ipc_socket_path(run_dir, f"kv-events-{role}-{i}.ipc")
     return f"ipc://{path}", f"ipc://{path}"
+
+
+def ipc_socket_path(run_dir: Path, name: str) -> Path:
+    """Where a socket of the bundle lives: in its run dir, or, when that path would not fit
+    in a unix socket address (a deep run dir), in a short per-run-dir directory under the
+    temp dir (named by a hash of the run dir, so every process of the bundle agrees)."""
+    path = run_dir / name
+    if len(str(path)) <= IPC_PATH_MAX:
+        return path
+    digest = hashlib.sha256(str(run_dir).encode()).hexdigest()[:16]
+    short = Path(tempfile.gettempdir()) / f"kvagent-{digest}" / name
+    if len(str(short)) > IPC_PATH_MAX:
+        raise ConfigError([(f"kv_events: no ipc socket path under {IPC_PATH_MAX} bytes for "
+                            f"{name} (temp dir {tempfile.gettempdir()}); set TMPDIR shorter "
+                            "or use kv_events.transport: tcp")])
+    return short
+
+
+def ipc_socket_dirs(plan: BundlePlan) -> list[Path]:
+    """The directories the nodes' ipc sockets need (created before the nodes start)."""
+    dirs = {Path(arg.split("ipc://", 1)[1].split('"', 1)[0]).parent
+            for spec in plan.nodes for arg in spec.argv if "ipc://" in arg}
+    return sorted(dirs)
 
 
 def _last_flag(args: list[str], flag: str) -> str | None:
@@ -391,8 +413,8 @@ def render_shell(bp: BundlePlan, *, reveal_secrets: bool = False) -> str:
         f"node(s) on {bp.device}" + (" + router" if bp.router else ""),
         "# Start each command on its machine (every one runs in the foreground).",
     ]
-    if any("ipc://" in arg for spec in bp.nodes for arg in spec.argv):
-        lines.append(f"mkdir -p {shlex.quote(str(bp.run_dir))}  # the KV event sockets")
+    for folder in ipc_socket_dirs(bp):
+        lines.append(f"mkdir -p {shlex.quote(str(folder))}  # the KV event sockets")
     for spec in bp.nodes:
         where = f"cores {spec.cpu_bind}" if spec.cpu_bind else (
             f"GPU {spec.cuda_device}" if spec.cuda_device else "")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,8 @@ def test_the_router_learns_each_nodes_hash_algo_and_seed(tmp_path: Path) -> None
     assert sorted(s["hash_algo"] for s in src.values()) == ["sha256", "sha256_cbor"]
 
 
-def test_bad_kv_events_settings_are_explained(tmp_path: Path) -> None:
+def test_bad_kv_events_settings_are_explained(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="kv_events.transport: tcp needs a wildcard"):
         validate_config({"kv_events": {"transport": "tcp"}})
     with pytest.raises(ConfigError, match="5700 is used by both"):
@@ -98,8 +100,15 @@ def test_bad_kv_events_settings_are_explained(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="kv_events.endpoint: unknown key"):
         validate_config({"kv_events": {"endpoint": "tcp://x:1"}})
     long_dir = tmp_path / ("d" * 120)
-    with pytest.raises(ConfigError, match="shorter run_dir"):
-        plan(validate_config({"run_dir": str(long_dir)}), inputs())
+    long_dir.mkdir()  # gettempdir() only takes a TMPDIR that exists
+    monkeypatch.setenv("TMPDIR", str(long_dir))
+    tempfile.tempdir = None  # re-read TMPDIR
+    try:
+        with pytest.raises(ConfigError, match="set TMPDIR shorter"):
+            plan(validate_config({"run_dir": str(long_dir)}), inputs())
+    finally:
+        monkeypatch.delenv("TMPDIR")
+        tempfile.tempdir = None
     given = validate_config({"run_dir": str(tmp_path),
                              "router": {"kv_events": {"http://x:1": {"endpoint": "ipc:///x"}}}})
     with pytest.raises(ConfigError, match="router.kv_events"):
@@ -166,3 +175,25 @@ def test_the_disk_tier_publishes_its_blocks_when_events_are_on(tmp_path: Path) -
         (fs,) = kv["kv_connector_extra_config"]["connectors"][1][
             "kv_connector_extra_config"]["secondary_tiers"]
         assert fs.get("enable_kv_events", False) is on
+
+
+def test_a_deep_run_dir_puts_the_sockets_in_a_short_temp_dir(tmp_path: Path) -> None:
+    """A unix socket address holds at most 107 bytes: a deep run dir (a pytest tmp dir, a
+    long home) moves the sockets to one short directory per run dir, which the router's
+    settings name too, and which `Bundle.start` and the shell script create."""
+    from kvagent_server.render import IPC_PATH_MAX, ipc_socket_dirs, render_shell
+
+    deep = tmp_path / ("d" * 120)
+    bp = plan(validate_config({"run_dir": str(deep)}), inputs())
+    endpoints = [src["endpoint"] for src in bp.router_settings["kv_events"].values()]
+    assert endpoints and all(e.startswith("ipc://") for e in endpoints)
+    paths = [Path(e[len("ipc://"):]) for e in endpoints]
+    assert all(len(str(p)) <= IPC_PATH_MAX and deep not in p.parents for p in paths)
+    assert len({p.parent for p in paths}) == 1 and ipc_socket_dirs(bp) == [paths[0].parent]
+    for spec, path in zip(bp.nodes, paths, strict=True):
+        assert any(f"ipc://{path}" in arg for arg in spec.argv)
+    assert f"mkdir -p {paths[0].parent}" in render_shell(bp)
+    again = plan(validate_config({"run_dir": str(deep)}), inputs())
+    assert ipc_socket_dirs(again) == ipc_socket_dirs(bp)  # every process agrees
+    other = plan(validate_config({"run_dir": str(tmp_path / ("e" * 120))}), inputs())
+    assert ipc_socket_dirs(other) != ipc_socket_dirs(bp)
