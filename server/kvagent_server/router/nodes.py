@@ -9,7 +9,6 @@ epoch may be gone, so a handle recorded under another epoch is recomputed, not p
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import re
 import time
@@ -18,6 +17,7 @@ from typing import Literal
 
 import httpx
 
+from .periodic import Periodic
 from .placement import NodeState
 
 log = logging.getLogger("kvagent.router.nodes")
@@ -89,7 +89,7 @@ class NodeRegistry:
         self.interval_s = interval_s
         self.probe_timeout_s = probe_timeout_s
         self.failures_to_down = failures_to_down
-        self._task: asyncio.Task[None] | None = None
+        self._periodic: Periodic | None = None
 
     def role(self, role: Role) -> list[Node]:
         return [n for n in self.nodes.values() if n.role == role]
@@ -166,20 +166,12 @@ class NodeRegistry:
         await asyncio.gather(*(self.probe(client, n) for n in self.nodes.values()))
 
     def start(self, client: httpx.AsyncClient) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(client), name="kvagent-health")
+        if self._periodic is None:
+            self._periodic = Periodic(lambda: self.probe_all(client),
+                                      interval_s=self.interval_s, name="kvagent-health",
+                                      log=log, what="health check round")
+        self._periodic.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _loop(self, client: httpx.AsyncClient) -> None:
-        while True:
-            try:
-                await self.probe_all(client)
-            except Exception:  # the checker must outlive any one bad probe
-                log.exception("health check round failed")
-            await asyncio.sleep(self.interval_s)
+        if self._periodic is not None:
+            await self._periodic.stop()

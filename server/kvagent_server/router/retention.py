@@ -25,7 +25,6 @@ that supersedes it), so a token naming it finds nothing and the turn recomputes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import re
@@ -36,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from .periodic import Periodic
 from .state import Handle, handle_blocks
 
 log = logging.getLogger("kvagent.router.retention")
@@ -151,7 +151,8 @@ class RetentionGuard:
         self.blind_batch = blind_batch
         self.timeout_s = timeout_s
         self.queue = ReleaseQueue()
-        self._task: asyncio.Task[None] | None = None
+        self._periodic = Periodic(self.run_once, interval_s=interval_s,
+                                  name="kvagent-retention", log=log, what="retention round")
 
     async def read_kv(self, url: str) -> NodeKV | None:
         try:
@@ -224,20 +225,7 @@ class RetentionGuard:
         return total
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self._loop(), name="kvagent-retention")
+        self._periodic.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-
-    async def _loop(self) -> None:
-        while True:
-            try:
-                await self.run_once()
-            except Exception:  # the guard must outlive any one bad round
-                log.exception("retention round failed")
-            await asyncio.sleep(self.interval_s)
+        await self._periodic.stop()
