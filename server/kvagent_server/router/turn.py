@@ -285,9 +285,8 @@ async def plan_turn(r: Router, req: TurnRequest) -> Turn:
                 span.set_attribute("kvagent.node", c.holder.name)
                 # The superseded handle is released when this request finishes (the
                 # kvagent plugin): never offered again, it must not pin D until its TTL.
-                params = with_release(D_DIRECT_PARAMS, [remote_request_id(c.handle)]
-                                      if c.handle is not None and remote_request_id(c.handle)
-                                      else [])
+                rid = remote_request_id(c.handle) if c.handle is not None else None
+                params = with_release(D_DIRECT_PARAMS, [rid] if rid else [])
                 start = await r.legs.decode([c.holder], req.endpoint,
                                             decode_body(req.body, params), {},
                                             stream=req.stream)
