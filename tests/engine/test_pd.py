@@ -6,6 +6,7 @@ One pair serves the whole module (start-up takes minutes on 2 cores). P is pinne
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import time
 import uuid
@@ -220,6 +221,36 @@ def test_d_retained_blocks_expire_and_can_be_released_early(pair: PDPair) -> Non
     while not _released(pair, b_id):  # ...and freed at its TTL, not never
         assert time.monotonic() < deadline, "B's blocks never expired (the leak)"
         time.sleep(1)
+
+
+async def test_watermark_guard_evicts_and_releases_on_a_real_decode_node(pair: PDPair) -> None:
+    """The router's retention guard against real vLLM: D's real `/metrics` trip the
+    watermark, the oldest handle leaves the store and D frees its blocks at once."""
+    import httpx
+    from kvagent_server.router.retention import RetentionGuard
+    from kvagent_server.router.state import Handle, MemoryStore
+
+    kept = _turn1_on_d(pair, _prompt(10, 700), 4)
+    old = _turn1_on_d(pair, _prompt(11, 700), 4)
+    store = MemoryStore()
+    now = time.time()
+    for i, res in enumerate((old, kept)):  # `old` stored first: the oldest
+        await store.put(Handle(handle_id=f"h{i}", tenant="t", session=f"s{i}",
+                               decode_node="d0", decode_epoch="e",
+                               kv_transfer_params=res.kv_transfer_params,
+                               token_ids=list(range(700)), block_size=BLOCK,
+                               created_at=now, expires_at=now + 60))
+    async with httpx.AsyncClient() as client:
+        guard = RetentionGuard(client, nodes=lambda: [("d0", pair.d.url, "e")],
+                               evict=store.evict_oldest, model=lambda: flow.MODEL,
+                               high=1e-6, low=5e-7, interval_s=60)
+        assert await guard.run_once() >= 1
+    old_id = old.kv_transfer_params["remote_request_id"]
+    deadline = time.monotonic() + 10
+    while not _released(pair, old_id):
+        assert time.monotonic() < deadline, "the evicted handle's blocks were not released"
+        await asyncio.sleep(0.5)
+    assert await store.claim("t", "h0") is None  # evicted: no turn can present it
 
 
 def test_idle_bundle_uses_under_a_fifth_of_a_core(pair: PDPair) -> None:
