@@ -18,25 +18,13 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks._procs import free_ports  # noqa: F401 - the tests' port picker too
+
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct loopback ports free right now (held open together while picking)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def vllm_available() -> bool:

@@ -12,13 +12,12 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
-from collections import deque
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "router"))
 
-from fakes import FakeCluster, FakeNode, Reply, decode_ids
+from fakes import FakeCluster, Reply, decode_ids, serve_pair
 
 _MARKER_RE = re.compile(r"\[\[s=([\w.-]+) t=(\d+)\]\]")
 
@@ -51,18 +50,7 @@ def make_cluster() -> PruningCluster:
 
 
 async def main(p_port: int, d_port: int) -> None:
-    import uvicorn
-
-    cluster = make_cluster()
-    servers = []
-    for role, port in (("prefill", p_port), ("decode", d_port)):
-        node = FakeNode(cluster, role, 0)
-        node.requests = deque(maxlen=64)  # type: ignore[assignment]
-        node.tokenize_requests = deque(maxlen=64)  # type: ignore[assignment]
-        config = uvicorn.Config(node.app, host="127.0.0.1", port=port, log_level="warning",
-                                access_log=False, backlog=4096)
-        servers.append(uvicorn.Server(config))
-    await asyncio.gather(*(s.serve() for s in servers))
+    await serve_pair(make_cluster(), p_port, d_port, bounded_logs=True)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ the numbers would measure the fight.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -20,6 +19,8 @@ from typing import Literal, Self
 import httpx
 import psutil
 from pydantic import BaseModel, ConfigDict
+
+from benchmarks._procs import free_ports
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -58,20 +59,6 @@ class Endpoint:
     base_url: str  # ends in /v1
     model: str
     log_dir: Path
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct loopback ports free right now (held open together while picking)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def foreign_vllm() -> list[str]:

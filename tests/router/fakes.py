@@ -658,3 +658,21 @@ async def router_stack(*, n_prefill: int = 1, n_decode: int = 1, settings: Any =
         url = await stack.enter_async_context(serve(app))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
         yield Stack(cluster, prefill, decode, url, app, client)
+
+
+async def serve_pair(cluster: FakeCluster, p_port: int, d_port: int, *,
+                     bounded_logs: bool = False) -> None:
+    """Serve one fake P and one fake D node on loopback ports until cancelled (the
+    benchmarks' backends). `bounded_logs` keeps only the last requests (long runs)."""
+    import uvicorn
+
+    servers = []
+    for role, port in (("prefill", p_port), ("decode", d_port)):
+        node = FakeNode(cluster, role, 0)
+        if bounded_logs:
+            node.requests = deque(maxlen=64)  # type: ignore[assignment]
+            node.tokenize_requests = deque(maxlen=64)  # type: ignore[assignment]
+        config = uvicorn.Config(node.app, host="127.0.0.1", port=port, log_level="warning",
+                                access_log=False, backlog=4096)
+        servers.append(uvicorn.Server(config))
+    await asyncio.gather(*(srv.serve() for srv in servers))
