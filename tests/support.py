@@ -188,7 +188,7 @@ def bundle_config(run_dir: Path, **overrides: object):
 def start_bundle(config):
     """Start a bundle with the package's own launcher; returns (handle, Bundle)."""
     from kvagent_server.inputs import gather_inputs
-    from kvagent_server.nodes import Bundle
+    from kvagent_server.supervisor import Bundle
 
     bundle = Bundle(config, inputs=gather_inputs(config))
     bundle.start(wait=True)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
-from kvagent._protocol import BODY_FIELD, CACHE_TOKEN_HEADER, SESSION_HEADER
+from kvagent.protocol import BODY_FIELD, CACHE_TOKEN_HEADER, SESSION_HEADER
 
 
 @dataclass

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 import httpx
-from kvagent._protocol import RESPONSE_CACHE_TOKEN, RESPONSE_PATH, RESPONSE_REUSED_TOKENS
+from kvagent.protocol import RESPONSE_CACHE_TOKEN, RESPONSE_PATH, RESPONSE_REUSED_TOKENS
 
 from .client import chat_body, session_headers, stream_chat
 from .results import RequestRecord

@@ -1,5 +1,5 @@
 """Bring each benchmark configuration up and down: the kvagent bundle (router + P/D nodes)
-through `kvagent_server.nodes.Bundle`, and a plain aggregated vLLM node.
+through `kvagent_server.supervisor.Bundle`, and a plain aggregated vLLM node.
 
 Only one configuration runs at a time: on a small CPU box two would fight for the cores and
 the numbers would measure the fight.
@@ -141,7 +141,7 @@ def bundle(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int,
            startup_timeout_s: float) -> Iterator[Endpoint]:
     """The kvagent bundle on free loopback ports, run directory inside `work_dir`."""
     from kvagent_server.config import validate_config
-    from kvagent_server.nodes import Bundle
+    from kvagent_server.supervisor import Bundle
 
     p_http, p_side, d_http, d_side, router_port = free_ports(5)
     cfg = validate_config({

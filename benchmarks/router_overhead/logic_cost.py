@@ -17,13 +17,14 @@ import statistics
 import time
 from collections.abc import AsyncIterator
 
-from kvagent_server.router import planner
-from kvagent_server.router.keys import KeyRing
-from kvagent_server.router.legs import decode_body, prefill_body
-from kvagent_server.router.relay import Capture, Final, Scrubber, relay_sse
-from kvagent_server.router.request import session_and_token, validate
-from kvagent_server.router.state import Handle, MemoryStore, new_handle_id
-from kvagent_server.router.token import TokenCodec
+from kvagent_server.router.auth.cache_token import TokenCodec
+from kvagent_server.router.auth.keys import KeyRing
+from kvagent_server.router.http.request import session_and_token, validate
+from kvagent_server.router.reuse import planner
+from kvagent_server.router.store.handle import Handle, new_handle_id
+from kvagent_server.router.store.memory import MemoryStore
+from kvagent_server.router.turns.legs import decode_body, prefill_body
+from kvagent_server.router.turns.relay import Capture, Final, Scrubber, relay_sse
 
 BLOCK = 128
 

@@ -17,7 +17,7 @@ from typing import Any, Literal, Self, TypedDict, Unpack
 import httpx
 from pydantic import BaseModel, ConfigDict
 
-from . import _protocol as proto
+from . import protocol as proto
 from . import _wire
 from ._exceptions import APIConnectionError, APIStatusError
 from ._request import ChatRequest, build_chat_request

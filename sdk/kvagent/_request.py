@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import _protocol as proto
+from . import protocol as proto
 
 __all__ = ["RESERVED_BODY_FIELDS", "ChatRequest", "build_chat_request", "encode_body"]
 

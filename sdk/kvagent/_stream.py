@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-from . import _protocol as proto
+from . import protocol as proto
 from ._exceptions import MalformedStream, StreamInterrupted
 from ._sse import ServerSentEvent
 from .events import TextDelta, ToolCallDelta

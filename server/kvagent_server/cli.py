@@ -193,7 +193,7 @@ def up(
     Foreground by default: Ctrl-C stops everything. With --detach, stop with `down`.
     """
     from kvagent_server.inputs import gather_inputs
-    from kvagent_server.nodes import Bundle, BundleError, run_foreground
+    from kvagent_server.supervisor import Bundle, BundleError, run_foreground
 
     cfg = _config(config, name=name, run_dir=run_dir, model=model,
                   served_model_name=served_model_name, device=device, prefill=prefill,
@@ -231,7 +231,7 @@ def up(
 
 def _up_detached(cfg: BundleConfig, bundle: Any) -> int:
     """Run the supervisor as a daemon and wait (with progress) until it reports healthy."""
-    from kvagent_server.nodes import BundleError, _write_private
+    from kvagent_server.supervisor import BundleError, _write_private
 
     run_dir = cfg.resolved_run_dir()
     try:
@@ -246,7 +246,7 @@ def _up_detached(cfg: BundleConfig, bundle: Any) -> int:
     _write_private(cfg_path, json.dumps(dump_config(cfg), indent=2))
     with open(run_dir / SUPERVISOR_LOG, "ab") as log:
         daemon = subprocess.Popen(
-            [sys.executable, "-m", "kvagent_server.nodes", "--config", str(cfg_path)],
+            [sys.executable, "-m", "kvagent_server.supervisor", "--config", str(cfg_path)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, close_fds=True,
         )
@@ -342,7 +342,7 @@ def status(config: ConfigOpt = None, name: NameOpt = None, run_dir: RunDirOpt = 
 
     Exit code 0 when every process is healthy, 1 otherwise.
     """
-    from kvagent_server.nodes import probe
+    from kvagent_server.supervisor import probe
 
     rd = _run_dir(config, name, run_dir)
     state = load_state(rd)

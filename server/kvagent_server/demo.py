@@ -241,7 +241,7 @@ def run_demo(*, model: str | None = None, keep_running: bool = False, turns: int
     """Start the bundle, run the agent, print the table, stop everything (also on Ctrl-C)."""
     from kvagent_server.config import ConfigError
     from kvagent_server.inputs import gather_inputs
-    from kvagent_server.nodes import Bundle, BundleError
+    from kvagent_server.supervisor import Bundle, BundleError
 
     if not 1 <= turns <= len(USER_TURNS):
         console.print(f"[red]--turns must be between 1 and {len(USER_TURNS)}[/]")

@@ -1,6 +1,6 @@
 """The run directory's state file: what is running, where, and how it has fared.
 
-Written by the supervisor (`nodes.Bundle`) on every change, read by `status`, `down` and a
+Written by the supervisor (`supervisor.Bundle`) on every change, read by `status`, `down` and a
 detached `up` waiting for its daemon. Atomic writes (rename), so readers never see half.
 """
 

@@ -48,7 +48,7 @@ GREEDY: dict[str, Any] = {"temperature": 0.0}
 class E2E:
     """The running bundle and what the tests need to drive and hurt it."""
 
-    bundle: Any  # kvagent_server.nodes.Bundle
+    bundle: Any  # kvagent_server.supervisor.Bundle
     base_url: str
     router_url: str
     model: str

@@ -44,8 +44,8 @@ def checked_send(e: E2E, s: Any, content: Any, opts: dict[str, Any]) -> Any:
 
 
 def codec():
-    from kvagent_server.router.keys import KeyRing
-    from kvagent_server.router.token import TokenCodec
+    from kvagent_server.router.auth.cache_token import TokenCodec
+    from kvagent_server.router.auth.keys import KeyRing
 
     return TokenCodec(KeyRing({SIGNING_KID: SIGNING_KEY.encode()}, SIGNING_KID))
 
@@ -223,7 +223,7 @@ def test_blocks_expired_on_decode_recompute(e2e: E2E) -> None:
     Simulated by re-dating the router's record of a handle past D's TTL."""
     import asyncio
 
-    from kvagent_server.router.state_redis import RedisStore
+    from kvagent_server.router.store.redis_store import RedisStore
 
     from .conftest import TTL_S
 

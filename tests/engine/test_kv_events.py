@@ -41,9 +41,9 @@ async def _wait_for(index, name: str, keys: list[int], timeout: float = 60.0) ->
 
 
 async def test_router_hashes_equal_the_node_published_hashes(tmp_path: Path) -> None:
-    from kvagent_server.router.kv_events import KVEventSubscriber
-    from kvagent_server.router.kv_hash import BlockHasher
-    from kvagent_server.router.kv_index import KVEventSource, KVIndex
+    from kvagent_server.router.kv.events import KVEventSubscriber
+    from kvagent_server.router.kv.hashing import BlockHasher
+    from kvagent_server.router.kv.index import KVEventSource, KVIndex
 
     endpoint = f"ipc://{tmp_path}/kv-events.ipc"
     events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,

@@ -227,8 +227,9 @@ async def test_watermark_guard_evicts_and_releases_on_a_real_decode_node(pair: P
     """The router's retention guard against real vLLM: D's real `/metrics` trip the
     watermark, the oldest handle leaves the store and D frees its blocks at once."""
     import httpx
-    from kvagent_server.router.retention import RetentionGuard
-    from kvagent_server.router.state import Handle, MemoryStore
+    from kvagent_server.router.store.handle import Handle
+    from kvagent_server.router.store.memory import MemoryStore
+    from kvagent_server.router.turns.retention import RetentionGuard
 
     kept = _turn1_on_d(pair, _prompt(10, 700), 4)
     old = _turn1_on_d(pair, _prompt(11, 700), 4)

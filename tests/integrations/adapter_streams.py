@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from kvagent import _protocol as proto
+from kvagent import protocol as proto
 
 DATA = Path(__file__).parent / "data"
 

@@ -12,7 +12,7 @@ import pytest
 from fakes import FakeCluster, Reply, Stack, router_stack
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from kvagent_server.router.request import HTTPError, parse_json, validate
+from kvagent_server.router.http.request import HTTPError, parse_json, validate
 from reliability_support import LoopBridge, is_openai_error, leaks
 
 MODEL = "fake-model"

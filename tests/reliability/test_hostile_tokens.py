@@ -22,8 +22,8 @@ from typing import Any
 from fakes import FakeCluster, Stack, decode_ids, router_stack
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
-from kvagent_server.router.keys import KeyRing
-from kvagent_server.router.token import TokenCodec
+from kvagent_server.router.auth.cache_token import TokenCodec
+from kvagent_server.router.auth.keys import KeyRing
 from reliability_support import LoopBridge, leaks
 
 TENANTS = [{"name": "acme", "api_keys": ["sk-acme-0123456789"], "max_concurrent_streams": 8},

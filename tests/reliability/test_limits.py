@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 from fakes import FakeCluster, FakeNode, Reply, Stack, router_stack, serve
-from kvagent_server.router.app import create_app
+from kvagent_server.router.http.app import create_app
 from kvagent_server.router.settings import RouterSettings
 from reliability_support import is_openai_error
 from starlette.responses import Response, StreamingResponse

@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 from fakes import FakeCluster, FakeNode, Stack, router_stack, serve
-from kvagent_server.router.app import create_app
+from kvagent_server.router.http.app import create_app
 from kvagent_server.router.settings import RouterSettings
-from kvagent_server.router.state_redis import RedisStore
+from kvagent_server.router.store.redis_store import RedisStore
 
 MODEL = "fake-model"
 LONG = "Please keep all of this context in mind for later questions. " * 5

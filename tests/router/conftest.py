@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from kvagent_server.router.state_redis import RedisStore
+from kvagent_server.router.store.redis_store import RedisStore
 
 
 @pytest.fixture

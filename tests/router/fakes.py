@@ -637,7 +637,7 @@ async def router_stack(*, n_prefill: int = 1, n_decode: int = 1, settings: Any =
                        **settings_kw: Any) -> AsyncIterator[Stack]:
     """Start fake nodes and a router (uvicorn, real sockets) for one test."""
     import httpx
-    from kvagent_server.router.app import create_app
+    from kvagent_server.router.http.app import create_app
     from kvagent_server.router.settings import RouterSettings
 
     cluster = cluster or FakeCluster()

@@ -599,7 +599,7 @@ async def test_models_health_ready_metrics() -> None:
 
 
 async def test_spans_per_turn_and_leg(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvagent_server.router import telemetry
+    from kvagent_server.router.telemetry import spans as telemetry
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -633,7 +633,7 @@ async def test_spans_per_turn_and_leg(monkeypatch: pytest.MonkeyPatch) -> None:
 async def test_negative_control_unverified_reuse_is_caught(monkeypatch: pytest.MonkeyPatch
                                                            ) -> None:
     """The fakes catch a router that reuses unverified KV: this suite can fail."""
-    from kvagent_server.router import planner
+    from kvagent_server.router.reuse import planner
 
     original = planner.plan_reuse
 

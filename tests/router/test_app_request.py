@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kvagent_server.router.request import HTTPError, session_and_token, validate
+from kvagent_server.router.http.request import HTTPError, session_and_token, validate
 
 
 def test_header_wins_then_body_object_then_alias_and_body_forms_removed() -> None:

@@ -8,9 +8,9 @@ from typing import Any
 
 import msgspec
 import pytest
-from kvagent_server.router.kv_events import BadBatch, decode_batch, parse_message
-from kvagent_server.router.kv_hash import DEFAULT_SEED, BlockHasher, HashUnavailable, event_key
-from kvagent_server.router.kv_index import (
+from kvagent_server.router.kv.events import BadBatch, decode_batch, parse_message
+from kvagent_server.router.kv.hashing import DEFAULT_SEED, BlockHasher, HashUnavailable, event_key
+from kvagent_server.router.kv.index import (
     Cleared,
     KVEventSource,
     KVIndex,

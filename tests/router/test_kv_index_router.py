@@ -17,10 +17,10 @@ import msgspec
 import pytest
 import zmq
 from fakes import Stack, render_prompt, router_stack
-from kvagent_server.router import kv_placement
-from kvagent_server.router.kv_hash import BlockHasher
-from kvagent_server.router.kv_index import KVEventSource
+from kvagent_server.router.kv.hashing import BlockHasher
+from kvagent_server.router.kv.index import KVEventSource
 from kvagent_server.router.settings import RouterSettings
+from kvagent_server.router.turns import kv_placement
 
 TEXT = "Summarise the quarterly report for the board, section by section. " * 4
 BLOCK = 16  # the fake cluster's block size
@@ -140,7 +140,7 @@ async def test_one_prefill_node_never_tokenizes_for_placement(tmp_path: Path) ->
 
 
 def test_unreproducible_sources_get_no_subscription() -> None:
-    from kvagent_server.router.nodes import NodeRegistry
+    from kvagent_server.router.turns.nodes import NodeRegistry
 
     reg = NodeRegistry(["http://p:1"], ["http://d:1"])
     bad = RouterSettings(kv_events={"http://p:1": KVEventSource(endpoint="ipc:///x",

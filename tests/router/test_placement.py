@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from kvagent_server.router.placement import NodeState, pick_decode, pick_prefill
+from kvagent_server.router.reuse.placement import NodeState, pick_decode, pick_prefill
 
 
 def node(node_id: str, role: str = "decode", *, healthy: bool = True, in_flight: int = 0,

@@ -10,20 +10,20 @@ from types import SimpleNamespace
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvagent_server.router.planner import (
+from kvagent_server.router.reuse import transfer
+from kvagent_server.router.reuse.planner import (
     CostModel,
     LinearCost,
     PathCosts,
     ReusePlan,
     choose_path,
     common_prefix_len,
-    fresh_transfer_params,
     plan_reuse,
     release_transfer_params,
     retained_tokens,
     reuse_transfer_params,
 )
-from kvagent_server.router.state import Handle
+from kvagent_server.router.store.handle import Handle
 
 NOW = 1_800_000_000.0
 BS = 16
@@ -299,7 +299,7 @@ def test_reuse_params_refuse_an_unusable_layout() -> None:
 
 
 def test_fresh_and_release_params() -> None:
-    assert fresh_transfer_params() == {"do_remote_decode": True, "do_remote_prefill": False}
+    assert transfer.fresh() == {"do_remote_decode": True, "do_remote_prefill": False}
     h = make_handle(CACHED)
     rel = release_transfer_params(h)
     assert rel["remote_num_tokens"] == 0

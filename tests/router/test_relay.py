@@ -6,7 +6,7 @@ import json
 from collections.abc import AsyncIterator
 
 import pytest
-from kvagent_server.router.relay import Capture, Final, Scrubber, relay_sse, rewrite_response
+from kvagent_server.router.turns.relay import Capture, Final, Scrubber, relay_sse, rewrite_response
 
 KV = {"do_remote_prefill": False, "do_remote_decode": True, "remote_engine_id": "eng-d",
       "remote_request_id": "r1", "remote_host": "10.0.0.9", "remote_port": 5601,

@@ -7,16 +7,15 @@ import time
 
 import pytest
 from fakes import FakeCluster, router_stack
-from kvagent_server.router.retention import (
-    RELEASE_KEY,
+from kvagent_server.router.reuse.transfer import RELEASE_KEY, with_release
+from kvagent_server.router.store.handle import Handle, handle_blocks
+from kvagent_server.router.turns.retention import (
     NodeKV,
     ReleaseQueue,
     blocks_to_free,
     parse_node_kv,
     remote_request_id,
-    with_release,
 )
-from kvagent_server.router.state import Handle, handle_blocks
 from test_app import LONG, no_wrong_kv, turn
 
 

@@ -16,20 +16,19 @@ import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, rule, run_state_machine_as_test
-from kvagent_server.router.keys import KeyRing
+from kvagent_server.router.auth.keys import KeyRing
 from kvagent_server.router.settings import RouterSettings
-from kvagent_server.router.state import (
+from kvagent_server.router.store.base import SessionStore
+from kvagent_server.router.store.factory import key_ring_for, make_store
+from kvagent_server.router.store.handle import (
     Handle,
-    MemoryStore,
-    SessionStore,
     handle_meta,
-    key_ring_for,
-    make_store,
     new_handle_id,
     pack_handle,
     unpack_handle,
 )
-from kvagent_server.router.state_redis import RedisStore
+from kvagent_server.router.store.memory import MemoryStore
+from kvagent_server.router.store.redis_store import RedisStore
 
 
 class FakeClock:

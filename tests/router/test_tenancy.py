@@ -5,14 +5,14 @@ from __future__ import annotations
 import logging
 
 import pytest
-from kvagent_server.router.settings import RouterSettings, TenantSettings
-from kvagent_server.router.tenancy import (
+from kvagent_server.router.auth.tenancy import (
     DEFAULT_TENANT,
     AuthError,
     TenantResolver,
     bearer_key,
     derive_cache_salt,
 )
+from kvagent_server.router.settings import RouterSettings, TenantSettings
 
 
 def two_tenants() -> RouterSettings:

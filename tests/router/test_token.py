@@ -8,16 +8,16 @@ import hmac
 import json
 
 import pytest
-from kvagent._protocol import MAX_TOKEN_BYTES
-from kvagent_server.router.keys import KeyRing
-from kvagent_server.router.settings import RouterSettings
-from kvagent_server.router.token import (
+from kvagent.protocol import MAX_TOKEN_BYTES
+from kvagent_server.router.auth.cache_token import (
     TOKEN_PREFIX,
     TokenClaims,
     TokenCodec,
     TokenError,
     verify_binding,
 )
+from kvagent_server.router.auth.keys import KeyRing
+from kvagent_server.router.settings import RouterSettings
 
 KEY_A = b"A" * 32
 KEY_B = b"B" * 32

@@ -6,9 +6,14 @@ import string
 
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from kvagent._protocol import MAX_TOKEN_BYTES
-from kvagent_server.router.keys import KeyRing
-from kvagent_server.router.token import TokenClaims, TokenCodec, TokenError, verify_binding
+from kvagent.protocol import MAX_TOKEN_BYTES
+from kvagent_server.router.auth.cache_token import (
+    TokenClaims,
+    TokenCodec,
+    TokenError,
+    verify_binding,
+)
+from kvagent_server.router.auth.keys import KeyRing
 
 RING = KeyRing({"k1": b"1" * 32, "k2": b"2" * 32}, "k2")
 CODEC = TokenCodec(RING)

@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from kvagent_server.router.legs import LegError, Legs
-from kvagent_server.router.nodes import Node
-from kvagent_server.router.upstream import (
+from kvagent_server.router.turns.legs import LegError, Legs
+from kvagent_server.router.turns.nodes import Node
+from kvagent_server.router.turns.upstream import (
     ConnectFailed,
     NodeClient,
     StaleConnection,

@@ -16,7 +16,7 @@ from kvagent import (
     TextDelta,
     tool,
 )
-from kvagent._protocol import CACHE_TOKEN_HEADER
+from kvagent.protocol import CACHE_TOKEN_HEADER
 from sdk_helpers import BASE_URL, MODEL, FakeServer, error_response, sse, stream_response
 
 TOKEN_1 = json.loads(sse("router_text.sse").split(b"data: ")[-2])["kvagent"]["cache_token"]

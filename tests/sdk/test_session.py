@@ -22,7 +22,7 @@ from kvagent import (
     UserMessage,
     tool,
 )
-from kvagent._protocol import CACHE_TOKEN_HEADER, SESSION_HEADER, valid_session_id
+from kvagent.protocol import CACHE_TOKEN_HEADER, SESSION_HEADER, valid_session_id
 from sdk_helpers import (
     BASE_URL,
     MODEL,

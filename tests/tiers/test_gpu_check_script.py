@@ -13,8 +13,8 @@ from pathlib import Path
 import msgspec
 import pytest
 import zmq
-from kvagent_server.router.kv_hash import BlockHasher
-from kvagent_server.router.kv_index import KVEventSource, KVIndex, Removed, Stored
+from kvagent_server.router.kv.hashing import BlockHasher
+from kvagent_server.router.kv.index import KVEventSource, KVIndex, Removed, Stored
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))

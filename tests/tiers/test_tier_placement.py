@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from kvagent_server.router.placement import (
+from kvagent_server.router.kv.tiers import NodeTierHits, TierCosts
+from kvagent_server.router.reuse.placement import (
     NodeState,
     consult_tiers,
     pick_prefill,
     pick_prefill_by_tiers,
 )
-from kvagent_server.tiers import NodeTierHits, TierCosts
 
 
 def p(name: str, in_flight: int = 0, *, healthy: bool = True, cap: int = 8,

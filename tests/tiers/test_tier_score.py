@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from kvagent_server.tiers import NodeTierHits, TierCosts, rank_nodes, tier_score
+from kvagent_server.router.kv.tiers import NodeTierHits, TierCosts, rank_nodes, tier_score
 
 COSTS = TierCosts(recompute_s_per_token=1e-3, gpu_s_per_token=0.0, cpu_s_per_token=1e-4,
                   disk_s_per_token=4e-4, queue_s_per_request=0.5)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from .. import _protocol as proto
+from .. import protocol as proto
 from ..messages import ToolCall
 from ..results import TurnResult, Usage
 

@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from .settings import RouterSettings
+from kvagent_server.router.settings import RouterSettings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
     from pydantic import ValidationError
 
-    from .app import create_app
+    from kvagent_server.router.http.app import create_app
 
     args = parse_args(argv)
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from .kv_index import KVEventSource
+from kvagent_server.router.kv.index import KVEventSource
 
 
 class TenantSettings(BaseModel):

@@ -33,14 +33,13 @@ from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
+# The router's transfer vocabulary: one definition of the release key and its bound.
+from kvagent_server.router.reuse.transfer import MAX_RELEASES_PER_REQUEST, RELEASE_KEY
+
 logger = logging.getLogger("vllm.kvagent")
 
 TARGET_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler"
 
-#: The `kv_transfer_params` key carrying request ids to release (see module docstring).
-RELEASE_KEY = "kvagent_release"
-#: At most this many ids per request: a bound on what one request body can make us do.
-MAX_RELEASES_PER_REQUEST = 256
 
 
 def release_ids(params: dict[str, Any] | None) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..tiers import NodeTierHits, TierCosts, rank_nodes
+from kvagent_server.router.kv.tiers import NodeTierHits, TierCosts, rank_nodes
 
 #: Why a P node was chosen: by load alone, by a tier hit, by load after the index found
 #: no hit, or none healthy.

@@ -17,8 +17,8 @@ from typing import Literal
 
 import httpx
 
-from .periodic import Periodic
-from .placement import NodeState
+from kvagent_server.router.common.periodic import Periodic
+from kvagent_server.router.reuse.placement import NodeState
 
 log = logging.getLogger("kvagent.router.nodes")
 _BLOCK_SIZE_RE = re.compile(r'[{,]block_size="(\d+)"')

@@ -14,18 +14,26 @@ handle keys from the pointer they read, so this layout needs a single (non-clust
 
 from __future__ import annotations
 
+import functools
 import logging
 import secrets
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, ParamSpec, TypeVar
 from urllib.parse import quote
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from .keys import KeyRing
-from .state import Handle, handle_blocks, handle_meta, pack_handle, unpack_handle
+from kvagent_server.router.auth.keys import KeyRing
+from kvagent_server.router.store.base import StoreUnavailable
+from kvagent_server.router.store.handle import (
+    Handle,
+    handle_blocks,
+    handle_meta,
+    pack_handle,
+    unpack_handle,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +68,24 @@ local id = redis.call('GET', KEYS[1])
 if not id then return false end
 return redis.call('GET', ARGV[1] .. id)
 """
+
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def _unavailable(method: Callable[_P, Awaitable[_T]]) -> Callable[_P, Awaitable[_T]]:
+    """Redis and socket errors leave the store as `StoreUnavailable`, the store contract's
+    one error, so callers never depend on the Redis client's exception types."""
+
+    @functools.wraps(method)
+    async def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> _T:
+        try:
+            return await method(*args, **kwargs)
+        except (RedisError, OSError, TimeoutError) as exc:
+            raise StoreUnavailable(f"{type(exc).__name__}: {exc}") from exc
+
+    return wrapper
 
 
 def _q(part: str) -> str:
@@ -107,6 +133,7 @@ class RedisStore:
         handle = unpack_handle(data)
         return None if handle.expired(self._clock()) else handle
 
+    @_unavailable
     async def put(self, handle: Handle) -> None:
         now = self._clock()
         ttl_ms = int((handle.expires_at - now) * 1000)
@@ -121,21 +148,25 @@ class RedisStore:
             args=[pack_handle(handle), handle.handle_id, ttl_ms, repr(handle.expires_at),
                   repr(now)])
 
+    @_unavailable
     async def claim(self, tenant: str, handle_id: str) -> Handle | None:
         if not handle_id or ":" in handle_id or "/" in handle_id:
             return None
         return self._live(await self._r.getdel(self._handle_key(tenant, handle_id)))
 
+    @_unavailable
     async def claim_latest(self, tenant: str, session: str) -> Handle | None:
         data = await self._claim_latest(keys=[self._latest_key(tenant, session)],
                                         args=[self._handle_prefix(tenant)])
         return self._live(data)
 
+    @_unavailable
     async def peek_latest(self, tenant: str, session: str) -> Handle | None:
         data = await self._peek_latest(keys=[self._latest_key(tenant, session)],
                                        args=[self._handle_prefix(tenant)])
         return self._live(data)
 
+    @_unavailable
     async def drop_node(self, decode_node: str, *, keep_epoch: str | None = None) -> int:
         nkey = self._node_key(decode_node)
         members: list[bytes] = await self._r.zrange(nkey, 0, -1)
@@ -162,6 +193,7 @@ class RedisStore:
                 await pipe.execute()
         return len(dropped)
 
+    @_unavailable
     async def evict_oldest(self, decode_node: str, min_blocks: int,
                            max_handles: int) -> list[Handle]:
         nkey = self._node_key(decode_node)
@@ -199,6 +231,7 @@ class RedisStore:
 
     # -------------------------------------------------------------- shared signing key
 
+    @_unavailable
     async def shared_key_ring(self) -> KeyRing:
         """A signing key every replica agrees on: the first replica to start stores it."""
         key = f"{self._prefix}:signing_key"

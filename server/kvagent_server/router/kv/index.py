@@ -26,8 +26,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..tiers import NodeTierHits, TierName
-from .kv_hash import HashAlgo
+from kvagent_server.router.kv.hashing import HashAlgo
+from kvagent_server.router.kv.tiers import NodeTierHits, TierName
 
 MEDIUM_TIERS: dict[str | None, TierName] = {None: "gpu", "GPU": "gpu", "CPU": "cpu",
                                             "STORAGE": "disk"}

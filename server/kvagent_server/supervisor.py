@@ -4,7 +4,7 @@
         print(bundle.router_url, bundle.node_urls("decode"))
 
 `kvagent-server up` is this class plus signal handling; `up --detach` runs it in a daemon
-(`python -m kvagent_server.nodes --config FILE`) and waits on the state file.
+(`python -m kvagent_server.supervisor --config FILE`) and waits on the state file.
 """
 
 from __future__ import annotations
@@ -441,8 +441,8 @@ def run_foreground(bundle: Bundle, *, wait: Callable[[Bundle], None] | None = No
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kvagent_server.nodes --config FILE`: the detached supervisor daemon."""
-    parser = argparse.ArgumentParser(prog="python -m kvagent_server.nodes")
+    """`python -m kvagent_server.supervisor --config FILE`: the detached supervisor daemon."""
+    parser = argparse.ArgumentParser(prog="python -m kvagent_server.supervisor")
     parser.add_argument("--config", required=True, type=Path,
                         help="a config JSON written by `kvagent-server up --detach`")
     args = parser.parse_args(argv)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .settings import RouterSettings
+    from kvagent_server.router.settings import RouterSettings
 
 #: Key ids travel inside every token: short, and from the URL-safe alphabet.
 KID_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")

@@ -16,10 +16,10 @@ import json
 import re
 from typing import Literal
 
-from kvagent._protocol import MAX_TOKEN_BYTES
+from kvagent.protocol import MAX_TOKEN_BYTES
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .keys import KeyRing
+from kvagent_server.router.auth.keys import KeyRing
 
 TOKEN_PREFIX = "kva1"
 TokenErrorReason = Literal["malformed", "bad_signature", "unknown_key", "expired", "too_long"]

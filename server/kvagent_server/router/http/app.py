@@ -22,13 +22,11 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from . import fastjson, kv_placement
-from .legs import LegError, Legs
-from .limits import GuardedStream, HeaderLimit
-from .metrics import CONTENT_TYPE, RouterMetrics
-from .nodes import NodeRegistry
-from .relay import Scrubber, relay_sse, rewrite_response
-from .request import (
+from kvagent_server.router.auth.cache_token import TokenCodec
+from kvagent_server.router.auth.tenancy import AuthError, TenantResolver
+from kvagent_server.router.common import fastjson
+from kvagent_server.router.http.limits import GuardedStream, HeaderLimit
+from kvagent_server.router.http.request import (
     ClientGone,
     HTTPError,
     error_response,
@@ -37,14 +35,19 @@ from .request import (
     session_and_token,
     validate,
 )
-from .retention import RetentionGuard
-from .settings import RouterSettings
-from .state import MemoryStore, SessionStore, key_ring_for, make_store
-from .telemetry import record_error, record_outcome, start_turn
-from .tenancy import AuthError, TenantResolver
-from .token import TokenCodec
-from .turn import Router, Turn, TurnRequest, plan_turn
-from .upstream import UpstreamError
+from kvagent_server.router.settings import RouterSettings
+from kvagent_server.router.store.base import SessionStore
+from kvagent_server.router.store.factory import key_ring_for, make_store
+from kvagent_server.router.store.memory import MemoryStore
+from kvagent_server.router.telemetry.metrics import CONTENT_TYPE, RouterMetrics
+from kvagent_server.router.telemetry.spans import record_error, record_outcome, start_turn
+from kvagent_server.router.turns import kv_placement
+from kvagent_server.router.turns.legs import LegError, Legs
+from kvagent_server.router.turns.nodes import NodeRegistry
+from kvagent_server.router.turns.orchestrate import Router, Turn, TurnRequest, plan_turn
+from kvagent_server.router.turns.relay import Scrubber, relay_sse, rewrite_response
+from kvagent_server.router.turns.retention import RetentionGuard
+from kvagent_server.router.turns.upstream import UpstreamError
 
 log = logging.getLogger("kvagent.router")
 T = TypeVar("T")

@@ -19,9 +19,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .nodes import Node
-from .tokenize import CHAT_TEMPLATE_FIELDS
-from .upstream import ConnectFailed, NodeClient, NodeResponse, StaleConnection, UpstreamError
+from kvagent_server.router.reuse import transfer
+from kvagent_server.router.turns.nodes import Node
+from kvagent_server.router.turns.prompt_ids import CHAT_TEMPLATE_FIELDS
+from kvagent_server.router.turns.upstream import (
+    ConnectFailed,
+    NodeClient,
+    NodeResponse,
+    StaleConnection,
+    UpstreamError,
+)
 
 log = logging.getLogger("kvagent.router.legs")
 
@@ -32,9 +39,6 @@ _PREFILL_DROP = ("stream_options", "min_tokens", "logprobs", "top_logprobs", "ec
                  "return_token_ids")
 
 _background: set[asyncio.Future[bool]] = set()
-
-FRESH_PARAMS: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
-
 
 class LegError(Exception):
     """A leg failed before its first byte on every node tried. `status` is for the client."""
@@ -169,12 +173,12 @@ class Legs:
     async def prefill(self, candidates: Sequence[Node], path: str, body: dict[str, Any],
                       kv_params: dict[str, Any], headers: dict[str, str]) -> PrefillResult:
         """Run the P leg on the first candidate that answers; a failed pull re-runs fresh."""
-        reuse = kv_params is not FRESH_PARAMS and bool(kv_params.get("remote_block_ids"))
+        reuse = transfer.offers_remote_blocks(kv_params)
         pull_failed = False
         last: LegError | None = None
         for node in list(candidates)[: self.max_retries + 1]:
             started = time.perf_counter()
-            params = FRESH_PARAMS if pull_failed else kv_params
+            params = transfer.fresh() if pull_failed else kv_params
             try:
                 resp = await self._post(node, path, prefill_body(body, params), headers,
                                         stream=False)
@@ -189,7 +193,7 @@ class Legs:
                 log.info("reuse pull failed on %s (%d); recomputing", node.name,
                          resp.status_code)
                 try:
-                    resp = await self._post(node, path, prefill_body(body, FRESH_PARAMS),
+                    resp = await self._post(node, path, prefill_body(body, transfer.fresh()),
                                             headers, stream=False)
                 except UpstreamError:
                     last = LegError("prefill node unreachable", leg="prefill")

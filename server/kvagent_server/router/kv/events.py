@@ -19,8 +19,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from .kv_hash import event_key
-from .kv_index import Cleared, Event, KVEventSource, KVIndex, Removed, Stored
+from kvagent_server.router.kv.hashing import event_key
+from kvagent_server.router.kv.index import Cleared, Event, KVEventSource, KVIndex, Removed, Stored
 
 log = logging.getLogger("kvagent.router.kv_events")
 _SEQ_BYTES = 8

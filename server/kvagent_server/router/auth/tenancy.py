@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .settings import RouterSettings, TenantSettings
+from kvagent_server.router.settings import RouterSettings, TenantSettings
 
 DEFAULT_TENANT = "default"
 _SALT_CONTEXT = b"kvagent/cache_salt/v1"

@@ -11,7 +11,7 @@ import math
 import re
 from typing import Any
 
-from kvagent._protocol import (
+from kvagent.protocol import (
     BODY_CACHE_TOKEN,
     BODY_FIELD,
     BODY_SESSION_ID,

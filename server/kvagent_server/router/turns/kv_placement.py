@@ -11,17 +11,17 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ..tiers import NodeTierHits, TierCosts
-from . import placement
-from .kv_hash import BlockHasher, HashUnavailable
-from .kv_index import KVEventSource, KVIndex, sources_by_node
-from .nodes import Node, NodeRegistry
-from .placement import NodeState, PrefillReason
-from .settings import RouterSettings
-from .tokenize import TokenizeError, tokenize
+from kvagent_server.router.kv.hashing import BlockHasher, HashUnavailable
+from kvagent_server.router.kv.index import KVEventSource, KVIndex, sources_by_node
+from kvagent_server.router.kv.tiers import NodeTierHits, TierCosts
+from kvagent_server.router.reuse import placement
+from kvagent_server.router.reuse.placement import NodeState, PrefillReason
+from kvagent_server.router.settings import RouterSettings
+from kvagent_server.router.turns.nodes import Node, NodeRegistry
+from kvagent_server.router.turns.prompt_ids import TokenizeError, tokenize
 
 if TYPE_CHECKING:
-    from .kv_events import KVEventSubscriber
+    from kvagent_server.router.kv.events import KVEventSubscriber
 
 log = logging.getLogger("kvagent.router.kv_placement")
 
@@ -99,7 +99,9 @@ def from_settings(settings: RouterSettings, registry: NodeRegistry
         log.warning("kv_events for unknown node URL(s) ignored: %s", ", ".join(sorted(unknown)))
     if not sources:
         return None, None
-    from .kv_events import KVEventSubscriber  # pyzmq only when there is something to hear
+    from kvagent_server.router.kv.events import (
+        KVEventSubscriber,  # pyzmq only when there is something to hear
+    )
 
     index = KVIndex()
     tiers = TierPlacement(index, sources, block_size=settings.block_size)

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import fastjson
+from kvagent_server.router.common import fastjson
 
 #: Top-level response fields that are internal to P/D and never reach a client.
 INTERNAL_FIELDS = ("kv_transfer_params", "ec_transfer_params")

@@ -31,19 +31,14 @@ import re
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import httpx
 
-from .periodic import Periodic
-from .state import Handle, handle_blocks
+from kvagent_server.router.common.periodic import Periodic
+from kvagent_server.router.reuse import transfer
+from kvagent_server.router.store.handle import Handle, handle_blocks
 
 log = logging.getLogger("kvagent.router.retention")
-
-#: The plugin's key (kvagent_server.vllm_plugin.retention.RELEASE_KEY).
-RELEASE_KEY = "kvagent_release"
-#: The plugin honours at most this many ids per request.
-MAX_RELEASES_PER_REQUEST = 256
 
 _USAGE_RE = re.compile(r"^vllm:kv_cache_usage_perc(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
 _BLOCKS_RE = re.compile(r'^vllm:cache_config_info\{[^}]*\bnum_gpu_blocks="(\d+)"', re.MULTILINE)
@@ -51,16 +46,8 @@ _BLOCKS_RE = re.compile(r'^vllm:cache_config_info\{[^}]*\bnum_gpu_blocks="(\d+)"
 
 def remote_request_id(handle: Handle) -> str | None:
     """The decode node's id for the request whose blocks `handle` names."""
-    rid = handle.kv_transfer_params.get("remote_request_id")
+    rid = handle.kv_transfer_params.get(transfer.REMOTE_REQUEST_ID)
     return rid if isinstance(rid, str) and rid else None
-
-
-def with_release(params: dict[str, Any], ids: Iterable[str]) -> dict[str, Any]:
-    """`params` plus the ids to release (a copy; bounded as the plugin bounds it)."""
-    wanted = [i for i in ids if i][:MAX_RELEASES_PER_REQUEST]
-    if not wanted:
-        return params
-    return {**params, RELEASE_KEY: wanted}
 
 
 @dataclass(frozen=True)
@@ -109,7 +96,7 @@ class ReleaseQueue:
         q = self._ids.setdefault(node, deque(maxlen=self._max))
         q.extend(i for i in ids if i)
 
-    def drain(self, node: str, limit: int = MAX_RELEASES_PER_REQUEST) -> list[str]:
+    def drain(self, node: str, limit: int = transfer.MAX_RELEASES_PER_REQUEST) -> list[str]:
         q = self._ids.get(node)
         if not q:
             return []
@@ -191,7 +178,7 @@ class RetentionGuard:
                 self.queue.add(name, ids)
                 return False
             body = {"model": model, "prompt": ".", "max_tokens": 1, "stream": False,
-                    "kv_transfer_params": {RELEASE_KEY: ids}}
+                    "kv_transfer_params": {transfer.RELEASE_KEY: ids}}
             try:
                 resp = await self.client.post(f"{url}/v1/completions", json=body,
                                               timeout=self.timeout_s)

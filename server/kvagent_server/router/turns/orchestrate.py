@@ -13,33 +13,31 @@ from typing import Any
 
 import httpx
 
-from . import placement, planner
-from .kv_placement import TierPlacement
-from .legs import DecodeStart, LegError, Legs, PrefillResult, decode_body, usage_cached
-from .metrics import RouterMetrics
-from .nodes import Node, NodeRegistry
-from .relay import Capture, Final
-from .retention import RetentionGuard, remote_request_id, with_release
-from .settings import RouterSettings
-from .state import Handle, SessionStore, new_handle_id
-from .telemetry import leg_span
-from .tenancy import Tenant
-from .token import TokenCodec, TokenError, verify_binding
-from .tokenize import TokenizeError, tokenize
+from kvagent_server.router.auth.cache_token import TokenCodec, TokenError, verify_binding
+from kvagent_server.router.auth.tenancy import Tenant
+from kvagent_server.router.reuse import placement, planner, transfer
+from kvagent_server.router.settings import RouterSettings
+from kvagent_server.router.store.base import SessionStore, StoreUnavailable
+from kvagent_server.router.store.handle import Handle, new_handle_id
+from kvagent_server.router.telemetry.metrics import RouterMetrics
+from kvagent_server.router.telemetry.spans import leg_span
+from kvagent_server.router.turns.kv_placement import TierPlacement
+from kvagent_server.router.turns.legs import (
+    DecodeStart,
+    LegError,
+    Legs,
+    PrefillResult,
+    decode_body,
+    usage_cached,
+)
+from kvagent_server.router.turns.nodes import Node, NodeRegistry
+from kvagent_server.router.turns.prompt_ids import TokenizeError, tokenize
+from kvagent_server.router.turns.relay import Capture, Final
+from kvagent_server.router.turns.retention import RetentionGuard, remote_request_id
 
 log = logging.getLogger("kvagent.router.turn")
 
-try:  # the Redis store's errors; the in-memory store raises none of its own
-    from redis.exceptions import RedisError as _RedisError
-except ImportError:  # pragma: no cover - redis is a server dependency
-    _RedisError = OSError  # type: ignore[misc,assignment]
 
-#: A session store that cannot be reached (Redis down) degrades reuse, never fails a turn.
-STORE_ERRORS: tuple[type[BaseException], ...] = (_RedisError, OSError, TimeoutError)
-
-#: D-leg params when P is skipped: D computes the delta itself (its prefix cache holds
-#: the session's blocks) and, being a P/D request, retains the result for the next turn.
-D_DIRECT_PARAMS: dict[str, Any] = {"do_remote_prefill": False, "do_remote_decode": False}
 
 
 @dataclass
@@ -162,7 +160,7 @@ class Turn:
             return None, 0
         try:
             await r.store.put(handle)
-        except STORE_ERRORS as exc:
+        except StoreUnavailable as exc:
             log.warning("session store unavailable (%s): no cache token this turn",
                         type(exc).__name__)
             r.metrics.miss("store_unavailable")
@@ -178,7 +176,7 @@ async def _claim(r: Router, req: TurnRequest) -> tuple[Handle | None, str | None
         return None, None
     try:
         return await _claim_from_store(r, req)
-    except STORE_ERRORS as exc:
+    except StoreUnavailable as exc:
         log.warning("session store unavailable (%s): recomputing this turn", type(exc).__name__)
         return None, "store_unavailable"
 
@@ -286,7 +284,7 @@ async def plan_turn(r: Router, req: TurnRequest) -> Turn:
                 # The superseded handle is released when this request finishes (the
                 # kvagent plugin): never offered again, it must not pin D until its TTL.
                 rid = remote_request_id(c.handle) if c.handle is not None else None
-                params = with_release(D_DIRECT_PARAMS, [rid] if rid else [])
+                params = transfer.with_release(transfer.d_direct(), [rid] if rid else [])
                 start = await r.legs.decode([c.holder], req.endpoint,
                                             decode_body(req.body, params), {},
                                             stream=req.stream)
@@ -309,7 +307,7 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
     elif c.handle is not None and c.holder is not None and r.settings.release_unused_handles:
         p_params = planner.release_transfer_params(c.handle)  # P tells D to free them
     else:
-        p_params = planner.fresh_transfer_params()
+        p_params = transfer.fresh()
     p_nodes = r.registry.ranked("prefill", c.p_first if c.p_first and c.p_first.healthy
                                 else None)
     with leg_span(req.span, "prefill") as span:
@@ -363,6 +361,6 @@ async def _affinity(r: Router, req: TurnRequest) -> str | None:
         return None
     try:
         latest = await r.store.peek_latest(req.tenant.name, req.session)
-    except STORE_ERRORS:
+    except StoreUnavailable:
         return None  # affinity is an optimisation; the store being down must not fail a turn
     return latest.decode_node if latest is not None else None

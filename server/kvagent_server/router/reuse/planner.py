@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .state import Handle
+from kvagent_server.router.store.handle import Handle
 
 Path = Literal["pd_fresh", "pd_reuse", "d_direct", "recompute"]
 
@@ -203,11 +203,6 @@ def reuse_transfer_params(handle: Handle, reuse_tokens: int) -> dict[str, Any]:
     params["do_remote_decode"] = True
     params["do_remote_prefill"] = False
     return params
-
-
-def fresh_transfer_params() -> dict[str, Any]:
-    """P leg params for a prompt computed from scratch (P keeps its blocks for D)."""
-    return {"do_remote_decode": True, "do_remote_prefill": False}
 
 
 def release_transfer_params(handle: Handle) -> dict[str, Any]:

@@ -21,7 +21,7 @@ import aiohttp
 from aiohttp.helpers import get_env_proxy_for_url
 from yarl import URL
 
-from . import fastjson
+from kvagent_server.router.common import fastjson
 
 #: Timeouts in the sense httpx had them: connect, and the longest wait for any byte.
 CONNECT_TIMEOUT_S = 5.0

@@ -1,0 +1,1 @@
+"""Who may claim what: signing keys, cache tokens, tenants."""

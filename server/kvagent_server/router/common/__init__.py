@@ -1,0 +1,1 @@
+"""Small shared helpers: fast JSON, a periodic task."""

@@ -1,0 +1,1 @@
+"""The router's HTTP face: the Starlette app, request parsing, limits."""

@@ -1,0 +1,1 @@
+"""Where KV blocks live: vLLM block hashes, the per-node block index fed by KV events, tier scoring."""

@@ -1,0 +1,1 @@
+"""Pure reuse decisions: the reuse planner and P/D placement."""

@@ -1,0 +1,57 @@
+"""The store interface every handle store implements, and the one error type it raises.
+
+`MemoryStore` (`store.memory`) serves one router process; `RedisStore` (`store.redis_store`)
+lets several replicas share handles, with claims that stay atomic across replicas.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from kvagent_server.router.auth.keys import KeyRing
+from kvagent_server.router.store.handle import Handle
+
+
+class StoreUnavailable(Exception):
+    """The store could not be reached or answered with an error; callers degrade (recompute)."""
+
+
+@runtime_checkable
+class SessionStore(Protocol):
+    """Where handles live between turns. All methods are safe under concurrent tasks."""
+
+    async def put(self, handle: Handle) -> None:
+        """Store `handle` and make it its session's latest (no-op if already expired)."""
+
+    async def claim(self, tenant: str, handle_id: str) -> Handle | None:
+        """Take the handle: exactly one caller ever gets it; None if unknown/claimed/expired."""
+
+    async def claim_latest(self, tenant: str, session: str) -> Handle | None:
+        """Claim the session's latest handle (clients that send no token)."""
+
+    async def peek_latest(self, tenant: str, session: str) -> Handle | None:
+        """The session's latest unclaimed handle, without claiming it (decode affinity)."""
+
+    async def drop_node(self, decode_node: str, *, keep_epoch: str | None = None) -> int:
+        """Forget a lost node's handles (except `keep_epoch`'s); returns how many were live."""
+
+    async def evict_oldest(self, decode_node: str, min_blocks: int,
+                           max_handles: int) -> list[Handle]:
+        """Remove and return the node's oldest live handles until they pin `min_blocks`
+        blocks (when negative: just `max_handles` of them), at most `max_handles`.
+        Each removal is a claim: a later turn presenting one of them recomputes."""
+
+    async def ping(self) -> bool:
+        """True when the store answers (readiness)."""
+
+    async def close(self) -> None:
+        """Release connections."""
+
+
+@runtime_checkable
+class SharesKeys(Protocol):
+    """A store through which replicas agree on one signing key (Redis)."""
+
+    async def shared_key_ring(self) -> KeyRing:
+        """The key ring every replica behind this store uses."""
+

@@ -1,0 +1,145 @@
+"""An in-process handle store for a single router replica."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from kvagent_server.router.store.handle import (
+    Handle,
+    handle_blocks,
+    handle_meta,
+    pack_handle,
+    unpack_handle,
+)
+
+
+class MemoryStore:
+    """An in-process store, bounded by handle count and total retained tokens.
+
+    Every method runs without awaiting, so under asyncio each one is atomic: a claim can
+    never be won twice. Oldest handles are evicted first; expired ones are swept on write.
+    """
+
+    def __init__(self, *, max_handles: int = 10_000, max_tokens: int = 50_000_000,
+                 clock: Callable[[], float] = time.time) -> None:
+        if max_handles < 1 or max_tokens < 1:
+            raise ValueError("max_handles and max_tokens must be positive")
+        self._max_handles = max_handles
+        self._max_tokens = max_tokens
+        self._clock = clock
+        #: (tenant, handle_id) -> (packed handle, expires_at, session, decode_node, n tokens)
+        self._handles: OrderedDict[tuple[str, str], tuple[bytes, float, str, str, int]] = (
+            OrderedDict())
+        self._latest: dict[tuple[str, str], str] = {}
+        self._tokens = 0
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    @property
+    def retained_tokens(self) -> int:
+        return self._tokens
+
+    def _remove(self, key: tuple[str, str]) -> tuple[bytes, float, str, str, int] | None:
+        entry = self._handles.pop(key, None)
+        if entry is None:
+            return None
+        self._tokens -= entry[4]
+        latest_key = (key[0], entry[2])
+        if self._latest.get(latest_key) == key[1]:
+            del self._latest[latest_key]
+        return entry
+
+    def sweep(self) -> int:
+        """Drop every expired handle; returns how many."""
+        now = self._clock()
+        dead = [key for key, entry in self._handles.items() if now >= entry[1]]
+        for key in dead:
+            self._remove(key)
+        return len(dead)
+
+    async def put(self, handle: Handle) -> None:
+        now = self._clock()
+        if handle.expired(now):
+            return
+        key = (handle.tenant, handle.handle_id)
+        self._remove(key)
+        n = len(handle.token_ids)
+        self._handles[key] = (pack_handle(handle), handle.expires_at, handle.session,
+                              handle.decode_node, n)
+        self._tokens += n
+        self._latest[(handle.tenant, handle.session)] = handle.handle_id
+        # Expired handles first (cheap: oldest first, stop at the first live one), then
+        # the least recently stored while over a bound (never the one just stored).
+        while self._handles:
+            oldest = next(iter(self._handles))
+            entry = self._handles[oldest]
+            over = len(self._handles) > self._max_handles or self._tokens > self._max_tokens
+            if oldest != key and (now >= entry[1] or over):
+                self._remove(oldest)
+            else:
+                break
+
+    def _take(self, key: tuple[str, str]) -> Handle | None:
+        entry = self._remove(key)
+        if entry is None or self._clock() >= entry[1]:
+            return None
+        return unpack_handle(entry[0])
+
+    async def claim(self, tenant: str, handle_id: str) -> Handle | None:
+        return self._take((tenant, handle_id))
+
+    async def claim_latest(self, tenant: str, session: str) -> Handle | None:
+        handle_id = self._latest.get((tenant, session))
+        if handle_id is None:
+            return None
+        return self._take((tenant, handle_id))
+
+    async def peek_latest(self, tenant: str, session: str) -> Handle | None:
+        handle_id = self._latest.get((tenant, session))
+        if handle_id is None:
+            return None
+        entry = self._handles.get((tenant, handle_id))
+        if entry is None or self._clock() >= entry[1]:
+            return None
+        return unpack_handle(entry[0])
+
+    async def drop_node(self, decode_node: str, *, keep_epoch: str | None = None) -> int:
+        now = self._clock()
+        dropped = 0
+        for key, entry in list(self._handles.items()):
+            if entry[3] != decode_node:
+                continue
+            if keep_epoch is not None and handle_meta(entry[0]).get(
+                    "decode_epoch") == keep_epoch:
+                continue
+            self._remove(key)
+            dropped += now < entry[1]
+        return dropped
+
+    async def evict_oldest(self, decode_node: str, min_blocks: int,
+                           max_handles: int) -> list[Handle]:
+        now = self._clock()
+        out: list[Handle] = []
+        freed = 0
+        for key, entry in list(self._handles.items()):  # oldest stored first
+            if len(out) >= max_handles or (min_blocks >= 0 and freed >= min_blocks):
+                break
+            if entry[3] != decode_node:
+                continue
+            self._remove(key)
+            if now < entry[1]:
+                handle = unpack_handle(entry[0])
+                out.append(handle)
+                freed += handle_blocks(handle)
+        return out
+
+    async def ping(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        self._handles.clear()
+        self._latest.clear()
+        self._tokens = 0

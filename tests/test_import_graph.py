@@ -1,0 +1,181 @@
+"""The package import graph, derived from the source: no cycles, no upward imports.
+
+docs/architecture.md ("Code map") draws the same layers; this test is what keeps them true.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = {"kvagent": ROOT / "sdk" / "kvagent", "kvagent_server": ROOT / "server" / "kvagent_server"}
+
+#: The router's subpackages, lowest first: a module may import its own layer or lower ones.
+ROUTER_LAYERS = ["common", "telemetry", "kv", "settings", "auth", "store", "reuse", "turns",
+                 "http", "__main__"]
+
+
+def _module_name(root_pkg: str, path: Path) -> str:
+    rel = path.relative_to(SOURCES[root_pkg]).with_suffix("")
+    parts = [root_pkg, *rel.parts]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """Every module of ours that `module` imports, at any depth (lazy imports included)."""
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = module.split(".")
+                base = base[: len(base) - node.level + (1 if is_pkg else 0)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.add(target)
+            out.update(f"{target}.{a.name}" for a in node.names)  # `from pkg import module`
+    return {m for m in out if m.split(".")[0] in SOURCES}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules: dict[str, Path] = {}
+    for root_pkg, src in SOURCES.items():
+        for path in src.rglob("*.py"):
+            modules[_module_name(root_pkg, path)] = path
+    graph: dict[str, set[str]] = defaultdict(set)
+    for name, path in modules.items():
+        for target in _imports(name, path):
+            # `from a.b import c` names a.b.c when c is a module, else a.b itself.
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                graph[name].add(target)
+    return {m: graph.get(m, set()) for m in modules}
+
+
+GRAPH = _graph()
+
+
+def _router_layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[:2] != ["kvagent_server", "router"] or len(parts) < 3:
+        return None
+    return ROUTER_LAYERS.index(parts[2])
+
+
+def test_graph_is_not_empty() -> None:
+    assert "kvagent_server.router.turns.orchestrate" in GRAPH
+    assert "kvagent_server.router.reuse.planner" in GRAPH["kvagent_server.router.turns.orchestrate"]
+
+
+def test_no_import_cycles_between_modules() -> None:
+    # Package __init__ modules are skipped as nodes: importing a.b.c runs a/__init__ too,
+    # but that is not a dependency of a.b.c on a's contents.
+    graph = {m: {t for t in ts if not _is_package(t)} for m, ts in GRAPH.items()
+             if not _is_package(m)}
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_router_imports_point_down_its_layers() -> None:
+    upward = []
+    for module, targets in GRAPH.items():
+        here = _router_layer(module)
+        if here is None:
+            continue
+        for target in targets:
+            there = _router_layer(target)
+            if there is not None and there > here:
+                upward.append(f"{module} -> {target}")
+    assert not upward, "upward imports in the router: " + ", ".join(sorted(upward))
+
+
+def test_router_depends_on_nothing_else_in_the_server_package() -> None:
+    """The router runs alone (`python -m kvagent_server.router`): no bundle code in it."""
+    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if m.startswith("kvagent_server.router")
+                 for t in ts if t.startswith("kvagent_server.")
+                 and not t.startswith("kvagent_server.router") and t != "kvagent_server")
+    assert not bad, bad
+
+
+def test_sdk_never_imports_the_server() -> None:
+    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if m.startswith("kvagent.")
+                 or m == "kvagent" for t in ts if t.startswith("kvagent_server"))
+    assert not bad, bad
+
+
+def test_server_uses_only_the_sdks_public_modules() -> None:
+    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if m.startswith("kvagent_server")
+                 for t in ts if t.startswith("kvagent.") and t.split(".")[1].startswith("_"))
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("top", ["benchmarks", "tests"])
+def test_packages_never_import_benchmarks_or_tests(top: str) -> None:
+    bad = []
+    for src in SOURCES.values():
+        for path in src.rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == top:
+                    bad.append(str(path))
+    assert not bad, bad
+
+
+def _is_package(module: str) -> bool:
+    root = module.split(".")[0]
+    rel = module.split(".")[1:]
+    return (SOURCES[root].joinpath(*rel) / "__init__.py").exists()
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for start in graph:
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
