@@ -19,8 +19,8 @@ import httpx
 import pytest
 import yaml
 from kvagent_server.config import ConfigError, validate_config
-from kvagent_server.supervisor import Bundle, BundleError
 from kvagent_server.runstate import load_state
+from kvagent_server.supervisor import Bundle, BundleError
 
 from tests.server.conftest import fake_inputs, free_ports, processes_mentioning
 

@@ -343,7 +343,7 @@ async def _whole(turn: Turn, scrubber: Scrubber, span: Any) -> Response:
     usage = out.get("usage") or {}
     record_outcome(span, path=turn.path, reused=final.kvagent["reused_tokens"],
                    prompt_tokens=usage.get("prompt_tokens"),
-                   completion_tokens=usage.get("completion_tokens"), reason=turn.plan.reason)
+                   completion_tokens=usage.get("completion_tokens"), reason=turn.plan.label)
     if std:  # NaN/Infinity: starlette's encoder refuses them, as it always has
         return JSONResponse(out)
     return Response(fastjson.dumps(out), media_type="application/json")
@@ -366,7 +366,7 @@ async def _stream(turn: Turn, scrubber: Scrubber, cleanup: Callable[[Turn], Awai
         record_outcome(span, path=turn.path, reused=turn.reused,
                        prompt_tokens=usage.get("prompt_tokens"),
                        completion_tokens=usage.get("completion_tokens"),
-                       reason=turn.plan.reason)
+                       reason=turn.plan.label)
     except UpstreamError as exc:
         m.stream_cuts.inc()
         record_error(span, f"stream cut: {exc}")

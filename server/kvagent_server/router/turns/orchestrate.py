@@ -105,7 +105,7 @@ class Turn:
         if token is None:
             self._release_unrecorded(capture)
         kvagent = {"cache_token": token, "reused_tokens": reused, "expires_in": expires_in,
-                   "path": self.path}
+                   "path": self.path, "reason": self.plan.label}
         self.reused = reused
         return Final(kvagent=kvagent, cached_tokens=cached)
 
@@ -118,10 +118,10 @@ class Turn:
             m.reuse_hits.inc()
         elif self.plan.reuses:
             m.miss("node_recomputed")  # planned, but the node reports nothing cached
-        elif self.plan.reason not in ("no_handle", "reuse_disabled"):
-            m.miss(self.plan.reason.split(":")[0])
+        elif self.plan.reason not in planner.FRESH_REASONS:
+            m.miss(self.plan.reason.value)
         if (self.first_byte_at is not None and prompt_tokens
-                and self.plan.reason != "unsupported_shape"):
+                and self.path != "decode_only"):
             ttft = self.first_byte_at - self.started
             try:
                 self.router.costs.observe(self.path, max(0, prompt_tokens - cached), ttft,
@@ -251,7 +251,7 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
                                         chat=req.chat)
         except TokenizeError as exc:
             log.info("no reuse this turn: %s", exc)
-            plan = planner.ReusePlan(reuse_tokens=0, reason="tokenize_failed")
+            plan = planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.TOKENIZE_FAILED)
     if plan is None:
         plan = planner.plan_reuse(
             prompt_ids, handle, threshold=r.settings.kv_recompute_threshold, now=time.time(),
@@ -261,7 +261,10 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
             rejected=rejected,
             prefill_block_size=r.settings.block_size or (p_first.block_size if p_first else None))
     affinity = handle.decode_node if handle else await _affinity(r, req)
-    picked_d, _ = placement.pick_decode(r.registry.states(), affinity=affinity)
+    picked_d, d_reason = placement.pick_decode(r.registry.states(), affinity=affinity)
+    r.metrics.decode_placements.labels(reason=d_reason).inc()
+    if req.span is not None:
+        req.span.set_attribute("kvagent.decode_placement", d_reason)
     d_first = r.registry.get(picked_d.node_id) if picked_d else None
     path = planner.choose_path(
         plan, len(prompt_ids), r.costs.snapshot(),
@@ -286,7 +289,7 @@ async def plan_turn(r: Router, req: TurnRequest) -> Turn:
                 rid = remote_request_id(c.handle) if c.handle is not None else None
                 params = transfer.with_release(transfer.d_direct(), [rid] if rid else [])
                 start = await r.legs.decode([c.holder], req.endpoint,
-                                            decode_body(req.body, params), {},
+                                            decode_body(req.body, params),
                                             stream=req.stream)
             r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
             return Turn(r, req, c.path, c.plan, None, start, started)
@@ -294,7 +297,7 @@ async def plan_turn(r: Router, req: TurnRequest) -> Turn:
             if exc.status < 500:
                 raise
             log.info("d_direct on %s failed; recomputing", c.holder.name)
-            c.plan = planner.ReusePlan(reuse_tokens=0, reason="decode_failed")
+            c.plan = planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.DECODE_FAILED)
             c.path, c.holder, c.d_first = "recompute", None, None
     return await _run_pd(r, req, c, started)
 
@@ -311,7 +314,7 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
     p_nodes = r.registry.ranked("prefill", c.p_first if c.p_first and c.p_first.healthy
                                 else None)
     with leg_span(req.span, "prefill") as span:
-        prefill = await r.legs.prefill(p_nodes, req.endpoint, req.body, p_params, {})
+        prefill = await r.legs.prefill(p_nodes, req.endpoint, req.body, p_params)
         span.set_attribute("kvagent.node", prefill.node.name)
         span.set_attribute("kvagent.pull_failed", prefill.pull_failed)
     r.metrics.leg_latency.labels(leg="prefill").observe(prefill.elapsed_s)
@@ -319,20 +322,20 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
         r.metrics.retries.labels(leg="prefill").inc()
     path, plan = c.path, c.plan
     if prefill.pull_failed and path == "pd_reuse":
-        path, plan = "recompute", planner.ReusePlan(reuse_tokens=0, reason="pull_failed")
+        path, plan = "recompute", planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.PULL_FAILED)
     d_nodes = r.registry.ranked("decode", c.d_first if c.d_first and c.d_first.healthy
                                 else None)
     try:
         with leg_span(req.span, "decode") as span:
             start = await r.legs.decode(d_nodes, req.endpoint,
-                                        decode_body(req.body, prefill.kv_params), {},
+                                        decode_body(req.body, prefill.kv_params),
                                         stream=req.stream)
             span.set_attribute("kvagent.node", start.node.name)
     except BaseException:
         # Never leave P's blocks leased for a D leg that will not come (DESIGN.md hang).
         everyone = r.registry.ranked("decode") + [
             n for n in r.registry.role("decode") if not n.healthy]
-        ok = await r.legs.release_prefill(everyone, req.endpoint, req.body, prefill, {})
+        ok = await r.legs.release_prefill(everyone, req.endpoint, req.body, prefill)
         r.metrics.prefill_releases.labels(ok=str(ok).lower()).inc()
         raise
     r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
@@ -348,11 +351,11 @@ async def _whole_on_decode(r: Router, req: TurnRequest, started: float) -> Turn:
     if req.stream:
         body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
     with leg_span(req.span, "decode") as span:
-        start = await r.legs.decode(r.registry.ranked("decode"), req.endpoint, body, {},
+        start = await r.legs.decode(r.registry.ranked("decode"), req.endpoint, body,
                                     stream=req.stream)
         span.set_attribute("kvagent.node", start.node.name)
-    plan = planner.ReusePlan(reuse_tokens=0, reason="unsupported_shape")
-    return Turn(r, req, "d_direct", plan, None, start, started)
+    plan = planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.UNSUPPORTED_SHAPE)
+    return Turn(r, req, "decode_only", plan, None, start, started)
 
 
 async def _affinity(r: Router, req: TurnRequest) -> str | None:
