@@ -21,13 +21,13 @@ import asyncio
 import contextlib
 import itertools
 import json
-import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvagent_server.ports import free_port
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -172,7 +172,7 @@ class FakeCluster:
         return f"{prefix}-{next(self._ids)}"
 
     def open_leases(self) -> list[Retained]:
-        """P blocks leased for a D that never came (the DESIGN.md hang's trigger)."""
+        """P blocks leased for a D that never came (what hangs a real P: docs/engine.md)."""
         return [r for r in self.retained.values()
                 if r.engine_id.startswith("engine-p") and r.consumed_by is None]
 
@@ -575,12 +575,6 @@ def _full_response(oid: str, model: str, chat: bool, reply: Reply, generated: li
 
 
 # ---------------------------------------------------------------------- serving
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.asynccontextmanager

@@ -274,8 +274,8 @@ class LinearCost(BaseModel):
         return self.fixed_s + self.per_token_s * tokens
 
 
-# Priors from DESIGN.md's CPU measurements (~0.8 s for a 2.1k-token recompute, ~0.15 s
-# for the same turn with reuse); measurements replace them within a few turns.
+# Priors from early CPU measurements (~0.8 s for a 2.1k-token recompute, ~0.15 s for
+# the same turn with reuse); measurements replace them within a few turns.
 _PRIOR_PREFILL = LinearCost(fixed_s=0.05, per_token_s=4e-4)
 _PRIOR_PULL = LinearCost(fixed_s=0.03, per_token_s=2e-5)
 # D computing a delta itself competes with its running decodes: priced above P.

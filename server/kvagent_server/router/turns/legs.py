@@ -6,7 +6,7 @@ Policies (openai-python's, applied per leg):
 - A failed pull (a reuse P leg answered 5xx) is not an error: the P leg is re-run fresh.
 - A P leg is never orphaned: when its D leg cannot run (D failed everywhere, client
   gone), `release_prefill` makes a decode node read P's leased blocks, so P never reaches
-  the lease-expiry path that hangs it (DESIGN.md).
+  the lease-expiry path that hangs it (docs/engine.md, "The idle spin and the hang").
 """
 
 from __future__ import annotations

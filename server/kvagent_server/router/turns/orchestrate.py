@@ -1,7 +1,7 @@
 """One turn through the router: choose a plan, run the legs, mint the next token.
 
 The decisions come from the pure core (`planner`, `placement`); this module only wires
-them to the legs and the store, in the order DESIGN.md's flow gives.
+them to the legs and the store, in the order of docs/architecture.md's "One turn".
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
     holder = d_node if (handle is not None and d_node is not None and d_node.healthy
                         and d_node.epoch == handle.decode_epoch
                         and not handle.expired(time.time())) else None
-    # -- tier-aware P placement (issue 7): no D handle to reuse, so a P node whose KV
+    # -- tier-aware P placement: no D handle to reuse, so a P node whose KV
     # -- cache (any tier) holds the prompt's prefix may beat the least loaded one.
     p_reason: placement.PrefillReason = "least_loaded" if p_first else "no_healthy_node"
     if holder is None and p_first is not None and r.tiers is not None:
@@ -332,7 +332,8 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
                                         stream=req.stream)
             span.set_attribute("kvagent.node", start.node.name)
     except BaseException:
-        # Never leave P's blocks leased for a D leg that will not come (DESIGN.md hang).
+        # Never leave P's blocks leased for a D leg that will not come: an expired lease
+        # can hang P (docs/engine.md, "The idle spin and the hang").
         everyone = r.registry.ranked("decode") + [
             n for n in r.registry.role("decode") if not n.healthy]
         ok = await r.legs.release_prefill(everyone, req.endpoint, req.body, prefill)
