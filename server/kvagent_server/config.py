@@ -87,7 +87,7 @@ class RoleConfig(BaseModel):
 
 
 #: Per-role defaults that differ between prefill and decode.
-_ROLE_DEFAULTS: dict[str, dict[str, int]] = {
+_ROLE_DEFAULTS: dict[str, dict[str, Any]] = {
     "prefill": {"port_base": 8100, "side_channel_port_base": 5600},
     "decode": {"port_base": 8200, "side_channel_port_base": 5700},
 }
@@ -122,7 +122,7 @@ class KVEventsConfig(BaseModel):
     topic: str = Field(default="kvagent", max_length=64,
                        description="ZMQ topic of the events (`--kv-events-config` topic).")
     roles: list[Role] = Field(
-        default_factory=lambda: ["prefill", "decode"],
+        default_factory=lambda: list[Role](("prefill", "decode")),
         description="Roles whose nodes publish (placement uses prefill nodes' events). "
         "Nodes without prefix caching never publish.")
 
@@ -323,7 +323,7 @@ class BundleConfig(BaseModel):
     # ----------------------------------------------------------------- derived values
 
     def role(self, role: Role) -> RoleConfig:
-        return getattr(self, role)
+        return self.prefill if role == "prefill" else self.decode
 
     def node_ports(self, role: Role) -> list[int]:
         rc = self.role(role)
@@ -519,7 +519,8 @@ def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
 def dump_config(cfg: BundleConfig) -> dict[str, Any]:
     """A JSON-able dict that validates back to `cfg`, secrets included (write it 0600)."""
     # exclude_unset: what was left to defaults stays a default (and stays unset) on reload.
-    return reveal_secrets(cfg.model_dump(mode="python", exclude_unset=True))
+    dumped: dict[str, Any] = reveal_secrets(cfg.model_dump(mode="python", exclude_unset=True))
+    return dumped
 
 
 def reveal_secrets(value: Any) -> Any:

@@ -205,7 +205,7 @@ async def _served_model(client: httpx.AsyncClient, registry: NodeRegistry) -> st
     for node in registry.healthy("decode") + registry.healthy("prefill"):
         try:
             resp = await client.get(f"{node.url}/v1/models", timeout=5.0)
-            return resp.json()["data"][0]["id"]
+            return str(resp.json()["data"][0]["id"])
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
             continue
     return None

@@ -18,8 +18,8 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, ParamSpec, TypeVar, cast
 from urllib.parse import quote
 
 import redis.asyncio as aioredis
@@ -74,7 +74,9 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 
-def _unavailable(method: Callable[_P, Awaitable[_T]]) -> Callable[_P, Awaitable[_T]]:
+def _unavailable(
+    method: Callable[_P, Coroutine[Any, Any, _T]],
+) -> Callable[_P, Coroutine[Any, Any, _T]]:
     """Redis and socket errors leave the store as `StoreUnavailable`, the store contract's
     one error, so callers never depend on the Redis client's exception types."""
 
@@ -152,7 +154,7 @@ class RedisStore:
     async def claim(self, tenant: str, handle_id: str) -> Handle | None:
         if not handle_id or ":" in handle_id or "/" in handle_id:
             return None
-        return self._live(await self._r.getdel(self._handle_key(tenant, handle_id)))
+        return self._live(cast(bytes | None, await self._r.getdel(self._handle_key(tenant, handle_id))))
 
     @_unavailable
     async def claim_latest(self, tenant: str, session: str) -> Handle | None:
@@ -169,7 +171,7 @@ class RedisStore:
     @_unavailable
     async def drop_node(self, decode_node: str, *, keep_epoch: str | None = None) -> int:
         nkey = self._node_key(decode_node)
-        members: list[bytes] = await self._r.zrange(nkey, 0, -1)
+        members = cast(list[bytes], await self._r.zrange(nkey, 0, -1))
         if not members:
             return 0
         values = await self._r.mget(members)
@@ -180,7 +182,7 @@ class RedisStore:
             if value is None:
                 doomed.append(member)
                 continue
-            meta = handle_meta(value)
+            meta = handle_meta(cast(bytes, value))
             if keep_epoch is not None and meta.get("decode_epoch") == keep_epoch:
                 continue
             doomed.append(member)
@@ -204,7 +206,7 @@ class RedisStore:
             # Scored by expiry: with one TTL, the lowest scores are the oldest handles.
             # A whole batch is taken (may overshoot by a few: they are the oldest anyway).
             n = min(batch, max_handles - len(out))
-            members: list[bytes] = await self._r.zrange(nkey, 0, n - 1)
+            members = cast(list[bytes], await self._r.zrange(nkey, 0, n - 1))
             if not members:
                 break
             async with self._r.pipeline(transaction=False) as pipe:
@@ -237,6 +239,6 @@ class RedisStore:
         key = f"{self._prefix}:signing_key"
         candidate = f"s{secrets.token_hex(4)}:{secrets.token_hex(32)}".encode()
         await self._r.set(key, candidate, nx=True)
-        stored: bytes = await self._r.get(key)
+        stored = cast(bytes, await self._r.get(key))
         kid, _, hex_key = stored.decode().partition(":")
         return KeyRing({kid: bytes.fromhex(hex_key)}, kid)

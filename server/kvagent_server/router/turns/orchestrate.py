@@ -183,6 +183,7 @@ async def _claim(r: Router, req: TurnRequest) -> tuple[Handle | None, str | None
 
 async def _claim_from_store(r: Router, req: TurnRequest) -> tuple[Handle | None, str | None]:
     tenant = req.tenant.name
+    assert req.session is not None  # the caller checked: handles belong to sessions
     if req.token is None:
         return await r.store.claim_latest(tenant, req.session), None
     try:
