@@ -21,8 +21,9 @@ import yaml
 from kvagent_server.config import ConfigError, validate_config
 from kvagent_server.runstate import load_state
 from kvagent_server.supervisor import Bundle, BundleError
+from support import free_ports
 
-from tests.server.conftest import fake_inputs, free_ports, processes_mentioning
+from tests.server.server_helpers import fake_inputs, processes_mentioning
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
