@@ -30,7 +30,7 @@ from .messages import ToolCall, ToolResultMessage
 
 __all__ = ["Tool", "tool"]
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 _SCHEMA_ERRORS = (PydanticSchemaGenerationError, PydanticInvalidForJsonSchema, PydanticUserError)
 
 

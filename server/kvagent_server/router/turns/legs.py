@@ -23,6 +23,7 @@ from kvagent_server.router.reuse import transfer
 from kvagent_server.router.turns.nodes import Node
 from kvagent_server.router.turns.prompt_ids import CHAT_TEMPLATE_FIELDS
 from kvagent_server.router.turns.upstream import (
+    MAX_BODY_BYTES,
     ConnectFailed,
     NodeClient,
     NodeResponse,
@@ -128,7 +129,9 @@ class Legs:
     """Runs legs on candidate nodes, in the order placement ranked them."""
 
     def __init__(self, *, max_retries: int, timeout_s: float,
-                 on_node_error: Callable[[Node, str], None] | None = None) -> None:
+                 on_node_error: Callable[[Node, str], None] | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self.max_body_bytes = max_body_bytes
         self.clients: dict[str, NodeClient] = {}
         self.max_retries = max_retries
         self.timeout_s = timeout_s
@@ -138,7 +141,8 @@ class Legs:
         """One connection pool per node (also used for the node's `/tokenize`)."""
         client = self.clients.get(node.name)
         if client is None:
-            client = self.clients[node.name] = NodeClient(timeout_s=self.timeout_s)
+            client = self.clients[node.name] = NodeClient(
+                timeout_s=self.timeout_s, max_body_bytes=self.max_body_bytes)
         return client
 
     async def aclose(self) -> None:

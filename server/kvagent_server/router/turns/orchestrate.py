@@ -137,6 +137,18 @@ class Turn:
         if self.router.retention is not None and isinstance(rid, str) and rid:
             self.router.retention.queue.add(self.decode.node.name, [rid])
 
+    def _release_evicted(self, handles: list[Handle] | None) -> None:
+        """Handles the store evicted to make room (the tenant's quota, its bounds) are
+        claimed, so nobody can reuse them: let their decode nodes free the blocks now."""
+        r = self.router
+        if not handles or r.retention is None:
+            return  # without the retention guard they are freed at D's TTL
+        for handle in handles:
+            node = r.registry.get(handle.decode_node)
+            rid = remote_request_id(handle)
+            if node is not None and node.epoch == handle.decode_epoch and rid is not None:
+                r.retention.queue.add(node.name, [rid])
+
     async def _next_token(self, capture: Capture) -> tuple[str | None, int]:
         r, req = self.router, self.req
         s = r.settings
@@ -159,12 +171,13 @@ class Turn:
             log.warning("decode node %s returned unusable kv_transfer_params", node.name)
             return None, 0
         try:
-            await r.store.put(handle)
+            evicted = await r.store.put(handle)
         except StoreUnavailable as exc:
             log.warning("session store unavailable (%s): no cache token this turn",
                         type(exc).__name__)
             r.metrics.miss("store_unavailable")
             return None, 0
+        self._release_evicted(evicted)
         token = r.codec.encode(tenant=req.tenant.name, session=req.session,
                                handle=handle.handle_id, iat=int(now), exp=int(now) + ttl)
         return token, ttl
