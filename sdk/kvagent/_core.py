@@ -17,8 +17,8 @@ from typing import Any, Literal, Self, TypedDict, Unpack
 import httpx
 from pydantic import BaseModel, ConfigDict
 
-from . import _wire
 from . import protocol as proto
+from . import _wire
 from ._exceptions import APIConnectionError, APIStatusError
 from ._request import ChatRequest, build_chat_request
 from ._response import check_event_stream, connection_error, status_error
