@@ -79,8 +79,9 @@ class RouterSettings(BaseModel):
     max_connections_per_client: int = Field(default=256, ge=1)
     #: Completions in flight from one client address (429 above); tenants have their own.
     max_streams_per_client: int = Field(default=64, ge=1)
-    #: Most `messages` in one chat request, and most `tools` (400 above).
+    #: Most `messages` in one chat request (400 above).
     max_messages: int = Field(default=4096, ge=1)
+    #: Most `tools` in one chat request (400 above).
     max_tools: int = Field(default=512, ge=1)
     #: Largest non-streamed answer read from a node (502 above): a node's whole body is
     #: held in memory before it is rewritten.
