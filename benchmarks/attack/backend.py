@@ -29,11 +29,11 @@ def reply(prompt: list[int]) -> Reply:
 
 
 async def main(p_port: int, d_port: int) -> None:
-    # A pause per chunk, however short, lets the fake see a client that left: without it
-    # a stream whose reader was cut keeps writing into a closed socket without yielding,
-    # and the fake nodes (not the router) stall every other request.
+    # A (near-zero) pause per chunk yields to the fake's event loop: without it a stream
+    # whose reader was cut keeps writing into a closed socket without ever yielding, and
+    # the fake nodes (not the router) stall every other request.
     cluster = FakeCluster(reply=reply, lease_s=3600, prefix_cache=False, chunk_chars=64,
-                          kv_blocks=KV_BLOCKS, token_delay_s=1e-4)
+                          kv_blocks=KV_BLOCKS, token_delay_s=1e-6)
     await serve_pair(cluster, p_port, d_port, bounded_logs=True)
 
 

@@ -470,7 +470,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             ("slow_bodies", lambda: attacks.slow_bodies(
                 int(200 * s), max(q, SETTINGS["body_timeout_s"] + 2))),
             ("slow_readers", lambda: attacks.slow_readers(
-                max(2, int(4 * s)), max(q, SETTINGS["stream_write_timeout_s"] + 10))),
+                2, max(q, SETTINGS["stream_write_timeout_s"] + 12))),
             ("churn", lambda: attacks.churn(q)),
             ("hijack_quota_abuse", lambda: attacks.hijack_and_quota(int(300 * s) or 60)),
             ("quiet_after", lambda: asyncio.sleep(q)),
