@@ -295,3 +295,40 @@ async def test_asgi_header_limits_hold_under_any_server() -> None:
         r = await c.get("/health", headers={"x-big": "a" * 40_000})
         assert r.status_code == 431
         assert (await c.get("/health")).status_code == 200
+
+
+# --------------------------------------------------------------------- the pure cores
+
+
+def test_head_meter_counts_only_while_a_head_is_open() -> None:
+    from kvagent_server.router.http.server import ConnectionLimits, HeadMeter
+
+    limits = ConnectionLimits(max_header_bytes=100, max_header_count=2, header_timeout_s=1,
+                              max_connections=10, max_connections_per_client=2)
+    meter = HeadMeter(limits)
+    assert meter.room() == 100
+    meter.fed(60)
+    assert meter.room() == 40
+    assert meter.header() and meter.header() and not meter.header()
+    meter.head_done()
+    meter.fed(10_000)  # a body: not counted
+    assert meter.room() == -1
+    meter.next_request()
+    assert meter.room() == 100 and meter.header()
+
+
+def test_connection_counter_caps_in_all_and_per_client() -> None:
+    from kvagent_server.router.http.server import ConnectionCounter, ConnectionLimits
+
+    counter = ConnectionCounter(ConnectionLimits(
+        max_header_bytes=100, max_header_count=2, header_timeout_s=1, max_connections=3,
+        max_connections_per_client=2))
+    assert counter.open("a") and counter.open("a") and not counter.open("a")
+    counter.close("a")  # every open is closed, refused ones included
+    assert counter.open("b")  # 3 open in all
+    assert not counter.open("c")  # a fourth is over the total
+    counter.close("c")
+    assert counter.per_client == {"a": 2, "b": 1}
+    for client in ("a", "a", "b"):
+        counter.close(client)
+    assert counter.total == 0 and counter.per_client == {}

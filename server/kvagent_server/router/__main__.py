@@ -62,8 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     # connection limits (router/http/server.py).
     config = uvicorn_config(app, settings, host=host, port=port, log_level=args.log_level,
                             access_log=False, timeout_graceful_shutdown=5)
-    uvicorn.Server(config).run()
-    return 0
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 3  # as `uvicorn.run`: could not start (port taken...)
 
 
 if __name__ == "__main__":
