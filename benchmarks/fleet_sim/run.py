@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import math
+import statistics
 import subprocess
 import tempfile
 import time
@@ -55,22 +56,23 @@ def recorded(results: Path, config: str) -> dict[str, Any]:
         by_turn.setdefault(r["turn"], []).append(r["ttft_s"])
     s = c["summary"]
     return {"ttft_p50": s["ttft_s"]["p50"], "ttft_later_p50": s["ttft_later_turns_s"]["p50"],
-            "ttft_by_turn_p50": {t: sorted(v)[len(v) // 2] for t, v in sorted(by_turn.items())}}
+            "ttft_by_turn_p50": {t: statistics.median(v) for t, v in sorted(by_turn.items())}}
 
 
-#: (label, profile fitted on, recorded run replayed, config, reuse, P prefix cache)
+#: (label, which fit, recorded run replayed, its config, reuse, P prefix cache)
 CHECKS = [
-    ("full run, kvagent (reuse)", "both", FULL, "kvagent", True, True),
-    ("quick run, kvagent (reuse)", "both", QUICK, "kvagent", True, True),
-    ("quick run, P/D no reuse, P cache off", "both", QUICK, "pd_noreuse_pcache_off", False, False),
-    ("quick run, kvagent, fitted on the full run only", "full", QUICK, "kvagent", True, True),
-    ("full run, kvagent, fitted on the quick run only", "quick", FULL, "kvagent", True, True),
+    ("full run, kvagent (reuse)", "recorded", FULL, "kvagent", True, True),
+    ("quick run, kvagent (reuse)", "recorded", QUICK, "kvagent", True, True),
+    ("quick run, P/D no reuse, P cache off", "recorded", QUICK, "pd_noreuse_pcache_off",
+     False, False),
+    ("quick run, kvagent", "full run only", QUICK, "kvagent", True, True),
+    ("full run, kvagent", "quick run only", FULL, "kvagent", True, True),
 ]
 
 
 def validate() -> list[dict[str, Any]]:
-    profiles = {"both": machine_profile(), "full": fit_machine_profile(FULL),
-                "quick": fit_machine_profile(QUICK)}
+    profiles = {"recorded": machine_profile(), "full run only": fit_machine_profile(FULL),
+                "quick run only": fit_machine_profile(QUICK)}
     rows = []
     for label, fit, results, config, reuse, pcache in CHECKS:
         sim = replay(profiles[fit], results, config=config, reuse=reuse, p_prefix_cache=pcache)
@@ -97,6 +99,15 @@ def validation_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def by_turn_markdown(row: dict[str, Any]) -> str:
+    turns = sorted(row["real_by_turn"], key=int)
+    head = "| median TTFT by turn (ms) | " + " | ".join(str(t) for t in turns) + " |"
+    real = " | ".join(f"{row['real_by_turn'][t] * 1e3:.0f}" for t in turns)
+    sim = " | ".join(f"{row['sim_by_turn'].get(t, math.nan) * 1e3:.0f}" for t in turns)
+    return "\n".join([head, "|---" * (len(turns) + 1) + "|", f"| real | {real} |",
+                      f"| simulated | {sim} |"])
+
+
 # ------------------------------------------------------------------ sweep
 
 #: The GPU profile's base point and axes: each axis is swept with the others at the base.
@@ -106,10 +117,14 @@ AXES: dict[str, list[Any]] = {
     "turns_per_s": [2.0, 5.0, 10.0, 20.0, 40.0],
     "pd": [(1, 1), (1, 2), (2, 4), (4, 8)],
     "capacity_x": [0.25, 0.5, 1.0, 2.0, 4.0],
-    "ttl_s": [120.0, 240.0, 480.0, 960.0],
+    # Token lifetime = TTL - 60 s margin; the base point's sessions think 30 s on average.
+    "ttl_s": [90.0, 120.0, 240.0, 480.0],
 }
-#: This machine's profile prefills ~40x slower: a fleet of its nodes serves ~1 turn/s.
-CPU_BASE = {"sessions": 30, "turns_per_s": 1.0, "pd": (1, 1), "capacity_x": 1.0,
+#: Per-axis changes to the base point: at 1x D KV the watermark evicts a handle within
+#: seconds, long before any TTL, so the TTL is swept where memory is ample.
+AXIS_BASE: dict[str, dict[str, Any]] = {"ttl_s": {"capacity_x": 4.0}}
+#: This machine's profile prefills ~20x slower: one P node recomputes ~0.5 turns/s.
+CPU_BASE = {"sessions": 30, "turns_per_s": 0.3, "pd": (1, 1), "capacity_x": 1.0,
             "ttl_s": 480.0}
 CPU_AXES: dict[str, list[Any]] = {"sessions": [10, 30, 100, 300, 1000],
                                   "pd": [(1, 1), (1, 2), (2, 4), (4, 8)]}
@@ -122,7 +137,7 @@ def point(profile: Profile, p: dict[str, Any], *, reuse: bool, seed: int,
           duration_s: float | None) -> dict[str, Any]:
     think = p["sessions"] / p["turns_per_s"]
     # Long enough that most sessions take several turns.
-    duration = duration_s or max(300.0, min(2000.0, 2.5 * think))
+    duration = duration_s or max(300.0, min(1200.0, 2.5 * think))
     spec = FleetSpec(seed=seed, sessions=p["sessions"], turns_per_s=p["turns_per_s"],
                      duration_s=duration)
     cfg = SimConfig(n_prefill=p["pd"][0], n_decode=p["pd"][1], reuse=reuse,
@@ -144,7 +159,7 @@ def sweep(plan: list[tuple[Profile, dict[str, Any], dict[str, list[Any]]]], *,
     for profile, base, axes in plan:
         for axis in axes:
             for value in axes[axis]:
-                p = {**base, axis: value}
+                p = {**base, **AXIS_BASE.get(axis, {}), axis: value}
                 on = point(profile, p, reuse=True, seed=seed, duration_s=duration_s)
                 off = point(profile, p, reuse=False, seed=seed, duration_s=duration_s)
                 rows.append({"profile": profile.name, "axis": axis, "value": value,
@@ -203,7 +218,7 @@ def redis_sweep(profile: Profile, *, seed: int) -> list[dict[str, Any]]:
             p = {**BASE, "sessions": sessions}
             think = p["sessions"] / p["turns_per_s"]
             spec = FleetSpec(seed=seed, sessions=sessions, turns_per_s=p["turns_per_s"],
-                             duration_s=max(300.0, min(2000.0, 2.5 * think)))
+                             duration_s=max(300.0, min(1200.0, 2.5 * think)))
             sim = Simulation(profile, SimConfig(n_prefill=p["pd"][0], n_decode=p["pd"][1],
                                                 seed=seed, redis_url=url))
             t0 = time.perf_counter()
@@ -298,6 +313,27 @@ def plot(rows: list[dict[str, Any]], out: Path) -> list[Path]:
             fig.savefig(path, dpi=80)
             plt.close(fig)
             paths.append(path)
+        # TTFT distributions along the sessions axis, with and without reuse.
+        pts = [r for r in rows if r["profile"] == profile and r["axis"] == "sessions"]
+        if pts:
+            fig, a = plt.subplots(figsize=(7, 4.5))
+            qs = [q / 100 for q in range(1, 100)]
+            for r in pts:
+                line, = a.plot([t * 1e3 for t in r["reuse"]["ttft_quantiles"]], qs,
+                               label=f"{r['value']} sessions, reuse")
+                a.plot([t * 1e3 for t in r["no_reuse"]["ttft_quantiles"]], qs, ls="--",
+                       color=line.get_color(), label=f"{r['value']} sessions, no reuse")
+            a.set_xscale("log")
+            a.set_xlabel("TTFT (ms)")
+            a.set_ylabel("fraction of turns")
+            a.grid(alpha=0.3)
+            a.legend(fontsize=7)
+            a.set_title(f"{profile}: TTFT CDF")
+            fig.tight_layout()
+            path = out / f"ttft_cdf_{profile}.png"
+            fig.savefig(path, dpi=80)
+            plt.close(fig)
+            paths.append(path)
     return paths
 
 
@@ -358,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--out", type=Path, default=HERE / "results")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--smoke", action="store_true", help="a small seeded slice (seconds)")
+    s.add_argument("--plots", type=Path, default=HERE.parents[1] / "docs" / "img" / "fleet_sim",
+                   help="where the PNGs go (default: the docs' images)")
     r = sub.add_parser("redis", help="the sessions axis on a real redis-server (ops count)")
     r.add_argument("--out", type=Path, default=HERE / "results")
     r.add_argument("--seed", type=int, default=0)
@@ -368,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         (args.out / "validation.json").write_text(json.dumps(_jsonable(rows), indent=1))
         md = validation_markdown(rows)
         (args.out / "validation.md").write_text(md + "\n")
+        (args.out / "validation-by-turn.md").write_text(by_turn_markdown(rows[0]) + "\n")
         print(md)
         return 0
     if args.cmd == "redis":
@@ -391,10 +430,13 @@ def main(argv: list[str] | None = None) -> int:
            "seed": args.seed, "wall_s": wall, "rows": rows}
     (args.out / ("sweep-smoke.json" if args.smoke else "sweep.json")).write_text(
         json.dumps(_jsonable(doc), indent=1))
-    md = profiles_markdown(profiles) + "\n\n" + table(rows)
+    md = table(rows)
     (args.out / ("sweep-smoke.md" if args.smoke else "sweep.md")).write_text(md + "\n")
     if not args.smoke:
-        plot(rows, args.out)
+        (args.out / "profiles.md").write_text(profiles_markdown(profiles) + "\n")
+    if not args.smoke:
+        args.plots.mkdir(parents=True, exist_ok=True)
+        plot(rows, args.plots)
     print(md)
     print(f"wall {wall:.0f} s")
     return 0

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import numpy as np
 import orjson
 from kvagent_server.router.auth.cache_token import TokenCodec, TokenError, verify_binding
 from kvagent_server.router.auth.keys import KeyRing
@@ -478,10 +479,8 @@ class Simulation:
 
 
 def _pct(values: list[float], q: float) -> float:
-    if not values:
-        return math.nan
-    v = sorted(values)
-    return v[min(len(v) - 1, int(q * len(v)))]
+    """Linear-interpolated quantile (as the multi-turn benchmark's summaries)."""
+    return float(np.percentile(values, q * 100)) if values else math.nan
 
 
 def summarize(sim: Simulation, records: list[TurnRecord], *, span_s: float) -> dict[str, Any]:
@@ -506,6 +505,7 @@ def summarize(sim: Simulation, records: list[TurnRecord], *, span_s: float) -> d
         "ttft_p99": _pct([r.ttft for r in done], 0.99),
         "ttft_later_p50": _pct([r.ttft for r in later], 0.5),
         "ttft_later_p90": _pct([r.ttft for r in later], 0.9),
+        "ttft_quantiles": [_pct([r.ttft for r in done], q / 100) for q in range(1, 100)],
         "ttft_by_turn_p50": {t: _pct([r.ttft for r in done if r.turn == t], 0.5)
                              for t in sorted({r.turn for r in done})},
         "prompt_later_p50": _pct([float(r.prompt) for r in later], 0.5),
