@@ -8,6 +8,7 @@ instead of failing with a traceback.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -48,9 +49,15 @@ def test_guard_lets_our_own_import_errors_through() -> None:
 @pytest.mark.slow
 def test_sdk_only_install_scripts_exit_2_with_one_line(tmp_path: Path) -> None:
     """A real fresh venv: the project's wheel without dependencies, plus the SDK's own."""
+    src = tmp_path / "src"  # a copy: building in the checkout would leave build/ there
+    junk = shutil.ignore_patterns("__pycache__", "*.egg-info", "build", ".*")
+    for part in ("sdk", "server"):
+        shutil.copytree(ROOT / part, src / part, ignore=junk)
+    for part in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / part, src / part)
     wheels = tmp_path / "wheels"
     built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                  "-q", "-w", str(wheels), str(ROOT)], cwd=tmp_path)
+                  "-q", "-w", str(wheels), str(src)], cwd=tmp_path)
     assert built.returncode == 0, built.stderr
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
