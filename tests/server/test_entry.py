@@ -70,8 +70,8 @@ def test_sdk_only_install_scripts_exit_2_with_one_line(tmp_path: Path) -> None:
     if deps.returncode != 0:
         pytest.skip(f"could not install the SDK's dependencies from pip: {deps.stderr[-300:]}")
     # Only the SDK's dependencies: the server extra really is absent, the SDK imports.
-    probe = _run([str(py), "-c", "import importlib.util as u, kvagent; "
-                  "print(u.find_spec('typer'), u.find_spec('rich'))"], cwd=tmp_path)
+    probe = _run([str(py), "-c", ("import importlib.util as u, kvagent; "
+                  "print(u.find_spec('typer'), u.find_spec('rich'))")], cwd=tmp_path)
     assert probe.returncode == 0 and probe.stdout.split() == ["None", "None"], probe
     for script in ("kvagent", "kvagent-server"):
         for args in ([], ["--help"]):

@@ -280,12 +280,13 @@ def test_cli_foreground_ctrl_c_stops_everything(config_file: Path, fake_config: 
     unless `up` installs its own handler. This is how the test failed on loaded runs.
     """
     run_dir = Path(fake_config["run_dir"])
-    preexec = ((lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
-               if inherited_sigint == "ignored" else None)
-    proc = subprocess.Popen([sys.executable, "-m", "kvagent_server.cli", "up", "-c",
-                             str(config_file)], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                            preexec_fn=preexec)
+    argv = [sys.executable, "-m", "kvagent_server.cli", "up", "-c", str(config_file)]
+    if inherited_sigint == "ignored":  # SIG_IGN survives exec, as from a shell would
+        argv = [sys.executable, "-c", ("import os, signal, sys; "
+                "signal.signal(signal.SIGINT, signal.SIG_IGN); os.execv(sys.argv[1], "
+                "sys.argv[1:])"), *argv]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         seen = _read_until(proc, "Ready.", timeout=120)
         pids = [p.pid for p in load_state(run_dir).processes]
