@@ -307,7 +307,7 @@ def test_cli_foreground_ctrl_c_stops_everything(config_file: Path, fake_config: 
 
 def test_stop_handler_raises_once() -> None:
     """A second Ctrl-C while stopping is ignored instead of aborting the stop."""
-    from kvagent_server.nodes import _StopOnSignal
+    from kvagent_server.supervisor import _StopOnSignal
 
     handler = _StopOnSignal()
     with pytest.raises(KeyboardInterrupt):
