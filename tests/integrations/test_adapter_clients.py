@@ -95,3 +95,14 @@ def test_your_own_client_is_used_and_not_closed(stack: Stack, made: dict[str, in
         llm.invoke("two")
         assert not client.is_closed
     assert made == {"sync": 1, "async": 0}  # only the test's own
+
+
+def test_models_with_their_clients_still_copy_and_pickle(stack: Stack) -> None:
+    import copy
+    import pickle
+
+    llm = ChatKVAgent(model=MODEL, base_url=f"{stack.url}/v1", max_tokens=8)
+    llm.invoke("warm the client up")
+    for twin in (copy.deepcopy(llm), pickle.loads(pickle.dumps(llm))):
+        assert twin.invoke("again").content
+        assert twin._sync_client() is not llm._sync_client()

@@ -45,6 +45,9 @@ class OwnedClients:
     def __deepcopy__(self, memo: dict[int, Any]) -> OwnedClients:
         return OwnedClients()  # a copied model opens its own connections
 
+    def __reduce__(self) -> tuple[type[OwnedClients], tuple[()]]:
+        return (OwnedClients, ())  # a pickled model too (clients hold sockets and locks)
+
 
 def _timeout(timeout: float | httpx.Timeout | None) -> float | httpx.Timeout | None:
     return DEFAULT_TIMEOUT if timeout is None else timeout
