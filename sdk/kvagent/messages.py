@@ -40,17 +40,23 @@ class _Part(BaseModel):
 
 
 class TextPart(_Part):
+    """A piece of text."""
+
     type: Literal["text"] = "text"
     text: str
 
 
 class ImageURL(_Part):
+    """Where the image is: a URL the server fetches, or the bytes inline."""
+
     #: ``https://...`` or a ``data:image/png;base64,...`` URL.
     url: str
     detail: Literal["auto", "low", "high"] | None = None
 
 
 class ImagePart(_Part):
+    """An image (``image_url``)."""
+
     type: Literal["image_url"] = "image_url"
     image_url: ImageURL
 
@@ -72,12 +78,16 @@ class ImagePart(_Part):
 
 
 class InputAudio(_Part):
+    """Inline audio and its format (``wav``, ``mp3``, ...)."""
+
     #: Base64-encoded audio.
     data: str
     format: str
 
 
 class AudioPart(_Part):
+    """Audio (``input_audio``)."""
+
     type: Literal["input_audio"] = "input_audio"
     input_audio: InputAudio
 
@@ -87,6 +97,8 @@ class AudioPart(_Part):
 
 
 class FileData(_Part):
+    """A file: inline data, or an uploaded file's id."""
+
     #: Base64 data (often a ``data:`` URL), or the id of an uploaded file.
     file_data: str | None = None
     file_id: str | None = None
@@ -94,6 +106,8 @@ class FileData(_Part):
 
 
 class FilePart(_Part):
+    """A file (``file``), e.g. a PDF."""
+
     type: Literal["file"] = "file"
     file: FileData
 
