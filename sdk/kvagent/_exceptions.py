@@ -17,7 +17,7 @@ could help::
     │       ├── RateLimitError               429
     │       └── InternalServerError          5xx
     ├── StreamError                   a 2xx stream went wrong after it started (never retried)
-    │   ├── StreamInterrupted         cut before ``[DONE]``; ``partial_text`` holds what came
+    │   ├── StreamInterrupted         cut before the answer ended; ``partial_text`` holds what came
     │   └── MalformedStream           bytes that are not an OpenAI event stream
     └── ToolError                     declaring or running tools
         └── ToolSchemaError           a function cannot be described as a JSON-schema tool
@@ -135,7 +135,8 @@ class StreamError(KVAgentError):
 
 
 class StreamInterrupted(StreamError):
-    """The stream ended or failed before ``[DONE]``; history and cache token are unchanged."""
+    """The stream ended or failed before the answer was complete (no ``[DONE]`` and a choice
+    without ``finish_reason``); history and cache token are unchanged."""
 
 
 class MalformedStream(StreamError):
