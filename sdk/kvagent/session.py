@@ -75,6 +75,8 @@ class Session(SessionCore):
         if http_client is not None and transport is not None:
             raise ValueError("pass http_client= or transport=, not both")
         self._owns_client = http_client is None
+        if http_client is not None and "timeout" not in options:
+            self.timeout = http_client.timeout  # your client's setting, unless you pass one
         self._client = http_client or httpx.Client(transport=transport, timeout=self.timeout)
 
     # ------------------------------------------------------------------ lifecycle

@@ -333,3 +333,12 @@ async def test_a_late_close_of_an_old_stream_does_not_free_a_newer_turn() -> Non
         with pytest.raises(RuntimeError, match="still open"):
             await s.send("three")
         await new.until_done()
+
+
+def test_a_given_clients_timeout_is_kept_unless_the_session_sets_one() -> None:
+    server = FakeServer(text_reply(), text_reply())
+    client = httpx.Client(transport=server.transport, timeout=7.0)
+    with client:
+        Session(BASE_URL, MODEL, http_client=client).send("a")
+        Session(BASE_URL, MODEL, http_client=client, timeout=3.0).send("b")
+    assert [r.extensions["timeout"]["read"] for r in server.requests] == [7.0, 3.0]
