@@ -342,3 +342,11 @@ def test_a_given_clients_timeout_is_kept_unless_the_session_sets_one() -> None:
         Session(BASE_URL, MODEL, http_client=client).send("a")
         Session(BASE_URL, MODEL, http_client=client, timeout=3.0).send("b")
     assert [r.extensions["timeout"]["read"] for r in server.requests] == [7.0, 3.0]
+
+
+def test_breaking_out_of_a_sync_stream_without_with_frees_the_session() -> None:
+    server = FakeServer(stream_response(sse("router_text.sse"), split=40), text_reply())
+    with Session(BASE_URL, MODEL, transport=server.transport) as s:
+        for _ in s.stream("hi"):
+            break
+        assert s.send("again").text == "ok"
