@@ -148,11 +148,16 @@ def _check_options(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _response_format(value: Any) -> tuple[dict[str, Any] | None, type[BaseModel] | None]:
-    """The wire ``response_format`` and the model to parse into (strict JSON schema)."""
+    """The wire ``response_format`` and the model to parse into.
+
+    No ``strict`` flag: OpenAI's strict mode rejects ordinary pydantic schemas (optional
+    fields, no ``additionalProperties: false``), and vLLM constrains decoding to the schema
+    either way.
+    """
     if value is None:
         return None, None
     if isinstance(value, type) and issubclass(value, BaseModel):
-        schema = {"name": value.__name__, "schema": value.model_json_schema(), "strict": True}
+        schema = {"name": value.__name__, "schema": value.model_json_schema()}
         return {"type": "json_schema", "json_schema": schema}, value
     if isinstance(value, Mapping):
         return dict(value), None
