@@ -21,8 +21,8 @@ from typing import Any, Literal, Self, TypedDict, Unpack
 import httpx
 from pydantic import BaseModel, ConfigDict
 
-from . import protocol as proto
 from . import _wire
+from . import protocol as proto
 from ._exceptions import APIConnectionError, APIStatusError
 from ._logs import logger, redact_headers
 from ._request import ChatRequest, build_chat_request
@@ -55,7 +55,7 @@ DEFAULT_TIMEOUT = httpx.Timeout(300.0, connect=10.0)
 #: Read by ``Session``/``AsyncSession`` when ``base_url``/``api_key`` are not given.
 BASE_URL_ENV = "KVAGENT_BASE_URL"
 API_KEY_ENV = "KVAGENT_API_KEY"
-_STATE_FORMAT = "kvagent.session/1"
+_STATE_FORMAT: Literal["kvagent.session/1"] = "kvagent.session/1"
 #: Bytes read after ``[DONE]`` to reach the end of the response (so its connection can be
 #: reused); a server still sending past this is cut off, costing only the connection.
 DRAIN_LIMIT = 64 * 1024
@@ -168,7 +168,8 @@ def _user_content(content: UserContent | Message) -> tuple[Message, ...]:
     if isinstance(content, str):
         return (UserMessage(content=content),)
     if isinstance(content, Sequence):  # content parts: one user message with images etc.
-        return (UserMessage(content=tuple(content)),)
+        # Dict parts are validated into typed parts by the model.
+        return (UserMessage.model_validate({"content": tuple(content)}),)
     return tuple(MessageList.validate_python([content]))
 
 

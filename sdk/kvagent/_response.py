@@ -29,7 +29,7 @@ def request_id(headers: httpx.Headers) -> str | None:
     for name in _REQUEST_ID_HEADERS:
         value = headers.get(name)
         if value:
-            return value
+            return str(value)
     return None
 
 

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
+from typing import Any
 
 import tenacity
 
@@ -56,9 +57,9 @@ def backoff(policy: RetryPolicy, retry_number: int, exc: BaseException | None,
     """Seconds to wait before retry ``retry_number`` (1-based)."""
     retry_after = getattr(exc, "retry_after", None)
     if retry_after is not None and 0 <= retry_after <= policy.max_retry_after:
-        return retry_after
+        return float(retry_after)
     base = min(policy.max_backoff, policy.initial_backoff * 2 ** (retry_number - 1))
-    return base * (1 - policy.jitter * (random.random() if rand is None else rand))
+    return float(base * (1 - policy.jitter * (random.random() if rand is None else rand)))
 
 
 def parse_retry_after(headers: Mapping[str, str], now: float | None = None) -> float | None:
@@ -84,14 +85,14 @@ def parse_retry_after(headers: Mapping[str, str], now: float | None = None) -> f
     return max(0.0, when.timestamp() - (time.time() if now is None else now))
 
 
-def _wait(policy: RetryPolicy):
+def _wait(policy: RetryPolicy) -> Callable[[tenacity.RetryCallState], float]:
     def wait(state: tenacity.RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome else None
         return backoff(policy, state.attempt_number, exc)
     return wait
 
 
-def _before_sleep(policy: RetryPolicy):
+def _before_sleep(policy: RetryPolicy) -> Callable[[tenacity.RetryCallState], None]:
     def log(state: tenacity.RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
         logger.info("retrying in %.2fs (attempt %d failed: %s)",
@@ -101,7 +102,7 @@ def _before_sleep(policy: RetryPolicy):
     return log
 
 
-def _kwargs(policy: RetryPolicy) -> dict:
+def _kwargs(policy: RetryPolicy) -> dict[str, Any]:
     return {"stop": tenacity.stop_after_attempt(policy.max_retries + 1), "wait": _wait(policy),
                 "retry": tenacity.retry_if_exception(is_retryable), "reraise": True,
                 "before_sleep": _before_sleep(policy)}

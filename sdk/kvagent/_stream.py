@@ -181,6 +181,7 @@ class StreamAccumulator:
             if last is None or (call_id and last.id and call_id != last.id):
                 index = len(parts.calls)
             else:
+                assert parts.last_index is not None  # `last` exists only then
                 index = parts.last_index
         call = parts.calls.get(index)
         if call is None:

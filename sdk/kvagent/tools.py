@@ -42,7 +42,7 @@ class Tool:
     def __init__(self, function: Callable[..., Any], *, name: str | None = None,
                  description: str | None = None) -> None:
         self.function = function
-        self.name = name or getattr(function, "__name__", "")
+        self.name: str = name or str(getattr(function, "__name__", ""))
         if not _NAME_RE.match(self.name):
             raise ToolSchemaError(
                 f"tool name {self.name!r} is invalid: use 1-64 characters from [A-Za-z0-9_-]")
@@ -51,7 +51,7 @@ class Tool:
         self.is_async = inspect.iscoroutinefunction(function)
         self._args_model = _arguments_model(function, self.name, param_docs)
         self.parameters: dict[str, Any] = _tidy_schema(self._args_model.model_json_schema())
-        functools.update_wrapper(self, function)  # type: ignore[arg-type]
+        functools.update_wrapper(self, function)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.function(*args, **kwargs)
@@ -244,7 +244,8 @@ def _tidy_schema(schema: dict[str, Any]) -> dict[str, Any]:
                 out[key] = walk(value)
         return out
 
-    return walk(schema)
+    tidied: dict[str, Any] = walk(schema)
+    return tidied
 
 
 def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:

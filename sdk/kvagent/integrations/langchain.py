@@ -26,8 +26,7 @@ from typing import Any, Literal
 
 import httpx
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import BaseChatModel, LanguageModelInput
-from langchain_core.language_models.chat_models import LangSmithParams
+from langchain_core.language_models import BaseChatModel, LangSmithParams, LanguageModelInput
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -49,7 +48,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 
 from .. import messages as kv
 from ..async_session import AsyncSession
-from ..events import Done, TextDelta, ToolCallDelta
+from ..events import Done, ReasoningDelta, TextDelta, ToolCallDelta
 from ..results import TurnResult
 from ..session import Session
 from ._carry import (
@@ -79,7 +78,7 @@ _LAST: dict[str, Any] = (
 )
 
 
-def _env(name: str, default: str | None) -> Callable[[], str | None]:
+def _env(name: str, default: str) -> Callable[[], str]:
     return lambda: os.environ.get(name, default)
 
 
@@ -177,7 +176,7 @@ class ChatKVAgent(BaseChatModel):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = LangSmithParams(
             ls_provider="kvagent", ls_model_type="chat",
-            ls_model_name=kwargs.get("model") if isinstance(kwargs.get("model"), str)
+            ls_model_name=str(kwargs["model"]) if isinstance(kwargs.get("model"), str)
             else self.model,
         )
         temperature = kwargs.get("temperature", self.temperature)
@@ -237,8 +236,9 @@ class ChatKVAgent(BaseChatModel):
             raise ValueError(f"method must be 'function_calling', 'json_schema' or "
                              f"'json_mode', not {method!r}")
         is_model = isinstance(schema, type) and is_basemodel_subclass(schema)
-        parser: Runnable[Any, Any] = (PydanticOutputParser(pydantic_object=schema)
-                                      if is_model else JsonOutputParser())
+        parser: Runnable[Any, Any] = (
+            PydanticOutputParser(pydantic_object=schema)  # type: ignore[arg-type]  # narrowed by is_model, which mypy cannot see
+            if is_model else JsonOutputParser())
         if method == "json_schema":
             json_schema = convert_to_json_schema(schema)
             response_format: dict[str, Any] = {"type": "json_schema", "json_schema": {
@@ -493,9 +493,13 @@ def _ai_message(result: TurnResult, session_id: str) -> AIMessage:
                      id=result.response_id, **extra)
 
 
-def _chunk(event: TextDelta | ToolCallDelta | Done, session_id: str) -> ChatGenerationChunk:
+def _chunk(event: TextDelta | ReasoningDelta | ToolCallDelta | Done, session_id: str
+           ) -> ChatGenerationChunk:
     if isinstance(event, TextDelta):
         return ChatGenerationChunk(message=AIMessageChunk(content=event.text))
+    if isinstance(event, ReasoningDelta):  # where langchain-openai puts reasoning, too
+        return ChatGenerationChunk(message=AIMessageChunk(
+            content="", additional_kwargs={"reasoning_content": event.text}))
     if isinstance(event, ToolCallDelta):
         return ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
             tool_call_chunk(name=event.name, args=event.arguments or None, id=event.id,
@@ -511,7 +515,7 @@ def _chunk(event: TextDelta | ToolCallDelta | Done, session_id: str) -> ChatGene
                                generation_info={"finish_reason": result.finish_reason})
 
 
-def _chunk_text(event: TextDelta | ToolCallDelta | Done) -> str:
+def _chunk_text(event: TextDelta | ReasoningDelta | ToolCallDelta | Done) -> str:
     return event.text if isinstance(event, TextDelta) else ""
 
 

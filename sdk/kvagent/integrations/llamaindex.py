@@ -49,7 +49,7 @@ from llama_index.core.llms.utils import parse_partial_json
 
 from .. import messages as kv
 from ..async_session import AsyncSession
-from ..events import Done, TextDelta, ToolCallDelta
+from ..events import Done, ReasoningDelta, TextDelta, ToolCallDelta
 from ..results import TurnResult
 from ..session import Session
 from ._carry import (
@@ -415,14 +415,15 @@ class _Partial:
         self.ids: dict[int, str] = {}
         self.names: dict[int, str] = {}
 
-    def feed(self, event: TextDelta | ToolCallDelta | Done, session_id: str) -> ChatResponse:
+    def feed(self, event: TextDelta | ReasoningDelta | ToolCallDelta | Done, session_id: str
+             ) -> ChatResponse:
         if isinstance(event, Done):
             return _response(event.result, session_id, delta="")
         delta = ""
         if isinstance(event, TextDelta):
             self.text.append(event.text)
             delta = event.text
-        else:
+        elif isinstance(event, ToolCallDelta):
             self.calls.setdefault(event.index, []).append(event.arguments)
             if event.id:
                 self.ids.setdefault(event.index, event.id)
