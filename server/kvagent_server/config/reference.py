@@ -3,13 +3,10 @@ descriptions (`python -m kvagent_server.config` prints it)."""
 
 from __future__ import annotations
 
-import inspect
-import re
 import types
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
 from kvagent_server.config.model import BundleConfig, KVEventsConfig, RoleConfig
@@ -22,14 +19,14 @@ def config_reference_markdown() -> str:
     for name, field in BundleConfig.model_fields.items():
         if name in ("prefill", "decode", "router"):
             continue
-        rows.append(_row(name, field, BundleConfig))
+        rows.append(_row(name, field))
     for name, field in RoleConfig.model_fields.items():
-        rows.append(_row(f"prefill.{name} / decode.{name}", field, RoleConfig,
+        rows.append(_row(f"prefill.{name} / decode.{name}", field,
                          default=_role_default(name)))
     for name, field in KVEventsConfig.model_fields.items():
-        rows.append(_row(f"kv_events.{name}", field, KVEventsConfig))
+        rows.append(_row(f"kv_events.{name}", field))
     for name, field in RouterSettings.model_fields.items():
-        rows.append(_row(f"router.{name}", field, RouterSettings))
+        rows.append(_row(f"router.{name}", field))
     return "\n".join(rows) + "\n"
 
 
@@ -40,8 +37,8 @@ def _role_default(name: str) -> str | None:
     return None if p == d else f"`{p}` / `{d}`"
 
 
-def _row(key: str, field: FieldInfo, owner: type[BaseModel], default: str | None = None) -> str:
-    desc = field.description or _comment_doc(owner).get(key.rsplit(".", 1)[-1], "")
+def _row(key: str, field: FieldInfo, default: str | None = None) -> str:
+    desc = field.description or ""
     if default is None:
         if field.default_factory is not None:
             value = field.default_factory()  # type: ignore[call-arg]
@@ -74,23 +71,3 @@ def _type_name(annotation: Any) -> str:
         return "any"
     name = getattr(annotation, "__name__", str(annotation))
     return {"SecretStr": "secret", "Path": "path"}.get(name, name)
-
-
-def _comment_doc(owner: type[BaseModel]) -> dict[str, str]:
-    """`#: text` comments above fields (the router settings document themselves so)."""
-    try:
-        source = inspect.getsource(owner)
-    except (OSError, TypeError):
-        return {}
-    docs: dict[str, str] = {}
-    pending: list[str] = []
-    for line in source.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("#:"):
-            pending.append(stripped[2:].strip())
-            continue
-        m = re.match(r"^(\w+)\s*:", stripped)
-        if m and pending:
-            docs[m.group(1)] = " ".join(pending)
-        pending = []
-    return docs

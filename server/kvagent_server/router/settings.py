@@ -26,10 +26,13 @@ class TenantSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    name: str
-    api_keys: list[SecretStr] = Field(default_factory=list)
-    cache_salt: str | None = None  # derived from the tenant name when unset
-    max_concurrent_streams: int = Field(default=64, ge=1)
+    name: str = Field(description="The tenant's name (in metrics, logs and its derived cache salt).")
+    api_keys: list[SecretStr] = Field(
+        default_factory=list, description="Bearer keys that authenticate as this tenant.")
+    cache_salt: str | None = Field(default=None,
+        description="Derived from the tenant name when unset.")
+    max_concurrent_streams: int = Field(
+        default=64, ge=1, description="Completions in flight for the whole tenant (429 above).")
 
 
 class RouterSettings(BaseModel):
@@ -37,97 +40,112 @@ class RouterSettings(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    host: str = "127.0.0.1"
-    port: int = Field(default=8000, ge=1, le=65535)
-    #: Shared session state for several router replicas; None keeps state in memory.
-    redis_url: str | None = None
-    #: HMAC keys by key id; the first is used to sign. Empty: a random key per process
-    #: (tokens then do not survive a restart unless Redis holds the key).
-    signing_keys: dict[str, SecretStr] = Field(default_factory=dict)
-    #: Tokens expire this many seconds before the decode node drops the blocks.
-    token_safety_margin_s: int = Field(default=60, ge=0)
-    #: Tenants; empty means a single anonymous tenant and no API key check.
-    tenants: list[TenantSettings] = Field(default_factory=list)
-    #: Skip the P leg when the uncached delta is at most this many tokens (0: never skip,
-    #: None: decide from measured costs).
-    skip_prefill_max_tokens: int | None = None
-    #: Reuse is disabled entirely (for A/B comparisons and benchmarks).
-    reuse: bool = True
-    health_interval_s: float = Field(default=2.0, gt=0)
+    host: str = Field(default="127.0.0.1", description="Address the router listens on.")
+    port: int = Field(default=8000, ge=1, le=65535, description="Port the router listens on.")
+    redis_url: str | None = Field(default=None,
+        description="Shared session state for several router replicas; None keeps state in "
+        "memory.")
+    signing_keys: dict[str, SecretStr] = Field(default_factory=dict,
+        description="HMAC keys by key id; the first is used to sign. Empty: a random key per "
+        "process (tokens then do not survive a restart unless Redis holds the key).")
+    token_safety_margin_s: int = Field(default=60, ge=0,
+        description="Tokens expire this many seconds before the decode node drops the blocks.")
+    tenants: list[TenantSettings] = Field(default_factory=list,
+        description="Tenants; empty means a single anonymous tenant and no API key check.")
+    skip_prefill_max_tokens: int | None = Field(default=None,
+        description="Skip the P leg when the uncached delta is at most this many tokens (0: "
+        "never skip, None: decide from measured costs).")
+    reuse: bool = Field(default=True,
+        description="Reuse is disabled entirely (for A/B comparisons and benchmarks).")
+    health_interval_s: float = Field(
+        default=2.0, gt=0, description="Seconds between health probes of each node.")
     # ---- limits (docs/reliability.md "Limits")
-    #: One leg's HTTP timeout; also the longest a decode stream may stay silent.
-    request_timeout_s: float = Field(default=600.0, gt=0)
-    #: From arrival to the response's first byte (all legs and retries): 504 after it.
-    first_byte_timeout_s: float = Field(default=600.0, gt=0)
-    #: A streaming client that accepts no bytes for this long is cut and its legs closed.
-    stream_write_timeout_s: float = Field(default=30.0, gt=0)
-    #: Largest request body (413 above).
-    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
-    #: Largest request line plus headers (431 above), counted while they are read: the
-    #: connection is answered and closed as soon as the count passes it.
-    max_header_bytes: int = Field(default=32 * 1024, ge=1024)
-    #: Most header lines in one request (431 above).
-    max_header_count: int = Field(default=100, ge=8)
-    #: A request line and headers must arrive within this (a slow client's connection is
-    #: closed: 408), counted from the connection or the end of the previous response.
-    header_timeout_s: float = Field(default=10.0, gt=0)
-    #: A request body must arrive within this from its headers (408 above).
-    body_timeout_s: float = Field(default=30.0, gt=0)
-    #: Open client connections, all clients together: more are closed at once, unanswered.
-    max_connections: int = Field(default=2048, ge=1)
-    #: Open client connections from one client address.
-    max_connections_per_client: int = Field(default=256, ge=1)
-    #: Completions in flight from one client address (429 above); tenants have their own.
-    max_streams_per_client: int = Field(default=64, ge=1)
-    #: Most `messages` in one chat request (400 above).
-    max_messages: int = Field(default=4096, ge=1)
-    #: Most `tools` in one chat request (400 above).
-    max_tools: int = Field(default=512, ge=1)
-    #: Largest non-streamed answer read from a node (502 above): a node's whole body is
-    #: held in memory before it is rewritten.
-    max_upstream_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
-    #: Retained handles one tenant may hold in the store; its oldest are evicted (and
-    #: released on the decode node) past it, so one tenant cannot push out another's.
-    max_handles_per_tenant: int = Field(default=5_000, ge=1)
-    #: Largest `max_tokens` / `max_completion_tokens` accepted (400 above); vLLM further
-    #: caps generation at the model's context length.
-    max_tokens_limit: int = Field(default=1 << 20, ge=1)
-    max_retries: int = Field(default=2, ge=0)
-    #: The nodes' KV block size; reuse is aligned to whole blocks. None: read it from the
-    #: nodes' `/metrics` (`vllm:cache_config_info`); no token is issued while unknown.
-    block_size: int | None = Field(default=None, ge=1)
-    #: The nodes' `kv_recompute_threshold`: fewer reusable tokens are recomputed.
-    kv_recompute_threshold: int = Field(default=64, ge=0)
-    #: The decode nodes' `decoder_kv_blocks_ttl`: how long D keeps a turn's blocks.
-    decode_blocks_ttl_s: float = Field(default=480.0, gt=0)
-    #: When a claimed handle is not reused (recompute), let P tell D to free its blocks
-    #: now (`remote_num_tokens=0` params) instead of holding them until the TTL.
-    release_unused_handles: bool = True
-    #: Decode KV usage (0..1, `vllm:kv_cache_usage_perc`) at which the oldest retained
-    #: handles on that node are evicted and released, down to the low watermark; None:
-    #: retention is bounded by the TTL only (router/retention.py).
-    retention_high_watermark: float | None = Field(default=0.8, gt=0, le=1)
-    retention_low_watermark: float = Field(default=0.6, gt=0, lt=1)
-    #: How often each decode node's KV usage is read for the watermark.
-    retention_check_interval_s: float = Field(default=2.0, gt=0)
-    #: A node with this many legs in flight is saturated (placement looks elsewhere).
-    node_max_in_flight: int = Field(default=64, ge=1)
+    request_timeout_s: float = Field(default=600.0, gt=0,
+        description="One leg's HTTP timeout; also the longest a decode stream may stay silent.")
+    first_byte_timeout_s: float = Field(default=600.0, gt=0,
+        description="From arrival to the response's first byte (all legs and retries): 504 after "
+        "it.")
+    stream_write_timeout_s: float = Field(default=30.0, gt=0,
+        description="A streaming client that accepts no bytes for this long is cut and its legs "
+        "closed.")
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024,
+        description="Largest request body (413 above).")
+    max_header_bytes: int = Field(default=32 * 1024, ge=1024,
+        description="Largest request line plus headers (431 above), counted while they are read: "
+        "the connection is answered and closed as soon as the count passes it.")
+    max_header_count: int = Field(default=100, ge=8,
+        description="Most header lines in one request (431 above).")
+    header_timeout_s: float = Field(default=10.0, gt=0,
+        description="A request line and headers must arrive within this (a slow client's "
+        "connection is closed: 408), counted from the connection or the end of the previous "
+        "response.")
+    body_timeout_s: float = Field(default=30.0, gt=0,
+        description="A request body must arrive within this from its headers (408 above).")
+    max_connections: int = Field(default=2048, ge=1,
+        description="Open client connections, all clients together: more are closed at once, "
+        "unanswered.")
+    max_connections_per_client: int = Field(default=256, ge=1,
+        description="Open client connections from one client address.")
+    max_streams_per_client: int = Field(default=64, ge=1,
+        description="Completions in flight from one client address (429 above); tenants have "
+        "their own.")
+    max_messages: int = Field(default=4096, ge=1,
+        description="Most `messages` in one chat request (400 above).")
+    max_tools: int = Field(default=512, ge=1,
+        description="Most `tools` in one chat request (400 above).")
+    max_upstream_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024,
+        description="Largest non-streamed answer read from a node (502 above): a node's whole "
+        "body is held in memory before it is rewritten.")
+    max_handles_per_tenant: int = Field(default=5_000, ge=1,
+        description="Retained handles one tenant may hold in the store; its oldest are evicted "
+        "(and released on the decode node) past it, so one tenant cannot push out another's.")
+    max_tokens_limit: int = Field(default=1 << 20, ge=1,
+        description="Largest `max_tokens` / `max_completion_tokens` accepted (400 above); vLLM "
+        "further caps generation at the model's context length.")
+    max_retries: int = Field(
+        default=2, ge=0,
+        description="Other nodes a leg is retried on before its first byte (never after).")
+    block_size: int | None = Field(default=None, ge=1,
+        description="The nodes' KV block size; reuse is aligned to whole blocks. None: read it "
+        "from the nodes' `/metrics` (`vllm:cache_config_info`); no token is issued while "
+        "unknown.")
+    kv_recompute_threshold: int = Field(default=64, ge=0,
+        description="The nodes' `kv_recompute_threshold`: fewer reusable tokens are recomputed.")
+    decode_blocks_ttl_s: float = Field(default=480.0, gt=0,
+        description="The decode nodes' `decoder_kv_blocks_ttl`: how long D keeps a turn's "
+        "blocks.")
+    release_unused_handles: bool = Field(default=True,
+        description="When a claimed handle is not reused (recompute), let P tell D to free its "
+        "blocks now (`remote_num_tokens=0` params) instead of holding them until the TTL.")
+    retention_high_watermark: float | None = Field(default=0.8, gt=0, le=1,
+        description="Decode KV usage (0..1, `vllm:kv_cache_usage_perc`) at which the oldest "
+        "retained handles on that node are evicted and released, down to the low watermark; "
+        "None: retention is bounded by the TTL only (router/retention.py).")
+    retention_low_watermark: float = Field(
+        default=0.6, gt=0, lt=1,
+        description="Decode KV usage the watermark evicts down to (below the high watermark).")
+    retention_check_interval_s: float = Field(default=2.0, gt=0,
+        description="How often each decode node's KV usage is read for the watermark.")
+    node_max_in_flight: int = Field(default=64, ge=1,
+        description="A node with this many legs in flight is saturated (placement looks "
+        "elsewhere).")
     # ---- KV identity (docs/router.md "KV identity")
-    #: Largest inline media item (a `data:` URL, `input_audio` or `file` data, counted in
-    #: characters as sent): 413 above. The router never fetches a URL itself.
-    max_inline_media_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
-    #: The served model's multimodal placeholder token ids (e.g. its image token): with
-    #: them, reuse stops at the first changed image instead of recomputing the turn.
-    mm_placeholder_token_ids: list[int] = Field(default_factory=list)
-    #: Treat media behind equal URL strings as equal content. Off: the router cannot
-    #: read the bytes (it never fetches), so reuse stops at the first URL item.
-    trust_media_urls: bool = False
-    #: Request fields to treat as unverifiable although kvagent's allow-list ignores them
-    #: (a renderer that reads, say, `response_format` into the prompt).
-    identity_unverifiable_fields: list[str] = Field(default_factory=list)
-    #: KV event sources by node URL (the bundle fills this from `kv_events`): prefill
-    #: placement then weighs the prompt's cached prefix per node and tier against load.
-    kv_events: dict[str, KVEventSource] = Field(default_factory=dict)
+    max_inline_media_bytes: int = Field(default=4 * 1024 * 1024, ge=1024,
+        description="Largest inline media item (a `data:` URL, `input_audio` or `file` data, "
+        "counted in characters as sent): 413 above. The router never fetches a URL itself.")
+    mm_placeholder_token_ids: list[int] = Field(default_factory=list,
+        description="The served model's multimodal placeholder token ids (e.g. its image token): "
+        "with them, reuse stops at the first changed image instead of recomputing the turn.")
+    trust_media_urls: bool = Field(default=False,
+        description="Treat media behind equal URL strings as equal content. Off: the router "
+        "cannot read the bytes (it never fetches), so reuse stops at the first URL item.")
+    identity_unverifiable_fields: list[str] = Field(default_factory=list,
+        description="Request fields to treat as unverifiable although kvagent's allow-list "
+        "ignores them (a renderer that reads, say, `response_format` into the prompt).")
+    kv_events: dict[str, KVEventSource] = Field(default_factory=dict,
+        description="KV event sources by node URL (the bundle fills this from `kv_events`): "
+        "prefill placement then weighs the prompt's cached prefix per node and tier against "
+        "load.")
 
     @model_validator(mode="after")
     def _distinct_salts(self) -> RouterSettings:
