@@ -11,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import venv
 from pathlib import Path
 
@@ -18,7 +19,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 HINT = "pip install 'kvagent[server]'"
-SDK_DEPS = ["httpx>=0.27,<1", "pydantic>=2.7,<3", "tenacity>=8.2", "opentelemetry-api>=1.20"]
+#: The SDK's own dependencies, as pyproject.toml declares them (no extra).
+SDK_DEPS: list[str] = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+    "dependencies"]
 
 
 def _run(argv: list[str], timeout: float = 300, **kw: object) -> subprocess.CompletedProcess[str]:
