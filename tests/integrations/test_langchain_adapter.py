@@ -277,12 +277,16 @@ def test_http_errors_surface_as_kvagent_errors() -> None:
         llm.invoke("hi")
 
 
-def test_images_are_refused_clearly() -> None:
-    llm = model_for(ScriptedRouter())
+def test_images_reach_the_server_as_openai_parts() -> None:
+    router = ScriptedRouter(streams=[text_chunks("a cat")])
+    llm = model_for(router)
     image = HumanMessage(content=[{"type": "text", "text": "what is this"},
                                   {"type": "image_url", "image_url": {"url": "data:,"}}])
-    with pytest.raises(ValueError, match="text only"):
-        llm.invoke([image])
+    assert llm.invoke([image]).content == "a cat"
+    user = router.sent[0].body["messages"][-1]
+    assert user == {"role": "user", "content": [
+        {"type": "text", "text": "what is this"},
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}
 
 
 def test_import_kvagent_does_not_import_frameworks() -> None:

@@ -60,6 +60,7 @@ from ._carry import (
     tool_call_arguments,
 )
 from ._clients import OwnedClients
+from ._parts import part_from_dict, text_or_parts
 
 __all__ = ["ChatKVAgent"]
 
@@ -372,6 +373,14 @@ def _text(content: str | list[Any], role: str) -> str:
     return "".join(parts)
 
 
+def _user_content(content: str | list[Any]) -> str | tuple[kv.ContentPart, ...]:
+    """A user message's text, or its parts when it holds images, audio or files."""
+    if isinstance(content, str):
+        return content
+    parts = [kv.TextPart(text=b) if isinstance(b, str) else part_from_dict(b) for b in content]
+    return text_or_parts([p for p in parts if p is not None])
+
+
 def _tool_calls(message: AIMessage) -> tuple[kv.ToolCall, ...]:
     """Calls as the model wrote them: the raw argument text when we kept it (our carrier,
     or OpenAI-style ``additional_kwargs["tool_calls"]``), so the history is resent byte
@@ -400,7 +409,7 @@ def _to_kvagent(message: BaseMessage) -> kv.Message:
     if isinstance(message, SystemMessage):
         return kv.SystemMessage(content=_text(message.content, "system"))
     if isinstance(message, HumanMessage):
-        return kv.UserMessage(content=_text(message.content, "user"))
+        return kv.UserMessage(content=_user_content(message.content))
     if isinstance(message, AIMessage):
         text = _text(message.content, "assistant")
         calls = _tool_calls(message)
@@ -419,7 +428,7 @@ def _to_kvagent(message: BaseMessage) -> kv.Message:
         if message.role == "system":
             return kv.SystemMessage(content=text)
         if message.role == "user":
-            return kv.UserMessage(content=text)
+            return kv.UserMessage(content=_user_content(message.content))
         return kv.AssistantMessage(content=text)
     raise ValueError(f"ChatKVAgent cannot send a {type(message).__name__} "
                      f"(role {getattr(message, 'role', message.type)!r})")

@@ -30,6 +30,7 @@ from llama_index.core.base.llms.generic_utils import (
     stream_chat_to_completion_decorator,
 )
 from llama_index.core.base.llms.types import (
+    AudioBlock,
     ChatMessage,
     ChatResponse,
     ChatResponseAsyncGen,
@@ -37,6 +38,8 @@ from llama_index.core.base.llms.types import (
     CompletionResponse,
     CompletionResponseAsyncGen,
     CompletionResponseGen,
+    DocumentBlock,
+    ImageBlock,
     LLMMetadata,
     MessageRole,
     TextBlock,
@@ -61,6 +64,7 @@ from ._carry import (
     usage_counts,
 )
 from ._clients import OwnedClients
+from ._parts import bytes_part, text_or_parts
 
 try:  # llama-index-core >= 0.14 has typed tool-call blocks; older ones use additional_kwargs
     from llama_index.core.base.llms.types import ToolCallBlock
@@ -315,6 +319,31 @@ def _calls_of(message: ChatMessage) -> list[kv.ToolCall]:
     return calls
 
 
+def _user_content(message: ChatMessage) -> str | tuple[kv.ContentPart, ...]:
+    """A user message's text, or its parts when it holds images, audio or documents."""
+    parts: list[kv.ContentPart] = []
+    for block in message.blocks:
+        if isinstance(block, TextBlock):
+            parts.append(kv.TextPart(text=block.text))
+        elif isinstance(block, ImageBlock):
+            if block.url is not None and block.image is None and block.path is None:
+                parts.append(kv.ImagePart.from_url(str(block.url)))
+            else:
+                parts.append(bytes_part("image", block.resolve_image().read(),
+                                        block.image_mimetype))
+        elif isinstance(block, AudioBlock):
+            fmt = block.format
+            parts.append(bytes_part("audio", block.resolve_audio().read(),
+                                    f"audio/{fmt}" if fmt else None))
+        elif isinstance(block, DocumentBlock):
+            parts.append(bytes_part("file", block.resolve_document().read(),
+                                    block.document_mimetype, block.title))
+        else:
+            raise TypeError(f"KVAgentLLM cannot send a {type(block).__name__} in a user "
+                             "message")
+    return text_or_parts(parts)
+
+
 def _text(message: ChatMessage) -> str:
     parts: list[str] = []
     for block in message.blocks:
@@ -333,7 +362,7 @@ def _to_kvagent(message: ChatMessage) -> kv.Message:
     if role in (MessageRole.SYSTEM, MessageRole.DEVELOPER):
         return kv.SystemMessage(content=_text(message))
     if role == MessageRole.USER:
-        return kv.UserMessage(content=_text(message))
+        return kv.UserMessage(content=_user_content(message))
     if role in (MessageRole.ASSISTANT, MessageRole.CHATBOT, MessageRole.MODEL):
         text = _text(message)
         calls = tuple(_calls_of(message))
