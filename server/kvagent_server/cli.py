@@ -1,14 +1,12 @@
 """`kvagent-server`: up, down, status, render, deploy, install-engine (and the `kvagent` demo app).
 
-A thin shell: configuration in `config`, commands in `render`, supervision in `nodes`.
+A thin shell: configuration in `config`, commands in `render`, supervision in `supervisor`,
+the detached supervisor in `daemon`; this module only parses flags and prints.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,11 +23,9 @@ from kvagent_server.config import (
     DEFAULT_RUN_ROOT,
     BundleConfig,
     ConfigError,
-    dump_config,
     load_config,
 )
 from kvagent_server.runstate import (
-    CONFIG_FILE,
     STATE_FILE,
     SUPERVISOR_LOG,
     RunState,
@@ -231,7 +227,8 @@ def up(
 
 def _up_detached(cfg: BundleConfig, bundle: Any) -> int:
     """Run the supervisor as a daemon and wait (with progress) until it reports healthy."""
-    from kvagent_server.supervisor import BundleError, _write_private
+    from kvagent_server import daemon as detached
+    from kvagent_server.supervisor import BundleError
 
     run_dir = cfg.resolved_run_dir()
     try:
@@ -241,29 +238,18 @@ def _up_detached(cfg: BundleConfig, bundle: Any) -> int:
         return 1
     except ConfigError as exc:
         _fail_config(exc)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg_path = run_dir / CONFIG_FILE
-    _write_private(cfg_path, json.dumps(dump_config(cfg), indent=2))
-    with open(run_dir / SUPERVISOR_LOG, "ab") as log:
-        daemon = subprocess.Popen(
-            [sys.executable, "-m", "kvagent_server.supervisor", "--config", str(cfg_path)],
-            stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True, close_fds=True,
-        )
-
-    def current() -> RunState | None:
-        state = load_state(run_dir)
-        return state if state is not None and state.supervisor_pid == daemon.pid else None
+    daemon = detached.start(cfg)
 
     def done(state: RunState | None) -> bool:
         return daemon.poll() is not None or (
             state is not None and state.phase != "starting")
 
     try:
-        state = _watch(current, done)
+        state = _watch(lambda: detached.state_of(run_dir, daemon), done)
     except KeyboardInterrupt:
         err.print("Interrupted: stopping…")
-        _stop_supervisor(daemon.pid, processes.create_time(daemon.pid), cfg.stop_grace_s)
+        detached.stop_supervisor(daemon.pid, processes.create_time(daemon.pid),
+                                 cfg.stop_grace_s)
         return 130
     if state is not None and state.phase == "running" and daemon.poll() is None:
         _summary(state)
@@ -275,26 +261,9 @@ def _up_detached(cfg: BundleConfig, bundle: Any) -> int:
     state = load_state(run_dir)
     if state is not None and state.error:
         err.print(state.error, soft_wrap=True, markup=False)
-    tail = (run_dir / SUPERVISOR_LOG).read_text(errors="replace").splitlines()[-15:]
     err.print(f"[dim]{run_dir / SUPERVISOR_LOG}:[/]")
-    err.print("\n".join(tail), markup=False)
+    err.print("\n".join(detached.log_tail(run_dir)), markup=False)
     return 1
-
-
-def _stop_supervisor(pid: int, created: float | None, grace: float) -> bool:
-    """SIGTERM the supervisor and wait for it to stop its processes; True if it exited."""
-    if not processes.is_alive(pid, created):
-        return True
-    try:
-        os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return True
-    deadline = time.monotonic() + grace * 4 + 30
-    while time.monotonic() < deadline:
-        if not processes.is_alive(pid, created):
-            return True
-        time.sleep(0.2)
-    return False
 
 
 # ----------------------------------------------------------------------- down
@@ -305,26 +274,14 @@ def down(config: ConfigOpt = None, name: NameOpt = None, run_dir: RunDirOpt = No
          grace: Annotated[float, typer.Option(help="SIGTERM → SIGKILL grace, s.")] = 15.0,
          ) -> None:
     """Stop a bundle (its supervisor, nodes, router and all their children)."""
+    from kvagent_server import daemon as detached
+
     rd = _run_dir(config, name, run_dir)
-    state = load_state(rd)
-    leftovers = processes.marked(rd)
-    if state is None and not leftovers:
+    with console.status("Stopping…"):
+        survivors = detached.stop_bundle(rd, grace)
+    if survivors is None:
         console.print(f"Nothing to stop in {rd}.")
         raise typer.Exit(0)
-    with console.status("Stopping…"):
-        if state is not None:
-            _stop_supervisor(state.supervisor_pid, state.supervisor_create_time, grace)
-        pgids = [p.pid for p in (state.processes if state else []) if p.pid]
-        survivors = processes.terminate(pgids, rd, grace=grace)
-    state = load_state(rd)
-    if state is not None and state.phase != "stopped":
-        state.phase = "stopped"
-        for p in state.processes:
-            if p.status != "pending":
-                p.status = "stopped"
-        from kvagent_server.runstate import save_state
-
-        save_state(rd, state)
     if survivors:
         err.print(f"[bold red]Could not stop pids {survivors}[/]")
         raise typer.Exit(1)

@@ -237,10 +237,10 @@ class Bundle:
             raise ConfigError(problems)
 
     def _write_files(self) -> None:
-        _write_private(self.run_dir / CONFIG_FILE,
+        write_private(self.run_dir / CONFIG_FILE,
                        json.dumps(dump_config(self.config), indent=2))
         if self.plan.router is not None:
-            _write_private(self.plan.router_settings_path,
+            write_private(self.plan.router_settings_path,
                            json.dumps(self.plan.router_settings, indent=2))
 
     def _save(self) -> None:
@@ -377,7 +377,7 @@ def _port_problem(host: str, port: int, what: str) -> list[str]:
     return []
 
 
-def _write_private(path: Path, text: str) -> None:
+def write_private(path: Path, text: str) -> None:
     """Write a file only the owner can read (it may hold signing keys)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
