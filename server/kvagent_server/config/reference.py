@@ -24,7 +24,7 @@ def config_reference_markdown() -> str:
         rows.append(_row(f"prefill.{name} / decode.{name}", field,
                          default=_role_default(name)))
     for name, field in LoraModule.model_fields.items():
-        rows.append(_row(f"lora_modules[].{name}", field, LoraModule))
+        rows.append(_row(f"lora_modules[].{name}", field))
     for name, field in KVEventsConfig.model_fields.items():
         rows.append(_row(f"kv_events.{name}", field))
     for name, field in RouterSettings.model_fields.items():
