@@ -255,7 +255,8 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
     try:
         turn = await _until_disconnect(request, plan_turn(r, req),
                                        r.settings.first_byte_timeout_s)
-        scrubber = Scrubber(keep_token_ids=keep_ids, keep_usage=wants_usage or not stream)
+        scrubber = Scrubber(keep_token_ids=keep_ids, keep_usage=wants_usage or not stream,
+                            stream=stream)
         if stream:
             handed_off = True
             return GuardedStream(_stream(turn, scrubber, cleanup, span),
