@@ -92,7 +92,7 @@ class Scrubber:
         for name in INTERNAL_FIELDS:
             if name not in obj:
                 continue
-            value = obj.pop(name) if self.stream else obj[name]
+            value = obj.pop(name)
             if not self.stream:
                 obj[name] = None
             if name == "kv_transfer_params" and value:
