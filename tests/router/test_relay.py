@@ -242,3 +242,22 @@ async def test_second_choice_tokens_not_mixed_into_choice_zero() -> None:
                usage_chunk(kv_transfer_params=KV), b"[DONE]")
     _, seen = await run(data, 10_000)
     assert seen[0].output_token_ids == [2] and seen[0].sequence is None  # n > 1: no handle
+
+
+@pytest.mark.parametrize("size", [5, 100_000])
+async def test_chunks_carrying_only_token_ids_dropped_unless_asked(size: int) -> None:
+    """With `return_token_ids` vLLM also sends a chunk for tokens a tool-call parser holds
+    back (empty delta); a client that did not ask for ids would never see those."""
+    empty = chunk(None, ids=[7])
+    empty["choices"][0]["logprobs"] = None
+    data = sse(chunk("", ids=[], prompt_token_ids=[1, 2]), empty, chunk("a", ids=[8]),
+               empty, chunk(None, ids=[5], finish="tool_calls"),
+               usage_chunk(kv_transfer_params=KV), b"[DONE]")
+    out, seen = await run(data, size)
+    evs = events(out)
+    assert len(evs) == 5 and [e["choices"][0]["delta"] for e in evs[1:3]] == [
+        {"content": "a"}, {}]  # the finish chunk keeps its empty delta
+    assert evs[2]["choices"][0]["finish_reason"] == "tool_calls"
+    assert seen[0].sequence == [1, 2, 7, 8, 7, 5]  # their ids still count
+    out, _ = await run(data, size, keep_ids=True)
+    assert len(events(out)) == 7

@@ -12,7 +12,8 @@ chunk the client receives anyway: the usage chunk when the client asked for usag
 `usage.prompt_tokens_details.cached_tokens`), else the last chunk carrying a
 `finish_reason`, held back until D's usage chunk (sent right after it) has been read and
 dropped. A chunk without choices would break clients that read `choices[0]` of every
-chunk, as vLLM's own benchmark client does.
+chunk, as vLLM's own benchmark client does. Chunks vLLM sends only to carry token ids
+(an empty delta while a tool-call parser holds text back) are dropped too.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ _SLOW_MARKERS = (b'"kv_transfer_params"', b'"ec_transfer_params"', b'"prompt_tok
 _TOKEN_IDS_RE = re.compile(rb',\s*"token_ids":\s*\[([0-9,\s]*)\]')
 _FINISH_RE = re.compile(rb'"finish_reason":\s*"([a-z_]+)"')
 _INDEX_RE = re.compile(rb'"index":\s*([0-9]+)')
+_EMPTY_DELTA_RE = re.compile(rb'"delta":\s*\{\}')
 
 
 @dataclass
@@ -188,6 +190,17 @@ def _finishes(obj: dict[str, Any]) -> bool:
     return any(isinstance(c, dict) and c.get("finish_reason") for c in obj.get("choices") or ())
 
 
+def _only_token_ids(obj: dict[str, Any]) -> bool:
+    """A chat chunk vLLM sends only because token ids were asked for: an empty delta
+    (a tool-call or reasoning parser holding text back), no logprobs, no finish. Without
+    `return_token_ids` vLLM does not send it, so neither does the router."""
+    choices = obj.get("choices")
+    return bool(choices) and all(
+        isinstance(c, dict) and c.get("delta") == {} and "token_ids" in c
+        and "logprobs" in c and c["logprobs"] is None and not c.get("finish_reason")
+        for c in choices)
+
+
 def _payload(event: bytes) -> bytes | None:
     """The data of one SSE event; None for comments and keep-alives (nothing for the
     client)."""
@@ -207,6 +220,7 @@ class _Relay:
         self.scrubber = scrubber
         self.finalize = finalize
         self.hold = not scrubber.keep_usage
+        self.drop_empty = not scrubber.keep_token_ids
         self.finished = False  # `finalize` ran
         self.held: bytes | None = None  # the latest scrubbed finish chunk's JSON
 
@@ -219,6 +233,9 @@ class _Relay:
             return await self.close() + b"data: [DONE]\n\n"
         fast = self.scrubber.scrub_bytes(payload)
         if fast is not None:
+            if (self.drop_empty and _EMPTY_DELTA_RE.search(fast) is not None
+                    and _only_token_ids(fastjson.loads(fast))):
+                return b""
             if self.hold and _FINISH_RE.search(fast) is not None:
                 return self._hold(fast)
             return self.release() + b"data: " + fast + b"\n\n"
@@ -229,6 +246,8 @@ class _Relay:
         if not isinstance(obj, dict):
             return self.release() + _dump(obj, std=std)
         self.scrubber.scrub(obj)
+        if self.drop_empty and _only_token_ids(obj):
+            return b""
         if _is_last(obj):
             if self.finished:
                 return b"" if self.hold else _dump(obj, std=std)
