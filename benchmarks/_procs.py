@@ -5,25 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import time
 
 import httpx
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` distinct loopback ports free right now (held open together while picking)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+from kvagent_server.ports import free_ports  # noqa: F401 - re-exported for the benchmarks
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -17,14 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-
-from benchmarks._procs import free_ports  # noqa: F401 - the tests' port picker too
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvagent_server.ports import free_port, free_ports  # noqa: F401 - the tests' port pickers
 
 
 def vllm_available() -> bool:

@@ -29,7 +29,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,16 +42,12 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
+from kvagent_server.ports import free_port
+
 from benchmarks._procs import stop, wait_ready
 
 MODEL = "fake-model"
 PROMPT = "Summarise the history of lighthouses in three sentences. " * 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:

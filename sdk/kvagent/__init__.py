@@ -7,6 +7,7 @@ Against any other OpenAI-compatible server everything works the same, without re
 
 from __future__ import annotations
 
+from . import _logs
 from ._exceptions import (
     APIConnectionError,
     APIError,
@@ -29,20 +30,30 @@ from ._exceptions import (
 )
 from ._retry import RetryPolicy
 from .async_session import AsyncSession, AsyncTurnStream
-from .events import Done, StreamEvent, TextDelta, ToolCallDelta
+from .events import Done, ReasoningDelta, StreamEvent, TextDelta, ToolCallDelta
 from .messages import (
     AssistantMessage,
+    AudioPart,
+    ContentPart,
+    FileData,
+    FilePart,
+    ImagePart,
+    ImageURL,
+    InputAudio,
     Message,
     SystemMessage,
+    TextPart,
     ToolCall,
     ToolResultMessage,
     UserMessage,
 )
-from .results import RouterInfo, RunResult, TurnResult, Usage
+from .results import Choice, RouterInfo, RunResult, TokenLogprob, TopLogprob, TurnResult, Usage
 from .session import Session, TurnStream
 from .tools import Tool, tool
 
 __version__ = "0.1.0"
+
+_logs.setup_from_env()
 
 __all__ = [
     "APIConnectionError",
@@ -52,10 +63,18 @@ __all__ = [
     "AssistantMessage",
     "AsyncSession",
     "AsyncTurnStream",
+    "AudioPart",
     "AuthenticationError",
     "BadRequestError",
+    "Choice",
     "ConflictError",
+    "ContentPart",
     "Done",
+    "FileData",
+    "FilePart",
+    "ImagePart",
+    "ImageURL",
+    "InputAudio",
     "InternalServerError",
     "KVAgentError",
     "MalformedStream",
@@ -63,6 +82,7 @@ __all__ = [
     "NotFoundError",
     "PermissionDeniedError",
     "RateLimitError",
+    "ReasoningDelta",
     "RetryPolicy",
     "RouterInfo",
     "RunResult",
@@ -72,12 +92,15 @@ __all__ = [
     "StreamInterrupted",
     "SystemMessage",
     "TextDelta",
+    "TextPart",
+    "TokenLogprob",
     "Tool",
     "ToolCall",
     "ToolCallDelta",
     "ToolError",
     "ToolResultMessage",
     "ToolSchemaError",
+    "TopLogprob",
     "TurnResult",
     "TurnStream",
     "UnprocessableEntityError",

@@ -17,7 +17,7 @@ could help::
     │       ├── RateLimitError               429
     │       └── InternalServerError          5xx
     ├── StreamError                   a 2xx stream went wrong after it started (never retried)
-    │   ├── StreamInterrupted         cut before ``[DONE]``; ``partial_text`` holds what came
+    │   ├── StreamInterrupted         cut before the answer ended; ``partial_text`` holds what came
     │   └── MalformedStream           bytes that are not an OpenAI event stream
     └── ToolError                     declaring or running tools
         └── ToolSchemaError           a function cannot be described as a JSON-schema tool
@@ -79,13 +79,17 @@ class APIStatusError(APIError):
     """The server answered with an error status; ``body`` is its parsed JSON (or text)."""
 
     def __init__(self, message: str, *, response: httpx.Response, body: Any = None,
-                 retry_after: float | None = None) -> None:
+                 retry_after: float | None = None, request_id: str | None = None) -> None:
         super().__init__(message, request=response.request)
         self.response = response
         self.status_code = response.status_code
         self.body = body
         #: Seconds the server asked us to wait (``Retry-After``), when it said so.
         self.retry_after = retry_after
+        #: The server's id of the failed request (``x-request-id``), when it sent one.
+        self.request_id = request_id
+        #: The response's headers, e.g. for rate-limit details.
+        self.headers = response.headers
 
 
 class BadRequestError(APIStatusError):
@@ -131,7 +135,8 @@ class StreamError(KVAgentError):
 
 
 class StreamInterrupted(StreamError):
-    """The stream ended or failed before ``[DONE]``; history and cache token are unchanged."""
+    """The stream ended or failed before the answer was complete (no ``[DONE]`` and a choice
+    without ``finish_reason``); history and cache token are unchanged."""
 
 
 class MalformedStream(StreamError):

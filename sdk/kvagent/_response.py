@@ -17,7 +17,20 @@ from ._exceptions import (
 )
 from ._retry import parse_retry_after
 
-__all__ = ["check_event_stream", "connection_error", "error_detail", "status_error"]
+__all__ = ["check_event_stream", "connection_error", "error_detail", "request_id",
+           "status_error"]
+
+#: Where servers put the id of a request: OpenAI and vLLM (``--enable-request-id-headers``).
+_REQUEST_ID_HEADERS = ("x-request-id", "request-id")
+
+
+def request_id(headers: httpx.Headers) -> str | None:
+    """The server's id of this request, for bug reports and log correlation."""
+    for name in _REQUEST_ID_HEADERS:
+        value = headers.get(name)
+        if value:
+            return value
+    return None
 
 
 def connection_error(exc: httpx.TransportError, url: str) -> APIConnectionError:
@@ -47,7 +60,8 @@ def status_error(response: httpx.Response, raw: bytes, *, model: str, base_url: 
     else:
         message = f"HTTP {response.status_code} from {response.request.url}: {detail}"
     return cls(message, response=response, body=body,
-               retry_after=parse_retry_after(response.headers))
+               retry_after=parse_retry_after(response.headers),
+               request_id=request_id(response.headers))
 
 
 def check_event_stream(response: httpx.Response) -> None:

@@ -7,7 +7,6 @@ retried, because the server already spent the tokens and the caller may have sho
 
 from __future__ import annotations
 
-import logging
 import random
 import time
 from collections.abc import Callable, Mapping
@@ -17,8 +16,7 @@ from email.utils import parsedate_to_datetime
 import tenacity
 
 from ._exceptions import APIConnectionError, APIStatusError
-
-logger = logging.getLogger("kvagent")
+from ._logs import logger
 
 __all__ = ["RetryPolicy", "async_retrying", "backoff", "is_retryable", "parse_retry_after",
            "retrying"]

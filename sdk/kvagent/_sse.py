@@ -2,12 +2,15 @@
 
 Bytes arrive split anywhere: inside a line, between ``\\r`` and ``\\n``, inside a UTF-8
 sequence. The decoder buffers until a line ends, so callers can feed whatever the
-transport yields.
+transport yields. A byte-order mark opening the stream is skipped, as the standard says;
+left in, it would glue itself to the first field name and lose the first event.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
+
+_BOM = b"\xef\xbb\xbf"
 
 
 class ServerSentEvent(NamedTuple):
@@ -25,9 +28,10 @@ class ServerSentEvent(NamedTuple):
 class SSEDecoder:
     """Turns a byte stream into ``ServerSentEvent``s; call ``feed`` per chunk, ``close`` at EOF."""
 
-    __slots__ = ("_buf", "_data", "_event", "_id", "_retry", "_skip_lf")
+    __slots__ = ("_at_start", "_buf", "_data", "_event", "_id", "_retry", "_skip_lf")
 
     def __init__(self) -> None:
+        self._at_start = True  # until the first bytes show whether a BOM opens the stream
         self._buf = b""
         self._skip_lf = False  # the previous chunk ended in "\r": a leading "\n" belongs to it
         self._data: list[str] = []
@@ -42,6 +46,13 @@ class SSEDecoder:
             if chunk[:1] == b"\n":
                 chunk = chunk[1:]
         buf = self._buf + chunk if self._buf else chunk
+        if self._at_start:
+            if len(buf) < len(_BOM) and _BOM.startswith(buf):
+                self._buf = buf  # maybe a BOM split across reads: wait for more
+                return []
+            self._at_start = False
+            self._buf = b""
+            buf = buf.removeprefix(_BOM)
         if not buf:
             return []
         lines = buf.splitlines(keepends=True)

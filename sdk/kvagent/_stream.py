@@ -9,7 +9,6 @@ own: the caller passes timestamps, so tests are exact.
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,12 +17,14 @@ from typing import Any
 
 from . import protocol as proto
 from ._exceptions import MalformedStream, StreamInterrupted
+from ._logs import logger
 from ._sse import ServerSentEvent
-from .events import TextDelta, ToolCallDelta
+from .events import ReasoningDelta, TextDelta, ToolCallDelta
 from .messages import AssistantMessage, ToolCall
-from .results import RouterInfo, TurnResult, Usage
+from .results import Choice, RouterInfo, TokenLogprob, TurnResult, Usage
 
-logger = logging.getLogger("kvagent")
+StreamDelta = TextDelta | ReasoningDelta | ToolCallDelta
+
 
 __all__ = ["StreamAccumulator", "parse_router_info", "parse_usage"]
 
@@ -35,18 +36,39 @@ class _CallParts:
     arguments: list[str] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class _ChoiceParts:
+    """Everything one choice's deltas carried so far."""
+
+    text: list[str] = field(default_factory=list)
+    reasoning: list[str] = field(default_factory=list)
+    calls: dict[int, _CallParts] = field(default_factory=dict)
+    last_index: int | None = None
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+    def tool_calls(self) -> tuple[ToolCall, ...]:
+        return tuple(
+            ToolCall(id=parts.id or f"call_{uuid.uuid4().hex[:24]}", name=parts.name or "",
+                     arguments="".join(parts.arguments) or "{}")
+            for _, parts in sorted(self.calls.items())
+        )
+
+
 class StreamAccumulator:
-    """Feed SSE events (or decoded chunks) in order; ``finish()`` returns the turn's answer."""
+    """Feed SSE events (or decoded chunks) in order; ``finish()`` returns the turn's answer.
+
+    Choice 0 is the answer (its deltas are returned as events); other choices (``n`` > 1)
+    are accumulated quietly and exposed on ``TurnResult.choices``.
+    """
 
     def __init__(self, *, clock: Callable[[], float], started_at: float) -> None:
         self._clock = clock
         self._started_at = started_at
-        self._text: list[str] = []
-        self._calls: dict[int, _CallParts] = {}
-        self._last_index: int | None = None
+        self._choices: dict[int, _ChoiceParts] = {0: _ChoiceParts()}
+        self._first = self._choices[0]
         self._usage: dict[str, Any] | None = None
         self._router: dict[str, Any] | None = None
-        self.finish_reason: str | None = None
         self.response_id: str | None = None
         self.model: str | None = None
         self.done = False
@@ -56,9 +78,20 @@ class StreamAccumulator:
     @property
     def text(self) -> str:
         """Text so far (what ``StreamInterrupted.partial_text`` reports)."""
-        return "".join(self._text)
+        return "".join(self._first.text)
 
-    def feed_event(self, event: ServerSentEvent) -> list[TextDelta | ToolCallDelta]:
+    @property
+    def finish_reason(self) -> str | None:
+        return self._first.finish_reason
+
+    @property
+    def complete(self) -> bool:
+        """``[DONE]`` came, or every choice that started has finished: a server that ends
+        the stream without ``[DONE]`` after ``finish_reason`` (some do) gave a whole answer."""
+        return self.done or (self.first_chunk_at is not None and all(
+            c.finish_reason for c in self._choices.values()))
+
+    def feed_event(self, event: ServerSentEvent) -> list[StreamDelta]:
         """Decode one SSE event; ``[DONE]`` ends the stream."""
         data = event.data
         if data == "[DONE]":
@@ -76,8 +109,8 @@ class StreamAccumulator:
                                   partial_text=self.text)
         return self.feed_chunk(chunk)
 
-    def feed_chunk(self, chunk: dict[str, Any]) -> list[TextDelta | ToolCallDelta]:
-        """Merge one ``chat.completion.chunk`` object; returns the deltas it carried."""
+    def feed_chunk(self, chunk: dict[str, Any]) -> list[StreamDelta]:
+        """Merge one ``chat.completion.chunk`` object; returns choice 0's deltas."""
         if self.first_chunk_at is None:
             self.first_chunk_at = self._clock()
         error = chunk.get("error")
@@ -95,61 +128,92 @@ class StreamAccumulator:
         usage = chunk.get("usage")
         if isinstance(usage, dict):
             self._usage = usage
-        events: list[TextDelta | ToolCallDelta] = []
+        events: list[StreamDelta] = []
         for choice in chunk.get("choices") or ():
-            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
-                continue  # n > 1 is not supported: the session keeps one answer per turn
-            delta = choice.get("delta") or {}
-            content = delta.get("content")
-            if content:
-                self._text.append(content)
-                events.append(TextDelta(content))
-            for fragment in delta.get("tool_calls") or ():
-                events.append(self._tool_fragment(fragment))
-            if choice.get("finish_reason"):
-                self.finish_reason = choice["finish_reason"]
+            if not isinstance(choice, dict):
+                continue
+            index = choice.get("index", 0)
+            if not isinstance(index, int):
+                continue
+            parts = self._choices.get(index)
+            if parts is None:
+                parts = self._choices[index] = _ChoiceParts()
+            out = self._merge(parts, choice)
+            if index == 0:
+                events.extend(out)
         if events and self.first_token_at is None:
             self.first_token_at = self._clock()
         return events
 
-    def _tool_fragment(self, fragment: dict[str, Any]) -> ToolCallDelta:
+    def _merge(self, parts: _ChoiceParts, choice: dict[str, Any]) -> list[StreamDelta]:
+        events: list[StreamDelta] = []
+        delta = choice.get("delta") or {}
+        # vLLM renamed reasoning_content to reasoning and, for a while, sent both with the
+        # same text: take one, never both.
+        reasoning = delta.get("reasoning") or delta.get("reasoning_content")
+        if isinstance(reasoning, str) and reasoning:
+            parts.reasoning.append(reasoning)
+            events.append(ReasoningDelta(reasoning))
+        content = delta.get("content")
+        if content:
+            parts.text.append(content)
+            events.append(TextDelta(content))
+        for fragment in delta.get("tool_calls") or ():
+            events.append(self._tool_fragment(parts, fragment))
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict) and isinstance(logprobs.get("content"), list):
+            if parts.logprobs is None:
+                parts.logprobs = []
+            parts.logprobs.extend(_token_logprob(item) for item in logprobs["content"]
+                                  if isinstance(item, dict))
+        if choice.get("finish_reason"):
+            parts.finish_reason = choice["finish_reason"]
+        return events
+
+    @staticmethod
+    def _tool_fragment(parts: _ChoiceParts, fragment: dict[str, Any]) -> ToolCallDelta:
         function = fragment.get("function") or {}
         call_id = fragment.get("id") or None
         index = fragment.get("index")
         if not isinstance(index, int):
             # Some servers omit the index: a new id starts a new call, else continue the last.
-            last = self._calls.get(self._last_index) if self._last_index is not None else None
+            last = parts.calls.get(parts.last_index) if parts.last_index is not None else None
             if last is None or (call_id and last.id and call_id != last.id):
-                index = len(self._calls)
+                index = len(parts.calls)
             else:
-                index = self._last_index
-        parts = self._calls.get(index)
-        if parts is None:
-            parts = self._calls[index] = _CallParts()
-        self._last_index = index
-        if call_id and not parts.id:
-            parts.id = call_id
+                index = parts.last_index
+        call = parts.calls.get(index)
+        if call is None:
+            call = parts.calls[index] = _CallParts()
+        parts.last_index = index
+        if call_id and not call.id:
+            call.id = call_id
         name = function.get("name") or None
-        if name and not parts.name:
-            parts.name = name
+        if name and not call.name:
+            call.name = name
         arguments = function.get("arguments") or ""
         if not isinstance(arguments, str):  # a few servers send an object
             arguments = json.dumps(arguments, separators=(",", ":"))
         if arguments:
-            parts.arguments.append(arguments)
+            call.arguments.append(arguments)
         return ToolCallDelta(index=index, id=call_id, name=name, arguments=arguments)
 
     def finish(self, *, now: datetime) -> TurnResult:
-        """The completed answer; raises ``StreamInterrupted`` if ``[DONE]`` never came."""
-        if not self.done:
-            raise StreamInterrupted("the stream ended before [DONE]; the answer is incomplete",
-                                    partial_text=self.text)
+        """The completed answer; raises ``StreamInterrupted`` if the stream ended early
+        (neither ``[DONE]`` nor a ``finish_reason`` on every choice)."""
+        if not self.complete:
+            raise StreamInterrupted("the stream ended before [DONE] or a finish_reason; "
+                                    "the answer is incomplete", partial_text=self.text)
         finished_at = self._clock()
-        calls = tuple(
-            ToolCall(id=parts.id or f"call_{uuid.uuid4().hex[:24]}", name=parts.name or "",
-                     arguments="".join(parts.arguments) or "{}")
-            for _, parts in sorted(self._calls.items())
+        choices = tuple(
+            Choice(index=index, text="".join(parts.text),
+                   reasoning="".join(parts.reasoning) or None, tool_calls=parts.tool_calls(),
+                   finish_reason=parts.finish_reason,
+                   logprobs=None if parts.logprobs is None else tuple(parts.logprobs))
+            for index, parts in sorted(self._choices.items())
         )
+        first = choices[0]
+        calls = first.tool_calls
         router = parse_router_info(self._router)
         token = router.cache_token if router else None
         if token is not None and not proto.valid_cache_token(token):
@@ -158,20 +222,29 @@ class StreamAccumulator:
         expires_at = None
         if token and router and router.expires_in is not None:
             expires_at = now + timedelta(seconds=router.expires_in)
-        text = self.text
+        text = first.text
         message = AssistantMessage(
             content=text if text or not calls else None, tool_calls=calls, cache_token=token,
-            cache_token_expires_at=expires_at, finish_reason=self.finish_reason,
+            cache_token_expires_at=expires_at, finish_reason=first.finish_reason,
+            reasoning=first.reasoning,
         )
         return TurnResult(
-            message=message, text=text, tool_calls=calls, finish_reason=self.finish_reason,
+            message=message, text=text, tool_calls=calls, finish_reason=first.finish_reason,
             usage=parse_usage(self._usage), response_id=self.response_id, model=self.model,
             time_to_first_chunk=_since(self._started_at, self.first_chunk_at),
             time_to_first_token=_since(self._started_at, self.first_token_at),
             duration=finished_at - self._started_at, cache_token_received=token is not None,
             reused_tokens=router.reused_tokens if router else None,
             path=router.path if router else None, router=router,
+            reasoning=first.reasoning, logprobs=first.logprobs, choices=choices,
         )
+
+
+def _token_logprob(raw: dict[str, Any]) -> TokenLogprob:
+    try:
+        return TokenLogprob.model_validate(raw)
+    except ValueError:  # a server's odd entry must not cost the answer
+        return TokenLogprob(token=str(raw.get("token", "")), logprob=float("nan"))
 
 
 def _since(start: float, at: float | None) -> float | None:

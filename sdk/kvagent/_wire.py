@@ -8,22 +8,29 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from .messages import AssistantMessage, Message, SystemMessage, ToolResultMessage, UserMessage
 from .tools import Tool
 
-__all__ = ["ToolChoice", "message_to_wire", "messages_to_wire", "tool_choice_to_wire",
+__all__ = ["ReasoningHistory", "ToolChoice", "message_to_wire", "messages_to_wire", "tool_choice_to_wire",
            "tool_to_wire"]
 
 #: "auto" | "none" | "required" | a declared tool (by object) | an OpenAI tool_choice dict.
 ToolChoice = str | Tool | Mapping[str, Any]
 
+#: What happens to earlier answers' reasoning: "strip" (not sent, as vLLM's reasoning-model
+#: templates drop it from history anyway) or "send" (as ``reasoning``, which vLLM accepts and
+#: also hands templates as ``reasoning_content``).
+ReasoningHistory = Literal["strip", "send"]
 
-def message_to_wire(message: Message) -> dict[str, Any]:
+
+def message_to_wire(message: Message, reasoning: ReasoningHistory = "strip") -> dict[str, Any]:
     """One message as OpenAI expects it; SDK-only fields (cache token, flags) stay behind."""
     if isinstance(message, AssistantMessage):
         out: dict[str, Any] = {"role": "assistant", "content": message.content}
+        if reasoning == "send" and message.reasoning:
+            out["reasoning"] = message.reasoning
         if message.tool_calls:
             out["tool_calls"] = [
                 {"id": call.id, "type": "function",
@@ -33,13 +40,16 @@ def message_to_wire(message: Message) -> dict[str, Any]:
         return out
     if isinstance(message, ToolResultMessage):
         return {"role": "tool", "tool_call_id": message.tool_call_id, "content": message.content}
+    if isinstance(message, UserMessage) and not isinstance(message.content, str):
+        return {"role": "user", "content": [p.model_dump(mode="json") for p in message.content]}
     if isinstance(message, SystemMessage | UserMessage):
         return {"role": message.role, "content": message.content}
     raise TypeError(f"not a kvagent message: {message!r}")
 
 
-def messages_to_wire(messages: Iterable[Message]) -> list[dict[str, Any]]:
-    return [message_to_wire(m) for m in messages]
+def messages_to_wire(messages: Iterable[Message], reasoning: ReasoningHistory = "strip"
+                     ) -> list[dict[str, Any]]:
+    return [message_to_wire(m, reasoning) for m in messages]
 
 
 def _arguments(raw: str) -> str:

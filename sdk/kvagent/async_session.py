@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Self, Unpack
@@ -11,12 +11,12 @@ from typing import Self, Unpack
 import httpx
 
 from . import _telemetry as telemetry
-from ._core import PreparedTurn, SessionCore, SessionOptions, TurnOptions
+from ._core import DRAIN_LIMIT, PreparedTurn, SessionCore, SessionOptions, TurnOptions
 from ._exceptions import StreamInterrupted
 from ._retry import async_retrying
 from ._sse import SSEDecoder
 from .events import Done, StreamEvent
-from .messages import Message, ToolResultMessage
+from .messages import Message, ToolResultMessage, UserContent
 from .results import RunResult, TurnResult
 from .tools import PreparedCall, execute_async
 
@@ -25,14 +25,25 @@ __all__ = ["AsyncSession", "AsyncTurnStream"]
 
 class AsyncTurnStream:
     """The events of one turn (``async for``); ``async with`` closes the connection when you
-    stop early (the history is then left unchanged)."""
+    stop early (the history is then left unchanged).
 
-    __slots__ = ("_events", "result")
+    A stream abandoned without closing (``break`` out of ``async for``) frees its session as
+    soon as it is garbage-collected; its connection is closed by the event loop shortly
+    after, as for any async generator.
+    """
 
-    def __init__(self, events: AsyncIterator[StreamEvent]) -> None:
+    __slots__ = ("_events", "_release", "result")
+
+    def __init__(self, events: AsyncIterator[StreamEvent],
+                 release: Callable[[], None] | None = None) -> None:
         self._events = events
+        self._release = release
         #: Set once ``Done`` has been yielded.
         self.result: TurnResult | None = None
+
+    def __del__(self) -> None:
+        if self._release is not None:
+            self._release()
 
     def __aiter__(self) -> AsyncTurnStream:
         return self
@@ -51,7 +62,11 @@ class AsyncTurnStream:
         return self.result
 
     async def aclose(self) -> None:
-        await self._events.aclose()  # type: ignore[attr-defined]
+        try:
+            await self._events.aclose()  # type: ignore[attr-defined]
+        finally:
+            if self._release is not None:
+                self._release()
 
     async def __aenter__(self) -> Self:
         return self
@@ -67,7 +82,7 @@ class AsyncSession(SessionCore):
     (which the session then does not close).
     """
 
-    def __init__(self, base_url: str, model: str, *,
+    def __init__(self, base_url: str | None = None, model: str | None = None, *,
                  http_client: httpx.AsyncClient | None = None,
                  transport: httpx.AsyncBaseTransport | None = None,
                  **options: Unpack[SessionOptions]) -> None:
@@ -75,6 +90,8 @@ class AsyncSession(SessionCore):
         if http_client is not None and transport is not None:
             raise ValueError("pass http_client= or transport=, not both")
         self._owns_client = http_client is None
+        if http_client is not None and "timeout" not in options:
+            self.timeout = http_client.timeout  # your client's setting, unless you pass one
         self._client = http_client or httpx.AsyncClient(transport=transport, timeout=self.timeout)
 
     # ------------------------------------------------------------------ lifecycle
@@ -100,18 +117,19 @@ class AsyncSession(SessionCore):
 
     # ------------------------------------------------------------------ turns
 
-    def stream(self, content: str | Message | None = None, **options: Unpack[TurnOptions]
+    def stream(self, content: UserContent | Message | None = None, **options: Unpack[TurnOptions]
                ) -> AsyncTurnStream:
         """Send ``content`` (a user message; none to just continue) and stream the answer."""
-        return AsyncTurnStream(self._turn(self._prepare(content, options)))
+        prepared = self._prepare(content, options)
+        return AsyncTurnStream(self._turn(prepared), lambda: self._release(prepared))
 
-    async def send(self, content: str | Message | None = None,
+    async def send(self, content: UserContent | Message | None = None,
                    **options: Unpack[TurnOptions]) -> TurnResult:
         """Send ``content`` and return the whole answer (streamed underneath)."""
         async with self.stream(content, **options) as events:
             return await events.until_done()
 
-    async def run(self, content: str | Message | None = None, *, max_steps: int = 10,
+    async def run(self, content: UserContent | Message | None = None, *, max_steps: int = 10,
                   parallel_tool_calls: bool = True, **options: Unpack[TurnOptions]
                   ) -> RunResult:
         """Tool loop: send, run the requested tools, feed results back, until the model
@@ -142,14 +160,16 @@ class AsyncSession(SessionCore):
     async def _open(self, prepared: PreparedTurn) -> httpx.Response:
         """Send until a 2xx head arrives; only this part is ever retried."""
         req = prepared.request
-        async for attempt in async_retrying(self.retry):
+        async for attempt in async_retrying(prepared.retry):
             with attempt:
                 request = self._client.build_request("POST", req.url, headers=req.headers,
-                                                     content=req.body)
+                                                     content=req.body, timeout=prepared.timeout)
+                self._log_request(request)
                 try:
                     response = await self._client.send(request, stream=True)
                 except httpx.TransportError as exc:
                     raise self._connection_error(exc, req) from exc
+                self._log_response(response)
                 if response.status_code >= 400:
                     try:
                         raw = await response.aread()
@@ -173,30 +193,37 @@ class AsyncSession(SessionCore):
             try:
                 self._check_stream_headers(response)
                 decoder = SSEDecoder()
+                drained = 0
                 try:
+                    # Read to the end, past [DONE]: only a response read to its end goes
+                    # back to the pool, so the next turn reuses the connection.
                     async for raw in response.aiter_bytes():
+                        if acc.done:
+                            drained += len(raw)
+                            if drained > DRAIN_LIMIT:
+                                break
+                            continue
                         for event in decoder.feed(raw):
                             for delta in acc.feed_event(event):
                                 yield delta
-                        if acc.done:
-                            break
                     else:
                         for event in decoder.close():
                             for delta in acc.feed_event(event):
                                 yield delta
                 except httpx.HTTPError as exc:
-                    raise StreamInterrupted(f"the stream broke after it started: {exc!r}",
-                                            partial_text=acc.text) from exc
+                    if not acc.complete:
+                        raise StreamInterrupted(f"the stream broke after it started: {exc!r}",
+                                                partial_text=acc.text) from exc
             finally:
                 await response.aclose()
-            result = acc.finish(now=datetime.now(UTC))
+            result = self._result(prepared, acc, response, datetime.now(UTC))
             self._commit(prepared, result.message)
             telemetry.end_turn(span, result)
         except BaseException as exc:
             telemetry.fail_turn(span, exc)
             raise
         finally:
-            self._busy = False
+            self._release(prepared)
         yield Done(result)
 
 

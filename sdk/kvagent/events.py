@@ -6,12 +6,19 @@ from dataclasses import dataclass
 
 from .results import TurnResult
 
-__all__ = ["Done", "StreamEvent", "TextDelta", "ToolCallDelta"]
+__all__ = ["Done", "ReasoningDelta", "StreamEvent", "TextDelta", "ToolCallDelta"]
 
 
 @dataclass(frozen=True, slots=True)
 class TextDelta:
     """A piece of the assistant's text."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningDelta:
+    """A piece of the model's reasoning (``reasoning_content``/``reasoning`` deltas)."""
 
     text: str
 
@@ -33,4 +40,4 @@ class Done:
     result: TurnResult
 
 
-StreamEvent = TextDelta | ToolCallDelta | Done
+StreamEvent = TextDelta | ReasoningDelta | ToolCallDelta | Done

@@ -26,10 +26,10 @@ RESPONSE_EXPIRES_IN: Final = "expires_in"
 RESPONSE_PATH: Final = "path"
 
 #: How a turn was served (the `path` field).
-PATHS: Final = ("pd_fresh", "pd_reuse", "d_direct", "recompute")
+PATHS: Final = ("pd_fresh", "pd_reuse", "d_direct", "recompute", "decode_only")
 
 MAX_TOKEN_BYTES: Final = 2048
-SESSION_ID_RE: Final = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+SESSION_ID_RE: Final = re.compile(r"^[A-Za-z0-9._:-]{1,128}\Z")
 
 
 def valid_session_id(value: str) -> bool:
@@ -38,7 +38,7 @@ def valid_session_id(value: str) -> bool:
 
 
 #: A token is opaque, but it must fit a header: URL-safe base64 alphabet, `.` and `=`.
-CACHE_TOKEN_RE: Final = re.compile(r"^[A-Za-z0-9_\-.=]+$")
+CACHE_TOKEN_RE: Final = re.compile(r"^[A-Za-z0-9_\-.=]+\Z")
 
 
 def valid_cache_token(value: object) -> bool:

@@ -2,13 +2,44 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, PrivateAttr
 
 from .messages import AssistantMessage, ToolCall, ToolResultMessage
 
-__all__ = ["RouterInfo", "RunResult", "TurnResult", "Usage"]
+__all__ = ["Choice", "RouterInfo", "RunResult", "TokenLogprob", "TopLogprob", "TurnResult",
+           "Usage"]
+
+
+class TopLogprob(BaseModel):
+    """One alternative token at a position (OpenAI ``top_logprobs`` entry)."""
+
+    model_config = ConfigDict(frozen=True, extra="allow")
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token with its log probability and the alternatives asked for."""
+
+    top_logprobs: tuple[TopLogprob, ...] = ()
+
+
+class Choice(BaseModel):
+    """One of the ``n`` answers the server generated; the session keeps choice 0."""
+
+    model_config = ConfigDict(frozen=True)
+
+    index: int
+    text: str = ""
+    reasoning: str | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+    finish_reason: str | None = None
+    #: Per-token log probabilities, when the request asked for ``logprobs``.
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class Usage(BaseModel):
@@ -56,6 +87,32 @@ class TurnResult(BaseModel):
     reused_tokens: int | None = None
     path: str | None = None
     router: RouterInfo | None = None
+    #: The model's reasoning for this answer (reasoning models), also on ``message``.
+    reasoning: str | None = None
+    #: Per-token log probabilities of the answer, when the turn asked for ``logprobs``.
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    #: Every choice the server sent (more than one only with ``n`` > 1); ``choices[0]`` is
+    #: the answer above, the one added to the history.
+    choices: tuple[Choice, ...] = ()
+    #: The HTTP response's headers (lower-case names) and its request id, when it had one.
+    headers: dict[str, str] = {}
+    request_id: str | None = None
+    _format: Any = PrivateAttr(default=None)
+    _parsed: Any = PrivateAttr(default=None)
+
+    @property
+    def parsed(self) -> Any:
+        """The answer validated into the turn's ``response_format`` pydantic model.
+
+        Raises pydantic's ``ValidationError`` when the text does not fit the model (for
+        example a ``finish_reason`` of ``"length"`` cut the JSON), ``ValueError`` when the
+        turn asked for no model.
+        """
+        if self._parsed is None:
+            if self._format is None:
+                raise ValueError("this turn had no response_format model to parse into")
+            self._parsed = self._format.model_validate_json(self.text)
+        return self._parsed
 
 
 class RunResult(BaseModel):

@@ -11,12 +11,12 @@ from typing import Any, Self, Unpack
 import httpx
 
 from . import _telemetry as telemetry
-from ._core import PreparedTurn, SessionCore, SessionOptions, TurnOptions
+from ._core import DRAIN_LIMIT, PreparedTurn, SessionCore, SessionOptions, TurnOptions
 from ._exceptions import StreamInterrupted
 from ._retry import retrying
 from ._sse import SSEDecoder
 from .events import Done, StreamEvent
-from .messages import Message, ToolResultMessage
+from .messages import Message, ToolResultMessage, UserContent
 from .results import RunResult, TurnResult
 from .tools import PreparedCall, execute_sync
 
@@ -67,13 +67,16 @@ class Session(SessionCore):
     (which the session then does not close).
     """
 
-    def __init__(self, base_url: str, model: str, *, http_client: httpx.Client | None = None,
+    def __init__(self, base_url: str | None = None, model: str | None = None, *,
+                 http_client: httpx.Client | None = None,
                  transport: httpx.BaseTransport | None = None,
                  **options: Unpack[SessionOptions]) -> None:
         super().__init__(base_url, model, **options)
         if http_client is not None and transport is not None:
             raise ValueError("pass http_client= or transport=, not both")
         self._owns_client = http_client is None
+        if http_client is not None and "timeout" not in options:
+            self.timeout = http_client.timeout  # your client's setting, unless you pass one
         self._client = http_client or httpx.Client(transport=transport, timeout=self.timeout)
 
     # ------------------------------------------------------------------ lifecycle
@@ -99,18 +102,18 @@ class Session(SessionCore):
 
     # ------------------------------------------------------------------ turns
 
-    def stream(self, content: str | Message | None = None, **options: Unpack[TurnOptions]
+    def stream(self, content: UserContent | Message | None = None, **options: Unpack[TurnOptions]
                ) -> TurnStream:
         """Send ``content`` (a user message; none to just continue) and stream the answer."""
         return TurnStream(self._turn(self._prepare(content, options)))
 
-    def send(self, content: str | Message | None = None, **options: Unpack[TurnOptions]
+    def send(self, content: UserContent | Message | None = None, **options: Unpack[TurnOptions]
              ) -> TurnResult:
         """Send ``content`` and return the whole answer (streamed underneath)."""
         with self.stream(content, **options) as events:
             return events.until_done()
 
-    def run(self, content: str | Message | None = None, *, max_steps: int = 10,
+    def run(self, content: UserContent | Message | None = None, *, max_steps: int = 10,
             parallel_tool_calls: bool = True, **options: Unpack[TurnOptions]) -> RunResult:
         """Tool loop: send, run the requested tools, feed results back, until the model
         answers without tool calls or ``max_steps`` model turns were made (the last turn's
@@ -144,14 +147,16 @@ class Session(SessionCore):
     def _open(self, prepared: PreparedTurn) -> httpx.Response:
         """Send until a 2xx head arrives; only this part is ever retried."""
         req = prepared.request
-        for attempt in retrying(self.retry):
+        for attempt in retrying(prepared.retry):
             with attempt:
                 request = self._client.build_request("POST", req.url, headers=req.headers,
-                                                     content=req.body)
+                                                     content=req.body, timeout=prepared.timeout)
+                self._log_request(request)
                 try:
                     response = self._client.send(request, stream=True)
                 except httpx.TransportError as exc:
                     raise self._connection_error(exc, req) from exc
+                self._log_response(response)
                 if response.status_code >= 400:
                     try:
                         raw = response.read()
@@ -175,28 +180,35 @@ class Session(SessionCore):
             try:
                 self._check_stream_headers(response)
                 decoder = SSEDecoder()
+                drained = 0
                 try:
+                    # Read to the end, past [DONE]: only a response read to its end goes
+                    # back to the pool, so the next turn reuses the connection.
                     for raw in response.iter_bytes():
+                        if acc.done:
+                            drained += len(raw)
+                            if drained > DRAIN_LIMIT:
+                                break
+                            continue
                         for event in decoder.feed(raw):
                             yield from acc.feed_event(event)
-                        if acc.done:
-                            break
                     else:
                         for event in decoder.close():
                             yield from acc.feed_event(event)
                 except httpx.HTTPError as exc:
-                    raise StreamInterrupted(f"the stream broke after it started: {exc!r}",
-                                            partial_text=acc.text) from exc
+                    if not acc.complete:
+                        raise StreamInterrupted(f"the stream broke after it started: {exc!r}",
+                                                partial_text=acc.text) from exc
             finally:
                 response.close()
-            result = acc.finish(now=datetime.now(UTC))
+            result = self._result(prepared, acc, response, datetime.now(UTC))
             self._commit(prepared, result.message)
             telemetry.end_turn(span, result)
         except BaseException as exc:
             telemetry.fail_turn(span, exc)
             raise
         finally:
-            self._busy = False
+            self._release(prepared)
         yield Done(result)
 
 

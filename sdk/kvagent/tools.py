@@ -13,9 +13,11 @@ import inspect
 import re
 import typing
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, overload
 
+import docstring_parser
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, create_model
 from pydantic.errors import (
@@ -30,7 +32,7 @@ from .messages import ToolCall, ToolResultMessage
 
 __all__ = ["Tool", "tool"]
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 _SCHEMA_ERRORS = (PydanticSchemaGenerationError, PydanticInvalidForJsonSchema, PydanticUserError)
 
 
@@ -66,10 +68,21 @@ class Tool:
         return {field: getattr(instance, field) for field in type(instance).model_fields}
 
     def run_sync(self, arguments: Mapping[str, Any]) -> Any:
-        """Call the function from synchronous code (an async tool gets its own event loop)."""
-        if self.is_async:
+        """Call the function from synchronous code (an async tool gets its own event loop).
+
+        Inside a running loop (a Jupyter cell, an async web handler calling sync code) the
+        coroutine runs on a private loop in a worker thread: ``asyncio.run`` would refuse,
+        and the caller's loop cannot be re-entered while it waits for us.
+        """
+        if not self.is_async:
+            return self.function(**arguments)
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
             return asyncio.run(self.function(**arguments))
-        return self.function(**arguments)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvagent-tool") as pool:
+            # The coroutine is created in the worker, so it is always awaited there.
+            return pool.submit(lambda: asyncio.run(self.function(**arguments))).result()
 
     async def run_async(self, arguments: Mapping[str, Any]) -> Any:
         """Await the function; a sync tool runs in a worker thread so the loop stays free."""
@@ -234,48 +247,22 @@ def _tidy_schema(schema: dict[str, Any]) -> dict[str, Any]:
     return walk(schema)
 
 
-_SECTION_RE = re.compile(r"^(Args|Arguments|Parameters|Params):\s*$")
-_GOOGLE_PARAM_RE = re.compile(r"^\s+(\*{0,2}\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
-_SPHINX_PARAM_RE = re.compile(r"^:param\s+(?:[^:]*\s)?(\w+):\s*(.*)$")
-
-
 def _parse_docstring(doc: str) -> tuple[str, dict[str, str]]:
-    """Summary text and per-parameter descriptions (Google ``Args:`` or Sphinx ``:param``)."""
-    summary: list[str] = []
-    params: dict[str, str] = {}
-    current: str | None = None
-    in_args = False
-    for line in doc.splitlines():
-        indented = line[:1] in (" ", "\t") and bool(line.strip())
-        if _SECTION_RE.match(line):
-            in_args, current = True, None
-            continue
-        sphinx = _SPHINX_PARAM_RE.match(line)
-        if sphinx:
-            current = sphinx.group(1)
-            params[current] = sphinx.group(2).strip()
-            continue
-        if line.startswith(":"):  # :returns:, :raises: ... not for the model
-            current = None
-            continue
-        if in_args:
-            google = _GOOGLE_PARAM_RE.match(line)
-            if google:
-                current = google.group(1)
-                params[current] = google.group(2).strip()
-                continue
-            if not line.strip():
-                continue
-            if indented and current:
-                params[current] = f"{params[current]} {line.strip()}".strip()
-                continue
-            in_args = False
-        elif indented and current:
-            params[current] = f"{params[current]} {line.strip()}".strip()
-            continue
-        current = None
-        summary.append(line)
-    return "\n".join(summary).strip(), params
+    """The description for the model and per-parameter descriptions.
+
+    Google (``Args:``), NumPy (``Parameters``) and Sphinx (``:param x:``) styles are read by
+    ``docstring_parser``; only the summary and the free text reach the model, never the
+    ``Returns``/``Raises``/``Examples`` sections, which describe the Python function.
+    """
+    try:
+        parsed = docstring_parser.parse(doc)
+    except docstring_parser.ParseError:
+        return doc.strip(), {}
+    parts = [p for p in (parsed.short_description, parsed.long_description) if p]
+    summary = ("\n\n" if parsed.blank_after_short_description else "\n").join(parts)
+    params = {p.arg_name.lstrip("*"): " ".join((p.description or "").split())
+              for p in parsed.params if p.description}
+    return summary.strip(), params
 
 
 def _summarise(exc: ValidationError) -> str:

@@ -151,7 +151,7 @@ def _watch(get_state: Any, done: Any) -> RunState | None:
     """Show a live table until `done(state)`; returns the last state seen."""
     with Live(console=console, refresh_per_second=4, transient=False) as live:
         while True:
-            state = get_state()
+            state: RunState | None = get_state()
             if state is not None:
                 live.update(_progress_table(state))
             if done(state):

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 import statistics
 import time
 import uuid
@@ -26,6 +25,8 @@ from kvagent.messages import Message, UserMessage
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
+
+from kvagent_server.ports import free_port, port_free
 
 console = Console()
 
@@ -203,27 +204,12 @@ def summarise(rows: Sequence[Row]) -> None:
                       f" ms with kvagent, {statistics.median(without)*1000:.0f} ms recomputed.")
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def demo_config(model: str | None, run_dir: Path | None, port: int) -> Any:
     """The demo's bundle: defaults, except ports already taken are replaced by free ones."""
     from kvagent_server.config import validate_config
 
     def pick(p: int) -> int:
-        return p if _port_free(p) else _free_port()
+        return p if port_free(p) else free_port()
 
     data: dict[str, Any] = {
         "name": "demo", "model": model,

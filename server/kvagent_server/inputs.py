@@ -88,8 +88,9 @@ def plugin_needs() -> tuple[dict[str, dict[str, str]], dict[str, tuple[str, ...]
         return {}, {}
     env_fn = getattr(mod, "node_env", None)
     args_fn = getattr(mod, "node_args", None)
-    role_env = {r: dict(env_fn(r)) for r in ROLES} if env_fn else {}
-    role_args = {r: tuple(args_fn(r)) for r in ROLES} if args_fn else {}
+    role_env: dict[str, dict[str, str]] = {r: dict(env_fn(r)) for r in ROLES} if env_fn else {}
+    role_args: dict[str, tuple[str, ...]] = (
+        {r: tuple(args_fn(r)) for r in ROLES} if args_fn else {})
     return role_env, role_args
 
 

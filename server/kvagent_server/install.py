@@ -137,7 +137,7 @@ def install(device: Device = "cpu", *, torch_index: str = DEFAULT_TORCH_INDEX,
         say: Callable[[str], None] = lambda msg: con.print(msg, markup=False)
         spinner = con.status
     except ImportError:  # rich comes with kvagent[server]; stay usable without it
-        say = print  # type: ignore[assignment]
+        say = print
         spinner = None
 
     todo = problems(device) if py == sys.executable else ["(other interpreter: not checked)"]

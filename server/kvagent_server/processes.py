@@ -41,7 +41,7 @@ def launch(argv: list[str], *, env: dict[str, str], log_path: Path, run_dir: Pat
 
 def create_time(pid: int) -> float | None:
     try:
-        return psutil.Process(pid).create_time()
+        return float(psutil.Process(pid).create_time())
     except psutil.Error:
         return None
 

@@ -302,7 +302,9 @@ def _router_settings(cfg: BundleConfig, block_size: int) -> dict[str, Any]:
     if problems:
         raise ConfigError(problems)
     update = {k: v for k, v in synced.items() if k in fields}
-    return reveal_secrets(cfg.router.model_copy(update=update).model_dump(mode="python"))
+    dumped: dict[str, Any] = reveal_secrets(
+        cfg.router.model_copy(update=update).model_dump(mode="python"))
+    return dumped
 
 
 def _cpu_binds(cfg: BundleConfig, host: HostFacts, roles: list[tuple[Role, int]]
@@ -397,7 +399,7 @@ def _connect_host(bind: str, advertise: str) -> str:
 
 def masked_settings(settings: dict[str, Any]) -> dict[str, Any]:
     """Router settings with key material replaced by `***` (for printing)."""
-    out = json.loads(json.dumps(settings))
+    out: dict[str, Any] = json.loads(json.dumps(settings))
     out["signing_keys"] = {k: "***" for k in out.get("signing_keys", {})}
     for tenant in out.get("tenants", []):
         tenant["api_keys"] = ["***" for _ in tenant.get("api_keys", [])]

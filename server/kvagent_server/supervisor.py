@@ -389,11 +389,35 @@ def _write_private(path: Path, text: str) -> None:
 # ---------------------------------------------------------------- daemon entry point
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class _StopOnSignal:
+    """Signal handler: the first SIGINT/SIGTERM/SIGHUP raises `KeyboardInterrupt` in the
+    main thread; later ones are ignored, so a second Ctrl-C cannot cut the stop short.
+
+    Installed for SIGINT too, not left to Python's default: a process started with SIGINT
+    ignored (a background job of a non-interactive shell, some test runners and CI agents)
+    keeps it ignored across exec, and Python then installs no KeyboardInterrupt handler:
+    Ctrl-C would do nothing and leave every node running.
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        if self.requested:
+            return
+        self.requested = True
+        raise KeyboardInterrupt
+
+    def install(self) -> dict[int, object]:
+        previous: dict[int, object] = {}
+        for s in _STOP_SIGNALS:
+            if s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN:
+                continue  # started under nohup: closing the terminal must not stop it
+            previous[s] = signal.signal(s, self)
+        return previous
 
 
 def shielded_stop(bundle: Bundle) -> list[int]:
@@ -417,26 +441,31 @@ def run_foreground(bundle: Bundle, *, wait: Callable[[Bundle], None] | None = No
     """
     report = on_error or (lambda msg: print(f"kvagent-server: {msg}", file=sys.stderr,
                                             flush=True))
-    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
+    # Our handler stays installed until everything is stopped: restoring the previous ones
+    # first would open a window where a second signal escapes before the stop begins.
+    previous = _StopOnSignal().install()
     failed = False
+    survivors: list[int] = []
     try:
-        bundle.start(wait=False)
-        (wait or Bundle.wait_healthy)(bundle)
-        if on_ready is not None:
-            on_ready(bundle)
-        while True:
-            time.sleep(0.5)
-    except KeyboardInterrupt:
-        pass
-    except (BundleError, ConfigError) as exc:
-        report(str(exc))
-        failed = True
+        try:
+            bundle.start(wait=False)
+            (wait or Bundle.wait_healthy)(bundle)
+            if on_ready is not None:
+                on_ready(bundle)
+            while True:
+                time.sleep(0.5)
+        except KeyboardInterrupt:
+            pass
+        except (BundleError, ConfigError) as exc:
+            report(str(exc))
+            failed = True
+        finally:
+            survivors = shielded_stop(bundle)
+            if survivors:
+                report(f"could not stop pids {survivors}")
     finally:
         for s, h in previous.items():
-            signal.signal(s, h)
-        survivors = shielded_stop(bundle)
-        if survivors:
-            report(f"could not stop pids {survivors}")
+            signal.signal(s, h)  # type: ignore[arg-type]
     return 1 if failed or survivors else 0
 
 

@@ -131,7 +131,7 @@ class KVTiers(BaseModel):
     cpu: CPUTier | None = Field(default=None, description="The CPU tier; null: none.")
     disk: DiskTier | None = Field(default=None, description="The disk/shared-fs tier.")
     roles: list[Role] = Field(
-        default_factory=lambda: ["prefill", "decode"],
+        default_factory=lambda: list[Role](("prefill", "decode")),
         description="Node roles that get the tiers.")
     min_prefix_tokens: int | None = Field(
         default=None, ge=1,

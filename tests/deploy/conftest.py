@@ -1,20 +1,11 @@
-"""Shared helpers for the deployment renderer tests."""
+"""Fixtures for the deployment renderer tests (helpers live in deploy_helpers.py)."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
-from kvagent_server.config import BundleConfig, validate_config
+from kvagent_server.config import BundleConfig
 
-#: The plugin's per-role env/args are passed explicitly: renderers stay pure in tests.
-NO_PLUGIN: tuple[dict[str, dict[str, str]], dict[str, tuple[str, ...]]] = ({}, {})
-
-
-def config(**over: Any) -> BundleConfig:
-    data: dict[str, Any] = {"model": "Qwen/Qwen3-8B", "name": "prod"}
-    data.update(over)
-    return validate_config(data)
+from tests.deploy.deploy_helpers import config
 
 
 @pytest.fixture

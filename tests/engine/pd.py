@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,15 +22,10 @@ from typing import Self
 
 import httpx
 from kvagent_server.demo_model import demo_serve_args, demo_serve_env, ensure_demo_model
+from kvagent_server.ports import free_port
 from kvagent_server.vllm_plugin.env import node_args, node_env
 
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def kv_transfer_config(role: str, engine_id: str, *, ttl_s: int, threshold: int,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 pytest.importorskip("langchain_core", reason="extra kvagent[langchain] not installed")
@@ -29,3 +31,10 @@ class TestChatKVAgentStandard(ChatModelUnitTests):
             {"base_url": "http://router.example:8000/v1", "api_key": "sk-env",
              "model": "env-model"},
         )
+
+    @pytest.mark.xfail(strict=True, raises=ValueError, reason=(
+        "langchain-core 1.x loads with allowed_objects='all' only the classes in its own "
+        "mapping, so no third-party model can pass this test as written; "
+        "test_langchain_extras.py round-trips ChatKVAgent with allowed_objects=[ChatKVAgent]"))
+    def test_serdes(self, model: ChatKVAgent, snapshot: Any) -> None:
+        super().test_serdes(model, snapshot)

@@ -21,13 +21,13 @@ import asyncio
 import contextlib
 import itertools
 import json
-import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvagent_server.ports import free_port
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -172,7 +172,7 @@ class FakeCluster:
         return f"{prefix}-{next(self._ids)}"
 
     def open_leases(self) -> list[Retained]:
-        """P blocks leased for a D that never came (the DESIGN.md hang's trigger)."""
+        """P blocks leased for a D that never came (what hangs a real P: docs/engine.md)."""
         return [r for r in self.retained.values()
                 if r.engine_id.startswith("engine-p") and r.consumed_by is None]
 
@@ -228,6 +228,7 @@ class FakeNode:
         #: Cut the stream (connection drop) after this many data chunks.
         self.cut_after_chunks: int | None = None
         self.echo_errors = False
+        self.fail_message = "injected failure"
         self.requests: list[dict[str, Any]] = []
         self.tokenize_requests: list[dict[str, Any]] = []
         self.aborted: list[str] = []
@@ -345,7 +346,7 @@ class FakeNode:
             status = self.fail_next.pop(0)
             if self.echo_errors:  # like a pydantic validation error echoing its input
                 return self._error(status, f"invalid request: input_value={body!r}")
-            return self._error(status, "injected failure")
+            return self._error(status, self.fail_message)
         if body.get("cache_salt") is not None and not body["cache_salt"]:
             return self._error(400, "Parameter 'cache_salt' must be a non-empty string")
         header_id = request.headers.get("x-request-id")
@@ -577,20 +578,21 @@ def _full_response(oid: str, model: str, chat: bool, reply: Reply, generated: li
 # ---------------------------------------------------------------------- serving
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.asynccontextmanager
-async def serve(app: Any) -> AsyncIterator[str]:
-    """Serve an ASGI app with uvicorn on a free 127.0.0.1 port; yields its base URL."""
+async def serve(app: Any, settings: Any = None) -> AsyncIterator[str]:
+    """Serve an ASGI app with uvicorn on a free 127.0.0.1 port; yields its base URL.
+    With router `settings`, served as the router is (its connection limits)."""
     import uvicorn
 
     port = free_port()
-    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                            lifespan="on", timeout_graceful_shutdown=1)
+    kw: dict[str, Any] = {"log_level": "warning", "lifespan": "on",
+                          "timeout_graceful_shutdown": 1}
+    if settings is not None:
+        from kvagent_server.router.http.server import uvicorn_config
+
+        config = uvicorn_config(app, settings, host="127.0.0.1", port=port, **kw)
+    else:
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, **kw)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve())
     while not server.started:
@@ -655,7 +657,7 @@ async def router_stack(*, n_prefill: int = 1, n_decode: int = 1, settings: Any =
         for node, url in zip([*prefill, *decode], [*p_urls, *d_urls], strict=True):
             node.internal_strings.append(url.rsplit(":", 1)[1])  # the node's HTTP port
         app = create_app(settings, p_urls, d_urls, model="fake-model")
-        url = await stack.enter_async_context(serve(app))
+        url = await stack.enter_async_context(serve(app, settings))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))
         yield Stack(cluster, prefill, decode, url, app, client)
 

@@ -566,9 +566,18 @@ async def test_errors_are_openai_shaped() -> None:
 
 async def test_upstream_4xx_passed_as_openai_error() -> None:
     async with router_stack() as st:
-        st.prefill[0].fail_next = [400]
+        st.prefill[0].fail_next = [400]  # a message vLLM is not known to send: not passed
         r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST))
-        assert r.status_code == 400 and r.json()["error"]["message"] == "injected failure"
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == "the model server rejected the request"
+        st.prefill[0].fail_next = [400]
+        st.prefill[0].fail_message = (
+            "This model's maximum context length is 2048 tokens. However, you requested "
+            "4000 tokens (3000 in the messages, 1000 in the completion). Please reduce the "
+            "length of the messages or completion.")
+        r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST))
+        assert r.status_code == 400
+        assert r.json()["error"]["message"] == st.prefill[0].fail_message
         assert_clean(st, r.text)
         st.decode[0].fail_next = [422]
         st.decode[0].echo_errors = True  # D's error echoes the body, P's params included

@@ -40,7 +40,7 @@ class Script:
                  name: str) -> None:
         self.outcomes, self.sent, self.name = outcomes, sent, name
 
-    async def post(self, url: str, body: dict[str, Any], *, headers: dict[str, str],
+    async def post(self, url: str, body: dict[str, Any], *,
                    stream: bool) -> Reply:
         self.sent.append((self.name, body))
         outcome = self.outcomes.pop(0) if self.outcomes else 200
@@ -75,7 +75,7 @@ def test_pulls_kv() -> None:
                                      UpstreamError("TimeoutError")])
 async def test_reuse_prefill_after_an_ambiguous_failure_recomputes(failure: Exception) -> None:
     legs, nodes, sent = legs_with({"p0": [failure], "p1": [200]})
-    result = await legs.prefill(nodes, "/v1/completions", {"prompt": "x"}, REUSE, {})
+    result = await legs.prefill(nodes, "/v1/completions", {"prompt": "x"}, REUSE)
     assert result.node.name == "p1" and result.pull_failed
     # p0 got D's handle once, never again; p1 recomputed instead of reading it a second time
     assert [(n, b["kv_transfer_params"]) for n, b in sent] == [("p0", REUSE),
@@ -85,7 +85,7 @@ async def test_reuse_prefill_after_an_ambiguous_failure_recomputes(failure: Exce
 async def test_reuse_prefill_after_a_refused_connection_still_pulls_elsewhere() -> None:
     legs, nodes, sent = legs_with({"p0": [ConnectFailed("ClientConnectorError")],
                                    "p1": [200]})
-    result = await legs.prefill(nodes, "/v1/completions", {"prompt": "x"}, REUSE, {})
+    result = await legs.prefill(nodes, "/v1/completions", {"prompt": "x"}, REUSE)
     assert not result.pull_failed and sent[-1] == ("p1", sent[-1][1])
     assert sent[-1][1]["kv_transfer_params"] == REUSE
     assert not nodes[0].healthy  # refused: marked down
@@ -94,35 +94,35 @@ async def test_reuse_prefill_after_a_refused_connection_still_pulls_elsewhere() 
 async def test_a_slow_accept_does_not_mark_the_node_down() -> None:
     legs, nodes, _ = legs_with({"p0": [ConnectFailed("ConnectionTimeoutError",
                                                      timed_out=True)], "p1": [200]})
-    await legs.prefill(nodes, "/v1/completions", {"prompt": "x"}, FRESH_PARAMS, {})
+    await legs.prefill(nodes, "/v1/completions", {"prompt": "x"}, FRESH_PARAMS)
     assert nodes[0].healthy  # an overloaded node is left to the health checks
 
 
 async def test_a_stale_connection_is_resent_only_when_nothing_is_pulled() -> None:
     legs, nodes, sent = legs_with({"p0": [StaleConnection("x"), 200]})
-    await legs.prefill(nodes[:1], "/v1/completions", {"prompt": "x"}, FRESH_PARAMS, {})
+    await legs.prefill(nodes[:1], "/v1/completions", {"prompt": "x"}, FRESH_PARAMS)
     assert [n for n, _ in sent] == ["p0", "p0"]  # fresh: the usual keep-alive resend
     legs, nodes, sent = legs_with({"d0": [StaleConnection("x"), 200], "d1": [200]})
     with pytest.raises(LegError):
         await legs.decode(nodes, "/v1/completions",
-                          {"prompt": "x", "kv_transfer_params": P_PARAMS}, {}, stream=False)
+                          {"prompt": "x", "kv_transfer_params": P_PARAMS}, stream=False)
     assert [n for n, _ in sent] == ["d0"]  # neither resent nor tried on d1
 
 
 async def test_decode_leg_moves_on_only_when_the_request_was_never_sent() -> None:
     legs, nodes, sent = legs_with({"d0": [ConnectFailed("refused")], "d1": [200]})
     start = await legs.decode(nodes, "/v1/completions",
-                              {"prompt": "x", "kv_transfer_params": P_PARAMS}, {},
+                              {"prompt": "x", "kv_transfer_params": P_PARAMS},
                               stream=False)
     assert start.node.name == "d1"
     legs, nodes, sent = legs_with({"d0": [503], "d1": [200]})  # overloaded: not started
     assert (await legs.decode(nodes, "/v1/completions",
-                              {"prompt": "x", "kv_transfer_params": P_PARAMS}, {},
+                              {"prompt": "x", "kv_transfer_params": P_PARAMS},
                               stream=False)).node.name == "d1"
     legs, nodes, sent = legs_with({"d0": [500], "d1": [200]})  # may have pulled
     with pytest.raises(LegError):
         await legs.decode(nodes, "/v1/completions",
-                          {"prompt": "x", "kv_transfer_params": P_PARAMS}, {}, stream=False)
+                          {"prompt": "x", "kv_transfer_params": P_PARAMS}, stream=False)
     assert [n for n, _ in sent] == ["d0"]
 
 
@@ -133,6 +133,6 @@ async def test_the_drain_of_an_orphaned_prefill_uses_a_salt_of_its_own() -> None
     p = PrefillResult(node=nodes[0], kv_params=P_PARAMS, cached_tokens=0, prompt_tokens=3,
                       pull_failed=False, elapsed_s=0.0)
     assert await legs.release_prefill(nodes, "/v1/completions",
-                                      {"prompt": "x", "cache_salt": "tenant"}, p, {})
+                                      {"prompt": "x", "cache_salt": "tenant"}, p)
     salt = sent[0][1]["cache_salt"]
     assert salt.startswith("kvagent-drain-") and salt != "tenant"

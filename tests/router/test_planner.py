@@ -211,7 +211,7 @@ def test_refusal_reasons_in_precedence_order() -> None:
     h = make_handle(CACHED)
     prompt = CACHED + USER2
     assert plan(prompt, h, enabled=False).reason == "reuse_disabled"
-    assert plan(prompt, h, rejected="expired").reason == "token_rejected:expired"
+    assert plan(prompt, h, rejected="expired").label == "token_rejected:expired"
     assert plan(prompt, None).reason == "no_handle"
     assert plan(prompt, h, tenant="globex").reason == "other_tenant"
     assert plan(prompt, h, tenant="acme", session="s2").reason == "other_session"
@@ -395,7 +395,7 @@ def reuse_plan(n: int) -> ReusePlan:
 
 @pytest.mark.parametrize(("reason", "path"), [
     ("no_handle", "pd_fresh"), ("reuse_disabled", "pd_fresh"),
-    ("token_rejected:expired", "recompute"), ("other_session", "recompute"),
+    ("token_rejected", "recompute"), ("other_session", "recompute"),
     ("diverged_at_0", "recompute"), ("below_threshold", "recompute"),
     ("stale_epoch", "recompute"), ("expired", "recompute"),
 ])
@@ -491,3 +491,20 @@ def test_cost_model_rejects_bad_observations(path: str, tokens: int, seconds: fl
 def test_retained_tokens_helper() -> None:
     assert retained_tokens(make_handle(CACHED)) == 118
     assert retained_tokens(make_handle(CACHED, computed=200, params=d_params(200))) == 119
+
+
+def test_paths_are_the_wire_protocols_paths() -> None:
+    from typing import get_args
+
+    from kvagent.protocol import PATHS
+    from kvagent_server.router.reuse.planner import Path
+
+    assert get_args(Path) == PATHS
+
+
+def test_plan_label_is_the_reason_or_reason_and_detail() -> None:
+    from kvagent_server.router.reuse.planner import Reason, ReusePlan
+
+    assert ReusePlan(reuse_tokens=0, reason=Reason.NO_HANDLE).label == "no_handle"
+    assert ReusePlan(reuse_tokens=0, reason=Reason.TOKEN_REJECTED,
+                     detail="bad_signature").label == "token_rejected:bad_signature"

@@ -103,7 +103,7 @@ async def test_connection_dropped_before_response_is_sent_again_once() -> None:
         legs = Legs(max_retries=0, timeout_s=5)
         n = node(url)
         result = await legs.prefill([n], "/v1/completions", {"prompt": "x"},
-                                    {"do_remote_decode": True}, {})
+                                    {"do_remote_decode": True})
         await legs.aclose()
     assert result.kv_params == {"remote_block_ids": [[1]]}
     assert script.connections == 2 and len(script.requests) == 2
@@ -120,7 +120,7 @@ async def test_dropped_twice_is_a_failed_leg_not_a_third_send() -> None:
     async with scripted(handler) as (script, url):
         legs = Legs(max_retries=0, timeout_s=5)
         with pytest.raises(LegError) as err:
-            await legs.decode([node(url, "d0")], "/v1/completions", {"prompt": "x"}, {},
+            await legs.decode([node(url, "d0")], "/v1/completions", {"prompt": "x"},
                               stream=True)
         await legs.aclose()
     assert err.value.status == 502 and "unreachable" in str(err.value)
@@ -140,7 +140,7 @@ async def test_refused_connection_marks_the_node_down_and_tries_the_next() -> No
         legs = Legs(max_retries=1, timeout_s=5)
         dead, alive = node(dead_url, "p0"), node(url, "p1")
         result = await legs.prefill([dead, alive], "/v1/completions", {"prompt": "x"},
-                                    {"do_remote_decode": True}, {})
+                                    {"do_remote_decode": True})
         await legs.aclose()
     assert result.node is alive
     assert not dead.healthy and dead.last_error == "ClientConnectorError"
@@ -234,7 +234,7 @@ async def test_error_status_bodies_are_read_whole_even_when_streamed() -> None:
     async with scripted(handler) as (script, url):
         legs = Legs(max_retries=2, timeout_s=5)
         with pytest.raises(LegError) as err:
-            await legs.decode([node(url, "d0")], "/v1/completions", {"prompt": "x"}, {},
+            await legs.decode([node(url, "d0")], "/v1/completions", {"prompt": "x"},
                               stream=True)
         await legs.aclose()
     assert err.value.status == 400 and err.value.body == {

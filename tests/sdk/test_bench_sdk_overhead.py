@@ -34,3 +34,12 @@ def test_the_sdk_variant_really_parses_the_stream() -> None:
         result = session.send("hi")
     assert result.usage.completion_tokens == 25 and result.cache_token_received
     assert result.text.count(" tok") == 25
+
+
+def test_connection_benchmark_compares_one_connection_with_one_per_turn() -> None:
+    from benchmarks.sdk_overhead.connection import run as run_connection
+
+    out = run_connection(turns=4)
+    # the warm-up turn included: one connection in all, against one per turn
+    assert out["connections"] == {"reuse": 1, "no reuse": 5}
+    assert all(0 < v["min"] <= v["median"] <= v["p90"] for v in out["ttfb_ms"].values())

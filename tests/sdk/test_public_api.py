@@ -12,9 +12,12 @@ EXPECTED = {
     # messages
     "Message", "SystemMessage", "UserMessage", "AssistantMessage", "ToolCall",
     "ToolResultMessage",
+    # content parts of user messages
+    "ContentPart", "TextPart", "ImagePart", "ImageURL", "AudioPart", "InputAudio", "FilePart",
+    "FileData",
     # results and events
-    "TurnResult", "RunResult", "Usage", "RouterInfo", "StreamEvent", "TextDelta",
-    "ToolCallDelta", "Done",
+    "TurnResult", "RunResult", "Usage", "RouterInfo", "Choice", "TokenLogprob", "TopLogprob",
+    "StreamEvent", "TextDelta", "ReasoningDelta", "ToolCallDelta", "Done",
     # errors
     "KVAgentError", "APIError", "APIConnectionError", "APITimeoutError", "APIStatusError",
     "BadRequestError", "AuthenticationError", "PermissionDeniedError", "NotFoundError",

@@ -25,9 +25,11 @@ from kvagent import (
     Session,
     StreamInterrupted,
     TextDelta,
+    TextPart,
     ToolCallDelta,
     tool,
 )
+from pydantic import BaseModel
 from sdk_helpers import messages_prefix
 
 pytestmark = pytest.mark.vllm
@@ -147,14 +149,22 @@ def test_request_the_server_rejects_is_a_bad_request(vllm_node) -> None:
     assert info.value.status_code == 400 and s.messages == ()
 
 
+class Proxy:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        #: TCP connections the proxy accepted from the client.
+        self.connections = 0
+
+
 @contextmanager
-def cutting_proxy(upstream: str, response_bytes: int) -> Iterator[str]:
-    """A TCP proxy that forwards requests but closes each connection after relaying
-    ``response_bytes`` of the response: a real connection cut in the middle of a stream."""
+def tcp_proxy(upstream: str, response_bytes: int | None = None) -> Iterator[Proxy]:
+    """A TCP proxy counting the client's connections; with ``response_bytes`` it closes
+    each connection after relaying that much of the response: a real cut mid-stream."""
     target = urlsplit(upstream)
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     stop = threading.Event()
+    proxy = Proxy(f"http://127.0.0.1:{port}{target.path}")
 
     def pipe(src: socket.socket, dst: socket.socket, limit: int | None) -> None:
         sent = 0
@@ -182,6 +192,7 @@ def cutting_proxy(upstream: str, response_bytes: int) -> Iterator[str]:
                 client, _ = listener.accept()
             except TimeoutError:
                 continue
+            proxy.connections += 1
             server = socket.create_connection((target.hostname, target.port))
             threading.Thread(target=pipe, args=(client, server, None), daemon=True).start()
             threading.Thread(target=pipe, args=(server, client, response_bytes),
@@ -190,7 +201,7 @@ def cutting_proxy(upstream: str, response_bytes: int) -> Iterator[str]:
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{port}{target.path}"
+        yield proxy
     finally:
         stop.set()
         thread.join(timeout=2)
@@ -202,10 +213,58 @@ def test_real_connection_cut_mid_stream_keeps_history(vllm_node) -> None:
     with Session(vllm_node.base_url, vllm_node.model, **options) as direct:
         full = direct.send("Weather in Paris?").text
     # Headers (~200 bytes) + the role chunk (~300) + about two content chunks.
-    with cutting_proxy(vllm_node.base_url, 1000) as url, \
-            Session(url, vllm_node.model, max_retries=0, **options) as s:
+    with tcp_proxy(vllm_node.base_url, 1000) as proxy, \
+            Session(proxy.url, vllm_node.model, max_retries=0, **options) as s:
         with pytest.raises(StreamInterrupted) as info:
             s.send("Weather in Paris?")
         assert [m.role for m in s.messages] == ["system"]  # nothing half-added
     partial = info.value.partial_text
     assert partial and full.startswith(partial) and partial != full
+
+
+def test_one_tcp_connection_for_all_turns_of_a_session(vllm_node) -> None:
+    with tcp_proxy(vllm_node.base_url) as proxy, \
+            Session(proxy.url, vllm_node.model, temperature=0.0, max_tokens=4) as s:
+        for i in range(4):
+            assert s.send(f"turn {i}").finish_reason in ("length", "stop")
+        assert proxy.connections == 1
+
+
+def test_logprobs_and_extra_choices_from_vllm(vllm_node) -> None:
+    with Session(vllm_node.base_url, vllm_node.model, temperature=1.0, seed=7,
+                 max_tokens=6) as s:
+        result = s.send("Hi", logprobs=True, top_logprobs=2, extra_body={"n": 2})
+    assert [c.index for c in result.choices] == [0, 1]
+    for choice in result.choices:
+        assert choice.finish_reason in ("length", "stop") and choice.text
+        assert choice.logprobs and len(choice.logprobs) <= 6
+        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in choice.logprobs)
+    assert result.logprobs == result.choices[0].logprobs
+    assert s.messages[-1].content == result.choices[0].text
+    assert result.usage.completion_tokens == sum(len(c.logprobs) for c in result.choices)
+
+
+class Verdict(BaseModel):
+    city: Literal["paris", "tokyo"]
+    sunny: bool
+
+
+def test_structured_output_is_parsed_into_the_model(vllm_node) -> None:
+    with Session(vllm_node.base_url, vllm_node.model, temperature=0.0, max_tokens=48) as s:
+        result = s.send("Weather in Paris, as JSON?", response_format=Verdict)
+    assert result.finish_reason == "stop", result.text  # vLLM's grammar closed the object
+    assert isinstance(result.parsed, Verdict)
+    assert json.loads(result.text) == result.parsed.model_dump()
+
+
+def test_text_content_parts_are_accepted_and_kept(vllm_node) -> None:
+    recorder = Recorder()
+    parts = [TextPart(text="Weather in"), {"type": "text", "text": "Paris?"}]
+    with Session(vllm_node.base_url, vllm_node.model, transport=recorder,
+                 temperature=0.0, max_tokens=4) as s:
+        first = s.send(parts)
+        second = s.send("And Tokyo?")
+    assert first.usage.prompt_tokens > 0 and second.usage.prompt_tokens > first.usage.prompt_tokens
+    sent = [json.loads(b)["messages"][0]["content"] for b in recorder.bodies]
+    assert sent[0] == sent[1] == [{"type": "text", "text": "Weather in"},
+                                  {"type": "text", "text": "Paris?"}]

@@ -6,9 +6,9 @@ import json
 
 import pytest
 from kvagent import AssistantMessage, SystemMessage, ToolCall, ToolResultMessage, UserMessage, tool
-from kvagent.protocol import CACHE_TOKEN_HEADER, SESSION_HEADER
 from kvagent._request import build_chat_request
 from kvagent._wire import messages_to_wire, tool_choice_to_wire, tool_to_wire
+from kvagent.protocol import CACHE_TOKEN_HEADER, SESSION_HEADER
 
 
 def build(**kw):

@@ -71,3 +71,15 @@ def test_cut_off_last_line_is_dropped_at_eof() -> None:
 
 def test_lines_without_data_dispatch_nothing() -> None:
     assert decode([b"event: ping\n\n\n\n"]) == []
+
+
+@pytest.mark.parametrize("size", [1, 2, 4, 100])
+def test_a_leading_byte_order_mark_is_skipped_even_split(size: int) -> None:
+    body = b"\xef\xbb\xbfdata: first\n\ndata: second\n\n"
+    events = decode([body[i:i + size] for i in range(0, len(body), size)])
+    assert [e.data for e in events] == ["first", "second"]
+
+
+def test_only_a_leading_byte_order_mark_is_special() -> None:
+    events = decode([b"data: a\n\n\xef\xbb\xbfdata: b\n\n"])
+    assert [e.data for e in events] == ["a"]  # mid-stream it is part of a field name

@@ -90,3 +90,25 @@ def test_failed_turn_span_records_the_error(spans: InMemorySpanExporter) -> None
 def test_no_sdk_configured_means_no_op() -> None:
     server = FakeServer(stream_response(sse("vllm_text.sse")))
     assert Session(BASE_URL, MODEL, transport=server.transport).send("hi").text
+
+
+def test_every_gen_ai_and_server_name_exists_in_the_semantic_conventions() -> None:
+    """The SDK writes attribute names as strings (the conventions package is not a runtime
+    dependency: its GenAI names live in an ``_incubating`` module that moves between
+    releases). This keeps them honest against the package the dev extra installs."""
+    import re
+    from pathlib import Path
+
+    import kvagent._telemetry as module
+    from opentelemetry.semconv._incubating.attributes import (
+        error_attributes,
+        gen_ai_attributes,
+        server_attributes,
+    )
+
+    known = {value for mod in (gen_ai_attributes, server_attributes, error_attributes)
+             for name, value in vars(mod).items() if name.isupper() and isinstance(value, str)}
+    source = Path(module.__file__).read_text()
+    used = set(re.findall(r'"((?:gen_ai|server|error)\.[a-z_.]+)"', source))
+    assert len(used) >= 20
+    assert used <= known, sorted(used - known)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
+import gc
 import socket
+import warnings
 from collections.abc import Callable
 from typing import Annotated, Literal
 
@@ -158,3 +161,93 @@ def test_async_tool_runs_from_sync_code() -> None:
     result = execute_sync(prepare_call(as_tools([hello]), ToolCall(id="1", name="hello",
                                                                    arguments='{"name":"a"}')))
     assert result.content == "hi a"
+
+
+# ----------------------------------------------------------------------- docstring styles
+
+
+def _google(city: str, days: int = 1) -> str:
+    """Forecast the weather.
+
+    Uses the public API.
+
+    Args:
+        city: City name,
+            e.g. Paris.
+        days (int): Days ahead.
+
+    Returns:
+        A short text forecast.
+
+    Raises:
+        ConnectionError: when the API is down.
+    """
+    return city
+
+
+def _numpy(city: str, days: int = 1) -> str:
+    """Forecast the weather.
+
+    Parameters
+    ----------
+    city : str
+        City name.
+    days : int, optional
+        Days ahead.
+
+    Returns
+    -------
+    str
+        A short text forecast.
+    """
+    return city
+
+
+def _sphinx(city: str, days: int = 1) -> str:
+    """Forecast the weather.
+
+    :param city: City name.
+    :param int days: Days ahead.
+    :returns: A short text forecast.
+    :raises ConnectionError: when the API is down.
+    """
+    return city
+
+
+def test_google_sections_other_than_args_never_reach_the_model() -> None:
+    t = Tool(_google)
+    assert t.description == "Forecast the weather.\n\nUses the public API."
+    assert "Returns" not in t.description and "Raises" not in t.description
+    props = t.parameters["properties"]
+    assert props["city"]["description"] == "City name, e.g. Paris."
+    assert props["days"]["description"] == "Days ahead."
+
+
+@pytest.mark.parametrize("fn", [_numpy, _sphinx])
+def test_numpy_and_sphinx_parameters_are_described(fn: Callable) -> None:
+    t = Tool(fn)
+    assert t.description == "Forecast the weather."
+    props = t.parameters["properties"]
+    assert (props["city"]["description"], props["days"]["description"]) == (
+        "City name.", "Days ahead.")
+
+
+# ----------------------------------------------------------------------- sync over async
+
+
+@tool
+async def slow_lookup(key: str) -> str:
+    """Look a key up."""
+    await asyncio.sleep(0.01)
+    return f"value of {key}"
+
+
+async def test_an_async_tool_runs_from_sync_code_inside_a_running_loop() -> None:
+    """As in a Jupyter cell: sync code called while an event loop runs in this thread."""
+    asyncio.get_running_loop()  # the premise
+    call = ToolCall(id="c1", name="slow_lookup", arguments='{"key": "k"}')
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "coroutine ... was never awaited" would fail here
+        message = execute_sync(prepare_call(as_tools([slow_lookup]), call))
+        gc.collect()
+    assert not message.is_error and message.content == "value of k"

@@ -9,17 +9,9 @@ from typing import Any
 
 import psutil
 import pytest
-from kvagent_server.render import HostFacts, ModelSource, PlanInputs
 from support import free_ports
 
-FAKE_NODE = Path(__file__).with_name("fake_node.py")
-
-
-
-def fake_inputs(cores: tuple[int, ...] = (0, 1), gpus: int = 0) -> PlanInputs:
-    return PlanInputs(host=HostFacts(cpu_cores=cores, gpu_count=gpus),
-                      model=ModelSource(model="/models/m", served_name="m"),
-                      python=sys.executable)
+from tests.server.server_helpers import FAKE_NODE, processes_mentioning
 
 
 @pytest.fixture
@@ -45,21 +37,6 @@ def fake_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, An
         "stop_grace_s": 2.0,
         "startup_timeout_s": 30.0,
     }
-
-
-def processes_mentioning(text: str) -> list[psutil.Process]:
-    """Live processes whose command line or environment mentions `text`."""
-    out = []
-    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
-        if proc.info["status"] == psutil.STATUS_ZOMBIE:
-            continue
-        try:
-            blob = " ".join(proc.info["cmdline"] or [])
-            if text in blob or any(text in v for v in proc.environ().values()):
-                out.append(proc)
-        except psutil.Error:
-            continue
-    return out
 
 
 @pytest.fixture

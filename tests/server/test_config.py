@@ -14,7 +14,7 @@ from kvagent_server.config import (
 )
 from kvagent_server.render import plan
 
-from tests.server.conftest import fake_inputs
+from tests.server.server_helpers import fake_inputs
 
 
 def problems(data: dict) -> list[str]:

@@ -16,8 +16,9 @@ import pytest
 import yaml
 from kvagent_server.processes import RUN_DIR_ENV
 from kvagent_server.runstate import load_state
+from support import free_ports
 
-from tests.server.conftest import free_ports, processes_mentioning
+from tests.server.server_helpers import processes_mentioning
 
 # Start-up is ~1-2 min per node on an idle 2-core machine, far more when it is shared.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]

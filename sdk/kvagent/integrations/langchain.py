@@ -18,6 +18,7 @@ Needs the extra ``kvagent[langchain]`` (``langchain-core``)::
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from operator import itemgetter
@@ -37,13 +38,14 @@ from langchain_core.messages import (
     ToolMessage,
 )
 from langchain_core.messages.tool import invalid_tool_call, tool_call, tool_call_chunk
+from langchain_core.messages.utils import count_tokens_approximately
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.tools import BaseTool
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
-from pydantic import ConfigDict, Field, SecretStr
+from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 
 from .. import messages as kv
 from ..async_session import AsyncSession
@@ -58,6 +60,7 @@ from ._carry import (
     read_carrier,
     tool_call_arguments,
 )
+from ._clients import OwnedClients
 
 __all__ = ["ChatKVAgent"]
 
@@ -69,6 +72,8 @@ _SAMPLING = ("temperature", "top_p", "max_tokens", "seed", "stop")
 #: ``chunk_position`` appeared in langchain-core 1.0; older cores merge chunks without it.
 #: Carrier entry holding each tool call's raw argument text, keyed by call id.
 TOOL_ARGUMENTS = "tool_arguments"
+#: LangChain's own estimate when no tokenizer is given (``count_tokens_approximately``).
+_CHARS_PER_TOKEN = 4.0
 _LAST: dict[str, Any] = (
     {"chunk_position": "last"} if "chunk_position" in AIMessageChunk.model_fields else {}
 )
@@ -122,12 +127,43 @@ class ChatKVAgent(BaseChatModel):
     """Extra request body fields (vLLM's ``top_k``, ``return_token_ids``, ...)."""
     default_headers: dict[str, str] | None = None
     http_client: httpx.Client | None = Field(default=None, exclude=True)
-    """Your own ``httpx.Client`` (pooling, proxies, ``MockTransport`` in tests); not closed
-    by the model. Without one, each call opens and closes its own connection."""
+    """Your own ``httpx.Client`` (proxies, ``MockTransport`` in tests); not closed by the
+    model. Without one, the model keeps one client, so its calls reuse connections."""
     http_async_client: httpx.AsyncClient | None = Field(default=None, exclude=True)
-    """Your own ``httpx.AsyncClient``; without one, each async call opens its own."""
+    """Your own ``httpx.AsyncClient``; without one, the model keeps one per event loop."""
+
+    _clients: OwnedClients = PrivateAttr(default_factory=OwnedClients)
 
     # ------------------------------------------------------------------ LangChain hooks
+
+    @classmethod
+    def is_lc_serializable(cls) -> bool:
+        """``dumpd``/``dumps`` write it; ``loads(..., valid_namespaces=["kvagent"])`` reads it."""
+        return True
+
+    @classmethod
+    def get_lc_namespace(cls) -> list[str]:
+        return ["kvagent", "integrations", "langchain"]
+
+    @property
+    def lc_secrets(self) -> dict[str, str]:
+        return {"api_key": "KVAGENT_API_KEY"}
+
+    def get_num_tokens(self, text: str) -> int:
+        """Tokens in ``text``: exact with ``custom_get_token_ids`` (your model's tokenizer),
+        otherwise LangChain's character estimate (about 4 characters a token), which needs
+        no tokenizer download and no ``transformers``."""
+        if self.custom_get_token_ids is not None:
+            return len(self.custom_get_token_ids(text))
+        return math.ceil(len(text) / _CHARS_PER_TOKEN)
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage],
+                                     tools: Sequence[Any] | None = None) -> int:
+        """Tokens in ``messages`` (and ``tools``' schemas); see ``get_num_tokens``."""
+        if self.custom_get_token_ids is not None:
+            return super().get_num_tokens_from_messages(messages, tools)
+        return count_tokens_approximately(messages, chars_per_token=_CHARS_PER_TOKEN,
+                                          tools=list(tools) if tools else None)
 
     @property
     def _llm_type(self) -> str:
@@ -229,7 +265,7 @@ class ChatKVAgent(BaseChatModel):
         if self.streaming:
             return _from_chunks(self._stream(messages, stop, run_manager, **kwargs))
         session_id, model, init = self._prepare(messages, stop, kwargs)
-        with Session(self.base_url, model, http_client=self.http_client, **init) as session:
+        with Session(self.base_url, model, http_client=self._sync_client(), **init) as session:
             result = session.send()
         return ChatResult(generations=[ChatGeneration(message=_ai_message(result, session_id))])
 
@@ -237,8 +273,8 @@ class ChatKVAgent(BaseChatModel):
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any
                 ) -> Iterator[ChatGenerationChunk]:
         session_id, model, init = self._prepare(messages, stop, kwargs)
-        with Session(self.base_url, model, http_client=self.http_client, **init) as session, \
-                session.stream() as events:
+        with Session(self.base_url, model, http_client=self._sync_client(),
+                     **init) as session, session.stream() as events:
             for event in events:
                 chunk = _chunk(event, session_id)
                 if run_manager:
@@ -252,7 +288,7 @@ class ChatKVAgent(BaseChatModel):
             chunks = [c async for c in self._astream(messages, stop, run_manager, **kwargs)]
             return _from_chunks(iter(chunks))
         session_id, model, init = self._prepare(messages, stop, kwargs)
-        async with AsyncSession(self.base_url, model, http_client=self.http_async_client,
+        async with AsyncSession(self.base_url, model, http_client=self._async_client(),
                                 **init) as session:
             result = await session.send()
         return ChatResult(generations=[ChatGeneration(message=_ai_message(result, session_id))])
@@ -261,7 +297,7 @@ class ChatKVAgent(BaseChatModel):
                        run_manager: AsyncCallbackManagerForLLMRun | None = None,
                        **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
         session_id, model, init = self._prepare(messages, stop, kwargs)
-        async with AsyncSession(self.base_url, model, http_client=self.http_async_client,
+        async with AsyncSession(self.base_url, model, http_client=self._async_client(),
                                 **init) as session, session.stream() as events:
             async for event in events:
                 chunk = _chunk(event, session_id)
@@ -270,6 +306,12 @@ class ChatKVAgent(BaseChatModel):
                 yield chunk
 
     # ------------------------------------------------------------------ plumbing
+
+    def _sync_client(self) -> httpx.Client:
+        return self.http_client or self._clients.sync(self.timeout)
+
+    def _async_client(self) -> httpx.AsyncClient:
+        return self.http_async_client or self._clients.for_running_loop(self.timeout)
 
     def _prepare(self, messages: Sequence[BaseMessage], stop: list[str] | None,
                  kwargs: Mapping[str, Any]) -> tuple[str, str, dict[str, Any]]:

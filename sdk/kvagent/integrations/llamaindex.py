@@ -41,7 +41,7 @@ from llama_index.core.base.llms.types import (
     MessageRole,
     TextBlock,
 )
-from llama_index.core.bridge.pydantic import Field
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import ToolSelection
@@ -60,6 +60,7 @@ from ._carry import (
     read_carrier,
     usage_counts,
 )
+from ._clients import OwnedClients
 
 try:  # llama-index-core >= 0.14 has typed tool-call blocks; older ones use additional_kwargs
     from llama_index.core.base.llms.types import ToolCallBlock
@@ -106,10 +107,16 @@ class KVAgentLLM(FunctionCallingLLM):
     extra_body: dict[str, Any] | None = Field(
         default=None, description="Extra request body fields (e.g. vLLM's top_k).")
     default_headers: dict[str, str] | None = None
-    http_client: Any = Field(default=None, exclude=True,
-                             description="Your own httpx.Client; not closed by the LLM.")
-    http_async_client: Any = Field(default=None, exclude=True,
-                                   description="Your own httpx.AsyncClient.")
+    http_client: Any = Field(
+        default=None, exclude=True,
+        description="Your own httpx.Client; not closed by the LLM. Without one, the LLM "
+                    "keeps one client, so its calls reuse connections.")
+    http_async_client: Any = Field(
+        default=None, exclude=True,
+        description="Your own httpx.AsyncClient; without one, the LLM keeps one per event "
+                    "loop.")
+
+    _clients: OwnedClients = PrivateAttr(default_factory=OwnedClients)
 
     @classmethod
     def class_name(cls) -> str:
@@ -126,7 +133,7 @@ class KVAgentLLM(FunctionCallingLLM):
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         session_id, model, init = self._prepare(messages, kwargs)
-        with Session(self.base_url, model, http_client=self.http_client, **init) as session:
+        with Session(self.base_url, model, http_client=self._sync_client(), **init) as session:
             result = session.send()
         return _response(result, session_id)
 
@@ -136,7 +143,7 @@ class KVAgentLLM(FunctionCallingLLM):
 
         def gen() -> Generator[ChatResponse, None, None]:
             parts = _Partial()
-            with Session(self.base_url, model, http_client=self.http_client,
+            with Session(self.base_url, model, http_client=self._sync_client(),
                          **init) as session, session.stream() as events:
                 for event in events:
                     yield parts.feed(event, session_id)
@@ -146,7 +153,7 @@ class KVAgentLLM(FunctionCallingLLM):
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         session_id, model, init = self._prepare(messages, kwargs)
-        async with AsyncSession(self.base_url, model, http_client=self.http_async_client,
+        async with AsyncSession(self.base_url, model, http_client=self._async_client(),
                                 **init) as session:
             result = await session.send()
         return _response(result, session_id)
@@ -158,7 +165,7 @@ class KVAgentLLM(FunctionCallingLLM):
 
         async def gen() -> AsyncGenerator[ChatResponse, None]:
             parts = _Partial()
-            async with AsyncSession(self.base_url, model, http_client=self.http_async_client,
+            async with AsyncSession(self.base_url, model, http_client=self._async_client(),
                                     **init) as session, session.stream() as events:
                 async for event in events:
                     yield parts.feed(event, session_id)
@@ -245,6 +252,12 @@ class KVAgentLLM(FunctionCallingLLM):
         return selections
 
     # ------------------------------------------------------------------ plumbing
+
+    def _sync_client(self) -> Any:
+        return self.http_client or self._clients.sync(self.timeout)
+
+    def _async_client(self) -> Any:
+        return self.http_async_client or self._clients.for_running_loop(self.timeout)
 
     def _prepare(self, messages: Sequence[ChatMessage], kwargs: Mapping[str, Any]
                  ) -> tuple[str, str, dict[str, Any]]:

@@ -26,7 +26,7 @@ def render_compose(config: BundleConfig, options: DeployOptions | None = None, *
     """The compose file (`docker compose -f - up`)."""
     dp = deploy_plan(config, options or DeployOptions(), target="compose", plugin=plugin)
     head = "# Rendered by `kvagent-server deploy --target compose`; edit the config, not this.\n"
-    return head + yaml.safe_dump(_escape(compose_document(dp)), sort_keys=False, width=100)
+    return head + str(yaml.safe_dump(_escape(compose_document(dp)), sort_keys=False, width=100))
 
 
 def _escape(value: Any) -> Any:

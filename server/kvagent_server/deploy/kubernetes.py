@@ -38,7 +38,7 @@ def render_kubernetes(config: BundleConfig, options: DeployOptions | None = None
 
 def dump_manifests(objects: list[dict[str, Any]]) -> str:
     head = "# Rendered by `kvagent-server deploy --target kubernetes`; edit the config, not this.\n"
-    return head + yaml.safe_dump_all(objects, sort_keys=False, width=100)
+    return head + str(yaml.safe_dump_all(objects, sort_keys=False, width=100))
 
 
 def kubernetes_objects(dp: DeployPlan) -> list[dict[str, Any]]:

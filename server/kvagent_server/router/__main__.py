@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from pydantic import ValidationError
 
     from kvagent_server.router.http.app import create_app
+    from kvagent_server.router.http.server import uvicorn_config
 
     args = parse_args(argv)
     try:
@@ -57,11 +58,13 @@ def main(argv: list[str] | None = None) -> int:
     host = args.host or settings.host
     port = args.port or settings.port
     app = create_app(settings, args.prefill, args.decode, model=args.model)
-    # loop/http "auto": uvloop and httptools (the `server` extra installs both).
-    uvicorn.run(app, host=host, port=port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=5,
-                h11_max_incomplete_event_size=settings.max_header_bytes)
-    return 0
+    # loop "auto": uvloop (the `server` extra installs it); httptools with the head and
+    # connection limits (router/http/server.py).
+    config = uvicorn_config(app, settings, host=host, port=port, log_level=args.log_level,
+                            access_log=False, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    server.run()
+    return 0 if server.started else 3  # as `uvicorn.run`: could not start (port taken...)
 
 
 if __name__ == "__main__":

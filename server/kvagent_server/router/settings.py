@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from kvagent_server.router.kv.index import KVEventSource
+
+_SALT_CONTEXT = b"kvagent/cache_salt/v1"
+
+
+def derive_cache_salt(tenant_name: str) -> str:
+    """A stable per-tenant salt, identical on every replica and across restarts.
+
+    The router always overwrites the client's `cache_salt`, so the salt need not be
+    secret; it only has to differ between tenants and stay put for one tenant.
+    """
+    return hmac.new(_SALT_CONTEXT, tenant_name.encode(), hashlib.sha256).hexdigest()[:32]
 
 
 class TenantSettings(BaseModel):
@@ -49,8 +63,32 @@ class RouterSettings(BaseModel):
     stream_write_timeout_s: float = Field(default=30.0, gt=0)
     #: Largest request body (413 above).
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
-    #: Largest request line plus headers (431 above).
+    #: Largest request line plus headers (431 above), counted while they are read: the
+    #: connection is answered and closed as soon as the count passes it.
     max_header_bytes: int = Field(default=32 * 1024, ge=1024)
+    #: Most header lines in one request (431 above).
+    max_header_count: int = Field(default=100, ge=8)
+    #: A request line and headers must arrive within this (a slow client's connection is
+    #: closed: 408), counted from the connection or the end of the previous response.
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    #: A request body must arrive within this from its headers (408 above).
+    body_timeout_s: float = Field(default=30.0, gt=0)
+    #: Open client connections, all clients together: more are closed at once, unanswered.
+    max_connections: int = Field(default=2048, ge=1)
+    #: Open client connections from one client address.
+    max_connections_per_client: int = Field(default=256, ge=1)
+    #: Completions in flight from one client address (429 above); tenants have their own.
+    max_streams_per_client: int = Field(default=64, ge=1)
+    #: Most `messages` in one chat request (400 above).
+    max_messages: int = Field(default=4096, ge=1)
+    #: Most `tools` in one chat request (400 above).
+    max_tools: int = Field(default=512, ge=1)
+    #: Largest non-streamed answer read from a node (502 above): a node's whole body is
+    #: held in memory before it is rewritten.
+    max_upstream_body_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    #: Retained handles one tenant may hold in the store; its oldest are evicted (and
+    #: released on the decode node) past it, so one tenant cannot push out another's.
+    max_handles_per_tenant: int = Field(default=5_000, ge=1)
     #: Largest `max_tokens` / `max_completion_tokens` accepted (400 above); vLLM further
     #: caps generation at the model's context length.
     max_tokens_limit: int = Field(default=1 << 20, ge=1)
@@ -77,6 +115,18 @@ class RouterSettings(BaseModel):
     #: KV event sources by node URL (the bundle fills this from `kv_events`): prefill
     #: placement then weighs the prompt's cached prefix per node and tier against load.
     kv_events: dict[str, KVEventSource] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _distinct_salts(self) -> RouterSettings:
+        """Tenants sharing a cache salt would share vLLM's prefix cache (and its timing)."""
+        seen: dict[str, str] = {}
+        for tenant in self.tenants:
+            salt = tenant.cache_salt or derive_cache_salt(tenant.name)
+            if salt in seen and seen[salt] != tenant.name:  # a repeated name is told apart
+                raise ValueError(f"tenants {seen[salt]!r} and {tenant.name!r} have the same "
+                                 "cache_salt: their prefix caches would be shared")
+            seen[salt] = tenant.name
+        return self
 
     @model_validator(mode="after")
     def _watermarks(self) -> RouterSettings:

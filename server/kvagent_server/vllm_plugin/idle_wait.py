@@ -62,7 +62,7 @@ def patch_module(module: ModuleType, idle_poll_ms: int) -> bool:
             and only_connector_work(self.scheduler)
         ):
             wait_for_input(self.input_queue, timeout_s)
-        return executed
+        return bool(executed)
 
     _process_engine_step.__kvagent_wrapped__ = True  # type: ignore[attr-defined]
     cls._process_engine_step = _process_engine_step

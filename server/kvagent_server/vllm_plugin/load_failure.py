@@ -43,7 +43,7 @@ PULL_SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_
 
 def already_pulled(params: dict[str, Any] | None) -> bool:
     """True for a P-side request whose one pull from D was already attempted."""
-    return bool(params) and bool(params.get("do_remote_decode")) and bool(
+    return params is not None and bool(params.get("do_remote_decode")) and bool(
         params.get("_remote_blocks_processed"))
 
 

@@ -58,7 +58,7 @@ def release_ids(params: dict[str, Any] | None) -> list[str]:
 
 def release_only(params: dict[str, Any] | None) -> bool:
     """A request that exists only to carry releases: its own blocks are not retained."""
-    return bool(params) and set(params) == {RELEASE_KEY}
+    return params is not None and set(params) == {RELEASE_KEY}
 
 
 def is_decode_retention(delay_free: bool, out: dict[str, Any] | None) -> bool:

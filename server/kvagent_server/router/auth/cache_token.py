@@ -24,7 +24,7 @@ from kvagent_server.router.auth.keys import KeyRing
 TOKEN_PREFIX = "kva1"
 TokenErrorReason = Literal["malformed", "bad_signature", "unknown_key", "expired", "too_long"]
 
-_B64_RE = re.compile(r"^[A-Za-z0-9_-]*$")
+_B64_RE = re.compile(r"^[A-Za-z0-9_-]*\Z")
 _MAC_BYTES = hashlib.sha256().digest_size
 #: Compact payload field names -> claim names (keeps tokens short).
 _WIRE = {"k": "kid", "t": "tenant", "s": "session", "h": "handle", "i": "iat", "e": "exp"}

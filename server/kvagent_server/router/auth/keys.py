@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from kvagent_server.router.settings import RouterSettings
 
 #: Key ids travel inside every token: short, and from the URL-safe alphabet.
-KID_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
+KID_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}\Z")
 #: HMAC-SHA256 keys shorter than this are guessable; refuse them at start-up.
 MIN_KEY_BYTES = 16
 

@@ -13,10 +13,13 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvagent_server.router.settings import RouterSettings, TenantSettings
+from kvagent_server.router.settings import (
+    RouterSettings,
+    TenantSettings,
+    derive_cache_salt,
+)
 
 DEFAULT_TENANT = "default"
-_SALT_CONTEXT = b"kvagent/cache_salt/v1"
 
 
 class Tenant(BaseModel):
@@ -27,6 +30,15 @@ class Tenant(BaseModel):
     name: str
     cache_salt: str
     max_concurrent_streams: int = Field(ge=1)
+    #: Who within the tenant is calling: a digest of the API key ("" with no keys).
+    caller: str = ""
+
+    def session_key(self, session: str | None) -> str | None:
+        """The router's name for a client's session: scoped to the caller's API key, so
+        a session id alone never names another key's session (its handles, its KV)."""
+        if session is None or not self.caller:
+            return session
+        return f"{self.caller}/{session}"
 
 
 class AuthError(Exception):
@@ -40,17 +52,17 @@ class AuthError(Exception):
         self.status_code = 401
 
 
-def derive_cache_salt(tenant_name: str) -> str:
-    """A stable per-tenant salt, identical on every replica and across restarts.
-
-    The router always overwrites the client's `cache_salt`, so the salt need not be
-    secret; it only has to differ between tenants and stay put for one tenant.
-    """
-    return hmac.new(_SALT_CONTEXT, tenant_name.encode(), hashlib.sha256).hexdigest()[:32]
-
-
 def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
+
+
+_CALLER_CONTEXT = b"kvagent/caller/v1"
+
+
+def caller_id(key_digest: bytes) -> str:
+    """A stable, short name for an API key (the same on every replica): 64 bits of an HMAC
+    of its digest, never the key itself."""
+    return hmac.new(_CALLER_CONTEXT, key_digest, hashlib.sha256).hexdigest()[:16]
 
 
 def _tenant(settings: TenantSettings) -> Tenant:
@@ -102,7 +114,8 @@ class TenantResolver:
                     # Do not say which tenant holds it: the message may end up in a log.
                     raise ValueError("the same API key is configured twice")
                 seen.add(digest)
-                self._keys.append((digest, tenant))
+                self._keys.append((digest, tenant.model_copy(
+                    update={"caller": caller_id(digest)})))
 
     @property
     def tenants(self) -> dict[str, Tenant]:

@@ -25,6 +25,7 @@ from starlette.routing import Route
 from kvagent_server.router.auth.cache_token import TokenCodec
 from kvagent_server.router.auth.tenancy import AuthError, TenantResolver
 from kvagent_server.router.common import fastjson
+from kvagent_server.router.http import node_errors
 from kvagent_server.router.http.limits import GuardedStream, HeaderLimit
 from kvagent_server.router.http.request import (
     ClientGone,
@@ -74,7 +75,7 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
                             probe_timeout_s=5.0,
                             max_in_flight=settings.node_max_in_flight)
     metrics = metrics or RouterMetrics()
-    the_store = store or make_store(settings)
+    the_store = store if store is not None else make_store(settings)
     tenants = TenantResolver(settings)
     streams: dict[str, int] = {}
     holder: dict[str, Any] = {"model": model}
@@ -87,7 +88,8 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
                               keepalive_expiry=4)
         async with httpx.AsyncClient(transport=transport, limits=limits) as client:
             codec = TokenCodec(await key_ring_for(settings, the_store))
-            legs = Legs(max_retries=settings.max_retries, timeout_s=settings.request_timeout_s)
+            legs = Legs(max_retries=settings.max_retries, timeout_s=settings.request_timeout_s,
+                        max_body_bytes=settings.max_upstream_body_bytes)
             app.state.router = Router(settings=settings, registry=registry, legs=legs,
                                       store=the_store, codec=codec, metrics=metrics,
                                       client=client)
@@ -171,7 +173,8 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
     ]
     return Starlette(routes=routes, lifespan=lifespan,
                      middleware=[Middleware(HeaderLimit,
-                                            max_header_bytes=settings.max_header_bytes)],
+                                            max_header_bytes=settings.max_header_bytes,
+                                            max_header_count=settings.max_header_count)],
                      exception_handlers={404: _not_found, 405: _not_allowed})
 
 
@@ -205,7 +208,7 @@ async def _served_model(client: httpx.AsyncClient, registry: NodeRegistry) -> st
     for node in registry.healthy("decode") + registry.healthy("prefill"):
         try:
             resp = await client.get(f"{node.url}/v1/models", timeout=5.0)
-            return resp.json()["data"][0]["id"]
+            return str(resp.json()["data"][0]["id"])
         except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
             continue
     return None
@@ -218,24 +221,32 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
     except AuthError as exc:
         raise HTTPError(401, str(exc), type_="authentication_error", code=exc.reason) from None
     try:
-        body = await read_json(request, r.settings.max_body_bytes)
+        body = await read_json(request, r.settings.max_body_bytes, r.settings.body_timeout_s)
     except ClientDisconnect:
         raise ClientGone from None
     chat = endpoint == CHAT
-    validate(body, chat=chat, max_tokens_limit=r.settings.max_tokens_limit)
+    validate(body, chat=chat, max_tokens_limit=r.settings.max_tokens_limit,
+             max_messages=r.settings.max_messages, max_tools=r.settings.max_tools)
     session, token = session_and_token(request.headers, body)
     wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     keep_ids = bool(body.get("return_token_ids"))
     sanitize(body)  # only the router may steer KV transfers
     body["cache_salt"] = tenant.cache_salt
     stream = bool(body.get("stream"))
-    req = TurnRequest(endpoint=endpoint, body=body, tenant=tenant, session=session,
-                      token=token, stream=stream)
+    # The store and the tokens know the session by the caller's key, not its id alone.
+    req = TurnRequest(endpoint=endpoint, body=body, tenant=tenant,
+                      session=tenant.session_key(session), token=token, stream=stream)
 
     if streams.get(tenant.name, 0) >= tenant.max_concurrent_streams:
         raise HTTPError(429, f"tenant has {tenant.max_concurrent_streams} requests in flight; "
                         "retry later", type_="rate_limit_error", code="rate_limit_exceeded")
+    client = f"client:{request.client.host if request.client else '?'}"
+    if streams.get(client, 0) >= r.settings.max_streams_per_client:
+        raise HTTPError(429, f"this client has {r.settings.max_streams_per_client} requests in "
+                        "flight; retry later", type_="rate_limit_error",
+                        code="rate_limit_exceeded")
     streams[tenant.name] = streams.get(tenant.name, 0) + 1
+    streams[client] = streams.get(client, 0) + 1
     span = start_turn(endpoint=endpoint, model=body.get("model"), session=session,
                       tenant=tenant.name)
     req.span = span
@@ -249,6 +260,10 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
         if not done:
             done = True
             streams[tenant.name] -= 1
+            if streams[client] <= 1:  # one entry per address in flight, never more
+                del streams[client]
+            else:
+                streams[client] -= 1
             span.end()
 
     handed_off = False
@@ -281,18 +296,11 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
             await cleanup()
 
 
-#: A node's error message naming any of these may echo the router's internal fields.
-_INTERNAL_MARKERS = ("kv_transfer_params", "remote_", "do_remote", "cache_salt", "http://")
-
-
 def _leg_error(exc: LegError) -> HTTPError:
     if 400 <= exc.status < 500 and exc.body and isinstance(exc.body.get("error"), dict):
-        err = exc.body["error"]
-        message = err.get("message") if isinstance(err.get("message"), str) else ""
-        if not message or any(m in message for m in _INTERNAL_MARKERS):
-            message = "the model server rejected the request"
-        return HTTPError(exc.status, message, type_=str(err.get("type") or "invalid_request"),
-                         param=err.get("param") if isinstance(err.get("param"), str) else None)
+        err = exc.body["error"]  # a node's words reach the client only when allow-listed
+        return HTTPError(exc.status, node_errors.client_message(err.get("message")),
+                         param=node_errors.client_param(err.get("param")))
     if 400 <= exc.status < 500:
         return HTTPError(exc.status, "the model server rejected the request")
     status = 503 if exc.status == 503 else 502
@@ -344,7 +352,7 @@ async def _whole(turn: Turn, scrubber: Scrubber, span: Any) -> Response:
     usage = out.get("usage") or {}
     record_outcome(span, path=turn.path, reused=final.kvagent["reused_tokens"],
                    prompt_tokens=usage.get("prompt_tokens"),
-                   completion_tokens=usage.get("completion_tokens"), reason=turn.plan.reason)
+                   completion_tokens=usage.get("completion_tokens"), reason=turn.plan.label)
     if std:  # NaN/Infinity: starlette's encoder refuses them, as it always has
         return JSONResponse(out)
     return Response(fastjson.dumps(out), media_type="application/json")
@@ -367,7 +375,7 @@ async def _stream(turn: Turn, scrubber: Scrubber, cleanup: Callable[[Turn], Awai
         record_outcome(span, path=turn.path, reused=turn.reused,
                        prompt_tokens=usage.get("prompt_tokens"),
                        completion_tokens=usage.get("completion_tokens"),
-                       reason=turn.plan.reason)
+                       reason=turn.plan.label)
     except UpstreamError as exc:
         m.stream_cuts.inc()
         record_error(span, f"stream cut: {exc}")

@@ -2,9 +2,10 @@
 
 Two ASGI-level guards the route handlers cannot express themselves:
 
-- `HeaderLimit`: a request whose request line and headers exceed `max_header_bytes` gets
-  a 431 before any handler runs (uvicorn's httptools parser has no such limit; its h11
-  parser's `h11_max_incomplete_event_size` only applies with `--http h11`).
+- `HeaderLimit`: a request whose request line and headers exceed `max_header_bytes` (or
+  `max_header_count` lines) gets a 431 before any handler runs. The router's own server
+  (`http.server`) enforces both while the head arrives; this is the second line, for any
+  other ASGI server the app is run under.
 - `GuardedStream`: a streamed response whose client stops reading. Writes block once the
   socket's buffers are full; after `write_timeout_s` without progress the stream is
   abandoned and its body iterator closed, which closes the decode leg (vLLM aborts the
@@ -31,9 +32,11 @@ class SlowClient(Exception):
 class HeaderLimit:
     """Answer 431 (OpenAI error body) to requests with oversized request lines or headers."""
 
-    def __init__(self, app: ASGIApp, max_header_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_header_bytes: int,
+                 max_header_count: int | None = None) -> None:
         self.app = app
         self.max_header_bytes = max_header_bytes
+        self.max_header_count = max_header_count
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -42,6 +45,10 @@ class HeaderLimit:
             if size > self.max_header_bytes:
                 await _error(send, 431, f"request headers exceed {self.max_header_bytes} bytes",
                              "headers_too_large")
+                return
+            count = self.max_header_count
+            if count is not None and len(scope.get("headers") or ()) > count:
+                await _error(send, 431, f"more than {count} headers", "too_many_headers")
                 return
         await self.app(scope, receive, send)
 

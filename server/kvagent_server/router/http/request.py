@@ -6,6 +6,7 @@ reaches vLLM.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import re
@@ -27,6 +28,10 @@ from starlette.responses import JSONResponse
 #: Body fields a client must not set: they would make a node pull or push KV blocks the
 #: router did not vet (another tenant's, say). `cache_salt` is always the tenant's.
 CLIENT_FORBIDDEN = ("kv_transfer_params", "ec_transfer_params")
+#: Fields a client must not choose for the nodes: vLLM names its request after
+#: `request_id`, so a client's own could collide with another's on a node (the nodes then
+#: name each request themselves).
+CLIENT_DROPPED = ("request_id",)
 
 
 class HTTPError(Exception):
@@ -66,8 +71,10 @@ def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not valid JSON")
 
 
-async def read_json(request: Request, limit: int) -> dict[str, Any]:
-    """The request body as a JSON object: 413 over `limit` bytes, 400 when malformed.
+async def read_json(request: Request, limit: int,
+                    timeout_s: float | None = None) -> dict[str, Any]:
+    """The request body as a JSON object: 413 over `limit` bytes, 400 when malformed, 408
+    when it does not arrive within `timeout_s` (a slow body holds a connection and a task).
 
     Strict JSON only: no NaN/Infinity, no lone surrogates (both parse in Python but cannot
     be forwarded), no nesting deep enough to exhaust the parser."""
@@ -76,11 +83,17 @@ async def read_json(request: Request, limit: int) -> dict[str, Any]:
         raise HTTPError(413, f"request body exceeds {limit} bytes", code="body_too_large")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise HTTPError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise HTTPError(413, f"request body exceeds {limit} bytes",
+                                    code="body_too_large")
+                chunks.append(chunk)
+    except TimeoutError:
+        raise HTTPError(408, f"request body not received within {timeout_s:g} s",
+                        code="body_timeout") from None
     return parse_json(b"".join(chunks))
 
 
@@ -147,15 +160,22 @@ def _is_number(value: Any) -> bool:
             and math.isfinite(value))
 
 
-def validate(body: dict[str, Any], *, chat: bool, max_tokens_limit: int = 1 << 20) -> None:
+def validate(body: dict[str, Any], *, chat: bool, max_tokens_limit: int = 1 << 20,
+             max_messages: int | None = None, max_tools: int | None = None) -> None:
     """Type checks of the OpenAI fields the router knows; 400 naming the first bad field.
 
     vLLM still validates values against the model (context length, vocabulary).
     """
     if chat:
         _messages(body.get("messages"))
+        if max_messages is not None and len(body["messages"]) > max_messages:
+            raise HTTPError(400, f"'messages' holds more than {max_messages} messages",
+                            param="messages", code="too_many_messages")
         if body.get("tools") is not None:
             _tools(body["tools"])
+            if max_tools is not None and len(body["tools"]) > max_tools:
+                raise HTTPError(400, f"'tools' holds more than {max_tools} tools",
+                                param="tools", code="too_many_tools")
         if body.get("tool_choice") is not None:
             _tool_choice(body["tool_choice"])
         if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
@@ -291,7 +311,7 @@ def _prompt(prompt: Any) -> None:
 
 def sanitize(body: dict[str, Any]) -> None:
     """Remove what only the router may set: transfer params, also via `vllm_xargs`."""
-    for name in CLIENT_FORBIDDEN:
+    for name in CLIENT_FORBIDDEN + CLIENT_DROPPED:
         body.pop(name, None)
     xargs = body.get("vllm_xargs")
     if isinstance(xargs, dict):

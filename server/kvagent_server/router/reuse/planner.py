@@ -21,17 +21,53 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Sequence
+from enum import StrEnum
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvagent_server.router.store.handle import Handle
 
-Path = Literal["pd_fresh", "pd_reuse", "d_direct", "recompute"]
+#: How a turn was served (`kvagent.path` on the wire; the same names as
+#: `kvagent.protocol.PATHS` and the path table in docs/router.md).
+Path = Literal["pd_fresh", "pd_reuse", "d_direct", "recompute", "decode_only"]
+
+
+class Reason(StrEnum):
+    """Why a plan reuses what it reuses. The value is the metric label and the wire name."""
+
+    #: The prompt extends every cached token; the reuse is that, block-aligned.
+    HIT = "hit"
+    #: The prompt diverged from the cache after some whole blocks.
+    PREFIX_PARTIAL = "prefix_partial"
+    #: Reuse is switched off in the router's settings.
+    REUSE_DISABLED = "reuse_disabled"
+    #: The presented cache token was refused; the detail says why.
+    TOKEN_REJECTED = "token_rejected"
+    #: Nothing to reuse: no token and no handle for the session (a first turn).
+    NO_HANDLE = "no_handle"
+    OTHER_TENANT = "other_tenant"
+    OTHER_SESSION = "other_session"
+    EXPIRED = "expired"
+    #: The decode node restarted since the handle was made: its blocks are gone.
+    STALE_EPOCH = "stale_epoch"
+    NODE_UNHEALTHY = "node_unhealthy"
+    UNSUPPORTED_KV_LAYOUT = "unsupported_kv_layout"
+    DIVERGED_AT_0 = "diverged_at_0"
+    BELOW_THRESHOLD = "below_threshold"
+    #: The router could not get the prompt's token ids from a node.
+    TOKENIZE_FAILED = "tokenize_failed"
+    #: The decode node failed before its first byte on a reuse path.
+    DECODE_FAILED = "decode_failed"
+    #: P could not pull the prefix from D and recomputed.
+    PULL_FAILED = "pull_failed"
+    #: A request P/D cannot split (see `decode_only`).
+    UNSUPPORTED_SHAPE = "unsupported_shape"
+
 
 #: Plans that reuse nothing because the client had nothing to reuse (first turn, or reuse
 #: switched off): served as `pd_fresh`. Every other zero-reuse plan is a `recompute`.
-_FRESH_REASONS = frozenset({"no_handle", "reuse_disabled"})
+FRESH_REASONS = frozenset({Reason.NO_HANDLE, Reason.REUSE_DISABLED})
 
 
 class ReusePlan(BaseModel):
@@ -40,12 +76,9 @@ class ReusePlan(BaseModel):
     model_config = ConfigDict(frozen=True)
 
     reuse_tokens: int = Field(ge=0)
-    #: "hit" (the prompt extends every cached token; the reuse is that, block-aligned),
-    #: "prefix_partial" (diverged after some whole blocks), or why nothing is reused:
-    #: "reuse_disabled", "token_rejected:<why>", "no_handle", "other_tenant",
-    #: "other_session", "expired", "stale_epoch", "node_unhealthy",
-    #: "unsupported_kv_layout", "diverged_at_0", "below_threshold".
-    reason: str
+    reason: Reason
+    #: More precise cause within `reason` (e.g. why a token was rejected), or None.
+    detail: str | None = None
     #: Tokens the prompt shares with the cache before the first difference (for metrics).
     common_prefix: int = Field(default=0, ge=0)
     #: Tokens whose KV the decode node could hand over.
@@ -54,6 +87,11 @@ class ReusePlan(BaseModel):
     @property
     def reuses(self) -> bool:
         return self.reuse_tokens > 0
+
+    @property
+    def label(self) -> str:
+        """`reason`, or `reason:detail`: what clients and logs see."""
+        return f"{self.reason.value}:{self.detail}" if self.detail else self.reason.value
 
 
 _CHUNK = 512
@@ -135,33 +173,33 @@ def plan_reuse(
     - `tenant`/`session`: when given, a handle of another tenant or session is refused.
     - `node_healthy`/`node_epoch`: the holding decode node's health and current epoch; a
       handle from an earlier incarnation names blocks that no longer exist.
-    - `rejected`: why the presented token was refused (reason "token_rejected:<why>").
+    - `rejected`: why the presented token was refused (`TOKEN_REJECTED`, detail `rejected`).
     - `prefill_block_size`: when P's block size differs, align to both.
     At least one prompt token is always left to compute: vLLM needs one to sample from.
     """
     if not enabled:
-        return ReusePlan(reuse_tokens=0, reason="reuse_disabled")
+        return ReusePlan(reuse_tokens=0, reason=Reason.REUSE_DISABLED)
     if rejected is not None:
-        return ReusePlan(reuse_tokens=0, reason=f"token_rejected:{rejected}")
+        return ReusePlan(reuse_tokens=0, reason=Reason.TOKEN_REJECTED, detail=rejected)
     if handle is None:
-        return ReusePlan(reuse_tokens=0, reason="no_handle")
+        return ReusePlan(reuse_tokens=0, reason=Reason.NO_HANDLE)
     if tenant is not None and handle.tenant != tenant:
-        return ReusePlan(reuse_tokens=0, reason="other_tenant")
+        return ReusePlan(reuse_tokens=0, reason=Reason.OTHER_TENANT)
     if session is not None and handle.session != session:
-        return ReusePlan(reuse_tokens=0, reason="other_session")
+        return ReusePlan(reuse_tokens=0, reason=Reason.OTHER_SESSION)
     if handle.expired(now):
-        return ReusePlan(reuse_tokens=0, reason="expired")
+        return ReusePlan(reuse_tokens=0, reason=Reason.EXPIRED)
     if node_epoch is not None and node_epoch != handle.decode_epoch:
-        return ReusePlan(reuse_tokens=0, reason="stale_epoch")
+        return ReusePlan(reuse_tokens=0, reason=Reason.STALE_EPOCH)
     if not node_healthy:
-        return ReusePlan(reuse_tokens=0, reason="node_unhealthy")
+        return ReusePlan(reuse_tokens=0, reason=Reason.NODE_UNHEALTHY)
     retained = retained_tokens(handle)
     if retained is None:
-        return ReusePlan(reuse_tokens=0, reason="unsupported_kv_layout")
+        return ReusePlan(reuse_tokens=0, reason=Reason.UNSUPPORTED_KV_LAYOUT)
     cached = handle.token_ids[:retained]
     common = common_prefix_len(prompt_ids, cached)
     if common == 0:
-        return ReusePlan(reuse_tokens=0, reason="diverged_at_0", cached_tokens=retained)
+        return ReusePlan(reuse_tokens=0, reason=Reason.DIVERGED_AT_0, cached_tokens=retained)
     align = handle.block_size
     if prefill_block_size is not None:
         if prefill_block_size < 1:
@@ -170,9 +208,9 @@ def plan_reuse(
     usable = min(common, len(prompt_ids) - 1)
     reuse = usable // align * align
     if reuse == 0 or reuse < threshold:
-        return ReusePlan(reuse_tokens=0, reason="below_threshold", common_prefix=common,
+        return ReusePlan(reuse_tokens=0, reason=Reason.BELOW_THRESHOLD, common_prefix=common,
                          cached_tokens=retained)
-    reason = "hit" if common == retained else "prefix_partial"
+    reason = Reason.HIT if common == retained else Reason.PREFIX_PARTIAL
     return ReusePlan(reuse_tokens=reuse, reason=reason, common_prefix=common,
                      cached_tokens=retained)
 
@@ -236,8 +274,8 @@ class LinearCost(BaseModel):
         return self.fixed_s + self.per_token_s * tokens
 
 
-# Priors from DESIGN.md's CPU measurements (~0.8 s for a 2.1k-token recompute, ~0.15 s
-# for the same turn with reuse); measurements replace them within a few turns.
+# Priors from early CPU measurements (~0.8 s for a 2.1k-token recompute, ~0.15 s for
+# the same turn with reuse); measurements replace them within a few turns.
 _PRIOR_PREFILL = LinearCost(fixed_s=0.05, per_token_s=4e-4)
 _PRIOR_PULL = LinearCost(fixed_s=0.03, per_token_s=2e-5)
 # D computing a delta itself competes with its running decodes: priced above P.
@@ -283,7 +321,7 @@ def choose_path(
     measured costs say D alone is faster; otherwise `pd_reuse`. 0 never skips P.
     """
     if not plan.reuses:
-        return "pd_fresh" if plan.reason in _FRESH_REASONS else "recompute"
+        return "pd_fresh" if plan.reason in FRESH_REASONS else "recompute"
     if plan.reuse_tokens >= prompt_len:
         raise ValueError("a plan must leave at least one prompt token to compute")
     if not d_healthy:

@@ -20,8 +20,11 @@ class StoreUnavailable(Exception):
 class SessionStore(Protocol):
     """Where handles live between turns. All methods are safe under concurrent tasks."""
 
-    async def put(self, handle: Handle) -> None:
-        """Store `handle` and make it its session's latest (no-op if already expired)."""
+    async def put(self, handle: Handle) -> list[Handle]:
+        """Store `handle` and make it its session's latest (no-op if already expired).
+
+        Returns the live handles this put evicted (the tenant's quota, the store's bounds):
+        they are claimed, so no turn can use them, and the caller releases their blocks."""
 
     async def claim(self, tenant: str, handle_id: str) -> Handle | None:
         """Take the handle: exactly one caller ever gets it; None if unknown/claimed/expired."""

@@ -17,8 +17,9 @@ def make_store(settings: RouterSettings) -> SessionStore:
     if settings.redis_url:
         from kvagent_server.router.store.redis_store import RedisStore
 
-        return RedisStore.from_url(settings.redis_url)
-    return MemoryStore()
+        return RedisStore.from_url(settings.redis_url,
+                                   max_handles_per_tenant=settings.max_handles_per_tenant)
+    return MemoryStore(max_handles_per_tenant=settings.max_handles_per_tenant)
 
 
 async def key_ring_for(settings: RouterSettings, store: SessionStore) -> KeyRing:

@@ -88,7 +88,8 @@ def unpack_handle(data: bytes) -> Handle:
 def handle_meta(data: bytes) -> dict[str, Any]:
     """The JSON part of a packed handle (node, epoch, ...) without unpacking the tokens."""
     (meta_len,) = _LEN.unpack_from(data)
-    return json.loads(data[_LEN.size:_LEN.size + meta_len])
+    meta: dict[str, Any] = json.loads(data[_LEN.size:_LEN.size + meta_len])
+    return meta
 
 
 def handle_blocks(handle: Handle) -> int:

@@ -16,17 +16,24 @@ from kvagent_server.router.store.handle import (
 
 
 class MemoryStore:
-    """An in-process store, bounded by handle count and total retained tokens.
+    """An in-process store, bounded by handle count and total retained tokens, and per
+    tenant by `max_handles_per_tenant` (so one tenant's churn cannot evict another's).
 
     Every method runs without awaiting, so under asyncio each one is atomic: a claim can
     never be won twice. Oldest handles are evicted first; expired ones are swept on write.
     """
 
     def __init__(self, *, max_handles: int = 10_000, max_tokens: int = 50_000_000,
+                 max_handles_per_tenant: int | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         if max_handles < 1 or max_tokens < 1:
             raise ValueError("max_handles and max_tokens must be positive")
+        if max_handles_per_tenant is not None and max_handles_per_tenant < 1:
+            raise ValueError("max_handles_per_tenant must be positive")
         self._max_handles = max_handles
+        self._max_per_tenant = max_handles_per_tenant
+        #: tenant -> its handle ids, oldest stored first (for the per-tenant quota)
+        self._by_tenant: dict[str, OrderedDict[str, None]] = {}
         self._max_tokens = max_tokens
         self._clock = clock
         #: (tenant, handle_id) -> (packed handle, expires_at, session, decode_node, n tokens)
@@ -47,6 +54,11 @@ class MemoryStore:
         if entry is None:
             return None
         self._tokens -= entry[4]
+        ids = self._by_tenant.get(key[0])
+        if ids is not None:
+            ids.pop(key[1], None)
+            if not ids:
+                del self._by_tenant[key[0]]
         latest_key = (key[0], entry[2])
         if self._latest.get(latest_key) == key[1]:
             del self._latest[latest_key]
@@ -60,10 +72,10 @@ class MemoryStore:
             self._remove(key)
         return len(dead)
 
-    async def put(self, handle: Handle) -> None:
+    async def put(self, handle: Handle) -> list[Handle]:
         now = self._clock()
         if handle.expired(now):
-            return
+            return []
         key = (handle.tenant, handle.handle_id)
         self._remove(key)
         n = len(handle.token_ids)
@@ -71,6 +83,21 @@ class MemoryStore:
                               handle.decode_node, n)
         self._tokens += n
         self._latest[(handle.tenant, handle.session)] = handle.handle_id
+        mine = self._by_tenant.setdefault(handle.tenant, OrderedDict())
+        mine[handle.handle_id] = None
+        evicted: list[Handle] = []
+
+        def evict(oldest: tuple[str, str]) -> None:
+            entry = self._remove(oldest)
+            if entry is not None and now < entry[1]:
+                evicted.append(unpack_handle(entry[0]))  # the caller releases its blocks
+
+        # The tenant's quota first, from its own oldest (never the one just stored).
+        while self._max_per_tenant is not None and len(mine) > self._max_per_tenant:
+            oldest_id = next(iter(mine))
+            if oldest_id == handle.handle_id:
+                break
+            evict((handle.tenant, oldest_id))
         # Expired handles first (cheap: oldest first, stop at the first live one), then
         # the least recently stored while over a bound (never the one just stored).
         while self._handles:
@@ -78,9 +105,10 @@ class MemoryStore:
             entry = self._handles[oldest]
             over = len(self._handles) > self._max_handles or self._tokens > self._max_tokens
             if oldest != key and (now >= entry[1] or over):
-                self._remove(oldest)
+                evict(oldest)
             else:
                 break
+        return evicted
 
     def _take(self, key: tuple[str, str]) -> Handle | None:
         entry = self._remove(key)
@@ -142,4 +170,5 @@ class MemoryStore:
     async def close(self) -> None:
         self._handles.clear()
         self._latest.clear()
+        self._by_tenant.clear()
         self._tokens = 0

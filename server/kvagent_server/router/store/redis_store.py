@@ -6,6 +6,8 @@ Keys (tenant, session and node names are percent-encoded, so `:` in them cannot 
 - `{prefix}:{tenant}:l:{session}`: the session's latest handle id; expires with it.
 - `{prefix}:node:{node}`: sorted set of handle keys on a decode node, scored by expiry,
   so a lost node's handles can be dropped.
+- `{prefix}:{tenant}:q`: sorted set of the tenant's handle keys, scored by expiry, for
+  the per-tenant quota (`max_handles_per_tenant`): a put past it evicts the oldest.
 
 Claims are single Redis commands or Lua scripts, so they are atomic across replicas:
 of any number of concurrent claims of one handle, exactly one gets it. The scripts build
@@ -18,8 +20,8 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, ParamSpec, TypeVar, cast
 from urllib.parse import quote
 
 import redis.asyncio as aioredis
@@ -37,21 +39,38 @@ from kvagent_server.router.store.handle import (
 
 log = logging.getLogger(__name__)
 
-# KEYS = handle, latest pointer, node index; ARGV = packed handle, handle id, ttl ms,
-# expires_at, now. One script, so a reader never sees the pointer without the handle; the
-# node index lives as long as its longest-lived handle (no PEXPIRE GT: Redis 6.2 works).
+# KEYS = handle, latest pointer, node index, tenant index; ARGV = packed handle, handle
+# id, ttl ms, expires_at, now, tenant quota. One script, so a reader never sees the pointer
+# without the handle; the indexes live as long as their longest-lived handle (no PEXPIRE
+# GT: Redis 6.2 works). Returns the packed handles the quota evicted (each one claimed).
 _PUT = """
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[3])
 redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
-redis.call('ZADD', KEYS[3], ARGV[4], KEYS[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[5])
-if redis.call('PTTL', KEYS[3]) < tonumber(ARGV[3]) then
-  redis.call('PEXPIRE', KEYS[3], ARGV[3])
+for i = 3, 4 do
+  redis.call('ZADD', KEYS[i], ARGV[4], KEYS[1])
+  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', ARGV[5])
+  if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[3]) then
+    redis.call('PEXPIRE', KEYS[i], ARGV[3])
+  end
 end
-return 1
+local evicted = {}
+local over = redis.call('ZCARD', KEYS[4]) - tonumber(ARGV[6])
+while over > 0 do
+  local oldest = redis.call('ZRANGE', KEYS[4], 0, 0)[1]
+  if (not oldest) or oldest == KEYS[1] then break end
+  redis.call('ZREM', KEYS[4], oldest)
+  local value = redis.call('GET', oldest)
+  if value then
+    redis.call('DEL', oldest)
+    table.insert(evicted, value)
+  end
+  over = over - 1
+end
+return evicted
 """
 
-# KEYS[1] = latest pointer; ARGV[1] = handle key prefix. Pointer and handle go together.
+# KEYS[1] = latest pointer, KEYS[2] = tenant index; ARGV[1] = handle key prefix.
+# Pointer and handle go together.
 _CLAIM_LATEST = """
 local id = redis.call('GET', KEYS[1])
 if not id then return false end
@@ -59,6 +78,7 @@ redis.call('DEL', KEYS[1])
 local key = ARGV[1] .. id
 local value = redis.call('GET', key)
 if value then redis.call('DEL', key) end
+redis.call('ZREM', KEYS[2], key)
 return value
 """
 
@@ -74,7 +94,9 @@ _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
 
-def _unavailable(method: Callable[_P, Awaitable[_T]]) -> Callable[_P, Awaitable[_T]]:
+def _unavailable(
+    method: Callable[_P, Coroutine[Any, Any, _T]],
+) -> Callable[_P, Coroutine[Any, Any, _T]]:
     """Redis and socket errors leave the store as `StoreUnavailable`, the store contract's
     one error, so callers never depend on the Redis client's exception types."""
 
@@ -96,8 +118,12 @@ class RedisStore:
     """Handles in Redis with TTLs; every claim is atomic (GETDEL or a Lua script)."""
 
     def __init__(self, client: aioredis.Redis, *, prefix: str = "kva",
+                 max_handles_per_tenant: int = 5_000,
                  clock: Callable[[], float] = time.time) -> None:
+        if max_handles_per_tenant < 1:
+            raise ValueError("max_handles_per_tenant must be positive")
         self._r = client
+        self._max_per_tenant = max_handles_per_tenant
         self._prefix = prefix
         self._clock = clock
         self._put = client.register_script(_PUT)
@@ -121,6 +147,9 @@ class RedisStore:
     def _latest_key(self, tenant: str, session: str) -> str:
         return f"{self._prefix}:{_q(tenant)}:l:{_q(session)}"
 
+    def _tenant_key(self, tenant: str) -> str:
+        return f"{self._prefix}:{_q(tenant)}:q"
+
     def _node_key(self, decode_node: str) -> str:
         return f"{self._prefix}:node:{_q(decode_node)}"
 
@@ -134,29 +163,36 @@ class RedisStore:
         return None if handle.expired(self._clock()) else handle
 
     @_unavailable
-    async def put(self, handle: Handle) -> None:
+    async def put(self, handle: Handle) -> list[Handle]:
         now = self._clock()
         ttl_ms = int((handle.expires_at - now) * 1000)
         if ttl_ms <= 0:
-            return
+            return []
         if "/" in handle.handle_id or ":" in handle.handle_id:
             raise ValueError("handle ids must not contain ':' or '/'")
         hkey = self._handle_key(handle.tenant, handle.handle_id)
-        await self._put(
+        evicted = await self._put(
             keys=[hkey, self._latest_key(handle.tenant, handle.session),
-                  self._node_key(handle.decode_node)],
+                  self._node_key(handle.decode_node), self._tenant_key(handle.tenant)],
             args=[pack_handle(handle), handle.handle_id, ttl_ms, repr(handle.expires_at),
-                  repr(now)])
+                  repr(now), self._max_per_tenant])
+        return [h for value in evicted or () if (h := self._live(value)) is not None]
 
     @_unavailable
     async def claim(self, tenant: str, handle_id: str) -> Handle | None:
         if not handle_id or ":" in handle_id or "/" in handle_id:
             return None
-        return self._live(await self._r.getdel(self._handle_key(tenant, handle_id)))
+        key = self._handle_key(tenant, handle_id)
+        async with self._r.pipeline(transaction=False) as pipe:
+            pipe.getdel(key)  # the claim: one winner
+            pipe.zrem(self._tenant_key(tenant), key)  # no longer counts against the quota
+            value, _ = await pipe.execute()
+        return self._live(cast(bytes | None, value))
 
     @_unavailable
     async def claim_latest(self, tenant: str, session: str) -> Handle | None:
-        data = await self._claim_latest(keys=[self._latest_key(tenant, session)],
+        data = await self._claim_latest(keys=[self._latest_key(tenant, session),
+                                              self._tenant_key(tenant)],
                                         args=[self._handle_prefix(tenant)])
         return self._live(data)
 
@@ -169,7 +205,7 @@ class RedisStore:
     @_unavailable
     async def drop_node(self, decode_node: str, *, keep_epoch: str | None = None) -> int:
         nkey = self._node_key(decode_node)
-        members: list[bytes] = await self._r.zrange(nkey, 0, -1)
+        members = cast(list[bytes], await self._r.zrange(nkey, 0, -1))
         if not members:
             return 0
         values = await self._r.mget(members)
@@ -180,7 +216,7 @@ class RedisStore:
             if value is None:
                 doomed.append(member)
                 continue
-            meta = handle_meta(value)
+            meta = handle_meta(cast(bytes, value))
             if keep_epoch is not None and meta.get("decode_epoch") == keep_epoch:
                 continue
             doomed.append(member)
@@ -204,7 +240,7 @@ class RedisStore:
             # Scored by expiry: with one TTL, the lowest scores are the oldest handles.
             # A whole batch is taken (may overshoot by a few: they are the oldest anyway).
             n = min(batch, max_handles - len(out))
-            members: list[bytes] = await self._r.zrange(nkey, 0, n - 1)
+            members = cast(list[bytes], await self._r.zrange(nkey, 0, n - 1))
             if not members:
                 break
             async with self._r.pipeline(transaction=False) as pipe:
@@ -212,9 +248,10 @@ class RedisStore:
                     pipe.getdel(member)  # each GETDEL is the claim: one winner
                 values = await pipe.execute()
             await self._r.zrem(nkey, *members)
-            for value in values:
+            for member, value in zip(members, values, strict=True):
                 handle = self._live(value)
                 if handle is not None:
+                    await self._r.zrem(self._tenant_key(handle.tenant), member)
                     out.append(handle)
                     freed += handle_blocks(handle)
         return out
@@ -237,6 +274,6 @@ class RedisStore:
         key = f"{self._prefix}:signing_key"
         candidate = f"s{secrets.token_hex(4)}:{secrets.token_hex(32)}".encode()
         await self._r.set(key, candidate, nx=True)
-        stored: bytes = await self._r.get(key)
+        stored = cast(bytes, await self._r.get(key))
         kid, _, hex_key = stored.decode().partition(":")
         return KeyRing({kid: bytes.fromhex(hex_key)}, kid)

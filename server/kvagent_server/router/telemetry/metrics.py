@@ -73,6 +73,10 @@ class RouterMetrics:
                                   "P-node choices by reason (tier_hit: a cached prefix "
                                   "won; tier_miss: matched, no hit; least_loaded).",
                                   ["reason"], registry=r)
+        self.decode_placements = Counter(
+            "kvagent_router_decode_placements",
+            "D-node choices by reason (affinity, least_loaded, affinity_unknown, "
+            "affinity_unhealthy, affinity_overloaded, no_healthy_node).", ["reason"], registry=r)
         self.node_healthy = Gauge("kvagent_router_node_healthy", "1 when a node is healthy.",
                                   ["node", "role"], registry=r)
 

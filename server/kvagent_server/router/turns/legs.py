@@ -6,7 +6,7 @@ Policies (openai-python's, applied per leg):
 - A failed pull (a reuse P leg answered 5xx) is not an error: the P leg is re-run fresh.
 - A P leg is never orphaned: when its D leg cannot run (D failed everywhere, client
   gone), `release_prefill` makes a decode node read P's leased blocks, so P never reaches
-  the lease-expiry path that hangs it (DESIGN.md).
+  the lease-expiry path that hangs it (docs/engine.md, "The idle spin and the hang").
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from kvagent_server.router.reuse import transfer
 from kvagent_server.router.turns.nodes import Node
 from kvagent_server.router.turns.prompt_ids import CHAT_TEMPLATE_FIELDS
 from kvagent_server.router.turns.upstream import (
+    MAX_BODY_BYTES,
     ConnectFailed,
     NodeClient,
     NodeResponse,
@@ -137,7 +138,9 @@ class Legs:
     """Runs legs on candidate nodes, in the order placement ranked them."""
 
     def __init__(self, *, max_retries: int, timeout_s: float,
-                 on_node_error: Callable[[Node, str], None] | None = None) -> None:
+                 on_node_error: Callable[[Node, str], None] | None = None,
+                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self.max_body_bytes = max_body_bytes
         self.clients: dict[str, NodeClient] = {}
         self.max_retries = max_retries
         self.timeout_s = timeout_s
@@ -147,7 +150,8 @@ class Legs:
         """One connection pool per node (also used for the node's `/tokenize`)."""
         client = self.clients.get(node.name)
         if client is None:
-            client = self.clients[node.name] = NodeClient(timeout_s=self.timeout_s)
+            client = self.clients[node.name] = NodeClient(
+                timeout_s=self.timeout_s, max_body_bytes=self.max_body_bytes)
         return client
 
     async def aclose(self) -> None:
@@ -155,7 +159,7 @@ class Legs:
             await client.aclose()
         self.clients.clear()
 
-    async def _post(self, node: Node, path: str, body: dict[str, Any], headers: dict[str, str],
+    async def _post(self, node: Node, path: str, body: dict[str, Any],
                     *, stream: bool) -> NodeResponse:
         """POST once more on the same node if the connection dropped before any response
         (a pooled keep-alive connection the node had just closed) — unless the request
@@ -167,7 +171,7 @@ class Legs:
             url = f"{node.url}{path}"
             for attempt in (0, 1):
                 try:
-                    return await client.post(url, body, headers=headers, stream=stream)
+                    return await client.post(url, body, stream=stream)
                 except StaleConnection:
                     if attempt or pulls_kv(body):
                         raise
@@ -180,7 +184,7 @@ class Legs:
             node.in_flight -= 1
 
     async def prefill(self, candidates: Sequence[Node], path: str, body: dict[str, Any],
-                      kv_params: dict[str, Any], headers: dict[str, str]) -> PrefillResult:
+                      kv_params: dict[str, Any]) -> PrefillResult:
         """Run the P leg on the first candidate that answers; a failed pull re-runs fresh."""
         reuse = transfer.offers_remote_blocks(kv_params)
         pull_failed = False
@@ -189,7 +193,7 @@ class Legs:
             started = time.perf_counter()
             params = transfer.fresh() if pull_failed else kv_params
             try:
-                resp = await self._post(node, path, prefill_body(body, params), headers,
+                resp = await self._post(node, path, prefill_body(body, params),
                                         stream=False)
             except UpstreamError as exc:
                 last = LegError(f"prefill node unreachable ({exc})", leg="prefill")
@@ -203,7 +207,7 @@ class Legs:
                          resp.status_code)
                 try:
                     resp = await self._post(node, path, prefill_body(body, transfer.fresh()),
-                                            headers, stream=False)
+                                            stream=False)
                 except UpstreamError:
                     last = LegError("prefill node unreachable", leg="prefill")
                     continue
@@ -227,14 +231,14 @@ class Legs:
         raise last or LegError("no healthy prefill node", status=503, leg="prefill")
 
     async def decode(self, candidates: Sequence[Node], path: str, body: dict[str, Any],
-                     headers: dict[str, str], *, stream: bool) -> DecodeStart:
+                     *, stream: bool) -> DecodeStart:
         """Open the D leg on the first candidate that answers 200 (headers only when streamed)."""
         last: LegError | None = None
         pulls = pulls_kv(body)
         for node in list(candidates)[: self.max_retries + 1]:
             started = time.perf_counter()
             try:
-                resp = await self._post(node, path, body, headers, stream=stream)
+                resp = await self._post(node, path, body, stream=stream)
             except UpstreamError as exc:
                 last = LegError(f"decode node unreachable ({exc})")
                 if pulls and not isinstance(exc, ConnectFailed):
@@ -252,8 +256,7 @@ class Legs:
         raise last or LegError("no healthy decode node", status=503)
 
     async def release_prefill(self, candidates: Sequence[Node], path: str,
-                              body: dict[str, Any], prefill: PrefillResult,
-                              headers: dict[str, str]) -> bool:
+                              body: dict[str, Any], prefill: PrefillResult) -> bool:
         """Finish an orphaned P leg: a one-token, non-streamed D read of P's leased blocks.
 
         Runs shielded from cancellation (the client may be gone); returns True once a
@@ -272,7 +275,7 @@ class Legs:
         async def run() -> bool:
             for node in candidates:
                 try:
-                    resp = await self._post(node, path, drain, headers, stream=False)
+                    resp = await self._post(node, path, drain, stream=False)
                 except UpstreamError:
                     continue
                 if resp.status_code == 200:

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -81,7 +82,9 @@ class NodeRegistry:
         if not prefill or not decode:
             raise ValueError("the router needs at least one prefill and one decode node")
         self.nodes: dict[str, Node] = {}
-        for role, urls, prefix in (("prefill", prefill, "p"), ("decode", decode, "d")):
+        roles: tuple[tuple[Role, Sequence[str], str], ...] = (
+            ("prefill", prefill, "p"), ("decode", decode, "d"))
+        for role, urls, prefix in roles:
             for i, url in enumerate(urls):
                 name = f"{prefix}{i}"
                 self.nodes[name] = Node(name=name, url=url.rstrip("/"), role=role,

@@ -1,7 +1,7 @@
 """One turn through the router: choose a plan, run the legs, mint the next token.
 
 The decisions come from the pure core (`planner`, `placement`); this module only wires
-them to the legs and the store, in the order DESIGN.md's flow gives.
+them to the legs and the store, in the order of docs/architecture.md's "One turn".
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ class Turn:
         if token is None:
             self._release_unrecorded(capture)
         kvagent = {"cache_token": token, "reused_tokens": reused, "expires_in": expires_in,
-                   "path": self.path}
+                   "path": self.path, "reason": self.plan.label}
         self.reused = reused
         return Final(kvagent=kvagent, cached_tokens=cached)
 
@@ -119,10 +119,10 @@ class Turn:
             m.reuse_hits.inc()
         elif self.plan.reuses:
             m.miss("node_recomputed")  # planned, but the node reports nothing cached
-        elif self.plan.reason not in ("no_handle", "reuse_disabled"):
-            m.miss(self.plan.reason.split(":")[0])
+        elif self.plan.reason not in planner.FRESH_REASONS:
+            m.miss(self.plan.reason.value)
         if (self.first_byte_at is not None and prompt_tokens
-                and self.plan.reason != "unsupported_shape"):
+                and self.path != "decode_only"):
             ttft = self.first_byte_at - self.started
             try:
                 self.router.costs.observe(self.path, max(0, prompt_tokens - cached), ttft,
@@ -137,6 +137,18 @@ class Turn:
         rid = params.get("remote_request_id") if isinstance(params, dict) else None
         if self.router.retention is not None and isinstance(rid, str) and rid:
             self.router.retention.queue.add(self.decode.node.name, [rid])
+
+    def _release_evicted(self, handles: list[Handle] | None) -> None:
+        """Handles the store evicted to make room (the tenant's quota, its bounds) are
+        claimed, so nobody can reuse them: let their decode nodes free the blocks now."""
+        r = self.router
+        if not handles or r.retention is None:
+            return  # without the retention guard they are freed at D's TTL
+        for handle in handles:
+            node = r.registry.get(handle.decode_node)
+            rid = remote_request_id(handle)
+            if node is not None and node.epoch == handle.decode_epoch and rid is not None:
+                r.retention.queue.add(node.name, [rid])
 
     async def _next_token(self, capture: Capture) -> tuple[str | None, int]:
         r, req = self.router, self.req
@@ -160,12 +172,13 @@ class Turn:
             log.warning("decode node %s returned unusable kv_transfer_params", node.name)
             return None, 0
         try:
-            await r.store.put(handle)
+            evicted = await r.store.put(handle)
         except StoreUnavailable as exc:
             log.warning("session store unavailable (%s): no cache token this turn",
                         type(exc).__name__)
             r.metrics.miss("store_unavailable")
             return None, 0
+        self._release_evicted(evicted)
         token = r.codec.encode(tenant=req.tenant.name, session=req.session,
                                handle=handle.handle_id, iat=int(now), exp=int(now) + ttl)
         return token, ttl
@@ -184,6 +197,7 @@ async def _claim(r: Router, req: TurnRequest) -> tuple[Handle | None, str | None
 
 async def _claim_from_store(r: Router, req: TurnRequest) -> tuple[Handle | None, str | None]:
     tenant = req.tenant.name
+    assert req.session is not None  # the caller checked: handles belong to sessions
     if req.token is None:
         return await r.store.claim_latest(tenant, req.session), None
     try:
@@ -231,7 +245,7 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
     holder = d_node if (handle is not None and d_node is not None and d_node.healthy
                         and d_node.epoch == handle.decode_epoch
                         and not handle.expired(time.time())) else None
-    # -- tier-aware P placement (issue 7): no D handle to reuse, so a P node whose KV
+    # -- tier-aware P placement: no D handle to reuse, so a P node whose KV
     # -- cache (any tier) holds the prompt's prefix may beat the least loaded one.
     p_reason: placement.PrefillReason = "least_loaded" if p_first else "no_healthy_node"
     if holder is None and p_first is not None and r.tiers is not None:
@@ -252,7 +266,7 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
                                         chat=req.chat)
         except TokenizeError as exc:
             log.info("no reuse this turn: %s", exc)
-            plan = planner.ReusePlan(reuse_tokens=0, reason="tokenize_failed")
+            plan = planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.TOKENIZE_FAILED)
     if plan is None:
         plan = planner.plan_reuse(
             prompt_ids, handle, threshold=r.settings.kv_recompute_threshold, now=time.time(),
@@ -262,7 +276,10 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
             rejected=rejected,
             prefill_block_size=r.settings.block_size or (p_first.block_size if p_first else None))
     affinity = handle.decode_node if handle else await _affinity(r, req)
-    picked_d, _ = placement.pick_decode(r.registry.states(), affinity=affinity)
+    picked_d, d_reason = placement.pick_decode(r.registry.states(), affinity=affinity)
+    r.metrics.decode_placements.labels(reason=d_reason).inc()
+    if req.span is not None:
+        req.span.set_attribute("kvagent.decode_placement", d_reason)
     d_first = r.registry.get(picked_d.node_id) if picked_d else None
     path = planner.choose_path(
         plan, len(prompt_ids), r.costs.snapshot(),
@@ -287,7 +304,7 @@ async def plan_turn(r: Router, req: TurnRequest) -> Turn:
                 rid = remote_request_id(c.handle) if c.handle is not None else None
                 params = transfer.with_release(transfer.d_direct(), [rid] if rid else [])
                 start = await r.legs.decode([c.holder], req.endpoint,
-                                            decode_body(req.body, params), {},
+                                            decode_body(req.body, params),
                                             stream=req.stream)
             r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
             return Turn(r, req, c.path, c.plan, None, start, started)
@@ -295,7 +312,7 @@ async def plan_turn(r: Router, req: TurnRequest) -> Turn:
             if exc.status < 500:
                 raise
             log.info("d_direct on %s failed; recomputing", c.holder.name)
-            c.plan = planner.ReusePlan(reuse_tokens=0, reason="decode_failed")
+            c.plan = planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.DECODE_FAILED)
             c.path, c.holder, c.d_first = "recompute", None, None
     return await _run_pd(r, req, c, started)
 
@@ -312,7 +329,7 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
     p_nodes = r.registry.ranked("prefill", c.p_first if c.p_first and c.p_first.healthy
                                 else None)
     with leg_span(req.span, "prefill") as span:
-        prefill = await r.legs.prefill(p_nodes, req.endpoint, req.body, p_params, {})
+        prefill = await r.legs.prefill(p_nodes, req.endpoint, req.body, p_params)
         span.set_attribute("kvagent.node", prefill.node.name)
         span.set_attribute("kvagent.pull_failed", prefill.pull_failed)
     r.metrics.leg_latency.labels(leg="prefill").observe(prefill.elapsed_s)
@@ -320,20 +337,21 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
         r.metrics.retries.labels(leg="prefill").inc()
     path, plan = c.path, c.plan
     if prefill.pull_failed and path == "pd_reuse":
-        path, plan = "recompute", planner.ReusePlan(reuse_tokens=0, reason="pull_failed")
+        path, plan = "recompute", planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.PULL_FAILED)
     d_nodes = r.registry.ranked("decode", c.d_first if c.d_first and c.d_first.healthy
                                 else None)
     try:
         with leg_span(req.span, "decode") as span:
             start = await r.legs.decode(d_nodes, req.endpoint,
-                                        decode_body(req.body, prefill.kv_params), {},
+                                        decode_body(req.body, prefill.kv_params),
                                         stream=req.stream)
             span.set_attribute("kvagent.node", start.node.name)
     except BaseException:
-        # Never leave P's blocks leased for a D leg that will not come (DESIGN.md hang).
+        # Never leave P's blocks leased for a D leg that will not come: an expired lease
+        # can hang P (docs/engine.md, "The idle spin and the hang").
         everyone = r.registry.ranked("decode") + [
             n for n in r.registry.role("decode") if not n.healthy]
-        ok = await r.legs.release_prefill(everyone, req.endpoint, req.body, prefill, {})
+        ok = await r.legs.release_prefill(everyone, req.endpoint, req.body, prefill)
         r.metrics.prefill_releases.labels(ok=str(ok).lower()).inc()
         raise
     r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
@@ -349,11 +367,11 @@ async def _whole_on_decode(r: Router, req: TurnRequest, started: float) -> Turn:
     if req.stream:
         body["stream_options"] = usage_stream_options(body.get("stream_options"))
     with leg_span(req.span, "decode") as span:
-        start = await r.legs.decode(r.registry.ranked("decode"), req.endpoint, body, {},
+        start = await r.legs.decode(r.registry.ranked("decode"), req.endpoint, body,
                                     stream=req.stream)
         span.set_attribute("kvagent.node", start.node.name)
-    plan = planner.ReusePlan(reuse_tokens=0, reason="unsupported_shape")
-    return Turn(r, req, "d_direct", plan, None, start, started)
+    plan = planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.UNSUPPORTED_SHAPE)
+    return Turn(r, req, "decode_only", plan, None, start, started)
 
 
 async def _affinity(r: Router, req: TurnRequest) -> str | None:

@@ -51,6 +51,28 @@ class StaleConnection(UpstreamError):
     """A (pooled) connection broke before the node sent a response."""
 
 
+class BodyTooLarge(UpstreamError):
+    """A non-streamed answer larger than the router reads whole (`max_body_bytes`)."""
+
+
+#: The default cap on a non-streamed answer held in memory.
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body, or BodyTooLarge as soon as it passes `limit` (declared or read)."""
+    if resp.content_length is not None and resp.content_length > limit:
+        raise BodyTooLarge("BodyTooLarge")
+    chunks: list[bytes] = []
+    size = 0
+    async for piece in resp.content.iter_any():
+        size += len(piece)
+        if size > limit:
+            raise BodyTooLarge("BodyTooLarge")
+        chunks.append(piece)
+    return b"".join(chunks)
+
+
 def _wrap(exc: BaseException) -> UpstreamError:
     name = type(exc).__name__
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
@@ -132,7 +154,8 @@ def _env_proxy(url: str) -> tuple[str | None, aiohttp.BasicAuth | None]:
 class NodeClient:
     """One node's connection pool (one per node: small pools stay cheap under load)."""
 
-    def __init__(self, *, timeout_s: float) -> None:
+    def __init__(self, *, timeout_s: float, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+        self.max_body_bytes = max_body_bytes
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=min(CONNECT_TIMEOUT_S,
                                                                          timeout_s),
                                              sock_read=timeout_s)
@@ -167,7 +190,7 @@ class NodeClient:
         if stream and resp.status == 200:
             return NodeResponse(resp, None)
         try:
-            content = await resp.read()
+            content = await _read_capped(resp, self.max_body_bytes)
         except _ERRORS as exc:
             resp.close()
             raise _wrap(exc) from exc

@@ -1,4 +1,4 @@
-"""The bundle configuration: one validated model, loaded from YAML and/or flags.
+"""The bundle configuration model: one validated `BundleConfig`.
 
 Everything `kvagent-server` does is a function of a `BundleConfig` plus a few facts about
 the host (cores, GPUs, see `render.HostFacts`). Checks that need only the config live here;
@@ -8,17 +8,10 @@ checks that need the host (no GPU, too few cores) live in `render.plan`. Both ra
 
 from __future__ import annotations
 
-import difflib
-import inspect
-import re
-import types
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
-from pydantic.fields import FieldInfo
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.tiers import KVTiers
@@ -87,7 +80,7 @@ class RoleConfig(BaseModel):
 
 
 #: Per-role defaults that differ between prefill and decode.
-_ROLE_DEFAULTS: dict[str, dict[str, int]] = {
+_ROLE_DEFAULTS: dict[str, dict[str, Any]] = {
     "prefill": {"port_base": 8100, "side_channel_port_base": 5600},
     "decode": {"port_base": 8200, "side_channel_port_base": 5700},
 }
@@ -122,7 +115,7 @@ class KVEventsConfig(BaseModel):
     topic: str = Field(default="kvagent", max_length=64,
                        description="ZMQ topic of the events (`--kv-events-config` topic).")
     roles: list[Role] = Field(
-        default_factory=lambda: ["prefill", "decode"],
+        default_factory=lambda: list[Role](("prefill", "decode")),
         description="Roles whose nodes publish (placement uses prefill nodes' events). "
         "Nodes without prefix caching never publish.")
 
@@ -323,7 +316,7 @@ class BundleConfig(BaseModel):
     # ----------------------------------------------------------------- derived values
 
     def role(self, role: Role) -> RoleConfig:
-        return getattr(self, role)
+        return self.prefill if role == "prefill" else self.decode
 
     def node_ports(self, role: Role) -> list[int]:
         rc = self.role(role)
@@ -396,228 +389,3 @@ def _port_clashes(cfg: BundleConfig) -> list[str]:
         f"ports: {port} is used by {', '.join(names[:-1])} and {names[-1]}"
         for port, names in sorted(owners.items()) if len(names) > 1
     ]
-
-
-# --------------------------------------------------------------------- loading
-
-
-def format_validation_error(err: ValidationError, fields: dict[str, Any] | None = None
-                            ) -> list[str]:
-    """One line per problem: `yaml.path: message`, with a suggestion for unknown keys."""
-    lines: list[str] = []
-    for e in err.errors():
-        path = _yaml_path(e["loc"])
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            key = str(e["loc"][-1])
-            known = _known_keys(e["loc"][:-1])
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            lines.append(f"{path}: unknown key{hint}")
-            continue
-        if e["type"] == "value_error":
-            msg = msg.removeprefix("Value error, ")
-            # Model-level checks already name their own paths, one per line.
-            if not e["loc"]:
-                lines.extend(msg.splitlines())
-                continue
-        if e["type"] == "missing":
-            msg = "required"
-        got = e.get("input")
-        if e["type"] not in ("missing", "value_error") and not isinstance(got, dict | list):
-            msg = f"{msg} (got {got!r})"
-        lines.append(f"{path or '<root>'}: {msg}")
-    return lines
-
-
-def _yaml_path(loc: tuple[int | str, ...]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out
-
-
-def _known_keys(loc: tuple[int | str, ...]) -> list[str]:
-    """Field names of the model at `loc` (for 'did you mean' hints)."""
-    model: type[BaseModel] = BundleConfig
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        field = model.model_fields.get(str(part))
-        if field is None:
-            return []
-        inner = _model_in(field.annotation)
-        if inner is None:
-            return []
-        model = inner
-    return list(model.model_fields)
-
-
-def _model_in(annotation: Any) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _model_in(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def validate_config(data: dict[str, Any]) -> BundleConfig:
-    """Validate a plain mapping; raise `ConfigError` with one line per problem."""
-    try:
-        return BundleConfig.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(format_validation_error(err)) from None
-
-
-def load_config(path: Path | None = None, overrides: dict[str, Any] | None = None
-                ) -> BundleConfig:
-    """Load a YAML file (optional) and apply `overrides` (dotted keys, e.g. `prefill.count`).
-
-    Flags override the file; the result is validated as a whole.
-    """
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            text = Path(path).read_text()
-        except OSError as exc:
-            raise ConfigError([f"{path}: cannot read ({exc.strerror})"]) from None
-        try:
-            loaded = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-            problem = getattr(exc, "problem", None) or str(exc)
-            raise ConfigError([f"{path}:{where}: invalid YAML: {problem}"]) from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
-            raise ConfigError([f"{path}: the top level must be a mapping of keys"])
-        data = loaded
-    for dotted, value in (overrides or {}).items():
-        set_dotted(data, dotted, value)
-    return validate_config(data)
-
-
-def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
-    """`set_dotted(d, "prefill.count", 2)` sets `d["prefill"]["count"] = 2`."""
-    keys = dotted.split(".")
-    node = data
-    for key in keys[:-1]:
-        child = node.get(key)
-        if not isinstance(child, dict):
-            child = {}
-            node[key] = child
-        node = child
-    node[keys[-1]] = value
-
-
-def dump_config(cfg: BundleConfig) -> dict[str, Any]:
-    """A JSON-able dict that validates back to `cfg`, secrets included (write it 0600)."""
-    # exclude_unset: what was left to defaults stays a default (and stays unset) on reload.
-    return reveal_secrets(cfg.model_dump(mode="python", exclude_unset=True))
-
-
-def reveal_secrets(value: Any) -> Any:
-    """Replace pydantic `SecretStr`s by their values and paths by strings, recursively."""
-    from pydantic import SecretStr
-
-    if isinstance(value, SecretStr):
-        return value.get_secret_value()
-    if isinstance(value, dict):
-        return {k: reveal_secrets(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [reveal_secrets(v) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    return value
-
-
-# ------------------------------------------------------------- reference docs
-
-
-def config_reference_markdown() -> str:
-    """The config reference table in docs/server.md, generated from the models."""
-    rows = ["| key | type | default | description |", "|---|---|---|---|"]
-    for name, field in BundleConfig.model_fields.items():
-        if name in ("prefill", "decode", "router"):
-            continue
-        rows.append(_row(name, field, BundleConfig))
-    for name, field in RoleConfig.model_fields.items():
-        rows.append(_row(f"prefill.{name} / decode.{name}", field, RoleConfig,
-                         default=_role_default(name)))
-    for name, field in KVEventsConfig.model_fields.items():
-        rows.append(_row(f"kv_events.{name}", field, KVEventsConfig))
-    for name, field in RouterSettings.model_fields.items():
-        rows.append(_row(f"router.{name}", field, RouterSettings))
-    return "\n".join(rows) + "\n"
-
-
-def _role_default(name: str) -> str | None:
-    p = getattr(_prefill_default(), name)
-    d = getattr(_decode_default(), name)
-    return None if p == d else f"`{p}` / `{d}`"
-
-
-def _row(key: str, field: FieldInfo, owner: type[BaseModel], default: str | None = None) -> str:
-    desc = field.description or _comment_doc(owner).get(key.rsplit(".", 1)[-1], "")
-    if default is None:
-        if field.default_factory is not None:
-            value = field.default_factory()  # type: ignore[call-arg]
-            default = "`{}`" if value == {} else "`[]`" if value == [] else "(see below)"
-        else:
-            default = f"`{_yaml_value(field.default)}`"
-    return f"| `{key}` | {_type_name(field.annotation)} | {default} | {desc.replace('|', '/')} |"
-
-
-def _yaml_value(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
-
-
-def _type_name(annotation: Any) -> str:
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return " \\| ".join(_type_name(a) for a in args)
-    if origin is Literal:
-        return " \\| ".join(f"`{a}`" for a in args)
-    if origin in (list, dict):
-        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
-    if annotation is type(None):
-        return "null"
-    if annotation is Any:
-        return "any"
-    name = getattr(annotation, "__name__", str(annotation))
-    return {"SecretStr": "secret", "Path": "path"}.get(name, name)
-
-
-def _comment_doc(owner: type[BaseModel]) -> dict[str, str]:
-    """`#: text` comments above fields (the router settings document themselves so)."""
-    try:
-        source = inspect.getsource(owner)
-    except (OSError, TypeError):
-        return {}
-    docs: dict[str, str] = {}
-    pending: list[str] = []
-    for line in source.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("#:"):
-            pending.append(stripped[2:].strip())
-            continue
-        m = re.match(r"^(\w+)\s*:", stripped)
-        if m and pending:
-            docs[m.group(1)] = " ".join(pending)
-        pending = []
-    return docs
-
-
-if __name__ == "__main__":  # regenerate the table in docs/server.md
-    print(config_reference_markdown(), end="")

@@ -1,0 +1,96 @@
+"""The configuration reference in docs/server.md, generated from the models' field
+descriptions (`python -m kvagent_server.config` prints it)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+import types
+import typing
+from typing import Any, Literal
+
+from pydantic import BaseModel
+from pydantic.fields import FieldInfo
+
+from kvagent_server.config.model import BundleConfig, KVEventsConfig, RoleConfig
+from kvagent_server.router.settings import RouterSettings
+
+
+def config_reference_markdown() -> str:
+    """The config reference table in docs/server.md, generated from the models."""
+    rows = ["| key | type | default | description |", "|---|---|---|---|"]
+    for name, field in BundleConfig.model_fields.items():
+        if name in ("prefill", "decode", "router"):
+            continue
+        rows.append(_row(name, field, BundleConfig))
+    for name, field in RoleConfig.model_fields.items():
+        rows.append(_row(f"prefill.{name} / decode.{name}", field, RoleConfig,
+                         default=_role_default(name)))
+    for name, field in KVEventsConfig.model_fields.items():
+        rows.append(_row(f"kv_events.{name}", field, KVEventsConfig))
+    for name, field in RouterSettings.model_fields.items():
+        rows.append(_row(f"router.{name}", field, RouterSettings))
+    return "\n".join(rows) + "\n"
+
+
+def _role_default(name: str) -> str | None:
+    fields = BundleConfig.model_fields
+    p = getattr(fields["prefill"].get_default(call_default_factory=True), name)
+    d = getattr(fields["decode"].get_default(call_default_factory=True), name)
+    return None if p == d else f"`{p}` / `{d}`"
+
+
+def _row(key: str, field: FieldInfo, owner: type[BaseModel], default: str | None = None) -> str:
+    desc = field.description or _comment_doc(owner).get(key.rsplit(".", 1)[-1], "")
+    if default is None:
+        if field.default_factory is not None:
+            value = field.default_factory()  # type: ignore[call-arg]
+            default = "`{}`" if value == {} else "`[]`" if value == [] else "(see below)"
+        else:
+            default = f"`{_yaml_value(field.default)}`"
+    return f"| `{key}` | {_type_name(field.annotation)} | {default} | {desc.replace('|', '/')} |"
+
+
+def _yaml_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
+
+
+def _type_name(annotation: Any) -> str:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return " \\| ".join(_type_name(a) for a in args)
+    if origin is Literal:
+        return " \\| ".join(f"`{a}`" for a in args)
+    if origin in (list, dict):
+        return f"{origin.__name__}[{', '.join(_type_name(a) for a in args)}]"
+    if annotation is type(None):
+        return "null"
+    if annotation is Any:
+        return "any"
+    name = getattr(annotation, "__name__", str(annotation))
+    return {"SecretStr": "secret", "Path": "path"}.get(name, name)
+
+
+def _comment_doc(owner: type[BaseModel]) -> dict[str, str]:
+    """`#: text` comments above fields (the router settings document themselves so)."""
+    try:
+        source = inspect.getsource(owner)
+    except (OSError, TypeError):
+        return {}
+    docs: dict[str, str] = {}
+    pending: list[str] = []
+    for line in source.splitlines():
+        stripped = line.strip()
+        if stripped.startswith("#:"):
+            pending.append(stripped[2:].strip())
+            continue
+        m = re.match(r"^(\w+)\s*:", stripped)
+        if m and pending:
+            docs[m.group(1)] = " ".join(pending)
+        pending = []
+    return docs

@@ -1,0 +1,137 @@
+"""Every Python block in README.md and docs/*.md runs, against the router with fake nodes.
+
+A page's blocks run in order in one namespace (a later block may use what an earlier one
+defined, as a reader would), in a fresh working directory, with:
+
+- `url` and `model` defined: the base URL and model name of the server under test (the
+  docs use these names for "your server");
+- the docs' literal server `http://127.0.0.1:8000/v1` and model `kvagent-demo` pointed at
+  that server (tests/router/fakes.py: the real router in front of fake P/D nodes);
+- top-level `await` / `async with` allowed (a block is then run with `asyncio.run`).
+
+A block that cannot run here is marked on the line before its fence with
+`<!-- docs-test: skip REASON -->`; the reason is required. Any other failure fails the
+page's test.
+"""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import inspect
+import os
+import re
+import textwrap
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from fake_stack import MODEL, threaded_router_stack
+from fakes import Stack
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOC_URL = "http://127.0.0.1:8000/v1"
+DOC_MODEL = "kvagent-demo"
+FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>```+|~~~+)\s*(?P<lang>[\w+-]*)")
+MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*skip\b(?P<reason>.*?)-->\s*$")
+
+
+@dataclass(frozen=True)
+class Block:
+    page: Path
+    line: int  # 1-based line of the opening fence
+    code: str
+    skip: str | None  # the marker's reason, when marked
+
+    def where(self) -> str:
+        return f"{self.page.relative_to(ROOT)}:{self.line}"
+
+
+def python_blocks(page: Path) -> list[Block]:
+    lines = page.read_text(encoding="utf-8").splitlines()
+    blocks: list[Block] = []
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        start, fence, indent = i, m["fence"], m["indent"]
+        i += 1
+        body: list[str] = []
+        while i < len(lines) and not lines[i].strip().startswith(fence):
+            body.append(lines[i].removeprefix(indent))
+            i += 1
+        i += 1
+        if m["lang"] not in ("python", "py"):
+            continue
+        before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
+        marker = MARKER.match(before)
+        skip = marker["reason"].strip() if marker else None
+        blocks.append(Block(page, start + 1, textwrap.dedent("\n".join(body)) + "\n", skip))
+    return blocks
+
+
+def test_every_marker_sits_on_a_python_block_and_gives_a_reason() -> None:
+    for page in PAGES:
+        lines = page.read_text(encoding="utf-8").splitlines()
+        marked = {b.line for b in python_blocks(page) if b.skip is not None}
+        for number, line in enumerate(lines, 1):
+            m = MARKER.match(line)
+            if not m:
+                continue
+            assert m["reason"].strip(), f"{page.name}:{number}: a skip marker needs a reason"
+            fence = next(n for n in range(number, len(lines)) if lines[n].strip()) + 1
+            assert fence in marked, f"{page.name}:{number}: marker not before a python block"
+
+
+def test_the_docs_have_python_blocks_to_run() -> None:
+    runnable = [b for p in PAGES for b in python_blocks(p) if b.skip is None]
+    assert len(runnable) >= 15, [b.where() for b in runnable]
+
+
+@pytest.fixture(scope="module")
+def stack() -> Iterator[Stack]:
+    with threaded_router_stack(skip_prefill_max_tokens=0) as st:
+        yield st
+
+
+def _run(block: Block, namespace: dict[str, object], stack: Stack) -> None:
+    source = block.code.replace(DOC_URL, f"{stack.url}/v1").replace(DOC_MODEL, MODEL)
+    # Line numbers in tracebacks point into the page.
+    tree = ast.increment_lineno(compile(source, str(block.page), "exec", flags=(
+        ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)), block.line)
+    code = compile(tree, str(block.page), "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
+    if code.co_flags & inspect.CO_COROUTINE:
+        asyncio.run(eval(code, namespace))
+    else:
+        exec(code, namespace)  # noqa: S102 - our own documentation
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_page_blocks_run(page: Path, stack: Stack, tmp_path: Path,
+                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    for name in ("KVAGENT_BASE_URL", "KVAGENT_MODEL", "KVAGENT_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    namespace: dict[str, object] = {"__name__": "__main__", "url": f"{stack.url}/v1",
+                                    "model": MODEL}
+    ran = 0
+    for block in python_blocks(page):
+        if block.skip is not None:
+            continue
+        try:
+            _run(block, namespace, stack)
+        except Exception as exc:
+            raise AssertionError(
+                f"the block at {block.where()} failed: {type(exc).__name__}: {exc}\n"
+                f"(mark it `<!-- docs-test: skip REASON -->` only if it cannot run "
+                f"standalone)\n{block.code}") from exc
+        ran += 1
+    if ran == 0:
+        pytest.skip(f"every python block of {page.name} is marked skip")
+    assert not stack.cluster.events_of("wrong_kv")
+    assert os.getcwd() == str(tmp_path)
