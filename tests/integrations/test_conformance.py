@@ -186,7 +186,8 @@ _ASIDE = ("system_fingerprint", "kvagent")
 
 def skeleton(value: Any, key: str = "") -> Any:
     """The structure of a JSON value: keys and value types, list lengths aside."""
-    if isinstance(value, dict) and key == "top_logprobs":  # text completions: token -> logprob
+    if isinstance(value, dict) and key == "top_logprobs" and all(  # text: token -> logprob
+            v is None or isinstance(v, int | float) for v in value.values()):
         return {"<token>": sorted({skeleton(v) for v in value.values()})}
     if isinstance(value, dict):
         return {k: skeleton(v, k) for k, v in sorted(value.items()) if k not in _ASIDE}
