@@ -82,6 +82,5 @@ def test_llamaindex_agent(bundle: Any) -> None:
 
 
 def test_openai_python(bundle: Any) -> None:
-    pytest.importorskip("openai", reason="openai is not installed (pip install openai)")
     cached = load_example("openai_python").main(bundle.base_url, bundle.model)
     assert len(cached) == 4 and all(n > 0 for n in cached[1:]), cached

@@ -11,10 +11,6 @@ import sys
 from pathlib import Path
 
 import httpx
-import pytest
-
-pytest.importorskip("openai", reason="openai is not installed (pip install openai)")
-
 from adapter_streams import ScriptedRouter, Sent, text_chunks
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "openai_python.py"

@@ -20,6 +20,9 @@ INTERNAL_NEEDLES = ("kv_transfer_params", "remote_", "do_remote", "prompt_token_
 def leaks(stack: Stack, raw: bytes | str, *, allow_token_ids: bool = False) -> list[str]:
     """Internal strings found in `raw` (every byte the client received)."""
     text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+    # The fields vLLM itself writes as `null` when nothing was asked or transferred.
+    text = re.sub(r'"(kv_transfer_params|ec_transfer_params|prompt_token_ids|token_ids)":'
+                  r"\s*null", "", text)
     found = [n for n in INTERNAL_NEEDLES if n in text]
     if not allow_token_ids and "token_ids" in text:
         found.append("token_ids")

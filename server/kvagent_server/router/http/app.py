@@ -273,7 +273,8 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
     try:
         turn = await _until_disconnect(request, plan_turn(r, req),
                                        r.settings.first_byte_timeout_s)
-        scrubber = Scrubber(keep_token_ids=keep_ids, keep_usage=wants_usage or not stream)
+        scrubber = Scrubber(keep_token_ids=keep_ids, keep_usage=wants_usage or not stream,
+                            stream=stream)
         if stream:
             handed_off = True
             return GuardedStream(_stream(turn, scrubber, cleanup, span),
@@ -302,6 +303,7 @@ def _leg_error(exc: LegError) -> HTTPError:
     if 400 <= exc.status < 500 and exc.body and isinstance(exc.body.get("error"), dict):
         err = exc.body["error"]  # a node's words reach the client only when allow-listed
         return HTTPError(exc.status, node_errors.client_message(err.get("message")),
+                         type_=node_errors.client_type(err.get("type")),
                          param=node_errors.client_param(err.get("param")))
     if 400 <= exc.status < 500:
         return HTTPError(exc.status, "the model server rejected the request")

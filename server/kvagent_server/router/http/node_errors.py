@@ -49,3 +49,15 @@ def client_param(param: object) -> str | None:
     if isinstance(param, str) and _PARAM.fullmatch(param) and not _INTERNAL.search(param):
         return param
     return None
+
+
+_TYPE = re.compile(r"[A-Za-z][A-Za-z ]{0,47}", re.ASCII)
+
+
+def client_type(type_: object) -> str:
+    """The node's error `type` (vLLM's class-like names, e.g. `BadRequestError`,
+    `NotFoundError`), so the client sees what vLLM itself would send; OpenAI's
+    `invalid_request_error` when it is anything else."""
+    if isinstance(type_, str) and _TYPE.fullmatch(type_) and not _INTERNAL.search(type_):
+        return type_
+    return "invalid_request_error"

@@ -85,9 +85,18 @@ def decode_body(body: dict[str, Any], kv_params: dict[str, Any] | None) -> dict[
     if kv_params is not None:
         out["kv_transfer_params"] = kv_params
     if out.get("stream"):
-        opts = dict(out.get("stream_options") or {})
-        opts["include_usage"] = True
-        out["stream_options"] = opts
+        out["stream_options"] = usage_stream_options(out.get("stream_options"))
+    return out
+
+
+def usage_stream_options(opts: dict[str, Any] | None) -> dict[str, Any]:
+    """D's `stream_options`: usage always (the router reads it), per-chunk usage only if
+    the client asked for usage and for it (vLLM ignores `continuous_usage_stats` without
+    `include_usage`, so the client must not get it because the router forced usage)."""
+    out = dict(opts or {})
+    if not out.get("include_usage"):
+        out.pop("continuous_usage_stats", None)
+    out["include_usage"] = True
     return out
 
 

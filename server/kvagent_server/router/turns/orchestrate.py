@@ -29,6 +29,7 @@ from kvagent_server.router.turns.legs import (
     PrefillResult,
     decode_body,
     usage_cached,
+    usage_stream_options,
 )
 from kvagent_server.router.turns.nodes import Node, NodeRegistry
 from kvagent_server.router.turns.prompt_ids import TokenizeError, tokenize
@@ -389,7 +390,7 @@ async def _whole_on_decode(r: Router, req: TurnRequest, started: float) -> Turn:
     body = {k: v for k, v in req.body.items() if k != "kv_transfer_params"}
     body["return_token_ids"] = True
     if req.stream:
-        body["stream_options"] = {**(body.get("stream_options") or {}), "include_usage": True}
+        body["stream_options"] = usage_stream_options(body.get("stream_options"))
     with leg_span(req.span, "decode") as span:
         start = await r.legs.decode(r.registry.ranked("decode"), req.endpoint, body,
                                     stream=req.stream)

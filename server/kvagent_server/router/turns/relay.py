@@ -4,8 +4,16 @@ Chunks pass through as they arrive (no buffering beyond one SSE event). Every ch
 scrubbed of what the client must not see (`kv_transfer_params`, and the token ids the
 router asked for on the client's behalf), while the scrubbed values are captured: D's
 `kv_transfer_params` become the next cache token, the token ids the handle's content.
-The last data chunk before `[DONE]` gets the top-level `kvagent` object and
-`usage.prompt_tokens_details.cached_tokens`.
+
+The client must see what a stock vLLM server would send for its request, although the
+router always asks D for usage and token ids. So a token-id field the client did not ask
+for keeps its key with `null` (as vLLM writes it), and the `kvagent` object rides on a
+chunk the client receives anyway: the usage chunk when the client asked for usage (with
+`usage.prompt_tokens_details.cached_tokens`), else the last chunk carrying a
+`finish_reason`, held back until D's usage chunk (sent right after it) has been read and
+dropped. A chunk without choices would break clients that read `choices[0]` of every
+chunk, as vLLM's own benchmark client does. Chunks vLLM sends only to carry token ids
+(an empty delta while a tool-call parser holds text back) are dropped too.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ _SLOW_MARKERS = (b'"kv_transfer_params"', b'"ec_transfer_params"', b'"prompt_tok
 _TOKEN_IDS_RE = re.compile(rb',\s*"token_ids":\s*\[([0-9,\s]*)\]')
 _FINISH_RE = re.compile(rb'"finish_reason":\s*"([a-z_]+)"')
 _INDEX_RE = re.compile(rb'"index":\s*([0-9]+)')
+_EMPTY_DELTA_RE = re.compile(rb'"delta":\s*\{\}')
 
 
 @dataclass
@@ -63,11 +72,19 @@ Finalize = Callable[[Capture], Awaitable[Final]]
 
 
 class Scrubber:
-    """Strips internal fields from one response object and records what it removed."""
+    """Strips internal fields from one response object and records what it removed.
 
-    def __init__(self, *, keep_token_ids: bool, keep_usage: bool = True) -> None:
+    `keep_usage`: the client asked for usage (a streamed request without
+    `stream_options.include_usage` gets no usage chunk). `stream`: internal fields leave
+    streamed chunks entirely, but stay `null` in a whole response, as vLLM writes them
+    there when it has nothing to transfer.
+    """
+
+    def __init__(self, *, keep_token_ids: bool, keep_usage: bool = True,
+                 stream: bool = True) -> None:
         self.keep_token_ids = keep_token_ids
         self.keep_usage = keep_usage
+        self.stream = stream
         self.capture = Capture()
 
     def scrub(self, obj: dict[str, Any]) -> dict[str, Any]:
@@ -75,7 +92,11 @@ class Scrubber:
         if not cap.template:
             cap.template = {k: obj[k] for k in ("id", "object", "created", "model") if k in obj}
         for name in INTERNAL_FIELDS:
-            value = obj.pop(name, None)
+            if name not in obj:
+                continue
+            value = obj.pop(name)
+            if not self.stream:
+                obj[name] = None
             if name == "kv_transfer_params" and value:
                 cap.kv_params = value
         self._take_prompt_ids(obj)
@@ -83,8 +104,9 @@ class Scrubber:
             index = choice.get("index", 0)
             cap.choices.add(index)
             self._take_prompt_ids(choice)
-            ids = choice.get("token_ids") if self.keep_token_ids else choice.pop("token_ids",
-                                                                                None)
+            ids = choice.get("token_ids")
+            if not self.keep_token_ids and "token_ids" in choice:
+                choice["token_ids"] = None
             if index == 0:
                 if ids:
                     cap.output_token_ids.extend(ids)
@@ -119,15 +141,16 @@ class Scrubber:
             if ids and choice == 0:
                 cap.output_token_ids.extend(map(int, ids.split(b",")))
             if not self.keep_token_ids:
-                payload = payload[:found.start()] + payload[found.end():]
+                payload = payload[:found.start()] + b',"token_ids":null' + payload[found.end():]
         reason = _FINISH_RE.search(payload)
         if reason is not None and choice == 0:
             cap.finish_reason = reason.group(1).decode()
         return payload
 
     def _take_prompt_ids(self, holder: dict[str, Any]) -> None:
-        ids = holder.get("prompt_token_ids") if self.keep_token_ids else holder.pop(
-            "prompt_token_ids", None)
+        ids = holder.get("prompt_token_ids")
+        if not self.keep_token_ids and "prompt_token_ids" in holder:
+            holder["prompt_token_ids"] = None
         if ids and self.capture.prompt_token_ids is None:
             self.capture.prompt_token_ids = list(ids)
 
@@ -148,15 +171,126 @@ def rewrite_response(body: dict[str, Any], scrubber: Scrubber, final: Final) -> 
     return scrubber.finish(body, final)
 
 
+def _json(obj: Any, *, std: bool = False) -> bytes:
+    """`std`: the stdlib read the chunk (see `fastjson.parse`)."""
+    return json.dumps(obj, separators=(",", ":")).encode() if std else fastjson.dumps(obj)
+
+
 def _dump(obj: Any, *, std: bool = False) -> bytes:
-    """One SSE event. `std`: the stdlib read the chunk (see `fastjson.parse`)."""
-    data = json.dumps(obj, separators=(",", ":")).encode() if std else fastjson.dumps(obj)
-    return b"data: " + data + b"\n\n"
+    """One SSE event."""
+    return b"data: " + _json(obj, std=std) + b"\n\n"
 
 
 def _is_last(obj: dict[str, Any]) -> bool:
     """vLLM's usage chunk (no choices) is the last data chunk of a stream."""
     return not obj.get("choices") and "usage" in obj
+
+
+def _finishes(obj: dict[str, Any]) -> bool:
+    return any(isinstance(c, dict) and c.get("finish_reason") for c in obj.get("choices") or ())
+
+
+def _only_token_ids(obj: dict[str, Any]) -> bool:
+    """A chat chunk vLLM sends only because token ids were asked for: an empty delta
+    (a tool-call or reasoning parser holding text back), no logprobs, no finish. Without
+    `return_token_ids` vLLM does not send it, so neither does the router."""
+    choices = obj.get("choices")
+    return bool(choices) and all(
+        isinstance(c, dict) and c.get("delta") == {} and "token_ids" in c
+        and "logprobs" in c and c["logprobs"] is None and not c.get("finish_reason")
+        for c in choices)
+
+
+def _payload(event: bytes) -> bytes | None:
+    """The data of one SSE event; None for comments and keep-alives (nothing for the
+    client)."""
+    if event.startswith(b"data: ") and b"\n" not in event:  # the usual one-line event
+        return event[6:].strip()
+    lines = [ln for ln in event.split(b"\n") if ln.startswith(b"data:")]
+    if not lines:
+        return None
+    return b"\n".join(ln[5:].strip() for ln in lines)
+
+
+class _Relay:
+    """One stream's state: whether `kvagent` is settled, and the finish chunk held back
+    for it when the client did not ask for usage."""
+
+    def __init__(self, scrubber: Scrubber, finalize: Finalize) -> None:
+        self.scrubber = scrubber
+        self.finalize = finalize
+        self.hold = not scrubber.keep_usage
+        self.drop_empty = not scrubber.keep_token_ids
+        self.finished = False  # `finalize` ran
+        self.held: bytes | None = None  # the latest scrubbed finish chunk's JSON
+
+    async def event(self, event: bytes) -> bytes:
+        """The client's bytes for one upstream event (often empty)."""
+        payload = _payload(event)
+        if payload is None:
+            return b""
+        if payload == DONE:
+            return await self.close() + b"data: [DONE]\n\n"
+        fast = self.scrubber.scrub_bytes(payload)
+        if fast is not None:
+            if (self.drop_empty and _EMPTY_DELTA_RE.search(fast) is not None
+                    and _only_token_ids(fastjson.loads(fast))):
+                return b""
+            if self.hold and _FINISH_RE.search(fast) is not None:
+                return self._hold(fast)
+            return self.release() + b"data: " + fast + b"\n\n"
+        try:
+            obj, std = fastjson.parse(payload)
+        except ValueError:
+            return self.release() + b"data: " + payload + b"\n\n"
+        if not isinstance(obj, dict):
+            return self.release() + _dump(obj, std=std)
+        self.scrubber.scrub(obj)
+        if self.drop_empty and _only_token_ids(obj):
+            return b""
+        if _is_last(obj):
+            if self.finished:
+                return b"" if self.hold else _dump(obj, std=std)
+            final = await self.finalize(self.scrubber.capture)
+            self.finished = True
+            if self.hold:  # not asked for: dropped; vLLM then stamps the finish chunk
+                return self.release(final, fingerprint=obj.get("system_fingerprint"))
+            return _dump(self.scrubber.finish(obj, final), std=std)
+        if self.hold and _finishes(obj):
+            return self._hold(_json(obj, std=std))
+        return self.release() + _dump(obj, std=std)
+
+    def _hold(self, payload: bytes) -> bytes:
+        """Hold this finish chunk; an earlier one (another choice's) was not the last."""
+        out = self.release()
+        self.held = payload
+        return out
+
+    def release(self, final: Final | None = None, *, fingerprint: Any = None) -> bytes:
+        """The held chunk, if any, with `final`'s `kvagent` object when given."""
+        held, self.held = self.held, None
+        if held is None:
+            return b""
+        if final is None:
+            return b"data: " + held + b"\n\n"
+        obj, std = fastjson.parse(held)
+        if fingerprint is not None:
+            obj.setdefault("system_fingerprint", fingerprint)
+        return _dump(self.scrubber.finish(obj, final), std=std)
+
+    async def close(self) -> bytes:
+        """At `[DONE]`: settle `kvagent` if no usage chunk did."""
+        if self.finished:
+            return self.release()
+        final = await self.finalize(self.scrubber.capture)
+        self.finished = True
+        if self.held is not None:
+            return self.release(final)
+        if self.hold:
+            return b""  # no chunk to ride on, and a choice-less one would break clients
+        # Usage was asked for but none came: a usage-shaped chunk carries `kvagent`.
+        obj = {**self.scrubber.capture.template, "choices": []}
+        return _dump(self.scrubber.finish(obj, final))
 
 
 async def relay_sse(upstream: AsyncIterator[bytes], scrubber: Scrubber,
@@ -166,8 +300,8 @@ async def relay_sse(upstream: AsyncIterator[bytes], scrubber: Scrubber,
     An upstream error after the first byte propagates: the client's stream is cut, never
     retried behind its back. `finalize` runs once, when the last chunk is known.
     """
+    relay = _Relay(scrubber, finalize)
     buffer = b""
-    finished = False
     async for piece in upstream:
         buffer += piece
         ready: list[bytes] = []  # events that arrived together leave together (one send)
@@ -176,44 +310,12 @@ async def relay_sse(upstream: AsyncIterator[bytes], scrubber: Scrubber,
             if cut < 0:
                 break
             event, buffer = buffer[:cut], buffer[cut + 2:]
-            out = await _event(event, scrubber, finalize, finished)
-            if out is not None:
-                ready.append(out[0])
-                finished = out[1]
+            out = await relay.event(event)
+            if out:
+                ready.append(out)
         if ready:
             yield b"".join(ready)
-    if buffer.strip():
-        out = await _event(buffer, scrubber, finalize, finished)
-        if out is not None:
-            yield out[0]
-
-
-async def _event(event: bytes, scrubber: Scrubber, finalize: Finalize,
-                 finished: bool) -> tuple[bytes, bool] | None:
-    if event.startswith(b"data: ") and b"\n" not in event:  # the usual one-line event
-        payload = event[6:].strip()
-    else:
-        lines = [ln for ln in event.split(b"\n") if ln.startswith(b"data:")]
-        if not lines:
-            return None  # comments / keep-alives carry nothing the client needs
-        payload = b"\n".join(ln[5:].strip() for ln in lines)
-    if payload == DONE:
-        tail = b""
-        if not finished:  # no usage chunk came: add one carrying `kvagent`
-            obj = {**scrubber.capture.template, "choices": []}
-            tail = _dump(scrubber.finish(obj, await finalize(scrubber.capture)))
-        return tail + b"data: [DONE]\n\n", True
-    fast = scrubber.scrub_bytes(payload)
-    if fast is not None:
-        return b"data: " + fast + b"\n\n", finished
-    try:
-        obj, std = fastjson.parse(payload)
-    except ValueError:
-        return b"data: " + payload + b"\n\n", finished
-    if not isinstance(obj, dict):
-        return _dump(obj, std=std), finished
-    scrubber.scrub(obj)
-    if _is_last(obj) and not finished:
-        scrubber.finish(obj, await finalize(scrubber.capture))
-        return _dump(obj, std=std), True
-    return _dump(obj, std=std), finished
+    out = await relay.event(buffer) if buffer.strip() else b""
+    out += relay.release()  # a stream that ended without `[DONE]`
+    if out:
+        yield out

@@ -1,0 +1,279 @@
+"""The router is indistinguishable from stock vLLM to a client that knows nothing of kvagent.
+
+The same matrix of requests (streamed or not, `include_usage` on/off/absent, per-chunk
+usage, tools, `n` > 1, logprobs, token ids, both endpoints, and requests vLLM rejects)
+goes to a stock vLLM node (no KV connector, no plugin) serving the demo model with the
+bundle's flags, and to the bundle's router. The answers must agree in structure, field by
+field: status codes, content types, error bodies, every chunk's keys and value types, which
+chunks come first and last, whether a usage chunk or `[DONE]` comes at all. Values are not
+compared (ids, timings, sampled text), nor `system_fingerprint` (the nodes' configurations
+differ), and the router's one addition, `kvagent`, is checked on its own: it must ride on
+a chunk the client receives anyway.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+from support import VLLMNode, kill_group, start_vllm_node, vllm_available
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Say something about the weather."}]
+TOOLS = [{"type": "function", "function": {
+    "name": "get_metrics", "description": "Metrics of a service.",
+    "parameters": {"type": "object", "properties": {
+        "service": {"type": "string", "enum": ["api", "db"]}}, "required": ["service"]}}}]
+GREEDY = {"temperature": 0.0, "max_tokens": 8}
+#: vLLM rejects `n` > 1 with greedy sampling.
+SAMPLED = {"temperature": 1.0, "seed": 7, "max_tokens": 8}
+TOOL_CALL = {"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False,
+             "temperature": 0.0, "max_tokens": 48}
+LOGPROBS = {"logprobs": True, "top_logprobs": 2}
+USAGE = {"stream_options": {"include_usage": True}}
+NO_USAGE = {"stream_options": {"include_usage": False}}
+CONTINUOUS = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+CONTINUOUS_ONLY = {"stream_options": {"include_usage": False, "continuous_usage_stats": True}}
+#: More tokens than the nodes' context (max_model_len 16384).
+TOO_LONG = "weather " * 17_000
+
+#: (name, endpoint, body without "model"): every request both servers answer.
+CASES: list[tuple[str, str, dict[str, Any]]] = [
+    ("chat-stream-usage-absent", "chat", {"stream": True, **GREEDY}),
+    ("chat-stream-usage-off", "chat", {"stream": True, **NO_USAGE, **GREEDY}),
+    ("chat-stream-usage-on", "chat", {"stream": True, **USAGE, **GREEDY}),
+    ("chat-stream-continuous-usage", "chat", {"stream": True, **CONTINUOUS, **GREEDY}),
+    ("chat-stream-continuous-without-usage", "chat",
+     {"stream": True, **CONTINUOUS_ONLY, **GREEDY}),
+    ("chat-whole", "chat", {**GREEDY}),
+    ("chat-stream-logprobs", "chat", {"stream": True, **LOGPROBS, **GREEDY}),
+    ("chat-whole-logprobs", "chat", {**LOGPROBS, **GREEDY}),
+    ("chat-stream-n2", "chat", {"stream": True, "n": 2, **SAMPLED}),
+    ("chat-stream-n2-usage", "chat", {"stream": True, "n": 2, **USAGE, **SAMPLED}),
+    ("chat-whole-n2", "chat", {"n": 2, **SAMPLED}),
+    ("err-n2-greedy", "chat", {"stream": True, "n": 2, **GREEDY}),
+    ("chat-stream-tools", "chat", {"stream": True, **TOOL_CALL}),
+    ("chat-stream-tools-usage", "chat", {"stream": True, **USAGE, **TOOL_CALL}),
+    ("chat-whole-tools", "chat", {**TOOL_CALL}),
+    ("chat-stream-token-ids", "chat", {"stream": True, "return_token_ids": True, **GREEDY}),
+    ("chat-whole-token-ids", "chat", {"return_token_ids": True, **GREEDY}),
+    ("text-stream-usage-absent", "text", {"stream": True, **GREEDY}),
+    ("text-stream-usage-on", "text", {"stream": True, **USAGE, **GREEDY}),
+    ("text-whole-logprobs", "text", {"logprobs": 2, **GREEDY}),
+    ("text-stream-logprobs", "text", {"stream": True, "logprobs": 2, **GREEDY}),
+    # Rejected by vLLM (the router forwards them: the P leg answers first).
+    ("err-negative-temperature", "chat", {"temperature": -1.0, "max_tokens": 4}),
+    ("err-negative-temperature-stream", "chat",
+     {"stream": True, "temperature": -1.0, "max_tokens": 4}),
+    ("err-too-long-prompt", "chat", {"max_tokens": 4, "messages": [
+        {"role": "user", "content": TOO_LONG}]}),
+    ("err-too-long-prompt-stream", "chat", {"stream": True, "max_tokens": 4, "messages": [
+        {"role": "user", "content": TOO_LONG}]}),
+    ("err-max-tokens-beyond-context", "chat", {"max_tokens": 100_000}),
+    ("err-stream-options-not-streamed", "chat", {**USAGE, "max_tokens": 4}),
+    ("err-unknown-model", "chat", {"model": "no-such-model", "max_tokens": 4}),
+    ("err-tool-choice-without-tools", "chat", {"tool_choice": "required", "max_tokens": 4}),
+    ("err-text-negative-temperature", "text", {"temperature": -1.0, "max_tokens": 4}),
+    # Rejected by the router itself, before any node: the same status and body structure;
+    # `type` and `param` are the router's (OpenAI's names, the field without "body.").
+    ("err-router-max-tokens-type", "chat", {"max_tokens": "many"}),
+    ("err-router-messages-type", "chat", {"messages": "hello", "max_tokens": 4}),
+]
+#: Errors the router answers itself (see above).
+ROUTER_ERRORS = ("err-router-max-tokens-type", "err-router-messages-type")
+
+
+@dataclass
+class Answer:
+    status: int
+    content_type: str
+    headers: set[str]
+    body: Any  # the JSON object, or the list of SSE events ("[DONE]" for the end)
+
+    @property
+    def chunks(self) -> list[dict[str, Any]]:
+        return [e for e in self.body if isinstance(e, dict)]
+
+
+@dataclass
+class Servers:
+    stock: str  # root URLs
+    router: str
+    model: str
+
+
+@pytest.fixture(scope="module")
+def stock_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMNode]:
+    """Stock vLLM: no connector, no plugin, the flags the bundle gives its nodes that
+    shape answers (usage details, context length)."""
+    if not vllm_available():
+        pytest.skip("vLLM is not installed (./dev test installs the CPU engine)")
+    node, proc = start_vllm_node(tmp_path_factory.mktemp("stock"), extra_args=[
+        "--max-model-len", "16384", "--enable-prompt-tokens-details"])
+    try:
+        yield node
+    finally:
+        kill_group(proc)
+
+
+@pytest.fixture(scope="module")
+def servers(stock_node: VLLMNode, kvagent_bundle: Any) -> Servers:
+    if not kvagent_bundle.available:
+        pytest.skip(kvagent_bundle.reason)
+    assert stock_node.model == kvagent_bundle.model
+    return Servers(stock=stock_node.root_url, router=kvagent_bundle.router_url,
+                   model=kvagent_bundle.model)
+
+
+@pytest.fixture(scope="module")
+def answers(servers: Servers) -> dict[str, tuple[Answer, Answer]]:
+    """Every case's (stock, router) answers, sent once for the module."""
+    out: dict[str, tuple[Answer, Answer]] = {}
+    with httpx.Client(timeout=300) as client:
+        for name, endpoint, body in CASES:
+            out[name] = (send(client, servers.stock, servers.model, endpoint, body),
+                         send(client, servers.router, servers.model, endpoint, body))
+    dump = os.environ.get("KVAGENT_CONFORMANCE_DUMP")
+    if dump:  # every answer, for reading a difference whole
+        with open(dump, "w") as f:
+            json.dump({k: [a.__dict__ | {"headers": sorted(a.headers)} for a in v]
+                       for k, v in out.items()}, f, indent=1)
+    return out
+
+
+def send(client: httpx.Client, root: str, model: str, endpoint: str,
+         body: dict[str, Any]) -> Answer:
+    payload: dict[str, Any] = {"model": model, **body}
+    if endpoint == "chat":
+        path = "/v1/chat/completions"
+        payload.setdefault("messages", MESSAGES)
+    else:
+        path = "/v1/completions"
+        payload.setdefault("prompt", "The weather today is")
+    with client.stream("POST", root + path, json=payload) as resp:
+        raw = resp.read().decode()
+        content_type = resp.headers.get("content-type", "")
+        parsed: Any = sse_events(raw) if content_type.startswith("text/event-stream") else (
+            json.loads(raw))
+        return Answer(resp.status_code, content_type, set(resp.headers.keys()), parsed)
+
+
+def sse_events(raw: str) -> list[Any]:
+    """Every event's data, in order; comments must not appear (vLLM sends none here)."""
+    out: list[Any] = []
+    for block in raw.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: ") and "\n" not in block, block
+        data = block[len("data: "):]
+        out.append("[DONE]" if data == "[DONE]" else json.loads(data))
+    return out
+
+
+# ------------------------------------------------------------------ structure
+
+
+#: Keys whose presence differs by configuration only (see the module docstring).
+_ASIDE = ("system_fingerprint", "kvagent")
+
+
+def skeleton(value: Any, key: str = "") -> Any:
+    """The structure of a JSON value: keys and value types, list lengths aside."""
+    if isinstance(value, dict) and key == "top_logprobs" and all(  # text: token -> logprob
+            v is None or isinstance(v, int | float) for v in value.values()):
+        return {"<token>": sorted({skeleton(v) for v in value.values()})}
+    if isinstance(value, dict):
+        return {k: skeleton(v, k) for k, v in sorted(value.items()) if k not in _ASIDE}
+    if isinstance(value, list):
+        return sorted({json.dumps(skeleton(v, key), sort_keys=True) for v in value})
+    return "null" if value is None else type(value).__name__
+
+
+def stream_shape(events: list[Any]) -> dict[str, Any]:
+    """What a client can tell apart between two streams of different lengths."""
+    chunks = [e for e in events if isinstance(e, dict)]
+    return {
+        "ends_with_done": events[-1] == "[DONE]" and events.count("[DONE]") == 1,
+        "first": skeleton(chunks[0]),
+        "last": skeleton(chunks[-1]),
+        "kinds": skeleton(chunks),  # every distinct chunk structure
+        "choiceless": sum(1 for c in chunks if not c.get("choices")),
+        "with_usage": sum(1 for c in chunks if c.get("usage") is not None),
+        "finish_chunks": sum(1 for c in chunks for ch in c.get("choices") or ()
+                             if ch.get("finish_reason")),
+        "choices_seen": sorted({ch["index"] for c in chunks for ch in c.get("choices") or ()}),
+    }
+
+
+def differences(stock: Any, router: Any, path: str = "") -> list[str]:
+    """Where two shapes differ, each path with both sides whole."""
+    if isinstance(stock, dict) and isinstance(router, dict):
+        return [d for k in sorted(set(stock) | set(router))
+                for d in differences(stock.get(k, "<absent>"), router.get(k, "<absent>"),
+                                     f"{path}.{k}")]
+    if isinstance(stock, list) and isinstance(router, list) and stock != router:
+        return [(f"{path}: stock only {sorted(set(stock) - set(router))}, "
+                 f"router only {sorted(set(router) - set(stock))}")]
+    return [] if stock == router else [f"{path}: stock {stock!r}, router {router!r}"]
+
+
+def shape(answer: Answer) -> dict[str, Any]:
+    body = answer.body
+    return {"status": answer.status, "content_type": answer.content_type,
+            "body": stream_shape(body) if isinstance(body, list) else skeleton(body)}
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_router_answers_like_stock_vllm(answers: dict[str, tuple[Answer, Answer]],
+                                        name: str) -> None:
+    stock, router = answers[name]
+    assert shape(router) == shape(stock), differences(shape(stock), shape(router))
+    # Only transport-level headers may be the router's own (e.g. no-cache on a stream);
+    # `vary: origin` comes from vLLM's CORS middleware (the router serves no browsers).
+    missing = stock.headers - router.headers - {"x-request-id", "vary"}
+    assert not missing, missing
+    if name.startswith("err-"):
+        assert stock.status >= 400
+    if name.startswith("err-") and name not in ROUTER_ERRORS:
+        assert router.body["error"]["type"] == stock.body["error"]["type"]
+        assert router.body["error"]["param"] == stock.body["error"]["param"]
+        assert router.body["error"]["code"] == stock.body["error"]["code"]
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES
+                                  if not c[0].startswith("err-") and c[2].get("stream")])
+def test_kvagent_rides_on_a_chunk_the_client_receives_anyway(
+        answers: dict[str, tuple[Answer, Answer]], name: str) -> None:
+    stock, router = answers[name]
+    carriers = [c for c in router.chunks if "kvagent" in c]
+    assert len(carriers) == 1, carriers
+    carrier = carriers[0]
+    assert carrier is router.chunks[-1]
+    usage_asked = bool(_body(name).get("stream_options", {}).get("include_usage"))
+    if usage_asked:
+        assert carrier["choices"] == [] and carrier["usage"]
+    else:  # the finish chunk: clients that read choices[0] of every chunk keep working
+        assert carrier["choices"] and carrier["choices"][0]["finish_reason"]
+    assert set(carrier["kvagent"]) >= {"cache_token", "reused_tokens", "expires_in", "path"}
+    # vLLM stamps the fingerprint on the last chunk it sends; so does the router.
+    if "n" not in _body(name):
+        assert ("system_fingerprint" in stock.chunks[-1]) == (
+            "system_fingerprint" in carrier)
+
+
+def test_whole_answers_carry_kvagent_at_the_top(
+        answers: dict[str, tuple[Answer, Answer]]) -> None:
+    stock, router = answers["chat-whole"]
+    assert "kvagent" not in stock.body and router.body["kvagent"]["path"]
+    assert router.body["kv_transfer_params"] is None  # as stock vLLM writes it
+
+
+def _body(name: str) -> dict[str, Any]:
+    return next(body for n, _, body in CASES if n == name)
