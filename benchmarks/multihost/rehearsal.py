@@ -125,6 +125,7 @@ class Counts:
     redis_down_turns: int = 0
     redis_down_errors: int = 0
     turns_to_recover_after_redis: int | None = None
+    after_key_loss_paths: list[str | None] = field(default_factory=list)
     log: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -280,6 +281,12 @@ class Rehearsal:
         return (metric_sum(text, "vllm:nixl_xfer_time_seconds_count"),
                 metric_sum(text, "vllm:prompt_tokens_cached_by_source_total", source="p2p"))
 
+    def d_running(self) -> float:
+        """Requests the decode node is running now (an aborted stream may still be)."""
+        text = self._call(lambda: httpx.get(self.renders["decode"]["url"] + "/metrics",
+                                            timeout=10).text)
+        return metric_sum(text, "vllm:num_requests_running")
+
     def chat(self, router: str, messages: list[dict[str, str]], *, session: str | None,
              token: str | None, max_tokens: int,
              on_first_chunk: Callable[[], None] | None = None) -> TurnResult:
@@ -358,6 +365,7 @@ class Rehearsal:
                                      "path": res.path, "reused": res.reused}
             if res.status != "ok":
                 c.interrupted += res.status == "interrupted"
+                entry["d_running_at_retry"] = self.d_running()
                 # The client retries the turn on the other replica with the token it has.
                 res = self.chat(other[router], messages, session="mh-conv", token=sent_token,
                                 max_tokens=n_tokens)
@@ -371,8 +379,17 @@ class Rehearsal:
                     return res
                 c.retried_ok += 1
             pulls1, p2p1 = self.p_metrics()
-            base = self.chat(other[res.router], messages, session=None, token=None,
+            # Recomputed on the other replica when it is up (router A is down after the
+            # kill until both restart).
+            base_router = other[res.router] if self.procs[other[res.router]].alive() \
+                else res.router
+            base = self.chat(base_router, messages, session=None, token=None,
                              max_tokens=n_tokens)
+            if base.text != res.text:  # numerics or reuse? recompute once more to tell
+                again = self.chat(res.router, messages, session=None, token=None,
+                                  max_tokens=n_tokens)
+                entry.update(text=res.text, recomputed=base.text,
+                             recomputed_again_equal=again.text == base.text)
             c.turns += 1
             c.expected_reuse += expect_reuse
             c.reused += res.path in REUSE_PATHS
@@ -422,6 +439,15 @@ class Rehearsal:
             if res.path in REUSE_PATHS:
                 c.turns_to_recover_after_redis = i + 1
                 break
+        # 5. Observed, not required: one replica restarts after the Redis restart, whose
+        #    empty Redis no longer holds the shared signing key.
+        self.procs["router-b"].kill(signal.SIGTERM)
+        self.procs["router-b"].start(self.topo.run_id)
+        self._wait(lambda: self._ok(self.router_url("router-b") + "/ready"), 60, "router-b")
+        for i in range(3):
+            res = turn("router-b" if i % 2 == 0 else "router-a", "one-replica-restarted",
+                       expect_reuse=False)
+            c.after_key_loss_paths.append(res.path)
         return c
 
 

@@ -65,7 +65,11 @@ def rehearsal_config(topo: Topology, run_dir: str) -> dict[str, Any]:
     return {
         "name": "mh", "device": "cpu", "run_dir": run_dir,
         "kv_cache_gib": 1, "max_model_len": 16384,
-        "prefill": {"hosts": [topo.addr("p")]},
+        # No prefix cache on P: every reused token is then pulled from D over NIXL (with
+        # it, P serves the part of the prompt it computed itself last turn from its own
+        # cache and pulls only the blocks D generated), so P's pull metrics account for
+        # every reused token.
+        "prefill": {"hosts": [topo.addr("p")], "prefix_caching": False},
         "decode": {"hosts": [topo.addr("d")]},
         "router": {"host": topo.addr("ra"), "port": ROUTER_PORT, "redis_url": topo.redis_url,
                    # Every reuse is a pull from D to P over NIXL, never D extending itself.

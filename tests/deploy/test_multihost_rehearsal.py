@@ -64,9 +64,10 @@ def test_replicas_share_only_redis_and_every_answer_is_right(rehearsal: Rehearsa
     # A/B alternation, the turn after the kill, and both turns after the restart reuse.
     assert c.expected_reuse == 6 and c.reused >= c.expected_reuse, log
     reuse_turns = [e for e in c.log if e["final_path"] == "pd_reuse"]
-    # Every reuse was a pull from D's namespace into P's over NIXL (P's own metrics).
-    assert all(e["nixl_pulls"] >= 1 and e["p2p_tokens"] >= e["final_reused"] > 0
-               for e in reuse_turns), log
+    # Every reused token was pulled from D's namespace into P's over NIXL (P's own
+    # metrics; P has no prefix cache in the rehearsal).
+    assert reuse_turns and all(e["nixl_pulls"] >= 1 and e["p2p_tokens"] == e["final_reused"] > 0
+                               for e in reuse_turns), log
     assert c.interrupted == 1 and c.retried_ok == 1, log
     kill = next(e for e in c.log if e["phase"] == "kill-a")
     assert kill["status"] == "interrupted" and kill["retried_on"] == "router-b", log
