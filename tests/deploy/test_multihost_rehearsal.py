@@ -21,7 +21,8 @@ from benchmarks.multihost import netns
 from benchmarks.multihost.rehearsal import Rehearsal
 from tests.support import vllm_available
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.redis]
+# The timeout covers waiting for the shared vLLM lock on a busy machine.
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(1800)]
 
 LOCK = Path("/tmp/kvagent-vllm.lock")
 
