@@ -195,7 +195,7 @@ def _only_token_ids(obj: dict[str, Any]) -> bool:
     (a tool-call or reasoning parser holding text back), no logprobs, no finish. Without
     `return_token_ids` vLLM does not send it, so neither does the router."""
     choices = obj.get("choices")
-    return bool(choices) and all(
+    return isinstance(choices, list) and bool(choices) and all(
         isinstance(c, dict) and c.get("delta") == {} and "token_ids" in c
         and "logprobs" in c and c["logprobs"] is None and not c.get("finish_reason")
         for c in choices)
