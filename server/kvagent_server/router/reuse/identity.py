@@ -28,6 +28,11 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvagent_server.router.store.handle import KVIdentity, MediaItem
 
+#: OpenAI Chat API fields that are not vLLM 0.32 request fields: vLLM drops them.
+OPENAI_ONLY = ("store", "service_tier", "prompt_cache_key", "safety_identifier",
+               "verbosity", "modalities", "audio", "prediction", "web_search_options",
+               "functions", "function_call")
+
 #: Fields that leave the prompt's KV unchanged (both endpoints).
 IGNORED = frozenset({
     # sampling and stopping: act on logits after the prompt's KV is computed
@@ -45,7 +50,8 @@ IGNORED = frozenset({
     "return_token_offsets", "return_prompt_text", "routed_experts_prompt_start",
     "mm_payload", "return_mm_kwargs",
     # bookkeeping and scheduling
-    "user", "metadata", "store", "service_tier", "request_id", "session_id", "priority",
+    "user", "metadata", "request_id", "session_id", "priority",
+    *OPENAI_ONLY,
     # truncation side only acts together with truncate_prompt_tokens (unverifiable)
     "truncation_side",
     # set by the router itself (client values are stripped before this point)
