@@ -148,26 +148,36 @@ def placeholder_starts(prompt_ids: Sequence[int],
 def identity_of(body: dict[str, Any], *, chat: bool, prompt_ids: Sequence[int] = (),
                 placeholder_ids: Collection[int] = (),
                 extra_unverifiable: Collection[str] = ()) -> KVIdentity:
-    """The identity of the prompt `body` describes (`prompt_ids`: its tokenized ids).
-
-    A media item's placeholder position is known when `placeholder_ids` (the model's
-    image/audio placeholder token ids) splits the prompt into exactly one run per item;
-    runs of two adjacent items merge, and then no position is trusted."""
+    """The identity of the prompt `body` describes (`prompt_ids`: its tokenized ids;
+    placeholder positions as `with_positions` finds them)."""
     parts = media_parts(body) if chat else []
-    starts = placeholder_starts(prompt_ids, placeholder_ids)
-    known = len(starts) == len(parts)
-    media = tuple(
-        MediaItem(where=where, digest=_digest(part), inline=_inline(part),
-                  placeholder=starts[k] if known else None)
-        for k, (where, part) in enumerate(parts))
+    media = tuple(MediaItem(where=where, digest=_digest(part), inline=_inline(part))
+                  for where, part in parts)
     messages = body.get("messages") if chat else None
     model = body.get("model")
     salt = body.get("cache_salt")
-    return KVIdentity(model=model if isinstance(model, str) else None,
-                      cache_salt=salt if isinstance(salt, str) else None, media=media,
-                      messages=len(messages) if isinstance(messages, list) else 0,
-                      unverifiable=unverifiable_fields(body, chat=chat,
-                                                       extra=extra_unverifiable))
+    ident = KVIdentity(model=model if isinstance(model, str) else None,
+                       cache_salt=salt if isinstance(salt, str) else None, media=media,
+                       messages=len(messages) if isinstance(messages, list) else 0,
+                       unverifiable=unverifiable_fields(body, chat=chat,
+                                                        extra=extra_unverifiable))
+    return with_positions(ident, prompt_ids, placeholder_ids)
+
+
+def with_positions(ident: KVIdentity, prompt_ids: Sequence[int],
+                   placeholder_ids: Collection[int]) -> KVIdentity:
+    """`ident` with each media item's placeholder start found in `prompt_ids`.
+
+    Known only when `placeholder_ids` (the model's image/audio placeholder token ids)
+    split the prompt into exactly one run per item: two adjacent items' runs merge, and
+    then no position is trusted."""
+    if not ident.media:
+        return ident
+    starts = placeholder_starts(prompt_ids, placeholder_ids)
+    known = len(starts) == len(ident.media)
+    media = tuple(m.model_copy(update={"placeholder": starts[k] if known else None})
+                  for k, m in enumerate(ident.media))
+    return ident.model_copy(update={"media": media})
 
 
 def _message_index(where: str) -> int:

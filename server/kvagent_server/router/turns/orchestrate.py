@@ -247,7 +247,8 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
     # -- end tier-aware P placement
     prompt_ids: list[int] = []
     plan: planner.ReusePlan | None = None
-    ident = _check_identity(r, req, handle, prompt_ids)
+    new_ident = _identity_of(r, req, [])
+    ident = _check_identity(r, handle, new_ident)
     # A refusal that positions cannot change (model, salt, a field) needs no /tokenize.
     final = ident is not None and ident.cap == 0 and ident.detail != "media_url" and (
         ident.reason != "multimodal_changed")
@@ -259,7 +260,8 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
             log.info("no reuse this turn: %s", exc)
             plan = planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.TOKENIZE_FAILED)
         else:
-            ident = _check_identity(r, req, handle, prompt_ids)
+            ident = _check_identity(r, handle, identity.with_positions(
+                new_ident, prompt_ids, r.settings.mm_placeholder_token_ids))
     if plan is None:
         plan = planner.plan_reuse(
             prompt_ids, handle, threshold=r.settings.kv_recompute_threshold, now=time.time(),
@@ -289,13 +291,12 @@ def _identity_of(r: Router, req: TurnRequest, prompt_ids: list[int]) -> KVIdenti
                                 extra_unverifiable=s.identity_unverifiable_fields)
 
 
-def _check_identity(r: Router, req: TurnRequest, handle: Handle | None,
-                    prompt_ids: list[int]) -> identity.IdentityCheck | None:
+def _check_identity(r: Router, handle: Handle | None,
+                    new: KVIdentity) -> identity.IdentityCheck | None:
     """The handle's KV identity against this prompt's (None: no handle to check)."""
     if handle is None:
         return None
-    return identity.check(handle.identity, _identity_of(r, req, prompt_ids),
-                          trust_urls=r.settings.trust_media_urls)
+    return identity.check(handle.identity, new, trust_urls=r.settings.trust_media_urls)
 
 
 async def plan_turn(r: Router, req: TurnRequest) -> Turn:
