@@ -201,9 +201,7 @@ def plan_reuse(
     if session is not None and handle.session != session:
         return ReusePlan(reuse_tokens=0, reason=Reason.OTHER_SESSION)
     if identity is not None and identity.cap == 0:
-        assert identity.reason is not None
-        return ReusePlan(reuse_tokens=0, reason=Reason(identity.reason),
-                         detail=identity.detail)
+        return _identity_plan(identity, 0)
     if handle.expired(now):
         return ReusePlan(reuse_tokens=0, reason=Reason.EXPIRED)
     if node_epoch is not None and node_epoch != handle.decode_epoch:
@@ -215,10 +213,10 @@ def plan_reuse(
         return ReusePlan(reuse_tokens=0, reason=Reason.UNSUPPORTED_KV_LAYOUT)
     cached = handle.token_ids[:retained]
     common = common_prefix_len(prompt_ids, cached)
-    capped = identity is not None and identity.cap is not None and identity.cap < common
-    if capped:
-        assert identity is not None and identity.cap is not None and identity.reason
-        common = identity.cap
+    cut = identity if (identity is not None and identity.cap is not None
+                       and identity.cap < common) else None
+    if cut is not None:
+        common = min(common, cut.cap or 0)
     if common == 0:
         return ReusePlan(reuse_tokens=0, reason=Reason.DIVERGED_AT_0, cached_tokens=retained)
     align = handle.block_size
@@ -228,20 +226,22 @@ def plan_reuse(
         align = math.lcm(align, prefill_block_size)
     usable = min(common, len(prompt_ids) - 1)
     reuse = usable // align * align
-    if (reuse == 0 or reuse < threshold) and capped:
-        assert identity is not None and identity.reason is not None
-        return ReusePlan(reuse_tokens=0, reason=Reason(identity.reason),
-                         detail=identity.detail, common_prefix=common, cached_tokens=retained)
-    if reuse == 0 or reuse < threshold:
+    if reuse < threshold:
+        reuse = 0
+    if cut is not None:  # the media check, not the tokens, ended the prefix
+        return _identity_plan(cut, reuse, common_prefix=common, cached_tokens=retained)
+    if reuse == 0:
         return ReusePlan(reuse_tokens=0, reason=Reason.BELOW_THRESHOLD, common_prefix=common,
                          cached_tokens=retained)
-    if capped:
-        assert identity is not None and identity.reason is not None
-        return ReusePlan(reuse_tokens=reuse, reason=Reason(identity.reason),
-                         detail=identity.detail, common_prefix=common, cached_tokens=retained)
     reason = Reason.HIT if common == retained else Reason.PREFIX_PARTIAL
     return ReusePlan(reuse_tokens=reuse, reason=reason, common_prefix=common,
                      cached_tokens=retained)
+
+
+def _identity_plan(check: IdentityCheck, reuse: int, **counts: int) -> ReusePlan:
+    assert check.reason is not None  # a cap always comes with its reason
+    return ReusePlan(reuse_tokens=reuse, reason=Reason(check.reason), detail=check.detail,
+                     **counts)
 
 
 def reuse_transfer_params(handle: Handle, reuse_tokens: int) -> dict[str, Any]:
