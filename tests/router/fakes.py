@@ -34,7 +34,11 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 SPECIALS = {"<|user|>": 1, "<|assistant|>": 2, "<|system|>": 3, "<|tool|>": 4,
-            "<|end|>": 5, "<|tools|>": 6, "<|developer|>": 7}
+            "<|end|>": 5, "<|tools|>": 6, "<|developer|>": 7, "<|media|>": 8}
+#: A media part (image, audio, file) renders as this many `<|media|>` placeholders
+#: whatever its content, like a real model's fixed-size image placeholder.
+MEDIA = SPECIALS["<|media|>"]
+MEDIA_TOKENS = 16
 EOS = SPECIALS["<|end|>"]
 MAX_MODEL_LEN = 32768
 
@@ -66,12 +70,18 @@ def decode_ids(ids: list[int]) -> str:
     return "".join(rev.get(i, chr(i - 1000) if i >= 1000 else "?") for i in ids)
 
 
-def _content_text(content: Any) -> str:
+def _content_ids(content: Any) -> list[int]:
     if content is None:
-        return ""
+        return []
     if isinstance(content, str):
-        return content
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        return encode_text(content)
+    out: list[int] = []
+    for p in content:
+        if isinstance(p, dict) and p.get("type") in ("text", "refusal"):
+            out += encode_text(p.get("text", "") or p.get("refusal", ""))
+        elif isinstance(p, dict):
+            out += [MEDIA] * MEDIA_TOKENS
+    return out
 
 
 def tool_calls_text(tool_calls: list[dict[str, Any]]) -> str:
@@ -82,15 +92,22 @@ def tool_calls_text(tool_calls: list[dict[str, Any]]) -> str:
 
 def render_chat(messages: list[dict[str, Any]], *, tools: list[Any] | None = None,
                 add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> list[int]:
-    """The fake chat template, straight to token ids."""
+                continue_final_message: bool = False, chat_template: str | None = None,
+                chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    """The fake chat template, straight to token ids. A custom template and template
+    arguments render as a header, so changing them changes the ids (as with a real one)."""
     out: list[int] = []
+    if chat_template is not None:
+        out += [SPECIALS["<|system|>"], *encode_text(chat_template), EOS]
+    if chat_template_kwargs:
+        out += [SPECIALS["<|system|>"],
+                *encode_text(json.dumps(chat_template_kwargs, sort_keys=True)), EOS]
     if tools:
         out += [SPECIALS["<|tools|>"], *encode_text(json.dumps(tools, sort_keys=True)), EOS]
     for i, m in enumerate(messages):
         role = m.get("role", "user")
         out.append(SPECIALS.get(f"<|{role}|>", SPECIALS["<|user|>"]))
-        out += encode_text(_content_text(m.get("content")))
+        out += _content_ids(m.get("content"))
         if m.get("tool_calls"):
             out += encode_text(tool_calls_text(m["tool_calls"]))
         if not (continue_final_message and i == len(messages) - 1):
@@ -98,6 +115,14 @@ def render_chat(messages: list[dict[str, Any]], *, tools: list[Any] | None = Non
     if add_generation_prompt and not continue_final_message:
         out.append(SPECIALS["<|assistant|>"])
     return out
+
+
+def _template_args(body: dict[str, Any]) -> dict[str, Any]:
+    return {"tools": body.get("tools"),
+            "add_generation_prompt": body.get("add_generation_prompt", True),
+            "continue_final_message": body.get("continue_final_message", False),
+            "chat_template": body.get("chat_template"),
+            "chat_template_kwargs": body.get("chat_template_kwargs")}
 
 
 def render_prompt(prompt: Any) -> list[int]:
@@ -292,18 +317,23 @@ class FakeNode:
         if not self.healthy:
             return JSONResponse({"error": {"message": "down"}}, status_code=503)
         if "messages" in body:
-            ids = render_chat(body["messages"], tools=body.get("tools"),
-                              add_generation_prompt=body.get("add_generation_prompt", True),
-                              continue_final_message=body.get("continue_final_message", False))
+            ids = render_chat(body["messages"], **_template_args(body))
         else:
             ids = render_prompt(body.get("prompt", ""))
         return JSONResponse({"count": len(ids), "max_model_len": MAX_MODEL_LEN, "tokens": ids})
 
     async def _chat(self, request: Request) -> Response:
         body = await request.json()
-        prompt = render_chat(body.get("messages", []), tools=body.get("tools"),
-                             add_generation_prompt=body.get("add_generation_prompt", True),
-                             continue_final_message=body.get("continue_final_message", False))
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        # vLLM's chat endpoint hands these to the template as arguments; /tokenize does not
+        # take them (the router folds them into chat_template_kwargs itself).
+        for name in ("documents", "reasoning_effort"):
+            if body.get(name) is not None:
+                kwargs[name] = body[name]
+        if body.get("reasoning_effort") is not None:
+            kwargs.setdefault("enable_thinking", body["reasoning_effort"] != "none")
+        prompt = render_chat(body.get("messages", []),
+                             **_template_args({**body, "chat_template_kwargs": kwargs}))
         return await self._generate(request, body, prompt, chat=True)
 
     async def _completions(self, request: Request) -> Response:

@@ -112,6 +112,19 @@ class RouterSettings(BaseModel):
     retention_check_interval_s: float = Field(default=2.0, gt=0)
     #: A node with this many legs in flight is saturated (placement looks elsewhere).
     node_max_in_flight: int = Field(default=64, ge=1)
+    # ---- KV identity (docs/router.md "KV identity")
+    #: Largest inline media item (a `data:` URL, `input_audio` or `file` data, counted in
+    #: characters as sent): 413 above. The router never fetches a URL itself.
+    max_inline_media_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    #: The served model's multimodal placeholder token ids (e.g. its image token): with
+    #: them, reuse stops at the first changed image instead of recomputing the turn.
+    mm_placeholder_token_ids: list[int] = Field(default_factory=list)
+    #: Treat media behind equal URL strings as equal content. Off: the router cannot
+    #: read the bytes (it never fetches), so reuse stops at the first URL item.
+    trust_media_urls: bool = False
+    #: Request fields to treat as unverifiable although kvagent's allow-list ignores them
+    #: (a renderer that reads, say, `response_format` into the prompt).
+    identity_unverifiable_fields: list[str] = Field(default_factory=list)
     #: KV event sources by node URL (the bundle fills this from `kv_events`): prefill
     #: placement then weighs the prompt's cached prefix per node and tier against load.
     kv_events: dict[str, KVEventSource] = Field(default_factory=dict)

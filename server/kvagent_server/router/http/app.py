@@ -30,6 +30,7 @@ from kvagent_server.router.http.limits import GuardedStream, HeaderLimit
 from kvagent_server.router.http.request import (
     ClientGone,
     HTTPError,
+    check_media,
     error_response,
     read_json,
     sanitize,
@@ -227,6 +228,8 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
     chat = endpoint == CHAT
     validate(body, chat=chat, max_tokens_limit=r.settings.max_tokens_limit,
              max_messages=r.settings.max_messages, max_tools=r.settings.max_tools)
+    if chat:
+        check_media(body, r.settings.max_inline_media_bytes)
     session, token = session_and_token(request.headers, body)
     wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     keep_ids = bool(body.get("return_token_ids"))

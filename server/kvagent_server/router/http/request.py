@@ -309,6 +309,38 @@ def _prompt(prompt: Any) -> None:
         raise _bad("prompt", "must be a string, a list of strings, or token ids")
 
 
+#: Where each inline media part type carries its bytes (a URL only when it is `data:`).
+_INLINE_PAYLOADS = {"image_url": "url", "video_url": "url", "audio_url": "url",
+                    "input_audio": "data", "file": "file_data"}
+
+
+def check_media(body: dict[str, Any], limit: int) -> None:
+    """413 naming the part when one inline media item (a `data:` URL, `input_audio`
+    data, `file` data) is over `limit` characters. URLs are not fetched here: the nodes
+    load them, so only their string is checked (by the body limit)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            key = _INLINE_PAYLOADS.get(kind) if isinstance(kind, str) else None
+            payload = part.get(kind) if key else None
+            data = payload.get(key) if isinstance(payload, dict) else payload
+            if not isinstance(data, str):
+                continue
+            if key == "url" and not data.startswith("data:"):
+                continue
+            if len(data) > limit:
+                param = f"messages[{i}].content[{j}].{kind}.{key}"
+                raise HTTPError(413, f"'{param}' is {len(data)} characters; inline media "
+                                f"is limited to {limit} per item", param=param,
+                                code="media_too_large")
+
+
 def sanitize(body: dict[str, Any]) -> None:
     """Remove what only the router may set: transfer params, also via `vllm_xargs`."""
     for name in CLIENT_FORBIDDEN + CLIENT_DROPPED:

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvagent_server.router.reuse.identity import IdentityCheck
 from kvagent_server.router.store.handle import Handle
 
 #: How a turn was served (`kvagent.path` on the wire; the same names as
@@ -63,6 +64,14 @@ class Reason(StrEnum):
     PULL_FAILED = "pull_failed"
     #: A request P/D cannot split (see `decode_only`).
     UNSUPPORTED_SHAPE = "unsupported_shape"
+    #: The KV was made for another model/adapter or salt (detail `model`, `salt`), or its
+    #: handle recorded no identity (`unrecorded`).
+    IDENTITY_CHANGED = "identity_changed"
+    #: A multimodal item differs (detail `item_<k>`): reuse stops at its placeholder.
+    MULTIMODAL_CHANGED = "multimodal_changed"
+    #: A request field, or media behind a URL, whose effect on KV the router cannot
+    #: verify (detail: the field, or `media_url`).
+    UNVERIFIABLE_INPUT = "unverifiable_input"
 
 
 #: Plans that reuse nothing because the client had nothing to reuse (first turn, or reuse
@@ -165,6 +174,7 @@ def plan_reuse(
     enabled: bool = True,
     rejected: str | None = None,
     prefill_block_size: int | None = None,
+    identity: IdentityCheck | None = None,
 ) -> ReusePlan:
     """The longest verified, block-aligned prefix of `prompt_ids` to reuse from `handle`.
 
@@ -175,6 +185,9 @@ def plan_reuse(
       handle from an earlier incarnation names blocks that no longer exist.
     - `rejected`: why the presented token was refused (`TOKEN_REJECTED`, detail `rejected`).
     - `prefill_block_size`: when P's block size differs, align to both.
+    - `identity`: the handle's KV identity checked against the prompt's (reuse.identity);
+      a cap of 0 refuses reuse, a positive cap ends it before the first differing media
+      item. None: not checked (pure token-level planning).
     At least one prompt token is always left to compute: vLLM needs one to sample from.
     """
     if not enabled:
@@ -187,6 +200,8 @@ def plan_reuse(
         return ReusePlan(reuse_tokens=0, reason=Reason.OTHER_TENANT)
     if session is not None and handle.session != session:
         return ReusePlan(reuse_tokens=0, reason=Reason.OTHER_SESSION)
+    if identity is not None and identity.cap == 0:
+        return _identity_plan(identity, 0)
     if handle.expired(now):
         return ReusePlan(reuse_tokens=0, reason=Reason.EXPIRED)
     if node_epoch is not None and node_epoch != handle.decode_epoch:
@@ -198,6 +213,10 @@ def plan_reuse(
         return ReusePlan(reuse_tokens=0, reason=Reason.UNSUPPORTED_KV_LAYOUT)
     cached = handle.token_ids[:retained]
     common = common_prefix_len(prompt_ids, cached)
+    cut = identity if (identity is not None and identity.cap is not None
+                       and identity.cap < common) else None
+    if cut is not None:
+        common = min(common, cut.cap or 0)
     if common == 0:
         return ReusePlan(reuse_tokens=0, reason=Reason.DIVERGED_AT_0, cached_tokens=retained)
     align = handle.block_size
@@ -207,12 +226,22 @@ def plan_reuse(
         align = math.lcm(align, prefill_block_size)
     usable = min(common, len(prompt_ids) - 1)
     reuse = usable // align * align
-    if reuse == 0 or reuse < threshold:
+    if reuse < threshold:
+        reuse = 0
+    if cut is not None:  # the media check, not the tokens, ended the prefix
+        return _identity_plan(cut, reuse, common_prefix=common, cached_tokens=retained)
+    if reuse == 0:
         return ReusePlan(reuse_tokens=0, reason=Reason.BELOW_THRESHOLD, common_prefix=common,
                          cached_tokens=retained)
     reason = Reason.HIT if common == retained else Reason.PREFIX_PARTIAL
     return ReusePlan(reuse_tokens=reuse, reason=reason, common_prefix=common,
                      cached_tokens=retained)
+
+
+def _identity_plan(check: IdentityCheck, reuse: int, **counts: int) -> ReusePlan:
+    assert check.reason is not None  # a cap always comes with its reason
+    return ReusePlan(reuse_tokens=reuse, reason=Reason(check.reason), detail=check.detail,
+                     **counts)
 
 
 def reuse_transfer_params(handle: Handle, reuse_tokens: int) -> dict[str, Any]:

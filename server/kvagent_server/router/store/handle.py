@@ -20,6 +20,37 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 TokenId = Annotated[int, Field(ge=0, lt=2**32)]
 
 
+class MediaItem(BaseModel):
+    """One multimodal part of a prompt (image, audio, file...), as the router saw it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: Where it sits: `messages[i].content[j]`.
+    where: str
+    #: SHA-256 of the part's canonical JSON (bytes or data URL, URL string, options).
+    digest: str
+    #: Its bytes are in the request (data URL, inline audio/file), not behind a URL the
+    #: router cannot read: only then does an equal digest prove equal content.
+    inline: bool
+    #: First prompt position of its placeholder tokens; None when unknown.
+    placeholder: int | None = None
+
+
+class KVIdentity(BaseModel):
+    """Everything besides the token ids that shapes a prompt's KV (see reuse.identity)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    #: The served model name; a LoRA adapter is selected by this name too.
+    model: str | None
+    cache_salt: str | None
+    media: tuple[MediaItem, ...] = ()
+    #: How many chat messages the prompt had (where a later turn's new messages begin).
+    messages: int = Field(default=0, ge=0)
+    #: Request fields present that may shape KV in ways the router cannot verify.
+    unverifiable: tuple[str, ...] = ()
+
+
 class Handle(BaseModel):
     """KV blocks a decode node retains for a session's next turn (internal, never sent out)."""
 
@@ -37,6 +68,9 @@ class Handle(BaseModel):
     #: The token ids whose KV the decode node retains (what reuse is verified against).
     token_ids: list[TokenId]
     block_size: int = Field(ge=1)
+    #: What else shaped that KV; None on handles from routers that did not record it
+    #: (never reused).
+    identity: KVIdentity | None = None
     created_at: float  # router wall clock
     expires_at: float  # router wall clock, safety margin already subtracted
 

@@ -15,10 +15,10 @@ import httpx
 
 from kvagent_server.router.auth.cache_token import TokenCodec, TokenError, verify_binding
 from kvagent_server.router.auth.tenancy import Tenant
-from kvagent_server.router.reuse import placement, planner, transfer
+from kvagent_server.router.reuse import identity, placement, planner, transfer
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.base import SessionStore, StoreUnavailable
-from kvagent_server.router.store.handle import Handle, new_handle_id
+from kvagent_server.router.store.handle import Handle, KVIdentity, new_handle_id
 from kvagent_server.router.telemetry.metrics import RouterMetrics
 from kvagent_server.router.telemetry.spans import leg_span
 from kvagent_server.router.turns.kv_placement import TierPlacement
@@ -166,7 +166,8 @@ class Turn:
         handle = Handle(handle_id=new_handle_id(), tenant=req.tenant.name, session=req.session,
                         decode_node=node.name, decode_epoch=node.epoch,
                         kv_transfer_params=capture.kv_params, token_ids=sequence,
-                        block_size=block_size, created_at=now, expires_at=now + ttl)
+                        block_size=block_size, created_at=now, expires_at=now + ttl,
+                        identity=_identity_of(r, req, capture.prompt_token_ids or []))
         if planner.retained_tokens(handle) is None:
             log.warning("decode node %s returned unusable kv_transfer_params", node.name)
             return None, 0
@@ -259,13 +260,21 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
     # -- end tier-aware P placement
     prompt_ids: list[int] = []
     plan: planner.ReusePlan | None = None
-    if holder is not None and p_first is not None:
+    new_ident = _identity_of(r, req, [])
+    ident = _check_identity(r, handle, new_ident)
+    # A refusal that positions cannot change (model, salt, a field) needs no /tokenize.
+    final = ident is not None and ident.cap == 0 and ident.detail != "media_url" and (
+        ident.reason != "multimodal_changed")
+    if holder is not None and p_first is not None and not final:
         try:
             prompt_ids = await tokenize(r.legs.client(p_first), p_first.url, req.body,
                                         chat=req.chat)
         except TokenizeError as exc:
             log.info("no reuse this turn: %s", exc)
             plan = planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.TOKENIZE_FAILED)
+        else:
+            ident = _check_identity(r, handle, identity.with_positions(
+                new_ident, prompt_ids, r.settings.mm_placeholder_token_ids))
     if plan is None:
         plan = planner.plan_reuse(
             prompt_ids, handle, threshold=r.settings.kv_recompute_threshold, now=time.time(),
@@ -273,7 +282,8 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
             node_healthy=bool(d_node and d_node.healthy),
             node_epoch=d_node.epoch if d_node else None, enabled=r.settings.reuse,
             rejected=rejected,
-            prefill_block_size=r.settings.block_size or (p_first.block_size if p_first else None))
+            prefill_block_size=r.settings.block_size or (p_first.block_size if p_first else None),
+            identity=ident)
     affinity = handle.decode_node if handle else await _affinity(r, req)
     picked_d, d_reason = placement.pick_decode(r.registry.states(), affinity=affinity)
     r.metrics.decode_placements.labels(reason=d_reason).inc()
@@ -285,6 +295,21 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
         skip_prefill_max_tokens=r.settings.skip_prefill_max_tokens,
         d_healthy=d_first is not None and d_first is holder)
     return _Choice(handle, plan, path, holder, p_first, d_first)
+
+
+def _identity_of(r: Router, req: TurnRequest, prompt_ids: list[int]) -> KVIdentity:
+    s = r.settings
+    return identity.identity_of(req.body, chat=req.chat, prompt_ids=prompt_ids,
+                                placeholder_ids=s.mm_placeholder_token_ids,
+                                extra_unverifiable=s.identity_unverifiable_fields)
+
+
+def _check_identity(r: Router, handle: Handle | None,
+                    new: KVIdentity) -> identity.IdentityCheck | None:
+    """The handle's KV identity against this prompt's (None: no handle to check)."""
+    if handle is None:
+        return None
+    return identity.check(handle.identity, new, trust_urls=r.settings.trust_media_urls)
 
 
 async def plan_turn(r: Router, req: TurnRequest) -> Turn:

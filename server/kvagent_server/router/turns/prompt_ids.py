@@ -15,7 +15,24 @@ from kvagent_server.router.turns.upstream import NodeClient, UpstreamError
 #: Chat-request fields that change how vLLM renders messages into tokens.
 CHAT_TEMPLATE_FIELDS = ("tools", "add_generation_prompt", "continue_final_message",
                         "add_special_tokens", "chat_template", "chat_template_kwargs",
-                        "mm_processor_kwargs")
+                        "mm_processor_kwargs", "media_io_kwargs")
+#: Chat fields `/tokenize` does not take but vLLM's chat endpoint hands the template as
+#: template arguments (vLLM 0.32 `ChatCompletionRequest.build_chat_params`).
+TEMPLATE_KWARG_FIELDS = ("documents", "reasoning_effort")
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
+    """`chat_template_kwargs` as the chat endpoint renders with them: the request's own,
+    overridden by `documents`/`reasoning_effort` (and the `enable_thinking` that
+    `reasoning_effort` implies), unset values (None, "auto") dropped as vLLM does."""
+    own = body.get("chat_template_kwargs")
+    extra = {k: body[k] for k in TEMPLATE_KWARG_FIELDS if body.get(k) not in (None, "auto")}
+    effort = body.get("reasoning_effort")
+    if effort is not None and "enable_thinking" not in (own or {}):
+        extra["enable_thinking"] = effort != "none"
+    if not extra:
+        return own
+    return {**(own or {}), **extra}
 
 
 class TokenizeError(Exception):
@@ -36,6 +53,9 @@ def tokenize_request(body: dict[str, Any], *, chat: bool) -> dict[str, Any] | No
         for name in CHAT_TEMPLATE_FIELDS:
             if name in body:
                 out[name] = body[name]
+        kwargs = _template_kwargs(body)
+        if kwargs is not None:
+            out["chat_template_kwargs"] = kwargs
         return out
     prompt = body.get("prompt")
     if isinstance(prompt, list):

@@ -1,0 +1,182 @@
+"""KV identity on real vLLM with a LoRA adapter and a vision-language model: switching
+adapter mid-session recomputes, staying on one reuses; swapping an image ends reuse at its
+placeholder; every greedy answer equals the recomputed one.
+
+Each model gets its own bundle (module-scoped fixtures), built from the locally made models
+of `kvagent_server.models`; without them (or without `lora_modules` in the bundle config)
+the tests skip and say which is missing.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from support import bundle_config, free_port, start_bundle, vllm_available
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
+
+GREEDY: dict[str, Any] = {"temperature": 0.0}
+SYSTEM = {"role": "system", "content": "You are a terse assistant for a payments platform. "
+          "Answer in one sentence. " * 30}
+
+
+class Served:
+    def __init__(self, handle: Any, model: str) -> None:
+        self.base_url = handle.base_url
+        self.prefill_url = handle.prefill_urls[0]
+        self.decode_url = handle.decode_urls[0]
+        self.model = model
+        self.image_token = -1  # the VLM's placeholder token id
+
+
+def _serve(run_dir: Path, **overrides: Any) -> Iterator[Served]:
+    if not vllm_available():
+        pytest.skip("vLLM is not installed (./dev test installs the CPU engine)")
+    router = {"port": free_port(), "skip_prefill_max_tokens": 0, **overrides.pop("router", {})}
+    try:
+        config = bundle_config(run_dir, max_model_len=4096, router=router, **overrides)
+    except ValueError as exc:  # pydantic: a key this tree's bundle config does not know
+        pytest.skip(f"bundle config cannot express {sorted(overrides)}: {exc}")
+    handle, bundle = start_bundle(config)
+    try:
+        yield Served(handle, config.served_model_name or handle.model)
+    finally:
+        bundle.stop()
+
+
+def _p2p(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prompt_tokens_cached_by_source_total{")
+               and 'source="p2p"' in line)
+
+
+def _reference(s: Served, body: dict[str, Any]) -> str:
+    """The request recomputed on D alone, fresh salt (asserted: nothing cached)."""
+    r = httpx.post(f"{s.decode_url}/v1/chat/completions", timeout=600,
+                   json={**body, "cache_salt": uuid.uuid4().hex})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    return out["choices"][0]["message"]["content"] or ""
+
+
+class Chat:
+    def __init__(self, s: Served, messages: list[dict[str, Any]]) -> None:
+        self.s, self.messages = s, messages
+        self.session = uuid.uuid4().hex
+        self.token: str | None = None
+
+    def send(self, model: str) -> tuple[dict[str, Any], str, str]:
+        body = {"model": model, "messages": list(self.messages), "max_tokens": 12, **GREEDY}
+        headers = {"X-Session-ID": self.session}
+        if self.token:
+            headers["X-KVAgent-Cache-Token"] = self.token
+        r = httpx.post(f"{self.s.base_url}/chat/completions", json=body, headers=headers,
+                       timeout=600)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        self.token = out["kvagent"]["cache_token"]
+        text = out["choices"][0]["message"]["content"] or ""
+        self.messages.append({"role": "assistant", "content": text})
+        return out["kvagent"], text, _reference(self.s, body)
+
+
+# ------------------------------------------------------------------ LoRA adapter
+
+
+@pytest.fixture(scope="module")
+def lora(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Served, str]]:
+    mod = pytest.importorskip("kvagent_server.models.lora",
+                              reason="no locally built LoRA adapter in this tree "
+                                     "(kvagent_server.models.lora)")
+    name = mod.DEMO_LORA_NAME
+    # d_direct allowed for small deltas: a stale handle must not send the turn to D either
+    for s in _serve(Path(tmp_path_factory.mktemp("identity-lora")),
+                    lora_modules=[{"name": name}], router={"skip_prefill_max_tokens": 64}):
+        yield s, name
+
+
+def test_adapter_switch_recomputes_staying_reuses(lora: tuple[Served, str]) -> None:
+    s, adapter = lora
+    chat = Chat(s, [SYSTEM, {"role": "user", "content": "Why is checkout slow today?"}])
+    kva, text, ref = chat.send(s.model)
+    assert text == ref
+    chat.messages.append({"role": "user", "content": "And then?"})
+    received = _p2p(s.prefill_url)
+    kva, text, ref = chat.send(adapter)
+    assert (kva["path"], kva["reason"], kva["reused_tokens"]) == (
+        "recompute", "identity_changed:model", 0)
+    assert text == ref
+    assert _p2p(s.prefill_url) == received, "P pulled base-model KV for the adapter"
+    chat.messages.append({"role": "user", "content": "Shorter."})
+    kva, text, ref = chat.send(adapter)
+    assert kva["path"] in ("pd_reuse", "d_direct") and kva["reused_tokens"] > 0, kva
+    assert text == ref
+
+
+# ------------------------------------------------------------------ vision-language model
+
+
+def _image(color: tuple[int, int, int]) -> str:
+    from PIL import Image
+
+    img = Image.new("RGB", (64, 64), color)
+    inverse = tuple(255 - c for c in color)
+    for x in range(0, 64, 8):
+        for y in range(0, 64, 8):
+            if (x + y) % 16 == 0:
+                img.putpixel((x, y), inverse)
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    pytest.importorskip("PIL", reason="Pillow is needed to draw the test images")
+    mod = pytest.importorskip("kvagent_server.models.vlm",
+                              reason="no locally built vision-language model in this tree "
+                                     "(kvagent_server.models.vlm)")
+    config = json.loads((mod.ensure_vlm_model() / "config.json").read_text())
+    image_token = config["image_token_index"]
+    for s in _serve(Path(tmp_path_factory.mktemp("identity-vlm")), model=mod.VLM_MODEL_NAME,
+                    router={"mm_placeholder_token_ids": [image_token]}):
+        s.image_token = image_token
+        yield s
+
+
+def test_images_reuse_unchanged_and_a_swap_stops_at_its_placeholder(vlm: Served) -> None:
+    red, blue = _image((200, 20, 20)), _image((20, 20, 200))
+
+    def ask(url: str) -> dict[str, Any]:
+        return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                            {"type": "text", "text": "What is in it?"}]}
+
+    chat = Chat(vlm, [SYSTEM, ask(red)])
+    kva, text, ref = chat.send(vlm.model)
+    assert text == ref
+    chat.messages.append({"role": "user", "content": "Say it again, shorter."})
+    received = _p2p(vlm.prefill_url)
+    kva, text, ref = chat.send(vlm.model)
+    assert (kva["path"], kva["reason"]) == ("pd_reuse", "hit"), kva
+    assert text == ref
+    assert _p2p(vlm.prefill_url) > received, "P got nothing from D over NIXL"
+    # the same history with the image swapped: reuse ends before the image
+    chat.messages[1] = ask(blue)
+    chat.messages[-2:] = [{"role": "user", "content": "Say it again, shorter."}]
+    ids = httpx.post(f"{vlm.prefill_url}/tokenize", timeout=60, json={
+        "model": vlm.model, "messages": chat.messages}).json()["tokens"]
+    placeholder = ids.index(vlm.image_token)
+    kva, text, ref = chat.send(vlm.model)
+    assert kva["reason"] == "multimodal_changed:item_0", kva
+    assert 0 < kva["reused_tokens"] <= placeholder, (kva, placeholder)
+    assert text == ref
