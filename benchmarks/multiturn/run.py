@@ -72,6 +72,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--keep-assistant", action="store_true",
                    help="send the recorded assistant texts instead of the model's answers")
     s = p.add_argument_group("servers")
+    s.add_argument("--model", default=None,
+                   help="built-in model id (kvagent-demo, kvagent-demo-tekken) or a path "
+                   "(default: kvagent-demo)")
     s.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache per vLLM node")
     s.add_argument("--startup-timeout", type=float, default=900.0)
     s.add_argument("--request-timeout", type=float, default=600.0)
@@ -139,7 +142,7 @@ def run_config(config: BenchConfig, workload: Workload, work_dir: Path, *, run_i
     try:
         _log(f"{config.name}: starting ({config.description})")
         with serve(config, cdir, kv_cache_gib=args.kv_cache_gib,
-                   startup_timeout_s=args.startup_timeout) as ep:
+                   startup_timeout_s=args.startup_timeout, model=args.model) as ep:
             startup = time.perf_counter() - t0
             _log(f"{config.name}: up in {startup:.0f} s at {ep.base_url}")
             if not args.no_warmup:
