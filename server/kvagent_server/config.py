@@ -160,7 +160,9 @@ class BundleConfig(BaseModel):
     )
     model: str | None = Field(
         default=None,
-        description="Model path or name passed to vLLM; null serves the built-in demo model.",
+        description="Model path or name passed to vLLM, or a built-in model id "
+        "(`kvagent-demo`, `kvagent-demo-tekken`, `kvagent-demo-vlm`: built locally on first "
+        "use, see docs/models.md); null serves `kvagent-demo`.",
     )
     served_model_name: str | None = Field(
         default=None,

@@ -56,7 +56,7 @@ def test_tekken_build_is_deterministic(tekken_dir: Path, tmp_path: Path) -> None
 def test_tekken_serve_args_select_the_mistral_tokenizer() -> None:
     args = tekken.tekken_serve_args(4096)
     assert args[args.index("--tokenizer-mode") + 1] == "mistral"
-    assert args[args.index("--tool-call-parser") + 1] == "mistral"
+    assert "--tool-call-parser" not in args  # vLLM's streaming mistral parser is broken
     assert args[args.index("--served-model-name") + 1] == "kvagent-demo-tekken"
     assert args[args.index("--max-model-len") + 1] == "4096"
 
@@ -216,3 +216,50 @@ def test_unknown_pathless_adapter_is_a_config_error() -> None:
     cfg = validate_config({"lora_modules": [{"name": "nope"}]})
     with pytest.raises(ConfigError, match=r"lora_modules\[0\].path: required"):
         resolve_model(cfg, build=False)
+
+
+# ------------------------------------------------------------------------- vlm
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(cache: Path) -> Path:
+    from kvagent_server.models import vlm
+
+    return vlm.ensure_vlm_model(cache)
+
+
+def test_vlm_processor_expands_each_image_to_its_patches(vlm_dir: Path) -> None:
+    pytest.importorskip("PIL")
+    from kvagent_server.models import vlm
+    from PIL import Image
+    from transformers import AutoConfig, AutoProcessor
+
+    config = AutoConfig.from_pretrained(str(vlm_dir))
+    assert config.model_type == "llava"
+    processor = AutoProcessor.from_pretrained(str(vlm_dir))
+    messages = [{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text.count(vlm.IMAGE_TOKEN) == 1 and "What is this?" in text
+    out = processor(text=text, images=[Image.new("RGB", (80, 60), (200, 10, 10))],
+                    return_tensors="pt")
+    ids = out["input_ids"][0].tolist()
+    assert ids.count(config.image_token_index) == vlm.IMAGE_TOKENS == 16
+    assert tuple(out["pixel_values"].shape) == (1, 3, vlm.IMAGE_SIZE, vlm.IMAGE_SIZE)
+
+
+def test_vlm_template_keeps_the_demo_format_for_text(vlm_dir: Path) -> None:
+    from kvagent_server.demo_model import CHAT_TEMPLATE
+    from kvagent_server.models import vlm
+
+    assert vlm.chat_template() != CHAT_TEMPLATE
+    assert vlm.chat_template().replace(
+        "{%- if part.type is defined and part.type in ('image', 'image_url') -%}<image>"
+        "{%- elif", "{%- if") == CHAT_TEMPLATE
+
+
+def test_builtin_vlm_is_selectable() -> None:
+    cfg = validate_config({"model": "kvagent-demo-vlm", "run_dir": "/r"})
+    src = resolve_model(cfg, build=False)
+    assert src.served_name == "kvagent-demo-vlm"
+    assert "--limit-mm-per-prompt" in src.extra_args
