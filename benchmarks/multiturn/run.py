@@ -151,7 +151,8 @@ def run_config(config: BenchConfig, workload: Workload, work_dir: Path, *, run_i
                 records, wall = asyncio.run(run_workload(
                     ep.base_url, ep.model, workload, config=config.name, run_id=run_id,
                     keep_recorded_answers=args.keep_assistant,
-                    timeout_s=args.request_timeout, on_record=progress))
+                    timeout_s=args.request_timeout, on_record=progress,
+                    text_with_tool_calls=_text_with_tool_calls(args.model)))
         _log(f"{config.name}: done, stopped"
              + (f" ({watch.max} foreign vLLM processes ran meanwhile)" if watch.max else ""))
     except Exception as exc:  # noqa: BLE001 - a broken configuration must not lose the others' results
@@ -199,6 +200,14 @@ def versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             continue
     return out
+
+
+def _text_with_tool_calls(model: str | None) -> bool:
+    """Whether the model's chat format takes text and tool calls in one assistant message."""
+    from kvagent_server.models.builtin import builtin_model
+
+    builtin = builtin_model(model)
+    return builtin.text_with_tool_calls if builtin is not None else True
 
 
 def run_benchmark(workload: Workload, configs: list[BenchConfig], out_dir: Path,

@@ -113,6 +113,9 @@ class Conversation:
         msg = out["choices"][0]["message"]
         keep: dict[str, Any] = {"role": "assistant", "content": msg.get("content")}
         if msg.get("tool_calls"):
+            # Text or tool calls: Mistral's format rejects an assistant message with both
+            # (vLLM answers a forced call with content "").
+            keep["content"] = msg.get("content") or None
             keep["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
                 "name": c["function"]["name"], "arguments": c["function"]["arguments"]}}
                 for c in msg["tool_calls"]]

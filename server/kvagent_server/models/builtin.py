@@ -25,6 +25,9 @@ class BuiltinModel:
     serve_env: Callable[[], dict[str, str]]
     max_model_len: int
     description: str
+    #: Its chat format takes an assistant message with both text and tool calls (Mistral's
+    #: rejects one: a message is either).
+    text_with_tool_calls: bool = True
 
     def path(self, cache_dir: Path | None = None) -> Path:
         """Where the build lives (whether or not it is built yet)."""
@@ -44,7 +47,8 @@ def _tekken() -> BuiltinModel:
 
     return BuiltinModel(m.TEKKEN_MODEL_NAME, m.TEKKEN_MODEL_VERSION, m.ensure_tekken_model,
                         m.tekken_serve_args, m.tekken_serve_env, m.TEKKEN_MAX_MODEL_LEN,
-                        "2-layer Mistral, Mistral NeMo's tekken tokenizer and chat format")
+                        "2-layer Mistral, Mistral NeMo's tekken tokenizer and chat format",
+                        text_with_tool_calls=False)
 
 
 def _vlm() -> BuiltinModel:
