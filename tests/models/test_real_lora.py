@@ -51,7 +51,9 @@ def test_adapter_request_through_p_and_d_equals_recompute_and_differs_from_base(
 def test_conversation_on_the_adapter_reuses_d_kv(served: Served) -> None:
     conv = Conversation(served, DEMO_LORA_NAME, messages=[
         SYSTEM, {"role": "user", "content": "List the services that saw errors."}])
-    conv.checked_send(max_tokens=16)
+    # A long first answer: D then holds full blocks P never computed (P's own prefix cache
+    # has turn 1's prompt), so turn 2's reuse needs a real pull from D.
+    conv.checked_send(max_tokens=200)
     conv.messages.append({"role": "user", "content": "Which one first?"})
     received = p2p_tokens(served.prefill_url)
     out = conv.checked_send(max_tokens=16)

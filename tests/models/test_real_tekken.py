@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from kvagent_server.models.tekken import TEKKEN_MODEL_NAME
 
-from .real import Conversation, Served, p2p_tokens, serve
+from .real import Conversation, Served, serve
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -51,12 +51,12 @@ def test_tool_conversation_reuses_where_the_format_appends(served: Served) -> No
     assert first["kvagent"]["path"] == "pd_fresh"
     _tool_results(conv)
 
-    # Tool results append to the prompt: P pulls the conversation's KV from D.
-    received = p2p_tokens(served.prefill_url)
+    # Tool results append to the prompt, but the call itself is re-rendered (bare JSON
+    # generated, `[TOOL_CALLS][{...,"id":...}]</s>` rendered): the verified prefix is the
+    # previous prompt, which P's own prefix cache already holds (no NIXL pull needed).
     after_tool = conv.checked_send(**TEXT_TURN)
     kva = after_tool["kvagent"]
     assert kva["path"] == "pd_reuse" and kva["reused_tokens"] >= 512, kva
-    assert p2p_tokens(served.prefill_url) > received
 
     # A new user message re-renders [AVAILABLE_TOOLS] and the system prompt in front of
     # it: the new prompt shares only `<s>` with the old one, so nothing can be reused.

@@ -32,6 +32,7 @@ from kvagent_server.models.cache import ensure_built
 TEKKEN_MODEL_NAME = "kvagent-demo-tekken"
 TEKKEN_MODEL_VERSION = "demo-tekken-v1"
 TEKKEN_MAX_MODEL_LEN = 16384
+TEKKEN_TOOL_CALL_PARSER = "mistral"
 #: Mistral NeMo's tokenizer (tekken, instruct format v3), as `mistral_common` ships it.
 TEKKEN_SOURCE = "tekken_240718.json"
 TEKKEN_FILE = "tekken.json"
@@ -66,16 +67,17 @@ def tekken_serve_args(max_model_len: int = TEKKEN_MAX_MODEL_LEN) -> list[str]:
     `--tokenizer-mode mistral` makes vLLM tokenize and render chats with `mistral_common`
     (the tekken.json in the model directory) instead of a Hugging Face tokenizer.
 
-    No `--tool-call-parser mistral`: vLLM 0.32's streaming parser for this (pre-v11) format
-    corrupts arguments whose `:{` arrives in one delta (they start with `:`; see
-    docs/engine.md). Without it, `tool_choice: "required"` and named choices use vLLM's
-    generic schema-constrained calls, which stream correctly; `"auto"` is unavailable (a
-    random model never calls tools on its own anyway).
+    The `mistral` tool parser is what makes `tool_choice: "required"` produce calls (vLLM
+    constrains the output to `[{"name": ..., "arguments": ...}]`). Its *streaming* variant
+    in vLLM 0.32 corrupts arguments whose `:{` arrives in one delta (they start with `:`;
+    see docs/engine.md); non-streamed responses are parsed whole and are correct.
     """
     return [
         "--served-model-name", TEKKEN_MODEL_NAME,
         "--max-model-len", str(max_model_len),
         "--tokenizer-mode", "mistral",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser", TEKKEN_TOOL_CALL_PARSER,
         "--structured-outputs-config", '{"backend":"xgrammar","disable_any_whitespace":true}',
         "--dtype", "float32",
     ]
