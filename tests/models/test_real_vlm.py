@@ -19,8 +19,6 @@ from tests.engine.flow import FRESH_P_PARAMS
 
 from .real import Conversation, Served, answer, nixl_reads, reference, serve
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
-
 
 def llava_blocker() -> str | None:
     """Why vLLM cannot load its LLaVA implementation here, or None if it can.
@@ -35,6 +33,14 @@ def llava_blocker() -> str | None:
     except ImportError as exc:
         return f"vLLM cannot import its LLaVA model: {exc}"
     return None
+
+
+#: While vLLM cannot load LLaVA here the tests are expected failures that do not run: the
+#: reason is documented (docs/engine.md), not a missing engine.
+BLOCKER = llava_blocker()
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500),
+              pytest.mark.xfail(BLOCKER is not None, reason=f"{BLOCKER} (docs/engine.md)",
+                                run=False, strict=True)]
 
 SYSTEM = {"role": "system", "content": "You describe images in one sentence. " * 30}
 
@@ -66,9 +72,6 @@ def messages(url: str) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     pytest.importorskip("PIL")
-    blocker = llava_blocker()
-    if blocker is not None:
-        pytest.skip(blocker)
     with serve(Path(tmp_path_factory.mktemp("vlm")), model=VLM_MODEL_NAME) as s:
         yield s
 
