@@ -24,6 +24,7 @@ async def run_workload(base_url: str, model: str, workload: Workload, *, config:
                        timeout_s: float = 600.0,
                        on_record: Callable[[RequestRecord], None] | None = None,
                        transport: httpx.AsyncBaseTransport | None = None,
+                       text_with_tool_calls: bool = True,
                        ) -> tuple[list[RequestRecord], float]:
     """Run every conversation; return the records (conversation, turn order) and wall time.
 
@@ -40,7 +41,8 @@ async def run_workload(base_url: str, model: str, workload: Workload, *, config:
             return await _conversation(client, url, model, conv, workload.max_tokens,
                                        config=config, session_id=f"{run_id}.{conv.id}",
                                        keep=keep_recorded_answers, t_start=t_start,
-                                       on_record=on_record)
+                                       on_record=on_record,
+                                       text_with_tool_calls=text_with_tool_calls)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
                                  limits=limits, transport=transport) as client:
@@ -52,14 +54,15 @@ async def run_workload(base_url: str, model: str, workload: Workload, *, config:
 async def _conversation(client: httpx.AsyncClient, url: str, model: str, conv: Conversation,
                         max_tokens: int, *, config: str, session_id: str, keep: bool,
                         t_start: float, on_record: Callable[[RequestRecord], None] | None,
-                        ) -> list[RequestRecord]:
+                        text_with_tool_calls: bool = True) -> list[RequestRecord]:
     history: list[dict] = []
     token: str | None = None
     answer = ""
     records: list[RequestRecord] = []
     for i, turn in enumerate(conv.turns):
         if turn.assistant is not None:
-            history.append(assistant_message(turn.assistant, answer, keep_recorded=keep))
+            history.append(assistant_message(turn.assistant, answer, keep_recorded=keep,
+                                             text_with_tool_calls=text_with_tool_calls))
         history.extend(turn.messages)
         body = chat_body(model, history, conv.tools, max_tokens)
         start = time.perf_counter() - t_start

@@ -123,22 +123,23 @@ class ContentionWatch:
 
 @contextmanager
 def serve(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int = 2,
-          startup_timeout_s: float = 900.0) -> Iterator[Endpoint]:
-    """The configuration, running; stopped (with every child process) on exit."""
+          startup_timeout_s: float = 900.0, model: str | None = None) -> Iterator[Endpoint]:
+    """The configuration serving `model` (a built-in id or a path; None: the demo model),
+    running; stopped (with every child process) on exit."""
     work_dir.mkdir(parents=True, exist_ok=True)
     if config.kind == "aggregated":
         with aggregated_node(work_dir, kv_cache_gib=kv_cache_gib,
-                             startup_timeout_s=startup_timeout_s) as ep:
+                             startup_timeout_s=startup_timeout_s, model=model) as ep:
             yield ep
     else:
         with bundle(config, work_dir, kv_cache_gib=kv_cache_gib,
-                    startup_timeout_s=startup_timeout_s) as ep:
+                    startup_timeout_s=startup_timeout_s, model=model) as ep:
             yield ep
 
 
 @contextmanager
 def bundle(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int,
-           startup_timeout_s: float) -> Iterator[Endpoint]:
+           startup_timeout_s: float, model: str | None = None) -> Iterator[Endpoint]:
     """The kvagent bundle on free loopback ports, run directory inside `work_dir`."""
     from kvagent_server.config import validate_config
     from kvagent_server.supervisor import Bundle
@@ -146,6 +147,7 @@ def bundle(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int,
     p_http, p_side, d_http, d_side, router_port = free_ports(5)
     cfg = validate_config({
         "name": f"mtbench-{config.name}".replace("_", "-"),
+        "model": model,
         "run_dir": str(work_dir / "run"),
         "kv_cache_gib": kv_cache_gib,
         "startup_timeout_s": startup_timeout_s,
@@ -166,31 +168,39 @@ def bundle(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int,
             print(f"warning: bundle processes survived stop: {survivors}", file=sys.stderr)
 
 
-def aggregated_args(model_path: str, port: int) -> list[str]:
-    """What many users run today: one node, prefix caching on, cached-token counts on."""
-    from kvagent_server import demo_model
+def aggregated_args(model_path: str, port: int, serve_args: list[str] | None = None
+                    ) -> list[str]:
+    """What many users run today: one node, prefix caching on, cached-token counts on.
+    `serve_args`: the model's own vLLM arguments (default: the demo model's)."""
+    if serve_args is None:
+        from kvagent_server import demo_model
 
+        serve_args = demo_model.demo_serve_args()
     return ["--model", model_path, "--host", "127.0.0.1", "--port", str(port),
-            *demo_model.demo_serve_args(), "--enable-prefix-caching",
-            "--enable-prompt-tokens-details"]
+            *serve_args, "--enable-prefix-caching", "--enable-prompt-tokens-details"]
 
 
 @contextmanager
 def aggregated_node(work_dir: Path, *, kv_cache_gib: int, startup_timeout_s: float,
-                    cpu_bind: str | None = None) -> Iterator[Endpoint]:
-    """A plain `python -m vllm.entrypoints.openai.api_server` serving the demo model."""
-    from kvagent_server import demo_model, processes
+                    cpu_bind: str | None = None, model: str | None = None
+                    ) -> Iterator[Endpoint]:
+    """A plain `python -m vllm.entrypoints.openai.api_server` serving a built-in model."""
+    from kvagent_server import processes
+    from kvagent_server.models.builtin import builtin_model
 
-    model_path = str(demo_model.ensure_demo_model())
+    builtin = builtin_model(model)
+    if builtin is None:
+        raise ValueError(f"aggregated: {model!r} is not a built-in model id")
+    model_path = str(builtin.ensure(None))
     (port,) = free_ports(1)
     run_dir = work_dir / "run"
     log_path = run_dir / "logs" / "aggregated.log"
     ncpu = len(os.sched_getaffinity(0))
-    serve_env = getattr(demo_model, "demo_serve_env", dict)  # same env the bundle's nodes get
-    env = {**serve_env(), "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+    env = {**builtin.serve_env(), "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
            "VLLM_CPU_OMP_THREADS_BIND": cpu_bind or f"0-{ncpu - 1}"}
     popen = processes.launch([sys.executable, "-m", VLLM_MODULE,
-                              *aggregated_args(model_path, port)],
+                              *aggregated_args(model_path, port,
+                                               builtin.serve_args(builtin.max_model_len))],
                              env=env, log_path=log_path, run_dir=run_dir, name="aggregated")
     root = f"http://127.0.0.1:{port}"
     try:
@@ -208,7 +218,7 @@ def aggregated_node(work_dir: Path, *, kv_cache_gib: int, startup_timeout_s: flo
                 raise RuntimeError(f"aggregated vLLM not healthy after {startup_timeout_s:.0f}"
                                    f" s; see {log_path}")
             time.sleep(0.5)
-        yield Endpoint(base_url=f"{root}/v1", model=demo_model.DEMO_MODEL_NAME,
+        yield Endpoint(base_url=f"{root}/v1", model=builtin.name,
                        log_dir=log_path.parent)
     finally:
         survivors = processes.terminate([popen.pid], run_dir, name="aggregated", grace=15.0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .results import BenchmarkReport, ConfigResult
+from .results import BenchmarkReport, ConfigResult, TokenTotals
 
 JSON_NAME = "results.json"
 PLOT_NAME = "ttft_by_turn.png"
@@ -59,6 +59,11 @@ def _ms(x: float | None) -> str:
     return "–" if x is None else f"{x * 1000:.0f}"
 
 
+def reused_share(tokens: TokenTotals) -> float | None:
+    """Reused prompt tokens over all prompt tokens; None without prompt tokens."""
+    return tokens.reused / tokens.prompt if tokens.prompt else None
+
+
 def _pct(x: float | None) -> str:
     return "–" if x is None else f"{x * 100:.0f}%"
 
@@ -99,6 +104,14 @@ def markdown_summary(report: BenchmarkReport) -> str:
         by = {t.turn: t for t in c.per_turn}
         lines.append(f"| {c.name} | " + " | ".join(
             _ms(by[t].ttft_s.p50) if t in by else "–" for t in turns) + " |")
+    lines += ["", ("Share of prompt tokens reused (`kvagent.reused_tokens` / prompt "
+                   "tokens) by turn index:"), ""]
+    lines.append("| config | " + " | ".join(str(t) for t in turns) + " |")
+    lines.append("|---|" + "---|" * len(turns))
+    for c in report.configs:
+        by = {t.turn: t for t in c.per_turn}
+        lines.append(f"| {c.name} | " + " | ".join(
+            _pct(reused_share(by[t].tokens)) if t in by else "–" for t in turns) + " |")
     tg = report.targets
     lines += ["", "Targets (measured, not asserted): "
               + ", ".join(f"{k} = {_num(v)}" for k, v in tg.ratios.items())

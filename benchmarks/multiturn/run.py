@@ -72,6 +72,9 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--keep-assistant", action="store_true",
                    help="send the recorded assistant texts instead of the model's answers")
     s = p.add_argument_group("servers")
+    s.add_argument("--model", default=None,
+                   help="built-in model id (kvagent-demo, kvagent-demo-tekken) or a path "
+                   "(default: kvagent-demo)")
     s.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache per vLLM node")
     s.add_argument("--startup-timeout", type=float, default=900.0)
     s.add_argument("--request-timeout", type=float, default=600.0)
@@ -139,7 +142,7 @@ def run_config(config: BenchConfig, workload: Workload, work_dir: Path, *, run_i
     try:
         _log(f"{config.name}: starting ({config.description})")
         with serve(config, cdir, kv_cache_gib=args.kv_cache_gib,
-                   startup_timeout_s=args.startup_timeout) as ep:
+                   startup_timeout_s=args.startup_timeout, model=args.model) as ep:
             startup = time.perf_counter() - t0
             _log(f"{config.name}: up in {startup:.0f} s at {ep.base_url}")
             if not args.no_warmup:
@@ -148,7 +151,8 @@ def run_config(config: BenchConfig, workload: Workload, work_dir: Path, *, run_i
                 records, wall = asyncio.run(run_workload(
                     ep.base_url, ep.model, workload, config=config.name, run_id=run_id,
                     keep_recorded_answers=args.keep_assistant,
-                    timeout_s=args.request_timeout, on_record=progress))
+                    timeout_s=args.request_timeout, on_record=progress,
+                    text_with_tool_calls=_text_with_tool_calls(args.model)))
         _log(f"{config.name}: done, stopped"
              + (f" ({watch.max} foreign vLLM processes ran meanwhile)" if watch.max else ""))
     except Exception as exc:  # noqa: BLE001 - a broken configuration must not lose the others' results
@@ -196,6 +200,14 @@ def versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             continue
     return out
+
+
+def _text_with_tool_calls(model: str | None) -> bool:
+    """Whether the model's chat format takes text and tool calls in one assistant message."""
+    from kvagent_server.models.builtin import builtin_model
+
+    builtin = builtin_model(model)
+    return builtin.text_with_tool_calls if builtin is not None else True
 
 
 def run_benchmark(workload: Workload, configs: list[BenchConfig], out_dir: Path,

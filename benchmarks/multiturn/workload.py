@@ -114,11 +114,17 @@ class Workload(BaseModel):
         return max((len(c.turns) for c in self.conversations), default=0)
 
 
-def assistant_message(script: AssistantScript, answer: str, *, keep_recorded: bool) -> Message:
-    """The assistant message that closes a turn: the model's answer plus scripted tool calls."""
-    content = answer
+def assistant_message(script: AssistantScript, answer: str, *, keep_recorded: bool,
+                      text_with_tool_calls: bool = True) -> Message:
+    """The assistant message that closes a turn: the model's answer plus scripted tool calls.
+
+    `text_with_tool_calls=False` is for chat formats whose assistant message is either text
+    or tool calls (Mistral's): a message with tool calls then carries no text."""
+    content: str | None = answer
     if keep_recorded and script.recorded_content is not None:
         content = script.recorded_content
+    if script.tool_calls and not text_with_tool_calls:
+        content = None
     msg: Message = {"role": "assistant", "content": content}
     if script.tool_calls:
         msg["tool_calls"] = script.tool_calls
@@ -344,7 +350,9 @@ def generate(spec: WorkloadSpec) -> Workload:
             calls, results = [], []
             for j in range(n_calls):
                 name = g.rng.choice(names)
-                call_id = f"call_{ci}_{ti}_{j}"
+                # 9 alphanumerics: the one id form every chat format accepts (Mistral's
+                # requires exactly that).
+                call_id = f"c{ci % 1000:03d}t{ti % 100:02d}n{j % 100:02d}"
                 calls.append({"id": call_id, "type": "function", "function": {
                     "name": name, "arguments": json.dumps(g.tool_args(name))}})
                 chars = _chars(g.rng.randint(*spec.tool_result_tokens), spec)

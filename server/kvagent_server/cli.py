@@ -53,7 +53,8 @@ NameOpt = Annotated[str | None, typer.Option("--name", help="Bundle name (run di
 RunDirOpt = Annotated[Path | None, typer.Option(
     "--run-dir", help="Run directory (default ~/.cache/kvagent/run/<name>).")]
 ModelOpt = Annotated[str | None, typer.Option(
-    "--model", "-m", help="Model path or name (default: the built-in demo model).")]
+    "--model", "-m", help="Model path or name, or a built-in model id: kvagent-demo "
+    "(default), kvagent-demo-tekken, kvagent-demo-vlm.")]
 ServedOpt = Annotated[str | None, typer.Option("--served-model-name")]
 DeviceOpt = Annotated[str | None, typer.Option(
     "--device", help="auto, cpu or cuda.", case_sensitive=False)]
@@ -513,7 +514,8 @@ def _demo_main() -> None:
 @demo_app.command()
 def demo(
     model: Annotated[str | None, typer.Option(
-        "--model", "-m", help="Model path or name (default: the locally built demo model).")
+        "--model", "-m", help="Model path or name, or a built-in model id: kvagent-demo "
+        "(default), kvagent-demo-tekken, kvagent-demo-vlm.")
     ] = None,
     keep_running: Annotated[bool, typer.Option(
         "--keep-running", help="Leave the bundle up after the agent (Ctrl-C stops it).")

@@ -27,17 +27,16 @@ or ``python -m kvagent_server.demo_model`` to build it and print its path.
 from __future__ import annotations
 
 import json
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
+
+# Re-exported: callers find the cache location next to the demo model.
+from kvagent_server.models.cache import CACHE_DIR_ENV, default_cache_dir, ensure_built  # noqa: F401
 
 DEMO_MODEL_NAME = "kvagent-demo"
 DEMO_MODEL_VERSION = "demo-model-v1"
 DEMO_MAX_MODEL_LEN = 16384
 DEMO_TOOL_CALL_PARSER = "hermes"
-CACHE_DIR_ENV = "KVAGENT_CACHE_DIR"
 
 _SEED = 20251130
 _VOCAB_SIZE = 8192
@@ -132,12 +131,6 @@ For each call, return a JSON object within <tool_call></tool_call>:
 _WORDS = ["the", "a", "an", "of", "to", "in", "and", "or", "for", "with", "on", "at", "by", "from", "as", "is", "are", "was", "be", "this", "that", "it", "agent", "tool", "call", "result", "user", "system", "assistant", "file", "read", "write", "search", "list", "open", "close", "run", "test", "build", "cache", "token", "prefix", "decode", "prefill", "node", "router", "session", "turn", "block", "memory", "weather", "city", "temperature", "forecast", "json", "value", "key", "name", "arguments", "function", "return", "error", "python", "import", "def", "class", "self", "if", "else", "while", "for", "yield", "async", "await", "print", "string", "number", "true", "false", "null", "data", "path", "line", "code", "model", "request", "response", "stream", "chunk", "reuse", "kv", "transfer", "remote", "local", "engine", "time", "second", "minute", "hour", "day", "week", "today", "tomorrow", "please", "thanks", "hello", "world", "find", "get", "set", "update", "delete", "create", "add", "remove", "check", "status", "ok", "done"]
 
 
-def default_cache_dir() -> Path:
-    """The parent directory of cached models: `$KVAGENT_CACHE_DIR` or `~/.cache/kvagent`."""
-    env = os.environ.get(CACHE_DIR_ENV)
-    return Path(env) if env else Path.home() / ".cache" / "kvagent"
-
-
 def demo_serve_args(max_model_len: int = DEMO_MAX_MODEL_LEN) -> list[str]:
     """vLLM serve arguments the demo model needs (besides `--model PATH`).
 
@@ -171,32 +164,9 @@ def demo_serve_env() -> dict[str, str]:
 
 
 def ensure_demo_model(cache_dir: Path | None = None) -> Path:
-    """Return the demo model's directory, building it first if it is not cached yet.
-
-    The build goes into a temporary sibling directory that is renamed into place, so a
-    crashed or concurrent build never leaves a half-written model behind.
-    """
-    parent = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = parent / DEMO_MODEL_VERSION
-    if (target / "config.json").is_file():
-        return target
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEMO_MODEL_VERSION}-", dir=parent))
-    try:
-        _build(tmp)
-        tmp.chmod(0o755)
-        for f in tmp.iterdir():
-            f.chmod(0o644)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "config.json").is_file():
-                raise
-            # Another process won the race; its model is identical.
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    """Return the demo model's directory, building it first if it is not cached yet
+    (atomically: see `models.cache.ensure_built`)."""
+    return ensure_built(DEMO_MODEL_VERSION, _build, cache_dir)
 
 
 def _corpus(lines: int = 30000) -> list[str]:

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from kvagent_server.config import ROLES, BundleConfig
+from kvagent_server.config import ROLES, BundleConfig, ConfigError
 from kvagent_server.render import HostFacts, ModelSource, PlanInputs
 
 #: Flags the plan sets itself; dropped from the demo model's own argument list.
@@ -59,22 +59,45 @@ def strip_flags(args: list[str], flags: dict[str, int]) -> list[str]:
 
 
 def resolve_model(cfg: BundleConfig, *, build: bool = True) -> ModelSource:
-    """The configured model, or the demo model (built on first use when `build`)."""
-    if cfg.model is not None:
-        return ModelSource(model=cfg.model, served_name=cfg.served_model_name or cfg.model)
-    demo = importlib.import_module("kvagent_server.demo_model")
-    if build:
-        path = str(demo.ensure_demo_model())
-    else:
-        path = str(demo.default_cache_dir() / demo.DEMO_MODEL_VERSION)
-    args_fn = getattr(demo, "demo_serve_args", None) or getattr(demo, "demo_model_args", None)
-    extra = strip_flags(list(args_fn()) if args_fn else [], _PLAN_FLAGS)
-    env_fn = getattr(demo, "demo_serve_env", None)
+    """The configured model: a built-in one by id (null: the demo model), built on first use
+    when `build`, or a path/hub name passed to vLLM as is."""
+    from kvagent_server.models.builtin import builtin_model
+
+    lora = resolve_lora(cfg, build=build)
+    builtin = builtin_model(cfg.model)
+    if builtin is None:
+        assert cfg.model is not None
+        return ModelSource(model=cfg.model, served_name=cfg.served_model_name or cfg.model,
+                           lora_modules=lora)
+    path = builtin.ensure(None) if build else builtin.path()
+    extra = strip_flags(list(builtin.serve_args(builtin.max_model_len)), _PLAN_FLAGS)
     return ModelSource(
-        model=path, served_name=demo.DEMO_MODEL_NAME, extra_args=tuple(extra),
-        default_max_model_len=getattr(demo, "DEMO_MAX_MODEL_LEN", None),
-        extra_env=tuple(sorted(env_fn().items())) if env_fn else (),
+        model=str(path), served_name=builtin.name, extra_args=tuple(extra),
+        default_max_model_len=builtin.max_model_len,
+        extra_env=tuple(sorted(builtin.serve_env().items())), lora_modules=lora,
     )
+
+
+def resolve_lora(cfg: BundleConfig, *, build: bool = True) -> tuple[tuple[str, str], ...]:
+    """(name, path) of each configured adapter; a path-less one is a built-in adapter."""
+    from kvagent_server.models.cache import default_cache_dir
+    from kvagent_server.models.lora import BUILTIN_ADAPTERS
+
+    out: list[tuple[str, str]] = []
+    problems: list[str] = []
+    for i, module in enumerate(cfg.lora_modules):
+        if module.path is not None:
+            out.append((module.name, module.path))
+        elif module.name in BUILTIN_ADAPTERS:
+            version, ensure = BUILTIN_ADAPTERS[module.name]
+            path = ensure(None) if build else default_cache_dir() / version
+            out.append((module.name, str(path)))
+        else:
+            problems.append(f"lora_modules[{i}].path: required (no built-in adapter is named "
+                            f"{module.name!r}; built-in: {', '.join(BUILTIN_ADAPTERS)})")
+    if problems:
+        raise ConfigError(problems)
+    return tuple(out)
 
 
 def plugin_needs() -> tuple[dict[str, dict[str, str]], dict[str, tuple[str, ...]]]:

@@ -49,6 +49,8 @@ class ModelSource:
     extra_args: tuple[str, ...] = ()
     default_max_model_len: int | None = None
     extra_env: tuple[tuple[str, str], ...] = ()
+    #: (served name, adapter directory) of each LoRA adapter, paths resolved.
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -177,7 +179,8 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
             args += ["--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events[0],
                 "topic": cfg.kv_events.topic}, separators=(",", ":"))]
-        args += [*inputs.model.extra_args, *inputs.role_args.get(role, ()), *rc.extra_args]
+        args += [*inputs.model.extra_args, *lora_args(cfg, inputs.model),
+                 *inputs.role_args.get(role, ()), *rc.extra_args]
 
         env = {
             "VLLM_NIXL_SIDE_CHANNEL_HOST": host,
@@ -234,6 +237,18 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
         router_settings_path=settings_path,
         router_settings=router_settings,
     )
+
+
+def lora_args(cfg: BundleConfig, model: ModelSource) -> list[str]:
+    """The LoRA flags of every node: P and D serve the same adapters, or P would compute
+    KV under one adapter that D decodes under another."""
+    if not model.lora_modules:
+        return []
+    args = ["--enable-lora", "--lora-modules",
+            *(f"{name}={path}" for name, path in model.lora_modules)]
+    if cfg.max_lora_rank is not None:
+        args += ["--max-lora-rank", str(cfg.max_lora_rank)]
+    return args
 
 
 #: Longest ipc socket path (sockaddr_un.sun_path, less the final NUL).

