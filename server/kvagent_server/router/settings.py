@@ -100,6 +100,12 @@ class RouterSettings(BaseModel):
     kv_recompute_threshold: int = Field(default=64, ge=0)
     #: The decode nodes' `decoder_kv_blocks_ttl`: how long D keeps a turn's blocks.
     decode_blocks_ttl_s: float = Field(default=480.0, gt=0)
+    #: The prefill nodes' `kv_lease_duration`: how long P keeps a finished prefill's
+    #: blocks for a D that has not started reading them.
+    prefill_lease_s: float = Field(default=30.0, gt=0)
+    #: A D leg must start reading P's blocks this long before P's lease ends; a decode
+    #: node that sees the request later (stalled) computes the prompt itself.
+    prefill_lease_margin_s: float = Field(default=5.0, ge=0)
     #: When a claimed handle is not reused (recompute), let P tell D to free its blocks
     #: now (`remote_num_tokens=0` params) instead of holding them until the TTL.
     release_unused_handles: bool = True
@@ -128,6 +134,10 @@ class RouterSettings(BaseModel):
     #: KV event sources by node URL (the bundle fills this from `kv_events`): prefill
     #: placement then weighs the prompt's cached prefix per node and tier against load.
     kv_events: dict[str, KVEventSource] = Field(default_factory=dict)
+    #: Test-only negative control: honour the `X-Kvagent-Test-Shift-Blocks` header, which
+    #: hands P D's reusable blocks in the wrong order (wrong KV on purpose), so the suite
+    #: can prove that its greedy-equality check catches wrong blocks. Never on in service.
+    test_shift_blocks_header: bool = False
 
     @model_validator(mode="after")
     def _distinct_salts(self) -> RouterSettings:
