@@ -12,7 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
-from kvagent_server.config.model import BundleConfig, KVEventsConfig, RoleConfig
+from kvagent_server.config.model import BundleConfig, KVEventsConfig, LoraModule, RoleConfig
 from kvagent_server.router.settings import RouterSettings
 
 
@@ -26,6 +26,8 @@ def config_reference_markdown() -> str:
     for name, field in RoleConfig.model_fields.items():
         rows.append(_row(f"prefill.{name} / decode.{name}", field, RoleConfig,
                          default=_role_default(name)))
+    for name, field in LoraModule.model_fields.items():
+        rows.append(_row(f"lora_modules[].{name}", field, LoraModule))
     for name, field in KVEventsConfig.model_fields.items():
         rows.append(_row(f"kv_events.{name}", field, KVEventsConfig))
     for name, field in RouterSettings.model_fields.items():
