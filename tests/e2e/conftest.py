@@ -198,8 +198,8 @@ def reference(e: E2E, messages: Any, content: Any, opts: dict[str, Any]) -> Any:
 
 
 #: P's tokens loaded through its KV connector (NIXL, from D) and from its own prefix cache.
-EXTERNAL_HITS = "vllm:external_prefix_cache_hits"
-LOCAL_HITS = "vllm:prefix_cache_hits"
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+LOCAL_HITS = "vllm:prefix_cache_hits_total"
 
 
 def p_hits(e: E2E) -> tuple[float, float]:

@@ -178,7 +178,7 @@ def test_decode_stalled_past_the_prefill_lease_recomputes(e2e: E2E) -> None:
     the router's `kvagent_read_by`; the decode node sees it is late and computes the prompt
     itself: the answer is right and P never sees a read of freed blocks ("Potentially
     invalid KV blocks", `vllm:nixl_num_notifications_after_expiry`)."""
-    after_expiry = "vllm:nixl_num_notifications_after_expiry"
+    after_expiry = "vllm:nixl_num_notifications_after_expiry_total"
     expired_before = e2e.metric(e2e.prefill_url, after_expiry)
     log_before = len(e2e.log_text("prefill-0"))
     question = "A stalled decode node: which blocks may it still read?"
