@@ -38,6 +38,10 @@ USER_TEXTS = (
     "Ok.",
 )
 EDIT_TEXTS = ("Payments fail since 09:00. Check the queue.", "Ignore that; look at DNS.")
+#: A tool result long enough (~150 tokens) that the turn after it is not a small delta:
+#: it runs P (`pd_reuse`, a pull from D) rather than `d_direct`.
+TOOL_RESULT = " ".join(f"[{10 + i}:0{i % 6}] svc=checkout p99={700 + 13 * i}ms err={i % 4}"
+                       for i in range(12))
 #: How a tool call's arguments are written back into the history.
 SERIALIZATIONS = ("as_sent", "compact", "spaced_sorted")
 
@@ -239,7 +243,7 @@ class Runner:
             fn = call["function"]
             fn["arguments"] = reserialize(fn["arguments"], how)
             conv.messages.append({"role": "tool", "tool_call_id": call["id"],
-                                  "content": f"{fn['name']}: 3 findings, p99 840 ms."})
+                                  "content": f"{fn['name']}: {TOOL_RESULT}"})
         if not calls:  # the model answered in text after all: still a valid history
             del out
 
