@@ -29,6 +29,8 @@ from hypothesis import strategies as st
 
 #: How many tokens one turn generates (kept small: the fuzz is about prompts).
 MAX_TOKENS = 8
+#: A long answer: over two CPU blocks (128 tokens) of KV only D has.
+LONG_TOKENS = 300
 USER_TEXTS = (
     "Checkout latency has been high since 10:00. Start with the API logs.",
     "What do the database metrics say about the last hour?",
@@ -55,6 +57,7 @@ OPS = st.one_of(
     st.tuples(st.just("retry")),
     st.tuples(st.just("fork"), st.sampled_from(USER_TEXTS)),
     st.tuples(st.just("race")),
+    st.tuples(st.just("long")),
 )
 CASES = st.lists(OPS, min_size=1, max_size=5)
 
@@ -249,6 +252,11 @@ class Runner:
 
     def op_user(self, conv: Conversation, text: str) -> None:
         self.turn(conv, text)
+
+    def op_long(self, conv: Conversation) -> None:
+        """A long answer: D then holds blocks of generated tokens P never computed, so a
+        later `pd_reuse` turn must pull them over NIXL."""
+        self.turn(conv, "Explain in detail.", {"max_tokens": LONG_TOKENS})
 
     def op_tool(self, conv: Conversation, how: str) -> None:
         if conv.messages[-1]["role"] == "tool":

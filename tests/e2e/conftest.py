@@ -206,18 +206,23 @@ def p_hits(e: E2E) -> tuple[float, float]:
     return e.metric(e.prefill_url, EXTERNAL_HITS), e.metric(e.prefill_url, LOCAL_HITS)
 
 
-def assert_pulled(e: E2E, before: tuple[float, float], result: Any) -> None:
-    """A `pd_reuse` turn's reused tokens reached P over NIXL from D: P's own counters show
-    external (connector) hits, and external plus local hits cover what the router reports.
-    Counters are updated as P's outputs arrive, so poll briefly."""
+def assert_pulled(e: E2E, before: tuple[float, float], result: Any, *,
+                  strict: bool = False) -> float:
+    """A `pd_reuse` turn's reused tokens reached P: P's own counters show external
+    (connector, i.e. NIXL from D) hits, and external plus local hits cover what the router
+    reports. P end-trims D's blocks to what it lacks, so a turn whose reused blocks P still
+    holds itself pulls nothing; `strict` demands a pull all the same (a turn after a long
+    answer D generated). Returns the tokens pulled. Counters are updated as P's outputs
+    arrive, so poll briefly."""
     if result.path != "pd_reuse" or not result.reused_tokens:
-        return
+        return 0.0
     deadline = time.monotonic() + 5
     while True:
         ext, local = p_hits(e)
         pulled, own = ext - before[0], local - before[1]
-        if pulled > 0 and pulled + own >= result.reused_tokens:
-            return
+        covered = pulled + own >= result.reused_tokens
+        if covered and (pulled > 0 or (not strict and own >= result.reused_tokens)):
+            return pulled
         if time.monotonic() > deadline:
             raise AssertionError(f"pd_reuse of {result.reused_tokens} tokens, but P pulled "
                                  f"{pulled} over NIXL and hit {own} in its own cache")

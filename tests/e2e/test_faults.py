@@ -205,6 +205,7 @@ def test_decode_stalled_past_the_prefill_lease_recomputes(e2e: E2E) -> None:
         ref = reference(e2e, [m for m in s.messages[:-2]], question, TEXT_TURN)
         assert answer(r) == answer(ref)
         assert r.path in ("pd_fresh", "recompute") and not r.reused_tokens, r.path
+        e2e.wait_router_sees("d0", True)
         nxt = checked_send(e2e, s, "Thanks, go on.", TEXT_TURN)
         assert nxt.cache_token_received
     time.sleep(2.0)

@@ -26,7 +26,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 #: Every operation once, always run first (the generated examples add random mixes).
 EVERY_OP: list[tuple[Any, ...]] = [
     ("tool", "compact"), ("edit", 0, EDIT_TEXTS[0]), ("retry",), ("race",),
-    ("truncate", 40), ("strip", 1), ("delete", 0), ("fork", "Ok."), ("user", "Thanks.")]
+    ("truncate", 40), ("strip", 1), ("delete", 0), ("fork", "Ok."), ("long",),
+    ("tool", "spaced_sorted")]
 
 
 def target(e: E2E, *, shift: bool = False) -> Target:
@@ -58,7 +59,7 @@ def test_fuzz_negative_control_finds_mismatches(e2e: E2E) -> None:
     """With rotated blocks handed to P, the same checks must fail."""
     with httpx.Client() as client:
         runner = Runner(target(e2e, shift=True), client)
-        runner.run_case([("tool", "as_sent"), ("user", "Thanks, go on.")])
+        runner.run_case([("long",), ("tool", "as_sent"), ("long",), ("tool", "compact")])
     stats = runner.stats.as_dict()
     print("fuzz negative control:", stats)
     assert stats["pd_reuse_turns"] > 0, stats
