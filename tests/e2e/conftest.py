@@ -98,6 +98,17 @@ class E2E:
             time.sleep(0.5)
         raise AssertionError(f"router did not see {role_name} healthy={healthy}")
 
+    def signal_engine(self, name: str, sig: int) -> list[int]:
+        """Signal a node's engine processes (the API server's descendants) but not its API
+        server: the node stays healthy over HTTP while its engine (and NIXL agent) stalls."""
+        import psutil
+
+        pids = [p.pid for p in psutil.Process(self.pid(name)).children(recursive=True)]
+        assert pids, f"{name} has no engine process"
+        for pid in pids:
+            os.kill(pid, sig)
+        return pids
+
     def log_text(self, name: str) -> str:
         """A bundle process's log so far (stdout and stderr of its whole group)."""
         from pathlib import Path

@@ -135,12 +135,12 @@ def test_prefill_killed_during_its_leg(e2e: E2E) -> None:
 
 
 def test_decode_frozen_during_transfer(e2e: E2E) -> None:
-    """D stops answering (SIGSTOP) while P pulls from it, then resumes: the turn is slow,
-    not wrong."""
+    """D's engine (and its NIXL agent) stops (SIGSTOP) while P pulls from it, then
+    resumes: the turn is slow, not wrong. D's API server keeps answering health checks."""
     with session(e2e) as s:
         start_turns(e2e, s)
         hits = p_hits(e2e)
-        e2e.kill("decode-0", signal.SIGSTOP)
+        e2e.signal_engine("decode-0", signal.SIGSTOP)
         out: dict[str, Any] = {}
         before = list(s.messages)
 
@@ -153,7 +153,7 @@ def test_decode_frozen_during_transfer(e2e: E2E) -> None:
         t = threading.Thread(target=turn)
         t.start()
         time.sleep(4.0)
-        e2e.kill("decode-0", signal.SIGCONT)
+        e2e.signal_engine("decode-0", signal.SIGCONT)
         t.join(600)
         assert "result" in out, out
         ref = reference(e2e, before, None, TEXT_TURN)
@@ -173,8 +173,9 @@ def test_decode_frozen_during_transfer(e2e: E2E) -> None:
 
 
 def test_decode_stalled_past_the_prefill_lease_recomputes(e2e: E2E) -> None:
-    """D is stopped before the D leg reaches it and resumed after P's lease has run out, so
-    P has freed the prefill's blocks (no heartbeat from D renewed them). The D leg carries
+    """D's engine is stopped before the D leg reaches it and resumed after P's lease has run
+    out, so P has freed the prefill's blocks (no heartbeat from D renewed them); D's API
+    server stays up, so the router sends the D leg there and waits. The D leg carries
     the router's `kvagent_read_by`; the decode node sees it is late and computes the prompt
     itself: the answer is right and P never sees a read of freed blocks ("Potentially
     invalid KV blocks", `vllm:nixl_num_notifications_after_expiry`)."""
@@ -191,13 +192,13 @@ def test_decode_stalled_past_the_prefill_lease_recomputes(e2e: E2E) -> None:
             except Exception as exc:  # noqa: BLE001
                 out["exc"] = exc
 
-        e2e.kill("decode-0", signal.SIGSTOP)
+        e2e.signal_engine("decode-0", signal.SIGSTOP)
         t = threading.Thread(target=turn)
         try:
             t.start()
             time.sleep(PREFILL_LEASE_S + 15)  # P's lease (and its reaping) passes
         finally:
-            e2e.kill("decode-0", signal.SIGCONT)
+            e2e.signal_engine("decode-0", signal.SIGCONT)
         t.join(600)
         assert "result" in out, out
         r = out["result"]
