@@ -34,14 +34,22 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         yield s
 
 
-def _tool_results(conv: Conversation) -> None:
-    """Answer the last assistant message's tool calls (the ids are part of the prompt)."""
-    calls = conv.messages[-1].get("tool_calls")
-    assert calls, f"expected a tool call, got {conv.messages[-1]!r}"
-    for call in calls:
-        args = json.loads(call["function"]["arguments"])
-        conv.messages.append({"role": "tool", "tool_call_id": call["id"],
-                              "content": f"{args['service']}: p99 840 ms, 2% errors"})
+def _call_tools(conv: Conversation, service: str) -> None:
+    """Close a `required` turn with a tool call and its result.
+
+    A random model's forced call can run past `max_tokens` (it may open a second call), so
+    the history gets a well-formed call instead of the model's text. For reuse this changes
+    nothing: Mistral's format re-renders a call (`[TOOL_CALLS][{..., "id": ...}]</s>`)
+    unlike the tokens generated for it, so the verified prefix ends before the assistant
+    message either way. The 9-character id is part of the prompt.
+    """
+    call_id = f"call{service:0<5}"[:9]
+    conv.messages[-1] = {"role": "assistant", "content": None, "tool_calls": [{
+        "id": call_id, "type": "function", "function": {
+            "name": "get_metrics",
+            "arguments": json.dumps({"service": service, "window": "5m"})}}]}
+    conv.messages.append({"role": "tool", "tool_call_id": call_id,
+                          "content": f"{service}: p99 840 ms, 2% errors"})
 
 
 def test_tool_conversation_reuses_where_the_format_appends(served: Served) -> None:
@@ -49,22 +57,21 @@ def test_tool_conversation_reuses_where_the_format_appends(served: Served) -> No
         SYSTEM, {"role": "user", "content": "Checkout is slow. Check the API."}])
     first = conv.checked_send(**TOOL_TURN)
     assert first["kvagent"]["path"] == "pd_fresh"
-    _tool_results(conv)
+    _call_tools(conv, "api")
 
-    # Tool results append to the prompt, but the call itself is re-rendered (bare JSON
-    # generated, `[TOOL_CALLS][{...,"id":...}]</s>` rendered): the verified prefix is the
-    # previous prompt, which P's own prefix cache already holds (no NIXL pull needed).
+    # Tool results append to the prompt: the previous prompt is reused (P's own prefix
+    # cache holds it, as P prefilled it).
     after_tool = conv.checked_send(**TEXT_TURN)
     kva = after_tool["kvagent"]
-    assert kva["path"] == "pd_reuse" and kva["reused_tokens"] >= 512, kva
+    assert kva["path"] == "pd_reuse" and kva["reused_tokens"] >= 256, kva
 
     # A new user message re-renders [AVAILABLE_TOOLS] and the system prompt in front of
     # it: the new prompt shares only `<s>` with the old one, so nothing can be reused.
     conv.messages.append({"role": "user", "content": "And the database?"})
     new_user = conv.checked_send(**TOOL_TURN)
     assert new_user["kvagent"]["reused_tokens"] == 0, new_user["kvagent"]
-    _tool_results(conv)
+    _call_tools(conv, "db")
 
     again = conv.checked_send(**TEXT_TURN)
     assert again["kvagent"]["path"] == "pd_reuse", again["kvagent"]
-    assert again["kvagent"]["reused_tokens"] >= 512
+    assert again["kvagent"]["reused_tokens"] >= 256

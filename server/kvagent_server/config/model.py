@@ -307,8 +307,8 @@ class BundleConfig(BaseModel):
         problems += _port_clashes(self)
         names = [m.name for m in self.lora_modules]
         served = self.served_model_name or self.model
-        for dup in sorted({n for n in names if names.count(n) > 1}):
-            problems.append(f"lora_modules: {dup!r} listed twice")
+        for twice in sorted({n for n in names if names.count(n) > 1}):
+            problems.append(f"lora_modules: {twice!r} listed twice")
         if served is not None and served in names:
             problems.append(f"lora_modules: {served!r} is also the base model's served name")
         ev = self.kv_events

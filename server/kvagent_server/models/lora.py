@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from kvagent_server.models.cache import ensure_built
 
@@ -45,13 +46,13 @@ def lora_config(base_model: str, rank: int = LORA_RANK, alpha: int = LORA_ALPHA,
 
 
 def lora_weights(shapes: dict[str, tuple[int, int]], num_layers: int, *, rank: int = LORA_RANK,
-                 seed: int = _SEED) -> dict[str, object]:
+                 seed: int = _SEED) -> dict[str, Any]:
     """Random A/B tensors named as PEFT saves them, for `shapes`: module -> (out, in)
     (`self_attn.q_proj`, `mlp.down_proj`, ...) in each of `num_layers` layers."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    out: dict[str, object] = {}
+    out: dict[str, Any] = {}
     for layer in range(num_layers):
         for module, (fan_out, fan_in) in shapes.items():
             prefix = f"base_model.model.model.layers.{layer}.{module}"
@@ -62,13 +63,13 @@ def lora_weights(shapes: dict[str, tuple[int, int]], num_layers: int, *, rank: i
     return out
 
 
-def llama_module_shapes(config: dict[str, object]) -> dict[str, tuple[int, int]]:
+def llama_module_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
     """(out, in) of each LoRA target of a Llama-style decoder layer, from its config.json."""
-    hidden = int(config["hidden_size"])  # type: ignore[arg-type]
-    heads = int(config["num_attention_heads"])  # type: ignore[arg-type]
-    kv_heads = int(config.get("num_key_value_heads") or heads)  # type: ignore[arg-type]
-    head_dim = int(config.get("head_dim") or hidden // heads)  # type: ignore[arg-type]
-    inter = int(config["intermediate_size"])  # type: ignore[arg-type]
+    hidden = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    inter = int(config["intermediate_size"])
     return {
         "self_attn.q_proj": (heads * head_dim, hidden),
         "self_attn.k_proj": (kv_heads * head_dim, hidden),
@@ -88,7 +89,7 @@ def write_lora(out: Path, base_model_dir: Path, *, rank: int = LORA_RANK,
     config = json.loads((base_model_dir / "config.json").read_text())
     tensors = lora_weights(llama_module_shapes(config), int(config["num_hidden_layers"]),
                            rank=rank, seed=seed)
-    save_file(tensors, str(out / ADAPTER_WEIGHTS))  # type: ignore[arg-type]
+    save_file(tensors, str(out / ADAPTER_WEIGHTS))
     cfg = lora_config(str(base_model_dir), rank, alpha)
     (out / ADAPTER_CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
