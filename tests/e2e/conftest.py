@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,9 @@ TTL_S = 100
 MARGIN_S = 20
 #: Deltas up to this many tokens skip P (`d_direct`); tool results are larger.
 SKIP_PREFILL_MAX = 96
+#: P keeps a finished prefill's blocks this long for a D that has not started reading
+#: (vLLM's `kv_lease_duration` default; the router's `prefill_lease_s`).
+PREFILL_LEASE_S = 30
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 
 
@@ -94,6 +98,23 @@ class E2E:
             time.sleep(0.5)
         raise AssertionError(f"router did not see {role_name} healthy={healthy}")
 
+    def signal_engine(self, name: str, sig: int) -> list[int]:
+        """Signal a node's engine processes (the API server's descendants) but not its API
+        server: the node stays healthy over HTTP while its engine (and NIXL agent) stalls."""
+        import psutil
+
+        pids = [p.pid for p in psutil.Process(self.pid(name)).children(recursive=True)]
+        assert pids, f"{name} has no engine process"
+        for pid in pids:
+            os.kill(pid, sig)
+        return pids
+
+    def log_text(self, name: str) -> str:
+        """A bundle process's log so far (stdout and stderr of its whole group)."""
+        from pathlib import Path
+
+        return Path(self.bundle.snapshot().proc(name).log).read_text(errors="replace")
+
     def metric(self, url: str, name: str) -> float:
         """Sum of a Prometheus metric's samples (all label sets) on a node or the router."""
         text = httpx.get(f"{url}/metrics", timeout=10).text
@@ -120,6 +141,8 @@ def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
             "signing_keys": {SIGNING_KID: SIGNING_KEY},
             "token_safety_margin_s": MARGIN_S,
             "skip_prefill_max_tokens": SKIP_PREFILL_MAX,
+            # The negative control's header (wrong blocks on purpose); off in service.
+            "test_shift_blocks_header": True,
             "tenants": [{"name": "alpha", "api_keys": [ALPHA_KEY]},
                         {"name": "beta", "api_keys": [BETA_KEY]}],
         },
@@ -171,9 +194,47 @@ def answer(result: Any) -> tuple[str, tuple[tuple[str, str], ...]]:
 
 
 def reference(e: E2E, messages: Any, content: Any, opts: dict[str, Any]) -> Any:
-    """The same request with reuse off: tenant beta (its own cache salt, so no prefix cache
-    of alpha's is shared) and a fresh session id (no handle): P computes everything."""
-    with session(e, api_key=BETA_KEY, system=None, messages=list(messages)) as ref:
-        result = ref.send(content, **opts)
-    assert result.path in ("pd_fresh", "d_direct", "recompute"), result.path
+    """The same request with no reuse at all: sent to P directly (no router, no handle)
+    under a fresh random cache salt, so no block any earlier request computed can be hit;
+    asserts P reports 0 cached prompt tokens."""
+    from kvagent import Session
+    from kvagent_server.demo import TOOLS
+
+    extra = {**opts.get("extra_body", {}), "cache_salt": uuid.uuid4().hex}
+    with Session(f"{e.prefill_url}/v1", e.model, tools=list(TOOLS), timeout=600,
+                 max_retries=0, messages=list(messages), **GREEDY) as ref:
+        result = ref.send(content, **{**opts, "extra_body": extra})
+    assert result.usage is not None and result.usage.cached_tokens == 0, result.usage
     return result
+
+
+#: P's tokens loaded through its KV connector (NIXL, from D) and from its own prefix cache.
+EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
+LOCAL_HITS = "vllm:prefix_cache_hits_total"
+
+
+def p_hits(e: E2E) -> tuple[float, float]:
+    return e.metric(e.prefill_url, EXTERNAL_HITS), e.metric(e.prefill_url, LOCAL_HITS)
+
+
+def assert_pulled(e: E2E, before: tuple[float, float], result: Any, *,
+                  strict: bool = False) -> float:
+    """A `pd_reuse` turn's reused tokens reached P: P's own counters show external
+    (connector, i.e. NIXL from D) hits, and external plus local hits cover what the router
+    reports. P end-trims D's blocks to what it lacks, so a turn whose reused blocks P still
+    holds itself pulls nothing; `strict` demands a pull all the same (a turn after a long
+    answer D generated). Returns the tokens pulled. Counters are updated as P's outputs
+    arrive, so poll briefly."""
+    if result.path != "pd_reuse" or not result.reused_tokens:
+        return 0.0
+    deadline = time.monotonic() + 5
+    while True:
+        ext, local = p_hits(e)
+        pulled, own = ext - before[0], local - before[1]
+        covered = pulled + own >= result.reused_tokens
+        if covered and (pulled > 0 or (not strict and own >= result.reused_tokens)):
+            return pulled
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pd_reuse of {result.reused_tokens} tokens, but P pulled "
+                                 f"{pulled} over NIXL and hit {own} in its own cache")
+        time.sleep(0.2)

@@ -26,6 +26,8 @@ from .conftest import (
     TEXT_TURN,
     TOOL_TURN,
     answer,
+    assert_pulled,
+    p_hits,
     reference,
     run_tools,
     session,
@@ -35,9 +37,12 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 def checked_send(e: E2E, s: Any, content: Any, opts: dict[str, Any]) -> Any:
-    """Send a turn and assert its answer equals the reuse-off answer of the same request."""
+    """Send a turn and assert its answer equals the reuse-off answer of the same request
+    (and that a `pd_reuse` turn's KV really came from D over NIXL)."""
     before = list(s.messages)
+    hits = p_hits(e)
     result = s.send(content, **opts)
+    assert_pulled(e, hits, result)
     ref = reference(e, before, content, opts)
     assert answer(result) == answer(ref), (result.path, result.reused_tokens)
     return result
@@ -97,6 +102,7 @@ def test_agent_conversation_reuses_and_matches_reuse_off(e2e: E2E) -> None:
     """Tool calls, tool results, short replies: >= 90% of later turns reuse, answers equal
     the reuse-off answers, small deltas skip P (`d_direct`)."""
     results = []
+    pulled_before = p_hits(e2e)[0]
     with session(e2e) as s:
         for question in USER_TURNS[:3]:
             call = checked_send(e2e, s, question, TOOL_TURN)
@@ -113,6 +119,8 @@ def test_agent_conversation_reuses_and_matches_reuse_off(e2e: E2E) -> None:
     assert all(r.path in ("pd_reuse", "d_direct") for r in reused), paths
     assert any(r.path == "d_direct" for r in later), paths  # short replies skip P
     assert any(r.path == "pd_reuse" for r in later), paths  # tool results do not
+    # ... and at least one of them pulled what only D had (a d_direct turn's tokens).
+    assert p_hits(e2e)[0] > pulled_before, "no pd_reuse turn pulled anything from D"
 
 
 def test_history_edit_reuses_only_the_common_prefix(e2e: E2E) -> None:
@@ -130,6 +138,29 @@ def test_history_edit_reuses_only_the_common_prefix(e2e: E2E) -> None:
     assert r.path in ("pd_reuse", "d_direct"), r.path
     assert r.reused_tokens and 0 < r.reused_tokens < last.usage.prompt_tokens, (
         r.reused_tokens, last.usage.prompt_tokens)
+
+
+def test_shifted_blocks_change_the_answer(e2e: E2E) -> None:
+    """Negative control: the router's test-only hook hands P D's blocks rotated by one (real
+    KV of this conversation at the wrong positions). The answer must differ from the
+    reuse-off answer, proving the greedy-equality checks above can fail."""
+    long_text = {**TEXT_TURN, "max_tokens": 32}
+    # A long answer (generated on D: blocks P never computed), then a question long
+    # enough to run P: the P leg must pull those blocks from D.
+    question = USER_TURNS[3] + " Context: " + " ".join(
+        f"step {i}: restart the checkout pods and compare p99." for i in range(12))
+    with session(e2e) as s:
+        call = checked_send(e2e, s, USER_TURNS[0], TOOL_TURN)
+        run_tools(s, call)
+        checked_send(e2e, s, None, {**TEXT_TURN, "max_tokens": 300})
+        history = list(s.messages)
+        hits = p_hits(e2e)
+        wrong = s.send(question, headers={"X-Kvagent-Test-Shift-Blocks": "1"}, **long_text)
+    assert wrong.path == "pd_reuse" and wrong.reused_tokens, (wrong.path, wrong.reused_tokens)
+    assert_pulled(e2e, hits, wrong, strict=True)
+    ref = reference(e2e, history, question, long_text)
+    print("shifted:", answer(wrong), "reference:", answer(ref))
+    assert answer(wrong) != answer(ref)
 
 
 @pytest.mark.parametrize("fault", ["tampered", "expired", "other_tenant", "other_session",

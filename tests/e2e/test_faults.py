@@ -22,7 +22,18 @@ import pytest
 from kvagent import APIStatusError, StreamInterrupted, TextDelta
 from kvagent_server.demo import USER_TURNS
 
-from .conftest import E2E, TEXT_TURN, TOOL_TURN, answer, reference, run_tools, session
+from .conftest import (
+    E2E,
+    PREFILL_LEASE_S,
+    TEXT_TURN,
+    TOOL_TURN,
+    answer,
+    assert_pulled,
+    p_hits,
+    reference,
+    run_tools,
+    session,
+)
 from .test_conversation import checked_send
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -124,11 +135,12 @@ def test_prefill_killed_during_its_leg(e2e: E2E) -> None:
 
 
 def test_decode_frozen_during_transfer(e2e: E2E) -> None:
-    """D stops answering (SIGSTOP) while P pulls from it, then resumes: the turn is slow,
-    not wrong."""
+    """D's engine (and its NIXL agent) stops (SIGSTOP) while P pulls from it, then
+    resumes: the turn is slow, not wrong. D's API server keeps answering health checks."""
     with session(e2e) as s:
         start_turns(e2e, s)
-        e2e.kill("decode-0", signal.SIGSTOP)
+        hits = p_hits(e2e)
+        e2e.signal_engine("decode-0", signal.SIGSTOP)
         out: dict[str, Any] = {}
         before = list(s.messages)
 
@@ -141,14 +153,66 @@ def test_decode_frozen_during_transfer(e2e: E2E) -> None:
         t = threading.Thread(target=turn)
         t.start()
         time.sleep(4.0)
-        e2e.kill("decode-0", signal.SIGCONT)
+        e2e.signal_engine("decode-0", signal.SIGCONT)
         t.join(600)
         assert "result" in out, out
         ref = reference(e2e, before, None, TEXT_TURN)
         assert answer(out["result"]) == answer(ref)
-        print("frozen D:", out["result"].path, out["result"].reused_tokens)
+        r = out["result"]
+        print("frozen D:", r.path, r.reused_tokens)
+        # Either P's pull waited for D and really came over NIXL, or it failed and the
+        # turn recomputed with nothing reused: never a reuse P did not receive.
+        assert r.path in ("pd_reuse", "recompute"), r.path
+        if r.path == "pd_reuse":
+            assert r.reused_tokens and r.reused_tokens > 0
+            assert_pulled(e2e, hits, r)
+        else:
+            assert not r.reused_tokens
         nxt = checked_send(e2e, s, "Thanks, go on.", TEXT_TURN)
         assert nxt.cache_token_received
+
+
+def test_decode_stalled_past_the_prefill_lease_recomputes(e2e: E2E) -> None:
+    """D's engine is stopped before the D leg reaches it and resumed after P's lease has run
+    out, so P has freed the prefill's blocks (no heartbeat from D renewed them); D's API
+    server stays up, so the router sends the D leg there and waits. The D leg carries
+    the router's `kvagent_read_by`; the decode node sees it is late and computes the prompt
+    itself: the answer is right and P never sees a read of freed blocks ("Potentially
+    invalid KV blocks", `vllm:nixl_num_notifications_after_expiry`)."""
+    after_expiry = "vllm:nixl_num_notifications_after_expiry_total"
+    expired_before = e2e.metric(e2e.prefill_url, after_expiry)
+    log_before = len(e2e.log_text("prefill-0"))
+    question = "A stalled decode node: which blocks may it still read?"
+    with session(e2e) as s:  # a new session: the P leg does not touch D
+        out: dict[str, Any] = {}
+
+        def turn() -> None:
+            try:
+                out["result"] = s.send(question, **TEXT_TURN)
+            except Exception as exc:  # noqa: BLE001
+                out["exc"] = exc
+
+        e2e.signal_engine("decode-0", signal.SIGSTOP)
+        t = threading.Thread(target=turn)
+        try:
+            t.start()
+            time.sleep(PREFILL_LEASE_S + 15)  # P's lease (and its reaping) passes
+        finally:
+            e2e.signal_engine("decode-0", signal.SIGCONT)
+        t.join(600)
+        assert "result" in out, out
+        r = out["result"]
+        print("stalled D:", r.path, r.reused_tokens)
+        ref = reference(e2e, [m for m in s.messages[:-2]], question, TEXT_TURN)
+        assert answer(r) == answer(ref)
+        assert r.path in ("pd_fresh", "recompute") and not r.reused_tokens, r.path
+        e2e.wait_router_sees("d0", True)
+        nxt = checked_send(e2e, s, "Thanks, go on.", TEXT_TURN)
+        assert nxt.cache_token_received
+    time.sleep(2.0)
+    assert e2e.metric(e2e.prefill_url, after_expiry) == expired_before
+    assert "Potentially invalid KV blocks" not in e2e.log_text("prefill-0")[log_before:]
+    assert "after P's lease" in e2e.log_text("decode-0")
 
 
 def test_redis_down_degrades_reuse_only(e2e: E2E) -> None:

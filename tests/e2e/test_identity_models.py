@@ -143,8 +143,6 @@ def _image(color: tuple[int, int, int]) -> str:
 @pytest.fixture(scope="module")
 def vlm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     pytest.importorskip("PIL", reason="Pillow is needed to draw the test images")
-    pytest.importorskip("torchvision", reason="vLLM 0.32's LLaVA model imports torchvision "
-                                              "(its model inspection fails without it)")
     mod = pytest.importorskip("kvagent_server.models.vlm",
                               reason="no locally built vision-language model in this tree "
                                      "(kvagent_server.models.vlm)")

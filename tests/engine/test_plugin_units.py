@@ -206,8 +206,8 @@ def test_wait_for_input_times_out_and_wakes_early() -> None:
     assert time.monotonic() - t >= 0.19
     threading.Timer(0.05, q.put, args=(1,)).start()
     t = time.monotonic()
-    idle_wait.wait_for_input(q, 5.0)
-    assert time.monotonic() - t < 2.0
+    idle_wait.wait_for_input(q, 60.0)
+    assert time.monotonic() - t < 30.0  # woken by the item, not the 60 s timeout
     assert q.get_nowait() == 1  # the item is left for the engine loop
 
 
@@ -237,10 +237,10 @@ def test_engine_step_waits_only_when_just_holding_blocks() -> None:
     assert time.monotonic() - t >= 0.14
 
     busy = _fake_core_module(FakeScheduler(True, True), executed=False)
-    idle_wait.patch_module(busy, 5000)
+    idle_wait.patch_module(busy, 60_000)
     t = time.monotonic()
     busy.EngineCoreProc()._process_engine_step()
-    assert time.monotonic() - t < 1.0
+    assert time.monotonic() - t < 30.0  # no 60 s wait
 
 
 def test_spin_window_is_capped_for_readers_only() -> None:
@@ -462,3 +462,49 @@ def test_release_ids_are_bounded_and_typed() -> None:
     many = [f"r{i}" for i in range(1000)]
     assert len(retention.release_ids({"kvagent_release": many})) == (
         retention.MAX_RELEASES_PER_REQUEST)
+
+
+def test_a_decode_pull_past_the_lease_is_computed_locally() -> None:
+    """A D leg that reaches a (stalled) decode node after P's lease reads nothing from P:
+    the request's remote prefill is switched off before the connector plans a read."""
+    import time
+
+    from kvagent_server.vllm_plugin import load_failure
+
+    mod = types.ModuleType("pull_scheduler")
+    seen: list[bool] = []
+
+    class NixlPullConnectorScheduler:
+        def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> Any:
+            remote = bool(request.kv_transfer_params.get("do_remote_prefill"))
+            seen.append(remote)
+            return (640 - num_computed, True) if remote else (0, False)
+
+    mod.NixlPullConnectorScheduler = NixlPullConnectorScheduler  # type: ignore[attr-defined]
+    assert load_failure.patch_pull_scheduler(mod)
+    sched = NixlPullConnectorScheduler()
+
+    def d_leg(read_by: Any) -> Any:
+        return types.SimpleNamespace(request_id="r", kv_transfer_params={
+            "do_remote_prefill": True, load_failure.READ_BY_KEY: read_by})
+
+    assert sched.get_num_new_matched_tokens(d_leg(time.time() + 60), 0) == (640, True)
+    late = d_leg(time.time() - 1)
+    assert sched.get_num_new_matched_tokens(late, 0) == (0, False)
+    assert late.kv_transfer_params["do_remote_prefill"] is False
+    assert seen == [True, False]
+    # No deadline (an older router) or a malformed one: vLLM's behaviour is unchanged.
+    assert sched.get_num_new_matched_tokens(d_leg(None), 0) == (640, True)
+    assert sched.get_num_new_matched_tokens(d_leg("soon"), 0) == (640, True)
+    assert not load_failure.read_too_late({"do_remote_prefill": False,
+                                           load_failure.READ_BY_KEY: 0}, time.time())
+
+
+def test_router_and_plugin_agree_on_the_read_by_key() -> None:
+    from kvagent_server.router.reuse import transfer
+    from kvagent_server.vllm_plugin import load_failure
+
+    assert transfer.READ_BY_KEY == load_failure.READ_BY_KEY
+    p = {"do_remote_prefill": True}
+    assert transfer.with_read_by(p, 5.0) == {"do_remote_prefill": True, "kvagent_read_by": 5.0}
+    assert p == {"do_remote_prefill": True}

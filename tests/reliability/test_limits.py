@@ -79,12 +79,12 @@ async def test_tenant_limit_is_per_tenant_with_retry_after() -> None:
 
 
 async def test_first_byte_timeout_is_504_and_aborts_the_prefill_leg() -> None:
-    cluster = FakeCluster(prefill_delay_s=5.0)
+    cluster = FakeCluster(prefill_delay_s=60.0)
     async with router_stack(cluster=cluster, first_byte_timeout_s=0.5) as st:
         t0 = time.monotonic()
         r = await st.client.post("/v1/chat/completions", json=CHAT)
         assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
-        assert time.monotonic() - t0 < 4.5
+        assert time.monotonic() - t0 < 30  # cut at 0.5 s, not after P's 60 s
         await eventually(lambda: bool(st.prefill[0].aborted))  # P saw its client leave
         assert not st.cluster.open_leases()
         assert not st.decode[0].requests

@@ -711,3 +711,23 @@ async def test_cli_serves_with_settings_file(tmp_path: Any) -> None:
         "--settings", str(bad), stderr=asyncio.subprocess.PIPE)
     _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2 and b"invalid settings" in err
+
+
+@pytest.mark.parametrize("hook_on", [False, True])
+async def test_shift_blocks_header_is_honoured_only_with_the_test_setting(hook_on: bool) -> None:
+    """The negative control's hook: only `test_shift_blocks_header` makes the header hand
+    P rotated blocks; every D leg carries P's lease end."""
+    async with router_stack(skip_prefill_max_tokens=0,
+                            test_shift_blocks_header=hook_on) as st:
+        kva, answer, _ = await turn(st, FIRST)
+        d_params = st.decode[0].requests[-1]["kv_transfer_params"]
+        assert 20 < d_params["kvagent_read_by"] - time.time() <= 30
+        await turn(st, second(answer), token=kva["cache_token"],
+                   headers={"X-Kvagent-Test-Shift-Blocks": "1"})
+        ids = st.prefill[0].requests[-1]["kv_transfer_params"]["remote_block_ids"][0]
+        if len(ids) < 2:
+            pytest.skip("the fake conversation reuses a single block")
+        # The fake numbers a sequence's blocks consecutively: rotated ids are out of order.
+        assert (ids != sorted(ids)) is hook_on, ids
+        if hook_on:
+            assert ids[-1] < ids[0], ids  # the first block moved to the end

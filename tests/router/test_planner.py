@@ -508,3 +508,19 @@ def test_plan_label_is_the_reason_or_reason_and_detail() -> None:
     assert ReusePlan(reuse_tokens=0, reason=Reason.NO_HANDLE).label == "no_handle"
     assert ReusePlan(reuse_tokens=0, reason=Reason.TOKEN_REJECTED,
                      detail="bad_signature").label == "token_rejected:bad_signature"
+
+
+def test_shifted_blocks_rotate_every_group_and_leave_the_input_alone() -> None:
+    """The negative control's wrong blocks: the same ids in another order."""
+    from kvagent_server.router.reuse.planner import shifted_blocks
+
+    h = make_handle(CACHED)
+    params = reuse_transfer_params(h, 96)
+    before = copy.deepcopy(params)
+    out = shifted_blocks(params)
+    assert params == before
+    for got, orig in zip(out["remote_block_ids"], params["remote_block_ids"], strict=True):
+        assert got != orig and sorted(got) == sorted(orig) and got == orig[1:] + orig[:1]
+    flat = {"remote_block_ids": [1, 2, 3]}
+    assert shifted_blocks(flat)["remote_block_ids"] == [2, 3, 1]
+    assert shifted_blocks({"remote_block_ids": [7]})["remote_block_ids"] == [7]

@@ -114,6 +114,12 @@ class RouterSettings(BaseModel):
     decode_blocks_ttl_s: float = Field(default=480.0, gt=0,
         description="The decode nodes' `decoder_kv_blocks_ttl`: how long D keeps a turn's "
         "blocks.")
+    prefill_lease_s: float = Field(default=30.0, gt=0,
+        description="The prefill nodes' `kv_lease_duration`: how long P keeps a finished "
+        "prefill's blocks for a D that has not started reading them.")
+    prefill_lease_margin_s: float = Field(default=5.0, ge=0,
+        description="A D leg must start reading P's blocks this long before P's lease ends; a "
+        "decode node that sees the request later (stalled) computes the prompt itself.")
     release_unused_handles: bool = Field(default=True,
         description="When a claimed handle is not reused (recompute), let P tell D to free its "
         "blocks now (`remote_num_tokens=0` params) instead of holding them until the TTL.")
@@ -146,6 +152,12 @@ class RouterSettings(BaseModel):
         description="KV event sources by node URL (the bundle fills this from `kv_events`): "
         "prefill placement then weighs the prompt's cached prefix per node and tier against "
         "load.")
+
+    test_shift_blocks_header: bool = Field(default=False,
+        description="Test-only negative control: honour the `X-Kvagent-Test-Shift-Blocks` "
+        "header, which hands P D's reusable blocks in the wrong order (wrong KV on purpose), so "
+        "the suite can prove that its greedy-equality check catches wrong blocks. Never on in "
+        "service.")
 
     @model_validator(mode="after")
     def _distinct_salts(self) -> RouterSettings:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 from types import ModuleType
 from typing import Any
 
@@ -47,6 +48,25 @@ def already_pulled(params: dict[str, Any] | None) -> bool:
         params.get("_remote_blocks_processed"))
 
 
+#: Unix time by which a decode node must start reading P's blocks (set by the router).
+READ_BY_KEY = "kvagent_read_by"
+
+
+def read_too_late(params: dict[str, Any] | None, now: float) -> bool:
+    """True for a D-side pull whose P lease has (nearly) run out.
+
+    P keeps a finished prefill's blocks only for its lease (`kv_lease_duration`, renewed
+    by D's heartbeats once D's engine knows the request). A decode node stalled before it
+    saw the request (stopped, swapped out) would read blocks P already freed and reused:
+    wrong KV, logged by P as "Potentially invalid KV blocks". Such a request computes its
+    prompt locally instead.
+    """
+    if params is None or not params.get("do_remote_prefill"):
+        return False
+    read_by = params.get(READ_BY_KEY)
+    return isinstance(read_by, int | float) and not isinstance(read_by, bool) and now > read_by
+
+
 def patch_pull_scheduler(module: ModuleType) -> bool:
     """Never offer D's blocks twice for one P request (the retry would wait forever).
 
@@ -65,8 +85,13 @@ def patch_pull_scheduler(module: ModuleType) -> bool:
 
     @functools.wraps(original)
     def get_num_new_matched_tokens(self: Any, request: Any, num_computed_tokens: int) -> Any:
-        if already_pulled(getattr(request, "kv_transfer_params", None)):
+        params = getattr(request, "kv_transfer_params", None)
+        if already_pulled(params):
             return 0, False
+        if read_too_late(params, time.time()):
+            logger.warning("kvagent: request %s reached the decode node after P's lease; "
+                           "computing its prompt locally", request.request_id)
+            params["do_remote_prefill"] = False
         return original(self, request, num_computed_tokens)
 
     get_num_new_matched_tokens.__kvagent_wrapped__ = True  # type: ignore[attr-defined]

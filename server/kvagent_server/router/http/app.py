@@ -51,6 +51,9 @@ from kvagent_server.router.turns.relay import Scrubber, relay_sse, rewrite_respo
 from kvagent_server.router.turns.retention import RetentionGuard
 from kvagent_server.router.turns.upstream import UpstreamError
 
+#: Test-only negative-control header (settings.test_shift_blocks_header).
+SHIFT_BLOCKS_HEADER = "x-kvagent-test-shift-blocks"
+
 log = logging.getLogger("kvagent.router")
 T = TypeVar("T")
 
@@ -238,7 +241,9 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
     stream = bool(body.get("stream"))
     # The store and the tokens know the session by the caller's key, not its id alone.
     req = TurnRequest(endpoint=endpoint, body=body, tenant=tenant,
-                      session=tenant.session_key(session), token=token, stream=stream)
+                      session=tenant.session_key(session), token=token, stream=stream,
+                      shift_blocks=(r.settings.test_shift_blocks_header
+                                    and SHIFT_BLOCKS_HEADER in request.headers))
 
     if streams.get(tenant.name, 0) >= tenant.max_concurrent_streams:
         raise HTTPError(429, f"tenant has {tenant.max_concurrent_streams} requests in flight; "

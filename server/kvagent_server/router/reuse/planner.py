@@ -272,6 +272,19 @@ def reuse_transfer_params(handle: Handle, reuse_tokens: int) -> dict[str, Any]:
     return params
 
 
+def shifted_blocks(params: dict[str, Any]) -> dict[str, Any]:
+    """Test-only negative control: the same blocks rotated by one, so P reads real KV of
+    this prompt at the wrong positions (wrong KV that no identity check can see)."""
+    out = copy.deepcopy(params)
+    parsed = _block_groups(out)
+    if parsed is None:
+        return out
+    groups, flat = parsed
+    rotated = [g[1:] + g[:1] if len(g) > 1 else g for g in groups]
+    out["remote_block_ids"] = rotated[0] if flat else rotated
+    return out
+
+
 def release_transfer_params(handle: Handle) -> dict[str, Any]:
     """P leg params that compute the whole prompt AND tell D to free the handle's blocks.
 

@@ -23,6 +23,10 @@ REMOTE_HOST: Final = "remote_host"
 REMOTE_PORT: Final = "remote_port"
 REMOTE_NUM_TOKENS: Final = "remote_num_tokens"
 
+#: Unix time by which D must start reading P's blocks; later, D computes the prompt
+#: itself (kvagent's vLLM plugin, `load_failure.read_too_late`).
+READ_BY_KEY: Final = "kvagent_read_by"
+
 #: Request ids of retained decode-side sequences to free now (kvagent's vLLM plugin).
 RELEASE_KEY: Final = "kvagent_release"
 #: The plugin honours at most this many ids per request: a bound on what one body can do.
@@ -38,6 +42,11 @@ def d_direct() -> dict[str, Any]:
     """D leg params when P is skipped: D computes from its own prefix cache, and (with
     the plugin) still retains the finished sequence for the next turn."""
     return {DO_REMOTE_PREFILL: False, DO_REMOTE_DECODE: False}
+
+
+def with_read_by(params: dict[str, Any], read_by: float) -> dict[str, Any]:
+    """D leg params (a copy) that D may act on only until `read_by` (P's lease)."""
+    return {**params, READ_BY_KEY: read_by}
 
 
 def offers_remote_blocks(params: dict[str, Any]) -> bool:

@@ -68,6 +68,8 @@ class TurnRequest:
     token: str | None
     stream: bool
     span: Any = None  # the turn's OpenTelemetry span (parent of the leg spans)
+    #: Test-only: rotate the pulled blocks (settings.test_shift_blocks_header).
+    shift_blocks: bool = False
 
     @property
     def chat(self) -> bool:
@@ -347,6 +349,8 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
     if c.path == "pd_reuse":
         assert c.handle is not None
         p_params = planner.reuse_transfer_params(c.handle, c.plan.reuse_tokens)
+        if req.shift_blocks and r.settings.test_shift_blocks_header:
+            p_params = planner.shifted_blocks(p_params)
     elif c.handle is not None and c.holder is not None and r.settings.release_unused_handles:
         p_params = planner.release_transfer_params(c.handle)  # P tells D to free them
     else:
@@ -365,10 +369,13 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
         path, plan = "recompute", planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.PULL_FAILED)
     d_nodes = r.registry.ranked("decode", c.d_first if c.d_first and c.d_first.healthy
                                 else None)
+    # P's lease on its blocks started about now: a D that sees the leg later recomputes.
+    read_by = time.time() + r.settings.prefill_lease_s - r.settings.prefill_lease_margin_s
+    d_params = transfer.with_read_by(prefill.kv_params, read_by)
     try:
         with leg_span(req.span, "decode") as span:
             start = await r.legs.decode(d_nodes, req.endpoint,
-                                        decode_body(req.body, prefill.kv_params),
+                                        decode_body(req.body, d_params),
                                         stream=req.stream)
             span.set_attribute("kvagent.node", start.node.name)
     except BaseException:

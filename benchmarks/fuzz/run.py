@@ -1,0 +1,126 @@
+"""The long run of the differential fuzz (differential.py) on a real bundle.
+
+    flock /tmp/kvagent-vllm.lock python benchmarks/fuzz/run.py --minutes 15 \
+        --out benchmarks/fuzz/results.json
+    ... --shift-blocks     # negative control: the router hands P rotated blocks
+
+Starts a bundle (1 P + 1 D vLLM-CPU with NIXL, the router; the demo model unless
+`--model-dir`), lets Hypothesis draw cases until the time is up, stops everything (also on
+failure), and writes the totals: cases, turns, mismatches, bound violations, reuse share.
+Exit 1 when a normal run finds a mismatch or a bound violation, or when the negative
+control finds none.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hseed
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.fuzz.differential import CASES, Runner, Stats, Target
+
+API_KEY = "fuzz-key"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start(run_dir: Path, shift: bool, model_dir: str | None) -> tuple[Any, Target]:
+    from kvagent._wire import tool_to_wire
+    from kvagent.tools import as_tools
+    from kvagent_server.config import validate_config
+    from kvagent_server.demo import TOOLS, system_prompt
+    from kvagent_server.inputs import gather_inputs
+    from kvagent_server.supervisor import Bundle
+
+    data: dict[str, Any] = {
+        "name": "fuzz", "device": "cpu", "run_dir": str(run_dir), "kv_cache_gib": 1,
+        "max_model_len": 16384, "startup_timeout_s": 900, "stop_grace_s": 10,
+        "prefill": {"ports": [_port()], "side_channel_ports": [_port()]},
+        "decode": {"ports": [_port()], "side_channel_ports": [_port()]},
+        "router": {"port": _port(), "skip_prefill_max_tokens": 96,
+                   "test_shift_blocks_header": shift,
+                   "tenants": [{"name": "fuzz", "api_keys": [API_KEY]}]},
+    }
+    if model_dir:
+        data["model"] = model_dir
+    cfg = validate_config(data)
+    bundle = Bundle(cfg, inputs=gather_inputs(cfg))
+    bundle.start(wait=True)
+    target = Target(router_v1=f"{bundle.router_url}/v1",
+                    prefill_url=bundle.node_urls("prefill")[0],
+                    model=cfg.served_model_name or "kvagent-demo", api_key=API_KEY,
+                    tools=[tool_to_wire(t) for t in as_tools(TOOLS).values()],
+                    system=system_prompt(handbook_sentences=8), shift_blocks=shift)
+    return bundle, target
+
+
+def fuzz(target: Target, minutes: float, seed: int) -> Stats:
+    total = Stats()
+    deadline = time.monotonic() + minutes * 60
+
+    @settings(max_examples=100_000, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))
+    @given(ops=CASES)
+    def one(ops: list[tuple[Any, ...]]) -> None:
+        if time.monotonic() > deadline:
+            return  # time is up: the remaining examples are no-ops
+        with httpx.Client() as client:
+            runner = Runner(target, client)
+            try:
+                runner.run_case(ops)
+            except (httpx.HTTPError, AssertionError) as exc:
+                runner.stats.failures.append(f"case {ops} raised {exc!r}")
+        total.add(runner.stats)
+        print(json.dumps({"ops": [list(o) for o in ops], **runner.stats.as_dict()}),
+              flush=True)
+
+    hseed(seed)(one)()
+    return total
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--minutes", type=float, default=15.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shift-blocks", action="store_true",
+                    help="negative control: mismatches must be found")
+    ap.add_argument("--model-dir", default=None, help="a model directory (default: demo)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="kvagent-fuzz-") as tmp:
+        bundle, target = start(Path(tmp), args.shift_blocks, args.model_dir)
+        started = time.time()
+        try:
+            stats = fuzz(target, args.minutes, args.seed)
+        finally:
+            bundle.stop()
+    result = {"minutes": args.minutes, "seed": args.seed, "shift_blocks": args.shift_blocks,
+              "model": args.model_dir or "demo", "wall_s": round(time.time() - started),
+              **stats.as_dict()}
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    if args.shift_blocks:
+        return 0 if stats.mismatches > 0 else 1
+    return 0 if stats.mismatches == 0 and stats.bound_violations == 0 and stats.cases else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
