@@ -88,7 +88,7 @@ def patch_pull_scheduler(module: ModuleType) -> bool:
         params = getattr(request, "kv_transfer_params", None)
         if already_pulled(params):
             return 0, False
-        if read_too_late(params, time.time()):
+        if params is not None and read_too_late(params, time.time()):
             logger.warning("kvagent: request %s reached the decode node after P's lease; "
                            "computing its prompt locally", request.request_id)
             params["do_remote_prefill"] = False
