@@ -78,6 +78,10 @@ class TokenCodec:
     def keys(self) -> KeyRing:
         return self._keys
 
+    def use_keys(self, keys: KeyRing) -> None:
+        """Verify (and sign) with `keys` from now on, e.g. after learning a replica's key."""
+        self._keys = keys
+
     def encode(self, *, tenant: str, session: str, handle: str, iat: int, exp: int) -> str:
         """A token for these claims, signed with the active key; ValueError when too long."""
         claims = TokenClaims(kid=self._keys.active_kid, tenant=tenant, session=session,

@@ -73,6 +73,12 @@ class KeyRing:
             raise ValueError(f"key id {kid!r} already names a different key")
         return KeyRing({**self._keys, kid: key}, kid)
 
+    def merged(self, keys: Mapping[str, bytes]) -> KeyRing:
+        """A new ring that also verifies `keys` (same active key). A kid that names a
+        different key here keeps this ring's key: a kid is never silently re-bound."""
+        extra = {kid: key for kid, key in keys.items() if kid not in self._keys}
+        return KeyRing({**self._keys, **extra}, self._active_kid) if extra else self
+
     def without(self, kid: str) -> KeyRing:
         """A new ring that no longer verifies `kid` (retire a key once its tokens expired)."""
         if kid == self._active_kid:

@@ -39,7 +39,7 @@ from kvagent_server.router.http.request import (
 )
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.base import SessionStore
-from kvagent_server.router.store.factory import key_ring_for, make_store
+from kvagent_server.router.store.factory import key_ring_for, key_sync_for, make_store
 from kvagent_server.router.store.memory import MemoryStore
 from kvagent_server.router.telemetry.metrics import CONTENT_TYPE, RouterMetrics
 from kvagent_server.router.telemetry.spans import record_error, record_outcome, start_turn
@@ -109,11 +109,17 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
             app.state.router.retention = guard
             if guard is not None:
                 guard.start()
+            key_sync = key_sync_for(settings, the_store, codec)
+            app.state.router.key_sync = key_sync
+            if key_sync is not None:
+                key_sync.start()
             try:
                 yield
             finally:
                 if guard is not None:
                     await guard.stop()
+                if key_sync is not None:
+                    await key_sync.stop()
                 await registry.stop()
                 if kv_events is not None:
                     await kv_events.stop()

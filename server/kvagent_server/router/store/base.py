@@ -58,3 +58,6 @@ class SharesKeys(Protocol):
     async def shared_key_ring(self) -> KeyRing:
         """The key ring every replica behind this store uses."""
 
+    async def publish_key_ring(self, ring: KeyRing) -> KeyRing:
+        """Re-publish `ring`'s keys; return it plus the keys other replicas published."""
+

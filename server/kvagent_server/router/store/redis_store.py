@@ -268,12 +268,47 @@ class RedisStore:
 
     # -------------------------------------------------------------- shared signing key
 
+    # Replicas without configured keys share theirs through one hash (kid -> hex key) and
+    # sign with the key named by `active`. Every replica keeps re-publishing its keys
+    # (`publish_key_ring`), so a Redis restarted empty learns them again, and a replica
+    # that started while Redis was empty and made its own key is learned by the others.
+
+    def _keys_key(self) -> str:
+        return f"{self._prefix}:signing_keys"
+
+    def _active_key(self) -> str:
+        return f"{self._prefix}:signing_active"
+
     @_unavailable
     async def shared_key_ring(self) -> KeyRing:
-        """A signing key every replica agrees on: the first replica to start stores it."""
-        key = f"{self._prefix}:signing_key"
-        candidate = f"s{secrets.token_hex(4)}:{secrets.token_hex(32)}".encode()
-        await self._r.set(key, candidate, nx=True)
-        stored = cast(bytes, await self._r.get(key))
-        kid, _, hex_key = stored.decode().partition(":")
-        return KeyRing({kid: bytes.fromhex(hex_key)}, kid)
+        """Every replica's keys; the active one is the first replica's (set once)."""
+        kid, key = f"s{secrets.token_hex(4)}", secrets.token_bytes(32)
+        await self._r.hsetnx(self._keys_key(), kid, key.hex())
+        await self._r.set(self._active_key(), kid, nx=True)
+        stored = await self._r.get(self._active_key())
+        keys = await self._stored_keys()
+        keys.setdefault(kid, key)  # ours, even if Redis was emptied in between
+        active = stored.decode() if isinstance(stored, bytes) else kid
+        return KeyRing(keys, active if active in keys else kid)
+
+    @_unavailable
+    async def publish_key_ring(self, ring: KeyRing) -> KeyRing:
+        """Make sure Redis holds `ring`'s keys (and an active kid); return `ring` plus every
+        key other replicas published."""
+        mapping = {kid: (ring.key(kid) or b"").hex() for kid in ring.kids}
+        async with self._r.pipeline(transaction=False) as pipe:
+            for kid, hex_key in mapping.items():
+                pipe.hsetnx(self._keys_key(), kid, hex_key)
+            pipe.set(self._active_key(), ring.active_kid, nx=True)
+            await pipe.execute()
+        return ring.merged(await self._stored_keys())
+
+    async def _stored_keys(self) -> dict[str, bytes]:
+        raw = cast(dict[bytes, bytes], await self._r.hgetall(self._keys_key()))
+        out: dict[str, bytes] = {}
+        for kid, hex_key in raw.items():
+            try:
+                out[kid.decode()] = bytes.fromhex(hex_key.decode())
+            except ValueError:
+                log.warning("ignoring a malformed shared signing key %r", kid)
+        return out

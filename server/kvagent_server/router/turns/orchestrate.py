@@ -18,6 +18,7 @@ from kvagent_server.router.auth.tenancy import Tenant
 from kvagent_server.router.reuse import identity, placement, planner, transfer
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.base import SessionStore, StoreUnavailable
+from kvagent_server.router.store.factory import KeySync
 from kvagent_server.router.store.handle import Handle, KVIdentity, new_handle_id
 from kvagent_server.router.telemetry.metrics import RouterMetrics
 from kvagent_server.router.telemetry.spans import leg_span
@@ -57,6 +58,8 @@ class Router:
     tiers: TierPlacement | None = None
     #: Bounds what decode nodes retain (router/retention.py; None: TTL only).
     retention: RetentionGuard | None = None
+    #: Shares signing keys with other replicas through Redis (None: configured keys).
+    key_sync: KeySync | None = None
 
 
 @dataclass
@@ -206,7 +209,13 @@ async def _claim_from_store(r: Router, req: TurnRequest) -> tuple[Handle | None,
     try:
         claims = r.codec.decode(req.token, now=time.time())
     except TokenError as exc:
-        return None, exc.reason
+        if not (exc.reason == "unknown_key" and r.key_sync is not None
+                and await r.key_sync.refresh_for_unknown_key()):
+            return None, exc.reason
+        try:  # another replica's key, learned just now
+            claims = r.codec.decode(req.token, now=time.time())
+        except TokenError as again:
+            return None, again.reason
     mismatch = verify_binding(claims, tenant, req.session)
     if mismatch is not None:
         return None, mismatch
