@@ -53,6 +53,9 @@ class RouterSettings(BaseModel):
     skip_prefill_max_tokens: int | None = None
     #: Reuse is disabled entirely (for A/B comparisons and benchmarks).
     reuse: bool = True
+    #: Send a `Server-Timing` response header with the turn's stages before the headers
+    #: (receive, tokenize, plan, prefill, decode; ms). Off: the headers stay vLLM's own.
+    server_timing: bool = False
     health_interval_s: float = Field(default=2.0, gt=0)
     # ---- limits (docs/reliability.md "Limits")
     #: One leg's HTTP timeout; also the longest a decode stream may stay silent.
