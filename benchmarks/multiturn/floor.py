@@ -195,11 +195,10 @@ def main(argv: list[str] | None = None) -> int:
                       f" measured {rec.ttft_s * 1000:6.1f} ms  ratio {s['ratio']:.2f}",
                       flush=True)
 
-    with tempfile.TemporaryDirectory(prefix="kva-floor-") as tmp:
-        with aggregated_node(Path(tmp), kv_cache_gib=args.kv_cache_gib,
-                             startup_timeout_s=900) as ep:
-            root = ep.base_url.removesuffix("/v1")
-            asyncio.run(measure(root, ep.model))
+    with (tempfile.TemporaryDirectory(prefix="kva-floor-") as tmp,
+          aggregated_node(Path(tmp), kv_cache_gib=args.kv_cache_gib,
+                          startup_timeout_s=900) as ep):
+        asyncio.run(measure(ep.base_url.removesuffix("/v1"), ep.model))
     out = {"command": ["python", "-m", "benchmarks.multiturn.floor", *(argv or sys.argv[1:])],
            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "results_file": str(args.results), "results_created_at": report.created_at,

@@ -144,8 +144,8 @@ def markdown_summary(report: BenchmarkReport) -> str:
               + ", ".join(f"{k}: {'–' if v is None else ('yes' if v else 'no')}"
                           for k, v in tg.met.items()), ""]
     if report.time_budget:
-        lines += ["Time to first token by stage, mean ms, turns after the first "
-                  "(`time_budget.png`; segments add up to the mean TTFT):", "",
+        lines += [("Time to first token by stage, mean ms, turns after the first "
+                   "(`time_budget.png`; segments add up to the mean TTFT):"), "",
                   *markdown_table(report.time_budget), ""]
     busy = [f"{c.name} ({c.foreign_vllm_max})" for c in report.configs if c.foreign_vllm_max]
     if busy:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 
-from . import report as report_mod
 from . import budget, stats
+from . import report as report_mod
 from .driver import run_workload
 from .nodes import (
     CONFIGS,

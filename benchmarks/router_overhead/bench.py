@@ -403,8 +403,8 @@ if __name__ == "__main__":
              f"total p50 {a['added_total_p50_ms']:+7.2f} p99 {a['added_total_p99_ms']:+8.2f} ms"
              for a in out["added"]]
     if out["versus_vllm_router"]:
-        text += ["", f"kvagent router vs vllm-router {out['vllm_router']} (same backend, "
-                 "one run; ratio = kvagent / vllm-router):"]
+        text += ["", (f"kvagent router vs vllm-router {out['vllm_router']} (same backend, "
+                      "one run; ratio = kvagent / vllm-router):")]
         text += [f"c={v['concurrency']:>3} {v['kvagent_mode']:<13} vs {v['vllm_router_mode']:<15} "
                  f"added ttft p50 {v['kvagent_added_ttft_p50_ms']:+6.2f} vs "
                  f"{v['vllm_router_added_ttft_p50_ms']:+6.2f} ms  ratio added "

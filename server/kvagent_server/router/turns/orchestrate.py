@@ -19,8 +19,8 @@ from kvagent_server.router.reuse import placement, planner, transfer
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.base import SessionStore, StoreUnavailable
 from kvagent_server.router.store.handle import Handle, new_handle_id
-from kvagent_server.router.telemetry.metrics import RouterMetrics
 from kvagent_server.router.telemetry.budget import TurnBudget
+from kvagent_server.router.telemetry.metrics import RouterMetrics
 from kvagent_server.router.telemetry.spans import leg_span
 from kvagent_server.router.turns.kv_placement import TierPlacement
 from kvagent_server.router.turns.legs import (
