@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 from kvagent.protocol import BODY_FIELD, CACHE_TOKEN_HEADER, SESSION_HEADER
+from kvagent_server.router.telemetry.budget import parse_server_timing
 
 
 @dataclass
@@ -106,6 +107,9 @@ class TurnResult:
     e2e_s: float
     status: int | None
     error: str | None
+    headers_s: float | None = None  # response headers received
+    #: The router's `Server-Timing` stages (seconds; empty: no router or the header is off).
+    stages_s: dict[str, float] = field(default_factory=dict)
 
 
 def chat_body(model: str, messages: list[dict], tools: list[dict], max_tokens: int
@@ -134,8 +138,12 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     meter = StreamMeter()
     t0 = time.perf_counter()
     status = None
+    headers_s: float | None = None
+    stages: dict[str, float] = {}
     try:
         async with client.stream("POST", url, json=body, headers=headers) as resp:
+            headers_s = time.perf_counter() - t0
+            stages = parse_server_timing(resp.headers.get("server-timing"))
             status = resp.status_code
             if resp.status_code != 200:
                 text = (await resp.aread()).decode(errors="replace")
@@ -150,4 +158,4 @@ async def stream_chat(client: httpx.AsyncClient, url: str, body: dict[str, Any],
     error = meter.error
     if error is None and not meter.done:
         error = "stream ended without [DONE]"
-    return TurnResult(meter, e2e, status, error)
+    return TurnResult(meter, e2e, status, error, headers_s, stages)

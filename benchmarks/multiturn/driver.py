@@ -73,7 +73,8 @@ async def _conversation(client: httpx.AsyncClient, url: str, model: str, conv: C
         usage = m.usage or {}
         rec = RequestRecord(
             config=config, conversation=conv.id, turn=i, start_s=start, ttft_s=m.ttft_s,
-            first_chunk_s=m.first_chunk_s, e2e_s=res.e2e_s, itl_s=m.itl_s,
+            first_chunk_s=m.first_chunk_s, e2e_s=res.e2e_s, headers_s=res.headers_s,
+            stages_s=res.stages_s, itl_s=m.itl_s,
             tpot_s=m.tpot_s(usage.get("completion_tokens")),
             prompt_tokens=usage.get("prompt_tokens"),
             completion_tokens=usage.get("completion_tokens"),

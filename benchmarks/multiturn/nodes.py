@@ -154,7 +154,8 @@ def bundle(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int,
         "prefill": {"ports": [p_http], "side_channel_ports": [p_side],
                     "prefix_caching": config.prefill_prefix_caching},
         "decode": {"ports": [d_http], "side_channel_ports": [d_side]},
-        "router": {"port": router_port, "reuse": config.reuse},
+        # server_timing: the per-stage budget of each turn reaches the records
+        "router": {"port": router_port, "reuse": config.reuse, "server_timing": True},
     })
     b = Bundle(cfg)
     try:

@@ -1,22 +1,26 @@
-"""Write a run's results: `results.json`, `ttft_by_turn.png`, `summary.md`."""
+"""Write a run's results: `results.json`, `ttft_by_turn.png`, `time_budget.png`,
+`summary.md`."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .results import BenchmarkReport, ConfigResult, TokenTotals
+from .budget import LABELS, SEGMENTS, markdown_table
+from .results import BenchmarkReport, ConfigResult, PathBudget, TokenTotals
 
 JSON_NAME = "results.json"
 PLOT_NAME = "ttft_by_turn.png"
+BUDGET_PLOT_NAME = "time_budget.png"
 SUMMARY_NAME = "summary.md"
 
 
 def write_all(report: BenchmarkReport, out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {"json": out_dir / JSON_NAME, "plot": out_dir / PLOT_NAME,
-             "summary": out_dir / SUMMARY_NAME}
+             "budget_plot": out_dir / BUDGET_PLOT_NAME, "summary": out_dir / SUMMARY_NAME}
     paths["json"].write_text(report.model_dump_json(indent=2) + "\n")
     plot_ttft_by_turn(report, paths["plot"])
+    plot_time_budget(report.time_budget, paths["budget_plot"])
     paths["summary"].write_text(markdown_summary(report))
     return paths
 
@@ -50,6 +54,40 @@ def plot_ttft_by_turn(report: BenchmarkReport, path: Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_time_budget(rows: list[PathBudget], path: Path) -> None:
+    """One stacked bar per (configuration, path): mean ms per segment of TTFT, turns
+    after the first; a dot marks the TTFT p50."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5 + 0.1 * len(rows)), dpi=110)
+    names = [f"{b.config}\n{b.path} (n={b.n})" for b in rows]
+    colors = plt.get_cmap("tab10").colors
+    left = [0.0] * len(rows)
+    for i, seg in enumerate(SEGMENTS):
+        widths = [max(0.0, b.segments_s.get(seg, 0.0)) * 1000 for b in rows]
+        if not any(widths):
+            continue
+        ax.barh(names, widths, left=left, color=colors[i % len(colors)], label=LABELS[seg])
+        left = [a + w for a, w in zip(left, widths, strict=True)]
+    p50 = [(n, b.ttft_p50_s * 1000) for n, b in zip(names, rows, strict=True)
+           if b.ttft_p50_s is not None]
+    if p50:
+        ax.scatter([v for _, v in p50], [n for n, _ in p50], color="black", zorder=3,
+                   s=14, label="TTFT p50")
+    ax.invert_yaxis()
+    ax.set_xlabel("mean ms to first token, by stage (turns after the first)")
+    ax.set_title("Where the time to first token goes, per configuration and path")
+    ax.grid(True, axis="x", alpha=0.3)
+    if rows:
+        ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -118,6 +156,10 @@ def markdown_summary(report: BenchmarkReport) -> str:
               + f", kvagent reuse rate = {_pct(tg.kvagent_reuse_rate)}; met: "
               + ", ".join(f"{k}: {'–' if v is None else ('yes' if v else 'no')}"
                           for k, v in tg.met.items()), ""]
+    if report.time_budget:
+        lines += [("Time to first token by stage, mean ms, turns after the first "
+                   "(`time_budget.png`; segments add up to the mean TTFT):"), "",
+                  *markdown_table(report.time_budget), ""]
     busy = [f"{c.name} ({c.foreign_vllm_max})" for c in report.configs if c.foreign_vllm_max]
     if busy:
         lines += ["Contention: vLLM processes not started by the benchmark ran during "

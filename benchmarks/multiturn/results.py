@@ -24,6 +24,10 @@ class RequestRecord(BaseModel):
     ttft_s: float | None = None  # first content/tool-call delta (else first chunk w/ choices)
     first_chunk_s: float | None = None  # first data chunk of any kind
     e2e_s: float | None = None
+    headers_s: float | None = None  # response headers received
+    #: The router's stages from its `Server-Timing` header (receive, tokenize, plan,
+    #: prefill, decode = D's time to headers, total = arrival to headers); {} without.
+    stages_s: dict[str, float] = Field(default_factory=dict)
     itl_s: list[float] = Field(default_factory=list)  # gaps between token-bearing chunks
     #: (last token - first token) / (completion_tokens - 1): per-token decode time, robust to
     #: servers that put several tokens in one chunk or flush chunks in bursts.
@@ -123,6 +127,17 @@ class Targets(BaseModel):
     met: dict[str, bool | None] = Field(default_factory=dict)
 
 
+class PathBudget(BaseModel):
+    """Mean seconds per TTFT segment (budget.SEGMENTS) for one (configuration, path)."""
+
+    config: str
+    path: str  # kvagent's path, or "direct" for a configuration without the router
+    n: int
+    segments_s: dict[str, float]
+    ttft_mean_s: float
+    ttft_p50_s: float | None
+
+
 class BenchmarkReport(BaseModel):
     schema_version: int = SCHEMA_VERSION
     created_at: str
@@ -135,3 +150,5 @@ class BenchmarkReport(BaseModel):
     reference_config: str | None
     configs: list[ConfigResult]
     targets: Targets
+    #: Mean TTFT per segment, per (configuration, path), turns after the first (budget.py).
+    time_budget: list[PathBudget] = Field(default_factory=list)

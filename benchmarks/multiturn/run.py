@@ -24,8 +24,8 @@ from pathlib import Path
 
 import httpx
 
+from . import budget, stats
 from . import report as report_mod
-from . import stats
 from .driver import run_workload
 from .nodes import (
     CONFIGS,
@@ -230,7 +230,8 @@ def run_benchmark(workload: Workload, configs: list[BenchConfig], out_dir: Path,
         versions=versions(), workload_source=workload.source,
         workload_fingerprint=workload.fingerprint(), workload=spec,
         reference_config=ref.name if ref else None, configs=results,
-        targets=stats.targets(results))
+        targets=stats.targets(results),
+        time_budget=budget.budgets(r for c in results for r in c.records))
 
 
 def _sigterm(signum: int, frame: object) -> None:

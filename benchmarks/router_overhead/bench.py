@@ -12,6 +12,10 @@ concurrent streams:
 - `router_fresh`: client -> router -> P leg -> D leg (no session: nothing to reuse).
 - `router_reuse`: sessions carrying their token; each turn tokenizes, pulls from D via P.
 - `router_d_direct`: the same with `skip_prefill_max_tokens`: tokenize, then D only.
+- `vllm_router_pd`: client -> vllm-router (PyPI `vllm-router`, Rust) in P/D mode -> P leg
+  -> D leg: the same backend work as `router_fresh`, through another router.
+- `vllm_router`: client -> vllm-router in plain mode -> fake D (the `bare_proxy` shape).
+  Both vllm-router modes run only when its `vllm-router` script is installed.
 
 Latency is measured per request to the first content chunk (TTFT) and to `[DONE]`;
 the backend answers instantly, so what remains is HTTP and router work. Every level runs
@@ -28,6 +32,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -211,7 +216,7 @@ def added(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
     by = {(s["concurrency"], s["mode"]): s for s in summary}
     out = []
     for (c, mode), s in by.items():
-        if not mode.startswith("router"):
+        if not mode.startswith(ROUTERS):
             continue
         for base in ("direct_pd", "direct"):
             b = by.get((c, base))
@@ -233,7 +238,53 @@ def line(res: dict[str, Any]) -> str:
             + (f"  errors {res['errors']}" if res.get("errors") else ""))
 
 
-MODES = ["direct", "direct_pd", "bare_proxy", "router_fresh", "router_reuse", "router_d_direct"]
+MODES = ["direct", "direct_pd", "bare_proxy", "router_fresh", "router_reuse", "router_d_direct",
+         "vllm_router_pd", "vllm_router"]
+ROUTERS = ("router", "vllm_router")
+#: kvagent mode -> the vllm-router mode doing the same backend work.
+PAIRS = {"router_fresh": "vllm_router_pd", "bare_proxy": "vllm_router"}
+
+
+def vllm_router_bin() -> str | None:
+    """The `vllm-router` script of this interpreter's environment, else one on PATH."""
+    here = Path(sys.executable).with_name("vllm-router")
+    return str(here) if here.exists() else shutil.which("vllm-router")
+
+
+def vllm_router_argv(binary: str, port: int, p_url: str, d_url: str, *, pd: bool) -> list[str]:
+    """vllm-router with its defaults (cache-aware policy), but limits that never queue or
+    refuse the benchmark's concurrency and quiet logs."""
+    argv = [binary, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning",
+            "--max-concurrent-requests", "4096", "--queue-size", "4096",
+            "--health-check-interval-secs", "60",
+            # its metrics listener has a fixed default port: two instances would collide
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    if pd:
+        return argv + ["--vllm-pd-disaggregation", "--prefill", p_url, "--decode", d_url]
+    return argv + ["--worker-urls", d_url]
+
+
+def versus(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """kvagent's router against vllm-router doing the same backend work, per concurrency:
+    each one's added TTFT p50 over the same baseline, and their ratio (from one run)."""
+    by = {(s["concurrency"], s["mode"]): s for s in summary}
+    out = []
+    for (c, mode), s in sorted(by.items()):
+        other = by.get((c, PAIRS.get(mode, "")))
+        base = by.get((c, "direct_pd" if mode == "router_fresh" else "direct"))
+        if other is None or base is None:
+            continue
+        ours = s["ttft_p50_ms"] - base["ttft_p50_ms"]
+        theirs = other["ttft_p50_ms"] - base["ttft_p50_ms"]
+        out.append({"concurrency": c, "kvagent_mode": mode, "vllm_router_mode": other["mode"],
+                    "baseline": base["mode"], "kvagent_added_ttft_p50_ms": ours,
+                    "vllm_router_added_ttft_p50_ms": theirs,
+                    "ratio_added": ours / theirs if theirs > 0 else None,
+                    "ratio_ttft_p50": s["ttft_p50_ms"] / other["ttft_p50_ms"],
+                    "ratio_ttft_p99": s["ttft_p99_ms"] / other["ttft_p99_ms"],
+                    "kvagent_cpu_ms_per_request": s["server_cpu_ms_per_request"],
+                    "vllm_router_cpu_ms_per_request": other["server_cpu_ms_per_request"]})
+    return out
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -260,6 +311,21 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             routers[name] = f"http://127.0.0.1:{port}"
             pids[name] = procs[-1].pid
             await wait_ready(f"{routers[name]}/ready")
+        vr = vllm_router_bin()
+        wanted = [m for m in args.modes if m.startswith("vllm_router")]
+        if wanted and vr is None:
+            print("vllm-router is not installed: skipping " + ", ".join(wanted), flush=True)
+            args.modes = [m for m in args.modes if m not in wanted]
+        for name, pd in (("vllm_router_pd", True), ("vllm_router", False)):
+            if name not in args.modes:
+                continue
+            assert vr is not None
+            port = free_port()
+            procs.append(start(vllm_router_argv(vr, port, f"http://127.0.0.1:{p_port}",
+                                                f"http://127.0.0.1:{d_port}", pd=pd)))
+            routers[name] = f"http://127.0.0.1:{port}"
+            pids[name] = procs[-1].pid
+            await wait_ready(f"{routers[name]}/health")
         port = free_port()
         procs.append(start([sys.executable, str(HERE / "bare_proxy.py"), str(port),
                             f"http://127.0.0.1:{d_port}"]))
@@ -267,11 +333,13 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         pids["bare"] = procs[-1].pid
         which = {"direct": "direct", "direct_pd": "direct", "bare_proxy": "bare",
                  "router_fresh": "router", "router_reuse": "router",
-                 "router_d_direct": "router_dd"}
+                 "router_d_direct": "router_dd", "vllm_router_pd": "vllm_router_pd",
+                 "vllm_router": "vllm_router"}
         await asyncio.sleep(1.0)
         bases = {"direct": f"http://127.0.0.1:{d_port}", "direct_pd": f"http://127.0.0.1:{d_port}",
                  "bare_proxy": routers["bare"], "router_fresh": routers["router"],
-                 "router_reuse": routers["router"], "router_d_direct": routers["router_dd"]}
+                 "router_reuse": routers["router"], "router_d_direct": routers["router_dd"],
+                 **{m: routers[m] for m in ("vllm_router_pd", "vllm_router") if m in routers}}
         for concurrency in args.concurrency:
             for rnd in range(args.repeats):
                 for mode in args.modes:
@@ -279,7 +347,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                                           args.cap_s, pids[which[mode]],
                                           f"http://127.0.0.1:{p_port}"
                                           if mode == "direct_pd" else None)
-                    if mode.startswith("router"):
+                    if mode.startswith("router_"):
                         res["misses_so_far"] = await miss_reasons(bases[mode])
                     res["round"] = rnd
                     res["loadavg_1m"] = round(os.getloadavg()[0], 2)
@@ -295,8 +363,18 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
             "loadavg_before": loads[0], "loadavg_after": loads[1],
             "cpus": os.cpu_count(), "repeats": args.repeats,
-            "summary": summary, "added": added(summary),
+            "vllm_router": vllm_router_version(),
+            "summary": summary, "added": added(summary), "versus_vllm_router": versus(summary),
             "rounds": [{k: v for k, v in r.items() if not k.startswith("_")} for r in rounds]}
+
+
+def vllm_router_version() -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("vllm-router")
+    except PackageNotFoundError:
+        return None
 
 
 def _interrupt(signum: int, frame: Any) -> None:
@@ -324,6 +402,16 @@ if __name__ == "__main__":
              f"ttft p50 {a['added_ttft_p50_ms']:+7.2f} p99 {a['added_ttft_p99_ms']:+8.2f} ms   "
              f"total p50 {a['added_total_p50_ms']:+7.2f} p99 {a['added_total_p99_ms']:+8.2f} ms"
              for a in out["added"]]
+    if out["versus_vllm_router"]:
+        text += ["", (f"kvagent router vs vllm-router {out['vllm_router']} (same backend, "
+                      "one run; ratio = kvagent / vllm-router):")]
+        text += [f"c={v['concurrency']:>3} {v['kvagent_mode']:<13} vs {v['vllm_router_mode']:<15} "
+                 f"added ttft p50 {v['kvagent_added_ttft_p50_ms']:+6.2f} vs "
+                 f"{v['vllm_router_added_ttft_p50_ms']:+6.2f} ms  ratio added "
+                 + (f"{v['ratio_added']:.2f}" if v["ratio_added"] is not None else "n/a")
+                 + f"  ttft p50 ratio {v['ratio_ttft_p50']:.2f}  p99 ratio "
+                 f"{v['ratio_ttft_p99']:.2f}  cpu/req {v['kvagent_cpu_ms_per_request']:.2f} vs "
+                 f"{v['vllm_router_cpu_ms_per_request']:.2f} ms" for v in out["versus_vllm_router"]]
     print("\n".join(text))
     if args.out:
         args.out.write_text(json.dumps(out, indent=2))

@@ -34,7 +34,10 @@ class Endpoint:
                   {"choices": [{"index": 0, "delta": {"content": f"answer {n}"}}]},
                   {"choices": [{"index": 0, "delta": {"content": "!"}}]}, final]
         text = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
-        return httpx.Response(200, text=text, headers={"content-type": "text/event-stream"})
+        headers = {"content-type": "text/event-stream"}
+        if self.kvagent:  # the router's opt-in per-stage budget
+            headers["server-timing"] = "receive;dur=0.5, prefill;dur=40, total;dur=45.25"
+        return httpx.Response(200, text=text, headers=headers)
 
 
 def spec(**kw) -> WorkloadSpec:
@@ -72,6 +75,8 @@ async def test_history_grows_by_answer_and_script_and_token_is_carried() -> None
     assert r.sent_cache_token and r.got_cache_token and r.answer == "answer 2!"
     assert r.ttft_s is not None and r.e2e_s >= r.ttft_s and len(r.itl_s) == 1
     assert not records[0].sent_cache_token
+    assert r.stages_s == {"receive": 0.0005, "prefill": 0.04, "total": 0.04525}
+    assert r.headers_s is not None and r.headers_s <= r.ttft_s
 
 
 async def test_plain_server_records_no_kvagent_fields() -> None:
@@ -80,6 +85,7 @@ async def test_plain_server_records_no_kvagent_fields() -> None:
                                     config="aggregated", run_id="r",
                                     transport=httpx.MockTransport(ep))
     assert all(r.reused_tokens is None and r.path is None for r in records)
+    assert all(r.stages_s == {} and r.headers_s is not None for r in records)
     assert "x-kvagent-cache-token" not in ep.requests[1][1]
     assert records[1].cached_tokens == 64
 

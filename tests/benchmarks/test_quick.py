@@ -12,7 +12,7 @@ import importlib.util
 import pytest
 
 from benchmarks.multiturn.nodes import CONFIGS
-from benchmarks.multiturn.report import JSON_NAME, PLOT_NAME, SUMMARY_NAME
+from benchmarks.multiturn.report import BUDGET_PLOT_NAME, JSON_NAME, PLOT_NAME, SUMMARY_NAME
 from benchmarks.multiturn.results import BenchmarkReport
 from benchmarks.multiturn.run import main
 
@@ -41,6 +41,7 @@ def test_quick_mode_runs_every_configuration(tmp_path) -> None:
     assert rc == 0
     assert [c.name for c in rep.configs] == list(CONFIGS)
     assert (out / PLOT_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / BUDGET_PLOT_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| kvagent | ok |" in (out / SUMMARY_NAME).read_text()
 
     by = {c.name: c for c in rep.configs}
@@ -50,6 +51,17 @@ def test_quick_mode_runs_every_configuration(tmp_path) -> None:
         assert [t.turn for t in c.per_turn] == [0, 1, 2, 3]
         assert all(r.prompt_tokens and r.ttft_s is not None for r in c.records)
 
+    # The router's per-stage budget reached every routed record (Server-Timing is on in the
+    # benchmark's bundles), and a P leg shows up only where there was one.
+    for name in ("kvagent", "pd_noreuse_pcache_off", "pd_noreuse_pcache_on"):
+        for r in by[name].records:
+            assert {"receive", "plan", "decode", "total"} <= r.stages_s.keys(), (name, r)
+            assert ("prefill" in r.stages_s) == (r.path != "d_direct"), (name, r)
+            assert r.headers_s is not None and r.headers_s <= r.ttft_s
+    assert all(r.stages_s == {} for r in by["aggregated"].records)
+    budget_paths = {(b.config, b.path) for b in rep.time_budget}
+    assert ("aggregated", "direct") in budget_paths
+    assert any(c == "kvagent" and p in ("pd_reuse", "d_direct") for c, p in budget_paths)
     kva = by["kvagent"].summary
     assert kva.reuse_rate_later_turns is not None and kva.reuse_rate_later_turns > 0
     assert kva.tokens.reused > 0

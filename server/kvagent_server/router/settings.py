@@ -57,6 +57,10 @@ class RouterSettings(BaseModel):
         "never skip, None: decide from measured costs).")
     reuse: bool = Field(default=True,
         description="Reuse is disabled entirely (for A/B comparisons and benchmarks).")
+    server_timing: bool = Field(default=False,
+        description="Send a `Server-Timing` response header with the turn's stages before the "
+        "headers (receive, tokenize, plan, prefill, decode; ms). Off: the headers stay vLLM's "
+        "own.")
     health_interval_s: float = Field(
         default=2.0, gt=0, description="Seconds between health probes of each node.")
     # ---- limits (docs/reliability.md "Limits")

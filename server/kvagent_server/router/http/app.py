@@ -41,6 +41,7 @@ from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.base import SessionStore
 from kvagent_server.router.store.factory import key_ring_for, key_sync_for, make_store
 from kvagent_server.router.store.memory import MemoryStore
+from kvagent_server.router.telemetry import budget as time_budget
 from kvagent_server.router.telemetry.metrics import CONTENT_TYPE, RouterMetrics
 from kvagent_server.router.telemetry.spans import record_error, record_outcome, start_turn
 from kvagent_server.router.turns import kv_placement
@@ -127,11 +128,12 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
                 await the_store.close()
 
     async def completions(request: Request) -> Response:
+        arrived = time.perf_counter()
         endpoint = request.url.path
         r: Router = request.app.state.router
         metrics.in_flight.inc()
         try:
-            response = await _serve(request, r, endpoint, tenants, streams)
+            response = await _serve(request, r, endpoint, tenants, streams, arrived)
         except HTTPError as exc:
             response = exc.response()
         except ClientGone:
@@ -225,7 +227,7 @@ async def _served_model(client: httpx.AsyncClient, registry: NodeRegistry) -> st
 
 
 async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantResolver,
-                 streams: dict[str, int]) -> Response:
+                 streams: dict[str, int], arrived: float) -> Response:
     try:
         tenant = tenants.resolve(request.headers.get("authorization"))
     except AuthError as exc:
@@ -249,7 +251,8 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
     req = TurnRequest(endpoint=endpoint, body=body, tenant=tenant,
                       session=tenant.session_key(session), token=token, stream=stream,
                       shift_blocks=(r.settings.test_shift_blocks_header
-                                    and SHIFT_BLOCKS_HEADER in request.headers))
+                                    and SHIFT_BLOCKS_HEADER in request.headers),
+                      budget=time_budget.TurnBudget(arrived=arrived))
 
     if streams.get(tenant.name, 0) >= tenant.max_concurrent_streams:
         raise HTTPError(429, f"tenant has {tenant.max_concurrent_streams} requests in flight; "
@@ -288,10 +291,12 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
                             stream=stream)
         if stream:
             handed_off = True
+            headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+            if r.settings.server_timing:  # the stages before the headers (docs/router.md)
+                headers[time_budget.HEADER] = req.budget.server_timing()
             return GuardedStream(_stream(turn, scrubber, cleanup, span),
                                  media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache",
-                                          "X-Accel-Buffering": "no"},
+                                 headers=headers,
                                  background=BackgroundTask(cleanup, turn),
                                  write_timeout_s=r.settings.stream_write_timeout_s,
                                  on_stall=r.metrics.slow_clients.inc)
@@ -368,9 +373,13 @@ async def _whole(turn: Turn, scrubber: Scrubber, span: Any) -> Response:
     record_outcome(span, path=turn.path, reused=final.kvagent["reused_tokens"],
                    prompt_tokens=usage.get("prompt_tokens"),
                    completion_tokens=usage.get("completion_tokens"), reason=turn.plan.label)
+    budget = turn.req.budget
+    budget.record(span)
+    headers = ({time_budget.HEADER: budget.server_timing()}
+               if turn.router.settings.server_timing else None)
     if std:  # NaN/Infinity: starlette's encoder refuses them, as it always has
-        return JSONResponse(out)
-    return Response(fastjson.dumps(out), media_type="application/json")
+        return JSONResponse(out, headers=headers)
+    return Response(fastjson.dumps(out), media_type="application/json", headers=headers)
 
 
 async def _stream(turn: Turn, scrubber: Scrubber, cleanup: Callable[[Turn], Awaitable[None]],
@@ -384,8 +393,10 @@ async def _stream(turn: Turn, scrubber: Scrubber, cleanup: Callable[[Turn], Awai
             if turn.first_byte_at is None:
                 turn.first_byte_at = time.perf_counter()
                 m.ttft.observe(turn.first_byte_at - turn.started)
+                turn.req.budget.add_remainder("first_token", turn.first_byte_at)
             yield out
         finished = True
+        turn.req.budget.record(span)
         usage = scrubber.capture.usage or {}
         record_outcome(span, path=turn.path, reused=turn.reused,
                        prompt_tokens=usage.get("prompt_tokens"),

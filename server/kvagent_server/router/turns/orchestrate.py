@@ -20,6 +20,7 @@ from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.base import SessionStore, StoreUnavailable
 from kvagent_server.router.store.factory import KeySync
 from kvagent_server.router.store.handle import Handle, KVIdentity, new_handle_id
+from kvagent_server.router.telemetry.budget import TurnBudget
 from kvagent_server.router.telemetry.metrics import RouterMetrics
 from kvagent_server.router.telemetry.spans import leg_span
 from kvagent_server.router.turns.kv_placement import TierPlacement
@@ -73,6 +74,7 @@ class TurnRequest:
     span: Any = None  # the turn's OpenTelemetry span (parent of the leg spans)
     #: Test-only: rotate the pulled blocks (settings.test_shift_blocks_header).
     shift_blocks: bool = False
+    budget: TurnBudget = field(default_factory=TurnBudget)  # time per stage
 
     @property
     def chat(self) -> bool:
@@ -94,6 +96,13 @@ class Turn:
     reused: int = 0  # set by finalize
 
     async def finalize(self, capture: Capture) -> Final:
+        t0 = time.perf_counter()
+        try:
+            return await self._finalize(capture)
+        finally:
+            self.req.budget.add("finalize", time.perf_counter() - t0)
+
+    async def _finalize(self, capture: Capture) -> Final:
         usage = capture.usage or {}
         prompt_tokens = int(usage.get("prompt_tokens") or 0)
         planned = self.plan.reuse_tokens if self.path in ("pd_reuse", "d_direct") else 0
@@ -278,6 +287,7 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
     final = ident is not None and ident.cap == 0 and ident.detail != "media_url" and (
         ident.reason != "multimodal_changed")
     if holder is not None and p_first is not None and not final:
+        t0 = time.perf_counter()
         try:
             prompt_ids = await tokenize(r.legs.client(p_first), p_first.url, req.body,
                                         chat=req.chat)
@@ -287,6 +297,8 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
         else:
             ident = _check_identity(r, handle, identity.with_positions(
                 new_ident, prompt_ids, r.settings.mm_placeholder_token_ids))
+        finally:
+            req.budget.add("tokenize", time.perf_counter() - t0)
     if plan is None:
         plan = planner.plan_reuse(
             prompt_ids, handle, threshold=r.settings.kv_recompute_threshold, now=time.time(),
@@ -327,9 +339,13 @@ def _check_identity(r: Router, handle: Handle | None,
 async def plan_turn(r: Router, req: TurnRequest) -> Turn:
     """Decide the path, run the P leg (if any) and open the D leg."""
     started = time.perf_counter()
+    budget = req.budget
+    budget.add("receive", started - budget.arrived)
     if not _pd_shape(req.body):
         return await _whole_on_decode(r, req, started)
     c = await _choose(r, req)
+    # planning is what `_choose` spent besides the node's /tokenize
+    budget.add("plan", time.perf_counter() - started - budget.stages.get("tokenize", 0.0))
     if c.path == "d_direct":
         assert c.holder is not None
         try:
@@ -339,9 +355,13 @@ async def plan_turn(r: Router, req: TurnRequest) -> Turn:
                 # kvagent plugin): never offered again, it must not pin D until its TTL.
                 rid = remote_request_id(c.handle) if c.handle is not None else None
                 params = transfer.with_release(transfer.d_direct(), [rid] if rid else [])
-                start = await r.legs.decode([c.holder], req.endpoint,
-                                            decode_body(req.body, params),
-                                            stream=req.stream)
+                t0 = time.perf_counter()
+                try:
+                    start = await r.legs.decode([c.holder], req.endpoint,
+                                                decode_body(req.body, params),
+                                                stream=req.stream)
+                finally:
+                    req.budget.add("decode", time.perf_counter() - t0)
             r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
             return Turn(r, req, c.path, c.plan, None, start, started)
         except LegError as exc:
@@ -367,7 +387,11 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
     p_nodes = r.registry.ranked("prefill", c.p_first if c.p_first and c.p_first.healthy
                                 else None)
     with leg_span(req.span, "prefill") as span:
-        prefill = await r.legs.prefill(p_nodes, req.endpoint, req.body, p_params)
+        t0 = time.perf_counter()
+        try:
+            prefill = await r.legs.prefill(p_nodes, req.endpoint, req.body, p_params)
+        finally:
+            req.budget.add("prefill", time.perf_counter() - t0)
         span.set_attribute("kvagent.node", prefill.node.name)
         span.set_attribute("kvagent.pull_failed", prefill.pull_failed)
     r.metrics.leg_latency.labels(leg="prefill").observe(prefill.elapsed_s)
@@ -383,9 +407,13 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
     d_params = transfer.with_read_by(prefill.kv_params, read_by)
     try:
         with leg_span(req.span, "decode") as span:
-            start = await r.legs.decode(d_nodes, req.endpoint,
-                                        decode_body(req.body, d_params),
-                                        stream=req.stream)
+            t0 = time.perf_counter()
+            try:
+                start = await r.legs.decode(d_nodes, req.endpoint,
+                                            decode_body(req.body, d_params),
+                                            stream=req.stream)
+            finally:
+                req.budget.add("decode", time.perf_counter() - t0)
             span.set_attribute("kvagent.node", start.node.name)
     except BaseException:
         # Never leave P's blocks leased for a D leg that will not come: an expired lease
@@ -408,8 +436,12 @@ async def _whole_on_decode(r: Router, req: TurnRequest, started: float) -> Turn:
     if req.stream:
         body["stream_options"] = usage_stream_options(body.get("stream_options"))
     with leg_span(req.span, "decode") as span:
-        start = await r.legs.decode(r.registry.ranked("decode"), req.endpoint, body,
-                                    stream=req.stream)
+        t0 = time.perf_counter()
+        try:
+            start = await r.legs.decode(r.registry.ranked("decode"), req.endpoint, body,
+                                        stream=req.stream)
+        finally:
+            req.budget.add("decode", time.perf_counter() - t0)
         span.set_attribute("kvagent.node", start.node.name)
     plan = planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.UNSUPPORTED_SHAPE)
     return Turn(r, req, "decode_only", plan, None, start, started)
