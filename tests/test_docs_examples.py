@@ -110,11 +110,19 @@ def _run(block: Block, namespace: dict[str, object], stack: Stack) -> None:
         exec(code, namespace)  # noqa: S102 - our own documentation
 
 
+#: A valid 1x1 PNG (the smallest real image a docs example can send).
+_PNG_1X1 = bytes.fromhex(
+    "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+    "1f15c4890000000d49444154789c6360000002000154a24f5d0000000049454e44ae426082")
+
+
 @pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)],
                          ids=lambda p: str(p.relative_to(ROOT)))
 def test_page_blocks_run(page: Path, stack: Stack, tmp_path: Path,
                          monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
+    # The media files the pages' examples open, as a reader would have them at hand.
+    (tmp_path / "cat.png").write_bytes(_PNG_1X1)
     for name in ("KVAGENT_BASE_URL", "KVAGENT_MODEL", "KVAGENT_API_KEY"):
         monkeypatch.delenv(name, raising=False)
     namespace: dict[str, object] = {"__name__": "__main__", "url": f"{stack.url}/v1",

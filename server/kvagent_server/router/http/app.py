@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
@@ -65,6 +67,26 @@ COMPLETIONS = "/v1/completions"
 # ------------------------------------------------------------------ the app
 
 
+@dataclass
+class AppParts:
+    """What the app is made of, shared by its lifespan and its handlers (`app.state.parts`).
+
+    Built once by `create_app`; `router` exists between the lifespan's start and stop.
+    """
+
+    settings: RouterSettings
+    registry: NodeRegistry
+    metrics: RouterMetrics
+    store: SessionStore
+    tenants: TenantResolver
+    transport: httpx.AsyncBaseTransport | None
+    #: The served model's name; None until a node answered `/v1/models`.
+    model: str | None = None
+    #: Requests in flight per tenant (the tenants' stream caps).
+    streams: dict[str, int] = field(default_factory=dict)
+    router: Router | None = None
+
+
 def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], *,
                model: str | None = None, store: SessionStore | None = None,
                transport: httpx.AsyncBaseTransport | None = None,
@@ -76,118 +98,125 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
     (Redis when `redis_url` is set). Node health is probed at start-up and then every
     `health_interval_s`.
     """
-    registry = NodeRegistry(prefill, decode, interval_s=settings.health_interval_s,
-                            probe_timeout_s=5.0,
-                            max_in_flight=settings.node_max_in_flight)
-    metrics = metrics or RouterMetrics()
-    the_store = store if store is not None else make_store(settings)
-    tenants = TenantResolver(settings)
-    streams: dict[str, int] = {}
-    holder: dict[str, Any] = {"model": model}
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        # The probes' client; the legs pool their own connections (`upstream`). Idle
-        # connections expire before the nodes close them (uvicorn's keep-alive is 5 s).
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
-                              keepalive_expiry=4)
-        async with httpx.AsyncClient(transport=transport, limits=limits) as client:
-            codec = TokenCodec(await key_ring_for(settings, the_store))
-            legs = Legs(max_retries=settings.max_retries, timeout_s=settings.request_timeout_s,
-                        max_body_bytes=settings.max_upstream_body_bytes)
-            app.state.router = Router(settings=settings, registry=registry, legs=legs,
-                                      store=the_store, codec=codec, metrics=metrics,
-                                      client=client)
-            # KV events feed tier-aware P placement (kv_placement; None without sources)
-            app.state.router.tiers, kv_events = kv_placement.from_settings(settings, registry)
-            if kv_events is not None:
-                kv_events.start()
-            await registry.probe_all(client)
-            if holder["model"] is None:
-                holder["model"] = await _served_model(client, registry)
-            registry.start(client)
-            guard = _retention_guard(settings, registry, the_store, client, metrics, holder)
-            app.state.router.retention = guard
-            if guard is not None:
-                guard.start()
-            key_sync = key_sync_for(settings, the_store, codec)
-            app.state.router.key_sync = key_sync
-            if key_sync is not None:
-                key_sync.start()
-            try:
-                yield
-            finally:
-                if guard is not None:
-                    await guard.stop()
-                if key_sync is not None:
-                    await key_sync.stop()
-                await registry.stop()
-                if kv_events is not None:
-                    await kv_events.stop()
-                await legs.aclose()
-                await the_store.close()
-
-    async def completions(request: Request) -> Response:
-        arrived = time.perf_counter()
-        endpoint = request.url.path
-        r: Router = request.app.state.router
-        metrics.in_flight.inc()
-        try:
-            response = await _serve(request, r, endpoint, tenants, streams, arrived)
-        except HTTPError as exc:
-            response = exc.response()
-        except ClientGone:
-            metrics.client_disconnects.inc()
-            response = Response(status_code=499)
-        except Exception:  # a bug: still an OpenAI error, and nothing internal in it
-            log.exception("unexpected error serving %s", endpoint)
-            response = error_response(500, "internal router error", type_="server_error",
-                                      code="internal_error")
-        finally:
-            metrics.in_flight.dec()
-        metrics.requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
-        return response
-
-    async def models(request: Request) -> Response:
-        if holder["model"] is None:  # the nodes were not up when the router started
-            holder["model"] = await _served_model(request.app.state.router.client, registry)
-        name = holder["model"] or "unknown"
-        return JSONResponse({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "kvagent"}]})
-
-    async def health(request: Request) -> Response:
-        return JSONResponse({"status": "ok"})
-
-    async def ready(request: Request) -> Response:
-        r: Router = request.app.state.router
-        ok = registry.ready and await r.store.ping()
-        nodes = {n.name: {"role": n.role, "healthy": n.healthy} for n in registry.nodes.values()}
-        return JSONResponse({"status": "ready" if ok else "not_ready", "nodes": nodes},
-                            status_code=200 if ok else 503)
-
-    async def prometheus(request: Request) -> Response:
-        for node in registry.nodes.values():
-            metrics.node_healthy.labels(node=node.name, role=node.role).set(int(node.healthy))
-        if isinstance(the_store, MemoryStore):  # a scrape also drops expired handles
-            the_store.sweep()
-            metrics.store_handles.set(len(the_store))
-            metrics.store_tokens.set(the_store.retained_tokens)
-        return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
-
+    parts = AppParts(
+        settings=settings,
+        registry=NodeRegistry(prefill, decode, interval_s=settings.health_interval_s,
+                              probe_timeout_s=5.0, max_in_flight=settings.node_max_in_flight),
+        metrics=metrics or RouterMetrics(),
+        store=store if store is not None else make_store(settings),
+        tenants=TenantResolver(settings), transport=transport, model=model)
     routes = [
-        Route(CHAT, completions, methods=["POST"]),
-        Route(COMPLETIONS, completions, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/livez", health, methods=["GET"]),
-        Route("/ready", ready, methods=["GET"]),
-        Route("/metrics", prometheus, methods=["GET"]),
+        Route(CHAT, _completions, methods=["POST"]),
+        Route(COMPLETIONS, _completions, methods=["POST"]),
+        Route("/v1/models", _models, methods=["GET"]),
+        Route("/health", _health, methods=["GET"]),
+        Route("/livez", _health, methods=["GET"]),
+        Route("/ready", _ready, methods=["GET"]),
+        Route("/metrics", _prometheus, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan,
-                     middleware=[Middleware(HeaderLimit,
-                                            max_header_bytes=settings.max_header_bytes,
-                                            max_header_count=settings.max_header_count)],
-                     exception_handlers={404: _not_found, 405: _not_allowed})
+    app = Starlette(routes=routes, lifespan=functools.partial(_lifespan, parts),
+                    middleware=[Middleware(HeaderLimit,
+                                           max_header_bytes=settings.max_header_bytes,
+                                           max_header_count=settings.max_header_count)],
+                    exception_handlers={404: _not_found, 405: _not_allowed})
+    app.state.parts = parts
+    return app
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(parts: AppParts, app: Starlette) -> AsyncIterator[None]:
+    """Build the `Router`, start the background work, and stop it all in reverse order."""
+    settings, registry, store = parts.settings, parts.registry, parts.store
+    # The probes' client; the legs pool their own connections (`upstream`). Idle
+    # connections expire before the nodes close them (uvicorn's keep-alive is 5 s).
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
+                          keepalive_expiry=4)
+    async with contextlib.AsyncExitStack() as stack:
+        client = await stack.enter_async_context(
+            httpx.AsyncClient(transport=parts.transport, limits=limits))
+        stack.push_async_callback(store.close)
+        codec = TokenCodec(await key_ring_for(settings, store))
+        legs = Legs(max_retries=settings.max_retries, timeout_s=settings.request_timeout_s,
+                    max_body_bytes=settings.max_upstream_body_bytes)
+        stack.push_async_callback(legs.aclose)
+        router = Router(settings=settings, registry=registry, legs=legs, store=store,
+                        codec=codec, metrics=parts.metrics, client=client)
+        parts.router = app.state.router = router
+        # KV events feed tier-aware P placement (kv_placement; None without sources)
+        router.tiers, kv_events = kv_placement.from_settings(settings, registry)
+        if kv_events is not None:
+            kv_events.start()
+            stack.push_async_callback(kv_events.stop)
+        await registry.probe_all(client)
+        if parts.model is None:
+            parts.model = await _served_model(client, registry)
+        registry.start(client)
+        stack.push_async_callback(registry.stop)
+        router.retention = _retention_guard(parts, client)
+        router.key_sync = key_sync_for(settings, store, codec)
+        for background in (router.key_sync, router.retention):
+            if background is not None:
+                background.start()
+                stack.push_async_callback(background.stop)
+        yield
+
+
+async def _completions(request: Request) -> Response:
+    arrived = time.perf_counter()
+    endpoint = request.url.path
+    parts: AppParts = request.app.state.parts
+    r: Router = request.app.state.router
+    metrics = parts.metrics
+    metrics.in_flight.inc()
+    try:
+        response = await _serve(request, r, endpoint, parts.tenants, parts.streams, arrived)
+    except HTTPError as exc:
+        response = exc.response()
+    except ClientGone:
+        metrics.client_disconnects.inc()
+        response = Response(status_code=499)
+    except Exception:  # a bug: still an OpenAI error, and nothing internal in it
+        log.exception("unexpected error serving %s", endpoint)
+        response = error_response(500, "internal router error", type_="server_error",
+                                  code="internal_error")
+    finally:
+        metrics.in_flight.dec()
+    metrics.requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
+    return response
+
+
+async def _models(request: Request) -> Response:
+    parts: AppParts = request.app.state.parts
+    if parts.model is None:  # the nodes were not up when the router started
+        parts.model = await _served_model(request.app.state.router.client, parts.registry)
+    name = parts.model or "unknown"
+    return JSONResponse({"object": "list", "data": [
+        {"id": name, "object": "model", "created": 0, "owned_by": "kvagent"}]})
+
+
+async def _health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def _ready(request: Request) -> Response:
+    parts: AppParts = request.app.state.parts
+    ok = parts.registry.ready and await parts.store.ping()
+    nodes = {n.name: {"role": n.role, "healthy": n.healthy}
+             for n in parts.registry.nodes.values()}
+    return JSONResponse({"status": "ready" if ok else "not_ready", "nodes": nodes},
+                        status_code=200 if ok else 503)
+
+
+async def _prometheus(request: Request) -> Response:
+    parts: AppParts = request.app.state.parts
+    metrics, store = parts.metrics, parts.store
+    for node in parts.registry.nodes.values():
+        metrics.node_healthy.labels(node=node.name, role=node.role).set(int(node.healthy))
+    if isinstance(store, MemoryStore):  # a scrape also drops expired handles
+        store.sweep()
+        metrics.store_handles.set(len(store))
+        metrics.store_tokens.set(store.retained_tokens)
+    return PlainTextResponse(metrics.render(), media_type=CONTENT_TYPE)
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
@@ -199,16 +228,15 @@ async def _not_allowed(request: Request, exc: Exception) -> Response:
                           code="method_not_allowed")
 
 
-def _retention_guard(settings: RouterSettings, registry: NodeRegistry, store: SessionStore,
-                     client: httpx.AsyncClient, metrics: RouterMetrics,
-                     holder: dict[str, Any]) -> RetentionGuard | None:
-    """Keeps decode nodes' retained KV under the watermark (router/retention.py)."""
+def _retention_guard(parts: AppParts, client: httpx.AsyncClient) -> RetentionGuard | None:
+    """Keeps decode nodes' retained KV under the watermark (turns/retention.py)."""
+    settings, metrics = parts.settings, parts.metrics
     if settings.retention_high_watermark is None:
         return None
     return RetentionGuard(
         client,
-        nodes=lambda: [(n.name, n.url, n.epoch) for n in registry.healthy("decode")],
-        evict=store.evict_oldest, model=lambda: holder["model"],
+        nodes=lambda: [(n.name, n.url, n.epoch) for n in parts.registry.healthy("decode")],
+        evict=parts.store.evict_oldest, model=lambda: parts.model,
         high=settings.retention_high_watermark, low=settings.retention_low_watermark,
         interval_s=settings.retention_check_interval_s,
         on_evicted=metrics.retention_evictions.inc,
