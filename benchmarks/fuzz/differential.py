@@ -27,6 +27,8 @@ from typing import Any
 import httpx
 from hypothesis import strategies as st
 
+from benchmarks.multiturn.prefix import common_prefix
+
 #: How many tokens one turn generates (kept small: the fuzz is about prompts).
 MAX_TOKENS = 8
 #: A long answer: over two CPU blocks (128 tokens) of KV only D has.
@@ -113,15 +115,6 @@ class Sent:
     message: dict[str, Any]
     token: str | None
     held_ids: list[int]  # prompt + output token ids: the KV its token names
-
-
-def lcp(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class Conversation:
@@ -221,7 +214,7 @@ class Runner:
             s.mismatches += 1
             s.failures.append(f"mismatch path={kv.get('path')} reused={reused} "
                               f"reason={kv.get('reason')} extra={sorted(extra)}")
-        bound = lcp(prompt_ids, held.held_ids) if held is not None else 0
+        bound = common_prefix(prompt_ids, held.held_ids) if held is not None else 0
         if reused > bound or (reused and reused >= len(prompt_ids)):
             s.bound_violations += 1
             s.failures.append(f"reused {reused} > verified prefix {bound} "

@@ -9,8 +9,6 @@ the tests skip and say which is missing.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import uuid
 from collections.abc import Iterator
@@ -20,6 +18,8 @@ from typing import Any
 import httpx
 import pytest
 from support import bundle_config, free_port, start_bundle, vllm_available
+
+from tests.models.real import image_url
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -126,18 +126,6 @@ def test_adapter_switch_recomputes_staying_reuses(lora: tuple[Served, str]) -> N
 # ------------------------------------------------------------------ vision-language model
 
 
-def _image(color: tuple[int, int, int]) -> str:
-    from PIL import Image
-
-    img = Image.new("RGB", (64, 64), color)
-    inverse = tuple(255 - c for c in color)
-    for x in range(0, 64, 8):
-        for y in range(0, 64, 8):
-            if (x + y) % 16 == 0:
-                img.putpixel((x, y), inverse)
-    buf = io.BytesIO()
-    img.save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 @pytest.fixture(scope="module")
@@ -155,7 +143,7 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
 
 
 def test_images_reuse_unchanged_and_a_swap_stops_at_its_placeholder(vlm: Served) -> None:
-    red, blue = _image((200, 20, 20)), _image((20, 20, 200))
+    red, blue = image_url((200, 20, 20)), image_url((20, 20, 200))
 
     def ask(url: str) -> dict[str, Any]:
         return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},

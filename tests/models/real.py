@@ -8,6 +8,8 @@ it is the plain recomputed greedy answer.
 
 from __future__ import annotations
 
+import base64
+import io
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -128,3 +130,18 @@ class Conversation:
         out = self.send(**opts)
         assert answer(out) == answer(ref), out.get("kvagent")
         return out
+
+
+def image_url(color: tuple[int, int, int]) -> str:
+    """A 64x64 PNG data URL: a solid colour with a sparse grid of its complement."""
+    from PIL import Image
+
+    img = Image.new("RGB", (64, 64), color)
+    inverse = tuple(255 - c for c in color)
+    for x in range(0, 64, 8):
+        for y in range(0, 64, 8):
+            if (x + y) % 16 == 0:
+                img.putpixel((x, y), inverse)
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()

@@ -4,8 +4,6 @@ reproducible for one image, differ for another, and equal the recomputed ones.""
 
 from __future__ import annotations
 
-import base64
-import io
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +15,7 @@ from kvagent_server.models.vlm import VLM_MODEL_NAME
 
 from tests.engine.flow import FRESH_P_PARAMS
 
-from .real import Conversation, Served, answer, nixl_reads, reference, serve
+from .real import Conversation, Served, answer, image_url, nixl_reads, reference, serve
 
 
 def llava_blocker() -> str | None:
@@ -45,19 +43,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500),
 SYSTEM = {"role": "system", "content": "You describe images in one sentence. " * 30}
 
 
-def image_url(color: tuple[int, int, int]) -> str:
-    """A 64x64 PNG data URL: a solid colour with a sparse grid of its complement."""
-    from PIL import Image
-
-    img = Image.new("RGB", (64, 64), color)
-    inverse = tuple(255 - c for c in color)
-    for x in range(0, 64, 8):
-        for y in range(0, 64, 8):
-            if (x + y) % 16 == 0:
-                img.putpixel((x, y), inverse)
-    buf = io.BytesIO()
-    img.save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 RED, BLUE = image_url((200, 20, 20)), image_url((20, 20, 200))
