@@ -17,7 +17,7 @@ import pytest
 from kvagent import AssistantMessage, SystemMessage, UserMessage
 from kvagent_server.demo import USER_TURNS
 
-from .conftest import (
+from .e2e_helpers import (
     ALPHA_KEY,
     BETA_KEY,
     E2E,
@@ -27,6 +27,7 @@ from .conftest import (
     TOOL_TURN,
     answer,
     assert_pulled,
+    checked_send,
     p_hits,
     reference,
     run_tools,
@@ -34,18 +35,6 @@ from .conftest import (
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-def checked_send(e: E2E, s: Any, content: Any, opts: dict[str, Any]) -> Any:
-    """Send a turn and assert its answer equals the reuse-off answer of the same request
-    (and that a `pd_reuse` turn's KV really came from D over NIXL)."""
-    before = list(s.messages)
-    hits = p_hits(e)
-    result = s.send(content, **opts)
-    assert_pulled(e, hits, result)
-    ref = reference(e, before, content, opts)
-    assert answer(result) == answer(ref), (result.path, result.reused_tokens)
-    return result
 
 
 def codec():
@@ -256,7 +245,7 @@ def test_blocks_expired_on_decode_recompute(e2e: E2E) -> None:
 
     from kvagent_server.router.store.redis_store import RedisStore
 
-    from .conftest import TTL_S
+    from .e2e_helpers import TTL_S
 
     with session(e2e) as s:
         call = checked_send(e2e, s, USER_TURNS[4], TOOL_TURN)
@@ -290,8 +279,10 @@ def test_blocks_expired_on_decode_recompute(e2e: E2E) -> None:
                            iat=now, exp=now + 300)
     expired = "vllm:nixl_num_kv_expired_reqs_total"
     declined_before = e2e.metric(e2e.prefill_url, expired)
+    # The token names the router's session key (`<caller>/<session id>`): the client
+    # sends its own session id, the part after the caller.
     with session(e2e, system=None, messages=with_token(history, token),
-                 session_id=claims.session) as late:
+                 session_id=claims.session.rpartition("/")[2]) as late:
         r = checked_send(e2e, late, "And now?", TEXT_TURN)
     declined = e2e.metric(e2e.prefill_url, expired) - declined_before
     print("after D expiry:", r.path, r.reused_tokens, "declined reads:", declined)

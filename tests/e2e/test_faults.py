@@ -22,19 +22,19 @@ import pytest
 from kvagent import APIStatusError, StreamInterrupted, TextDelta
 from kvagent_server.demo import USER_TURNS
 
-from .conftest import (
+from .e2e_helpers import (
     E2E,
     PREFILL_LEASE_S,
     TEXT_TURN,
     TOOL_TURN,
     answer,
     assert_pulled,
+    checked_send,
     p_hits,
     reference,
     run_tools,
     session,
 )
-from .test_conversation import checked_send
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

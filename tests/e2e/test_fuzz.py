@@ -19,7 +19,7 @@ if ROOT not in sys.path:
 
 from benchmarks.fuzz.differential import CASES, EDIT_TEXTS, Runner, Target
 
-from .conftest import ALPHA_KEY, E2E
+from .e2e_helpers import ALPHA_KEY, E2E
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .conftest import ALPHA_KEY, E2E, GREEDY
+from .e2e_helpers import ALPHA_KEY, E2E, GREEDY
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from fakes import FakeCluster, router_stack
 from kvagent_server.router.telemetry.budget import TurnBudget, parse_server_timing
-from test_app import FIRST, chat_body, events, second
+from router_client import FIRST, chat_body, events, second
 
 
 def test_budget_adds_up_and_renders() -> None:

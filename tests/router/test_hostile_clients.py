@@ -15,7 +15,7 @@ from kvagent_server.router.http.app import create_app
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.memory import MemoryStore
 from pydantic import ValidationError
-from test_app import FIRST, assert_clean, chat_body, second, turn
+from router_client import FIRST, assert_clean, chat_body, second, turn
 
 # --------------------------------------------------------------------- raw sockets
 

@@ -16,7 +16,7 @@ from kvagent_server.router.turns.retention import (
     parse_node_kv,
     remote_request_id,
 )
-from test_app import LONG, no_wrong_kv, turn
+from router_client import LONG, no_wrong_kv, turn
 
 
 def _handle(params: dict) -> Handle:
