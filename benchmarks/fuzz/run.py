@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import tempfile
 import time
@@ -29,15 +28,11 @@ from hypothesis import seed as hseed
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from kvagent_server.ports import free_port
+
 from benchmarks.fuzz.differential import CASES, Runner, Stats, Target
 
 API_KEY = "fuzz-key"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start(run_dir: Path, shift: bool, model_dir: str | None) -> tuple[Any, Target]:
@@ -51,9 +46,9 @@ def start(run_dir: Path, shift: bool, model_dir: str | None) -> tuple[Any, Targe
     data: dict[str, Any] = {
         "name": "fuzz", "device": "cpu", "run_dir": str(run_dir), "kv_cache_gib": 1,
         "max_model_len": 16384, "startup_timeout_s": 900, "stop_grace_s": 10,
-        "prefill": {"ports": [_port()], "side_channel_ports": [_port()]},
-        "decode": {"ports": [_port()], "side_channel_ports": [_port()]},
-        "router": {"port": _port(), "skip_prefill_max_tokens": 96,
+        "prefill": {"ports": [free_port()], "side_channel_ports": [free_port()]},
+        "decode": {"ports": [free_port()], "side_channel_ports": [free_port()]},
+        "router": {"port": free_port(), "skip_prefill_max_tokens": 96,
                    "test_shift_blocks_header": shift,
                    "tenants": [{"name": "fuzz", "api_keys": [API_KEY]}]},
     }

@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,16 +33,12 @@ import psutil
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
+from kvagent_server.ports import free_port
+
 from benchmarks._procs import stop, wait_ready
 from benchmarks.load.sessions import run_load
 
 API_KEY = "load-test-key-0123456789"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(argv: list[str], log: Path) -> subprocess.Popen:

@@ -396,11 +396,9 @@ async def test_redis_node_index_lives_as_long_as_its_longest_handle(
 
 @pytest.mark.redis
 async def test_redis_ping_fails_cleanly_when_unreachable() -> None:
-    import socket
+    from kvagent_server.ports import free_port
 
-    with socket.socket() as s:  # a port nobody listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     store = RedisStore.from_url(f"redis://127.0.0.1:{port}/0")
     try:
         assert await store.ping() is False

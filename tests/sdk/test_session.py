@@ -24,6 +24,7 @@ from kvagent import (
 )
 from kvagent.protocol import CACHE_TOKEN_HEADER, SESSION_HEADER, valid_session_id
 from sdk_helpers import (
+from kvagent_server.ports import free_port
     BASE_URL,
     MODEL,
     FakeServer,
@@ -180,9 +181,7 @@ def test_wrong_model_name_gives_not_found_naming_the_model(server: FakeServer) -
 
 
 def test_unreachable_server_is_a_connection_error() -> None:
-    with socket.socket() as sock:  # a port nobody listens on
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # a port nobody listens on
     s = Session(f"http://127.0.0.1:{port}/v1", MODEL, max_retries=0)
     with pytest.raises(APIConnectionError, match=f"could not reach http://127.0.0.1:{port}"):
         s.send("hi")
