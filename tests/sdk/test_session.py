@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import socket
 from datetime import UTC, datetime, timedelta
 
 import httpx
@@ -23,8 +22,8 @@ from kvagent import (
     tool,
 )
 from kvagent.protocol import CACHE_TOKEN_HEADER, SESSION_HEADER, valid_session_id
-from sdk_helpers import (
 from kvagent_server.ports import free_port
+from sdk_helpers import (
     BASE_URL,
     MODEL,
     FakeServer,
