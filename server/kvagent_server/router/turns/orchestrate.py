@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -381,9 +380,6 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
         p_params = planner.reuse_transfer_params(c.handle, c.plan.reuse_tokens)
         if req.shift_blocks and r.settings.test_shift_blocks_header:
             p_params = planner.shifted_blocks(p_params)
-            # Wrong KV on purpose: keep it out of the nodes' prefix caches under the
-            # tenant's salt, where later requests of the tenant would hit it.
-            req.body["cache_salt"] = f"shifted-{uuid.uuid4().hex}"
     elif c.handle is not None and c.holder is not None and r.settings.release_unused_handles:
         p_params = planner.release_transfer_params(c.handle)  # P tells D to free them
     else:
