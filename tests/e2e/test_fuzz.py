@@ -19,7 +19,7 @@ if ROOT not in sys.path:
 
 from benchmarks.fuzz.differential import CASES, EDIT_TEXTS, Runner, Target
 
-from .e2e_helpers import ALPHA_KEY, E2E
+from .e2e_helpers import ALPHA_KEY, BETA_KEY, E2E
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -36,7 +36,9 @@ def target(e: E2E, *, shift: bool = False) -> Target:
     from kvagent_server.demo import TOOLS, system_prompt
 
     return Target(router_v1=e.base_url, prefill_url=e.prefill_url, model=e.model,
-                  api_key=ALPHA_KEY,
+                  # The negative control's wrong KV lands in P's prefix cache: keep it under
+                  # another tenant's salt than the tests after it use.
+                  api_key=BETA_KEY if shift else ALPHA_KEY,
                   tools=[tool_to_wire(t) for t in as_tools(TOOLS).values()],
                   system=system_prompt(handbook_sentences=8), shift_blocks=shift)
 
