@@ -217,3 +217,11 @@ def checked_send(e: E2E, s: Any, content: Any, opts: dict[str, Any]) -> Any:
     ref = reference(e, before, content, opts)
     assert answer(result) == answer(ref), (result.path, result.reused_tokens)
     return result
+
+
+def p2p_received(url: str) -> float:
+    """Prompt tokens a node received from another vLLM node over NIXL."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prompt_tokens_cached_by_source_total{")
+               and 'source="p2p"' in line)

@@ -13,17 +13,9 @@ from typing import Any
 import httpx
 import pytest
 
-from .e2e_helpers import ALPHA_KEY, E2E, GREEDY
+from .e2e_helpers import ALPHA_KEY, E2E, GREEDY, p2p_received
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-
-def _p2p(url: str) -> float:
-    """Prompt tokens a node received from another vLLM node over NIXL."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:prompt_tokens_cached_by_source_total{")
-               and 'source="p2p"' in line)
 
 
 def _reference(e: E2E, body: dict[str, Any]) -> str:
@@ -73,12 +65,12 @@ def test_model_name_switch_recomputes_and_equals_recompute(e2e: E2E) -> None:
     kva, text, ref = chat.send()
     assert text == ref
     chat.messages.append({"role": "user", "content": "And after that?"})
-    received = _p2p(e2e.prefill_url)
+    received = p2p_received(e2e.prefill_url)
     kva, text, ref = chat.send(model=None)
     assert (kva["path"], kva["reason"], kva["reused_tokens"]) == (
         "recompute", "identity_changed:model", 0)
     assert text == ref
-    assert _p2p(e2e.prefill_url) == received, "P pulled KV from D for another model name"
+    assert p2p_received(e2e.prefill_url) == received, "P pulled KV from D for another model name"
     # the next turn under the same name reuses the handle made under it
     chat.messages.append({"role": "user", "content": "Summarise."})
     kva, text, ref = chat.send(model=None)
@@ -90,9 +82,9 @@ def test_truncate_prompt_tokens_recomputes_and_equals_recompute(e2e: E2E) -> Non
     chat = Chat(e2e, "The payment webhook queue is backing up. Why?")
     chat.send()
     chat.messages.append({"role": "user", "content": "Keep only what matters."})
-    received = _p2p(e2e.prefill_url)
+    received = p2p_received(e2e.prefill_url)
     kva, text, ref = chat.send(truncate_prompt_tokens=256)
     assert (kva["path"], kva["reason"], kva["reused_tokens"]) == (
         "recompute", "unverifiable_input:truncate_prompt_tokens", 0)
     assert text == ref
-    assert _p2p(e2e.prefill_url) == received, "P pulled KV from D for a truncated prompt"
+    assert p2p_received(e2e.prefill_url) == received, "P pulled KV from D for a truncated prompt"

