@@ -70,16 +70,19 @@ def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
                         {"name": "beta", "api_keys": [BETA_KEY]}],
         },
     )
+    e2e = None
     try:
         handle, bundle = start_bundle(config)
         try:
-            yield E2E(bundle=bundle, base_url=handle.base_url, router_url=handle.router_url,
+            e2e = E2E(bundle=bundle, base_url=handle.base_url, router_url=handle.router_url,
                       model=handle.model, prefill_url=handle.prefill_urls[0],
                       decode_url=handle.decode_urls[0], redis=redis_server)
+            yield e2e
         finally:
             bundle.stop()
     finally:
-        stop_redis(redis_server)
+        # A fault test may have replaced the Redis process: stop whichever runs now.
+        stop_redis(e2e.redis if e2e is not None else redis_server)
 
 
 # ------------------------------------------------------------------ conversations

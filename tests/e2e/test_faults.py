@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import shutil
 import signal
-import subprocess
-import tempfile
 import threading
 import time
 from typing import Any
@@ -21,6 +19,7 @@ from typing import Any
 import pytest
 from kvagent import APIStatusError, StreamInterrupted, TextDelta
 from kvagent_server.demo import USER_TURNS
+from support import start_redis
 
 from .e2e_helpers import (
     E2E,
@@ -217,32 +216,23 @@ def test_decode_stalled_past_the_prefill_lease_recomputes(e2e: E2E) -> None:
 
 def test_redis_down_degrades_reuse_only(e2e: E2E) -> None:
     """Redis dies mid-conversation: turns keep working (recomputed, no token); when Redis
-    is back the conversation reuses again. Runs last: it replaces the Redis process."""
+    is back the conversation reuses again. It replaces the Redis process, on the same port."""
     redis = e2e.redis
     with session(e2e) as s:
         start_turns(e2e, s)
         redis.proc.kill()
         redis.proc.wait(10)
+        shutil.rmtree(redis.workdir, ignore_errors=True)
         r = checked_send(e2e, s, None, TEXT_TURN)
         assert r.path == "recompute" and not r.reused_tokens
         assert s.cache_token is None  # no token could be stored: none is issued
         r2 = checked_send(e2e, s, "Thanks, go on.", TEXT_TURN)
         assert not r2.reused_tokens
-        workdir = tempfile.mkdtemp(prefix="kvagent-redis-")
-        binary = shutil.which("redis-server")
-        assert binary
-        back = subprocess.Popen(
-            [binary, "--port", str(redis.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", workdir],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-        try:
-            time.sleep(1.0)
-            call = checked_send(e2e, s, USER_TURNS[1], TOOL_TURN)
-            assert call.cache_token_received
-            run_tools(s, call)
-            r3 = checked_send(e2e, s, None, TEXT_TURN)
-            assert reuses(r3), (r3.path, r3.reused_tokens)
-        finally:
-            back.kill()
-            back.wait(10)
-            shutil.rmtree(workdir, ignore_errors=True)
+        # Back on the same port, and left running: the session's later tests share this
+        # bundle, and the fixture stops whichever Redis `e2e.redis` names.
+        e2e.redis = start_redis(port=redis.port)
+        call = checked_send(e2e, s, USER_TURNS[1], TOOL_TURN)
+        assert call.cache_token_received
+        run_tools(s, call)
+        r3 = checked_send(e2e, s, None, TEXT_TURN)
+        assert reuses(r3), (r3.path, r3.reused_tokens)
