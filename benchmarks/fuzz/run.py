@@ -2,7 +2,7 @@
 
     flock /tmp/kvagent-vllm.lock python benchmarks/fuzz/run.py --minutes 15 \
         --out benchmarks/fuzz/results.json
-    ... --shift-blocks     # negative control: the router hands P rotated blocks
+    ... --shift-blocks     # negative control: the router hands P shifted blocks
 
 Starts a bundle (1 P + 1 D vLLM-CPU with NIXL, the router; the demo model unless
 `--model-dir`), lets Hypothesis draw cases until the time is up, stops everything (also on

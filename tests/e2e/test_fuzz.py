@@ -1,7 +1,7 @@
 """A seeded, bounded slice of the differential fuzz (benchmarks/fuzz) on the shared bundle:
 agent conversations Hypothesis draws, every turn ≡ its prompt recomputed under a fresh salt
 (0 cached), reused tokens never past the verified common prefix. Its negative control
-hands P rotated blocks and must find mismatches. The long run is benchmarks/fuzz/run.py."""
+hands P shifted blocks and must find mismatches. The long run is benchmarks/fuzz/run.py."""
 
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ def target(e: E2E, *, shift: bool = False) -> Target:
     from kvagent_server.demo import TOOLS, system_prompt
 
     return Target(router_v1=e.base_url, prefill_url=e.prefill_url, model=e.model,
-                  # The negative control's wrong KV lands in P's prefix cache: keep it under
-                  # another tenant's salt than the tests after it use.
+                  # Besides the throwaway salt the router gives a shifted turn: the
+                  # control's sessions live under another tenant than the tests after it.
                   api_key=BETA_KEY if shift else ALPHA_KEY,
                   tools=[tool_to_wire(t) for t in as_tools(TOOLS).values()],
                   system=system_prompt(handbook_sentences=8), shift_blocks=shift)
@@ -58,7 +58,7 @@ def test_fuzz_reuse_equals_recompute(e2e: E2E, ops: list[tuple[Any, ...]]) -> No
 
 
 def test_fuzz_negative_control_finds_mismatches(e2e: E2E) -> None:
-    """With rotated blocks handed to P, the same checks must fail."""
+    """With shifted blocks handed to P, the same checks must fail."""
     with httpx.Client() as client:
         runner = Runner(target(e2e, shift=True), client)
         runner.run_case([("long",), ("tool", "as_sent"), ("long",), ("tool", "compact")])

@@ -671,7 +671,8 @@ async def test_shift_blocks_header_is_honoured_only_with_the_test_setting(hook_o
         ids = st.prefill[0].requests[-1]["kv_transfer_params"]["remote_block_ids"][0]
         if len(ids) < 2:
             pytest.skip("the fake conversation reuses a single block")
-        # The fake numbers a sequence's blocks consecutively: rotated ids are out of order.
-        assert (ids != sorted(ids)) is hook_on, ids
+        # The fake numbers a sequence's blocks consecutively: shifted ids repeat the first.
+        assert (len(set(ids)) < len(ids)) is hook_on, ids
         if hook_on:
-            assert ids[-1] < ids[0], ids  # the first block moved to the end
+            assert ids[0] == ids[1] and ids[1:] == list(range(ids[0], ids[0] + len(ids) - 1))
+            assert st.prefill[0].requests[-1]["cache_salt"].startswith("shifted-")

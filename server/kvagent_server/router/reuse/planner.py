@@ -273,15 +273,21 @@ def reuse_transfer_params(handle: Handle, reuse_tokens: int) -> dict[str, Any]:
 
 
 def shifted_blocks(params: dict[str, Any]) -> dict[str, Any]:
-    """Test-only negative control: the same blocks rotated by one, so P reads real KV of
-    this prompt at the wrong positions (wrong KV that no identity check can see)."""
+    """Test-only negative control: every block slot gets the block before it (the first is
+    repeated, the last dropped), so P reads real KV of this prompt at the wrong places
+    (wrong KV that no identity check can see).
+
+    A rotation would not do: keys carry their positions (RoPE is applied before caching)
+    and every reused token lies before the new ones, so attention over a permutation of
+    the same blocks is the same sum, and the answer would differ only by rounding.
+    """
     out = copy.deepcopy(params)
     parsed = _block_groups(out)
     if parsed is None:
         return out
     groups, flat = parsed
-    rotated = [g[1:] + g[:1] if len(g) > 1 else g for g in groups]
-    out["remote_block_ids"] = rotated[0] if flat else rotated
+    shifted = [g[:1] + g[:-1] if len(g) > 1 else g for g in groups]
+    out["remote_block_ids"] = shifted[0] if flat else shifted
     return out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,7 +73,7 @@ class TurnRequest:
     token: str | None
     stream: bool
     span: Any = None  # the turn's OpenTelemetry span (parent of the leg spans)
-    #: Test-only: rotate the pulled blocks (settings.test_shift_blocks_header).
+    #: Test-only: shift the pulled blocks (settings.test_shift_blocks_header).
     shift_blocks: bool = False
     budget: TurnBudget = field(default_factory=TurnBudget)  # time per stage
 
@@ -380,6 +381,9 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
         p_params = planner.reuse_transfer_params(c.handle, c.plan.reuse_tokens)
         if req.shift_blocks and r.settings.test_shift_blocks_header:
             p_params = planner.shifted_blocks(p_params)
+            # Wrong KV on purpose: keep it out of the nodes' prefix caches under the
+            # tenant's salt, where later requests of the tenant would hit it.
+            req.body["cache_salt"] = f"shifted-{uuid.uuid4().hex}"
     elif c.handle is not None and c.holder is not None and r.settings.release_unused_handles:
         p_params = planner.release_transfer_params(c.handle)  # P tells D to free them
     else:
