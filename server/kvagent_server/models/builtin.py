@@ -56,7 +56,7 @@ def _vlm() -> BuiltinModel:
 
     return BuiltinModel(m.VLM_MODEL_NAME, m.VLM_MODEL_VERSION, m.ensure_vlm_model,
                         m.vlm_serve_args, m.vlm_serve_env, m.VLM_MAX_MODEL_LEN,
-                        "LLaVA: tiny CLIP vision tower + 4-layer Llama, 16 tokens per image")
+                        "Idefics3: tiny SigLIP-style vision tower + 4-layer Llama, 64 tokens per image")
 
 
 _FACTORIES: dict[str, Callable[[], BuiltinModel]] = {

