@@ -7,6 +7,7 @@ by hand, the CLI and `Bundle` call `gather_inputs`.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import sys
 from pathlib import Path
@@ -68,14 +69,34 @@ def resolve_model(cfg: BundleConfig, *, build: bool = True) -> ModelSource:
     if builtin is None:
         assert cfg.model is not None
         return ModelSource(model=cfg.model, served_name=cfg.served_model_name or cfg.model,
-                           lora_modules=lora)
+                           lora_modules=lora,
+                           mm_placeholder_token_ids=placeholder_token_ids(Path(cfg.model)))
     path = builtin.ensure(None) if build else builtin.path()
     extra = strip_flags(list(builtin.serve_args(builtin.max_model_len)), _PLAN_FLAGS)
     return ModelSource(
         model=str(path), served_name=builtin.name, extra_args=tuple(extra),
         default_max_model_len=builtin.max_model_len,
         extra_env=tuple(sorted(builtin.serve_env().items())), lora_modules=lora,
+        mm_placeholder_token_ids=placeholder_token_ids(path),
     )
+
+
+#: Hugging Face config keys that name a multimodal placeholder token (architectures differ).
+_PLACEHOLDER_KEYS = ("image_token_id", "image_token_index", "video_token_id",
+                     "video_token_index", "audio_token_id", "audio_token_index")
+
+
+def placeholder_token_ids(model_dir: Path) -> tuple[int, ...]:
+    """The placeholder token ids a local model's config.json names; () when it names none,
+    or is not a local directory (a hub name is read by vLLM, not here)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return ()
+    if not isinstance(config, dict):
+        return ()
+    found = {config[k] for k in _PLACEHOLDER_KEYS if isinstance(config.get(k), int)}
+    return tuple(sorted(found))
 
 
 def resolve_lora(cfg: BundleConfig, *, build: bool = True) -> tuple[tuple[str, str], ...]:

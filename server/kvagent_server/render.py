@@ -51,6 +51,8 @@ class ModelSource:
     extra_env: tuple[tuple[str, str], ...] = ()
     #: (served name, adapter directory) of each LoRA adapter, paths resolved.
     lora_modules: tuple[tuple[str, str], ...] = ()
+    #: Its multimodal placeholder token ids, from its config.json (empty if unknown).
+    mm_placeholder_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -127,7 +129,7 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
     served = cfg.served_model_name or inputs.model.served_name
     max_len = cfg.max_model_len or inputs.model.default_max_model_len
     block_size = cfg.block_size or DEFAULT_BLOCK_SIZE[device]
-    router_settings = _router_settings(cfg, block_size)
+    router_settings = _router_settings(cfg, block_size, inputs.model)
     run_dir = cfg.resolved_run_dir()
     event_nodes = set(cfg.kv_event_nodes())
     event_ports = cfg.kv_event_ports()
@@ -300,8 +302,14 @@ def _last_flag(args: list[str], flag: str) -> str | None:
     return value
 
 
-def _router_settings(cfg: BundleConfig, block_size: int) -> dict[str, Any]:
+def _router_settings(cfg: BundleConfig, block_size: int, model: ModelSource
+                     ) -> dict[str, Any]:
     """The router's settings with the node facts it must agree on filled in by the bundle."""
+    update: dict[str, Any] = {}
+    if "mm_placeholder_token_ids" not in cfg.router.model_fields_set:
+        # Known placeholders let a changed image stop reuse at its position instead of
+        # recomputing the whole turn; unknown ones keep the safe default.
+        update["mm_placeholder_token_ids"] = list(model.mm_placeholder_token_ids)
     synced = {"block_size": block_size, "kv_recompute_threshold": cfg.kv_recompute_threshold,
               "decode_blocks_ttl_s": cfg.decoder_kv_blocks_ttl_s}
     source = {"block_size": "block_size", "kv_recompute_threshold": "kv_recompute_threshold",
@@ -316,7 +324,7 @@ def _router_settings(cfg: BundleConfig, block_size: int) -> dict[str, Any]:
                 f"{source[key]} ({value}); set {source[key]} instead, the bundle passes it on")
     if problems:
         raise ConfigError(problems)
-    update = {k: v for k, v in synced.items() if k in fields}
+    update |= {k: v for k, v in synced.items() if k in fields}
     dumped: dict[str, Any] = reveal_secrets(
         cfg.router.model_copy(update=update).model_dump(mode="python"))
     return dumped

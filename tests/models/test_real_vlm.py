@@ -53,8 +53,8 @@ def image_token_id() -> int:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     pytest.importorskip("PIL", reason="Pillow is needed to draw the test images")
-    with serve(Path(tmp_path_factory.mktemp("vlm")), model=VLM_MODEL_NAME,
-               router={"mm_placeholder_token_ids": [image_token_id()]}) as s:
+    # The bundle reads the image token from the model's config.json for the router.
+    with serve(Path(tmp_path_factory.mktemp("vlm")), model=VLM_MODEL_NAME) as s:
         yield s
 
 

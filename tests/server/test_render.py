@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import shlex
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 from kvagent_server.config import validate_config
@@ -86,6 +88,28 @@ def test_router_settings_follow_the_nodes() -> None:
         "instead, the bundle passes it on")]
     same = validate_config({"router": {"block_size": 16}, "device": "cuda"})
     assert plan(same, fake_inputs(gpus=2)).router_settings["block_size"] == 16
+
+
+def test_router_gets_the_models_placeholder_tokens_unless_configured(tmp_path: Any) -> None:
+    """A local model's config.json names its image/video/audio tokens: the router gets
+    them, so a changed image stops reuse at its position; a configured list wins."""
+    from dataclasses import replace
+
+    from kvagent_server.inputs import placeholder_token_ids
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"image_token_id": 7, "video_token_index": 9, "vocab_size": 100,
+         "text_config": {"image_token_id": 3}}))
+    assert placeholder_token_ids(tmp_path) == (7, 9)
+    assert placeholder_token_ids(tmp_path / "missing") == ()
+    assert placeholder_token_ids(Path("org/hub-name")) == ()
+    inputs = fake_inputs()
+    inputs = replace(inputs, model=replace(inputs.model, mm_placeholder_token_ids=(7, 9)))
+    cfg = validate_config({})
+    assert plan(cfg, inputs).router_settings["mm_placeholder_token_ids"] == [7, 9]
+    assert plan(cfg, fake_inputs()).router_settings["mm_placeholder_token_ids"] == []
+    own = validate_config({"router": {"mm_placeholder_token_ids": [5]}})
+    assert plan(own, inputs).router_settings["mm_placeholder_token_ids"] == [5]
 
 
 def test_every_knob_reaches_the_command() -> None:

@@ -145,7 +145,8 @@ class RouterSettings(BaseModel):
         "counted in characters as sent): 413 above. The router never fetches a URL itself.")
     mm_placeholder_token_ids: list[int] = Field(default_factory=list,
         description="The served model's multimodal placeholder token ids (e.g. its image token): "
-        "with them, reuse stops at the first changed image instead of recomputing the turn.")
+        "with them, reuse stops at the first changed image instead of recomputing the turn. The "
+        "bundle fills it from a local model's config.json unless set.")
     trust_media_urls: bool = Field(default=False,
         description="Treat media behind equal URL strings as equal content. Off: the router "
         "cannot read the bytes (it never fetches), so reuse stops at the first URL item.")
