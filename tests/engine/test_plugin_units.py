@@ -22,6 +22,7 @@ from kvagent_server.vllm_plugin import (
     import_hooks,
     nixl_delay,
     stream_params,
+    tokenize_render,
     version,
 )
 
@@ -277,6 +278,47 @@ def test_nixl_agent_gets_the_delay() -> None:
     assert api.nixlBind.nixlAgent("a", cfg) == "agent:a"
     assert seen == [5000]
     assert api.nixlBind.DRAM_SEG == 7
+
+
+# --- /tokenize of a Mistral-tokenizer chat -------------------------------------------------
+
+def test_tokenize_prepares_mistral_chats_like_the_chat_endpoint(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Lazy `tool_calls` become a list and ids are cut to 9 characters, with vLLM's own
+    helpers, before `/tokenize` renders a chat for a Mistral tokenizer (only then)."""
+    import asyncio
+
+    import vllm.utils.mistral as vllm_mistral
+
+    monkeypatch.setattr(vllm_mistral, "is_mistral_tokenizer", lambda tok: tok == "mistral")
+    mod = types.ModuleType("serving")
+    seen: list[Any] = []
+
+    class TokenizeChatRequest:
+        def __init__(self) -> None:
+            call = {"id": "call_0123456789", "type": "function",
+                    "function": {"name": "f", "arguments": "{}"}}
+            self.messages = [{"role": "assistant", "tool_calls": iter([call])},
+                             {"role": "tool", "tool_call_id": "call_0123456789"}]
+
+    class ServingTokenization:
+        def __init__(self, tokenizer: str) -> None:
+            self.renderer = types.SimpleNamespace(tokenizer=tokenizer)
+
+        async def create_tokenize(self, request: Any, raw_request: Any) -> str:
+            seen.append(request.messages)
+            return "ok"
+
+    mod.TokenizeChatRequest = TokenizeChatRequest  # type: ignore[attr-defined]
+    mod.ServingTokenization = ServingTokenization  # type: ignore[attr-defined]
+    assert tokenize_render.patch_module(mod) and not tokenize_render.patch_module(mod)
+    assert asyncio.run(ServingTokenization("mistral").create_tokenize(
+        TokenizeChatRequest(), None)) == "ok"
+    calls = seen[-1][0]["tool_calls"]
+    assert isinstance(calls, list) and calls[0]["id"] == "123456789"
+    assert seen[-1][1]["tool_call_id"] == "123456789"
+    asyncio.run(ServingTokenization("hf").create_tokenize(TokenizeChatRequest(), None))
+    assert not isinstance(seen[-1][0]["tool_calls"], list)
 
 
 # --- affinity -----------------------------------------------------------------------------

@@ -11,7 +11,9 @@ Inert unless `KVAGENT_PLUGIN=1` (the bundle sets it on the nodes it starts). Whe
 - makes every block a decode node retains expire, and lets the router release retained
   blocks early (`retention`);
 - lets an engine that only holds KV blocks for a remote reader wait for input instead of
-  stepping every millisecond (`idle_wait`).
+  stepping every millisecond (`idle_wait`);
+- makes `/tokenize` prepare a Mistral-tokenizer chat as the chat endpoint does, so the
+  router's prompt ids exist for histories with tool calls (`tokenize_render`).
 
 vLLM calls `register()` in every process it starts; each patch is applied lazily when vLLM
 imports the module it patches, and applying it twice is a no-op.
@@ -58,6 +60,7 @@ def register() -> None:
         nixl_delay,
         retention,
         stream_params,
+        tokenize_render,
         version,
     )
     from kvagent_server.vllm_plugin.import_hooks import when_imported
@@ -87,5 +90,6 @@ def register() -> None:
         when_imported(load_failure.PULL_SCHEDULER_MODULE, load_failure.patch_pull_scheduler)
     if os.environ.get(env.RETENTION_ENV, "1") == "1":
         when_imported(retention.TARGET_MODULE, retention.patch_module)
+    when_imported(tokenize_render.TARGET_MODULE, tokenize_render.patch_module)
     if spin_ms > 0:
         when_imported(idle_wait.SPIN_MODULE, lambda m: idle_wait.patch_spin_module(m, spin_ms))
