@@ -67,11 +67,11 @@ def parser() -> argparse.ArgumentParser:
     lv = p.add_argument_group("load")
     lv.add_argument("--levels", type=_levels, default=[1, 2, 4, 8],
                     help="offered concurrent sessions, increasing (default: 1,2,4,8)")
-    lv.add_argument("--level-s", type=float, default=25.0,
-                    help="arrival window of each level, seconds (default: 25)")
-    lv.add_argument("--drain-s", type=float, default=25.0,
+    lv.add_argument("--level-s", type=float, default=30.0,
+                    help="arrival window of each level, seconds (default: 30)")
+    lv.add_argument("--drain-s", type=float, default=20.0,
                     help="after the window, cancel sessions still running after this long "
-                    "(default: 25)")
+                    "(default: 20)")
     lv.add_argument("--max-sessions", type=int, default=40,
                     help="most sessions arriving in one level (default: 40)")
     lv.add_argument("--think-s", type=float, default=1.5,
@@ -79,8 +79,8 @@ def parser() -> argparse.ArgumentParser:
     lv.add_argument("--nominal-turn-s", type=float, default=0.5,
                     help="turn time assumed to turn a level into an arrival rate: "
                     "rate = level / (turns x this + (turns - 1) x think) (default: 0.5)")
-    lv.add_argument("--idle-sessions", type=int, default=4,
-                    help="sessions of the idle probe, one at a time (default: 4)")
+    lv.add_argument("--idle-sessions", type=int, default=8,
+                    help="sessions of the idle probe, one at a time (default: 8)")
     lv.add_argument("--ttft-factor", type=float, default=2.0,
                     help="TTFT bound = this x the idle TTFT p90 of the turn class (default: 2)")
     lv.add_argument("--itl-factor", type=float, default=3.0,

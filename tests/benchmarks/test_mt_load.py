@@ -127,7 +127,7 @@ def test_cli_config_order_and_levels() -> None:
     with pytest.raises(SystemExit):
         load.parse_configs("kvagent,nope")
     args = load.parser().parse_args(["--levels", "1,3"])
-    assert args.levels == [1, 3] and args.level_s == 25 and args.turns == 4
+    assert args.levels == [1, 3] and args.level_s == 30 and args.turns == 4
     for bad in ("2,1", "0,1", "1,x", "1,1"):
         with pytest.raises(SystemExit):
             load.parser().parse_args(["--levels", bad])
