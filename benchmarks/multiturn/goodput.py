@@ -167,6 +167,33 @@ def summarize_level(level: int, records: Sequence[RequestRecord], *, sessions: S
         records=list(records))
 
 
+# ---------------------------------------------------------------------------- placement
+
+PLACEMENT_METRICS = {"kvagent_router_prefill_placements": "prefill",
+                     "kvagent_router_decode_placements": "decode"}
+
+
+def placement_counts(metrics_text: str) -> dict[str, float]:
+    """The router's placement counters from its Prometheus text, as `role:reason`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(metrics_text):
+        role = PLACEMENT_METRICS.get(family.name)
+        if role is None:
+            continue
+        for sample in family.samples:
+            if sample.name.endswith("_total"):
+                out[f"{role}:{sample.labels.get('reason', '')}"] = sample.value
+    return out
+
+
+def counter_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What the counters added between two scrapes (non-zero entries, sorted)."""
+    return {k: v - before.get(k, 0.0) for k, v in sorted(after.items())
+            if v - before.get(k, 0.0) > 0}
+
+
 # ---------------------------------------------------------------------------- goals
 
 

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
+
 from . import goodput
 from . import report as report_mod
 from .driver import ScheduledSession, run_sessions, run_workload
@@ -149,9 +151,23 @@ def idle_probe(ep: Endpoint, args: argparse.Namespace, run_id: str, config: str
     return records
 
 
+def _placements(ep: Endpoint, config: BenchConfig) -> dict[str, float]:
+    """The router's placement counters now ({} for the aggregated node or on failure:
+    they are context, not what the level measures)."""
+    if config.kind != "bundle":
+        return {}
+    try:
+        r = httpx.get(ep.base_url.removesuffix("/v1") + "/metrics", timeout=10.0)
+        r.raise_for_status()
+        return goodput.placement_counts(r.text)
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
 def run_level(ep: Endpoint, config: BenchConfig, level: int, slo: Slo,
               args: argparse.Namespace, run_id: str) -> LevelResult:
     sessions = level_sessions(args, level)
+    before = _placements(ep, config)
     with ContentionWatch() as watch:
         records, cancelled, wall = asyncio.run(run_sessions(
             ep.base_url, ep.model, sessions, args.max_tokens, config=config.name,
@@ -163,6 +179,7 @@ def run_level(ep: Endpoint, config: BenchConfig, level: int, slo: Slo,
         cancelled=cancelled, window_s=args.level_s, wall_s=wall, slo=slo,
         max_error_rate=args.max_error_rate)
     result.foreign_vllm_max = watch.max
+    result.placements = goodput.counter_delta(before, _placements(ep, config))
     return result
 
 

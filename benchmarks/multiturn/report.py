@@ -330,6 +330,12 @@ def load_markdown(report: LoadReport) -> str:
             lines.append(_level_row(c.name, lv))
         if not c.levels:
             lines.append(f"| {c.name} | {c.status} |" + " – |" * 16)
+    placed = [f"{c.name} level {lv.level}: " + ", ".join(f"{k} {v:g}"
+                                                        for k, v in lv.placements.items())
+              for c in report.configs for lv in c.levels if lv.placements]
+    if placed:
+        lines += ["", "Router placements by reason, per level (P and D choices):", "",
+                  *(f"- {p}" for p in placed)]
     tg = report.targets
     lines += ["", "Peak goodput (sessions/min, best level): " + ", ".join(
         f"{k} {v:.1f}" for k, v in tg.peak_goodput.items()), ""]

@@ -223,6 +223,9 @@ class LevelResult(BaseModel):
     broken: bool  # goodput 0 or too many errors: the sweep of this config stops here
     broken_reason: str | None = None
     foreign_vllm_max: int | None = None
+    #: The router's P and D placement choices during the level, by reason
+    #: (`prefill:tier_hit`, `decode:affinity`, ...); empty without a router.
+    placements: dict[str, float] = Field(default_factory=dict)
     records: list[RequestRecord] = Field(default_factory=list)
 
 

@@ -227,7 +227,8 @@ def test_load_targets_partial_runs() -> None:
 
 def test_load_report_files(tmp_path) -> None:
     configs = [cfg("aggregated", level(1, 6, 0.03), level(2, 0, 0.2, True)),
-               cfg("kvagent", level(1, 6, 0.03), level(2, 12, 0.04)),
+               cfg("kvagent", level(1, 6, 0.03),
+                   level(2, 12, 0.04).model_copy(update={"placements": {"prefill:tier_hit": 2}})),
                LoadConfigResult(name="kvagent_2p", description="x", status="failed",
                                 error="RuntimeError: no")]
     rep = LoadReport(created_at="2026-12-01T00:00:00+00:00", command=["python", "-m", "x"],
@@ -248,3 +249,28 @@ def test_load_report_files(tmp_path) -> None:
     assert "**kvagent_2p** failed: RuntimeError: no" in md
     assert "kvagent / best baseline (aggregated) peak goodput = 2.00" in md
     assert "foreign_vllm_max = 0 in every level." in md
+    assert "- kvagent level 2: prefill:tier_hit 2" in md
+
+
+METRICS = """\
+# HELP kvagent_router_prefill_placements_total P-node choices by reason.
+# TYPE kvagent_router_prefill_placements_total counter
+kvagent_router_prefill_placements_total{reason="least_loaded"} 3.0
+kvagent_router_prefill_placements_total{reason="tier_hit"} 5.0
+# HELP kvagent_router_decode_placements_total D-node choices by reason.
+# TYPE kvagent_router_decode_placements_total counter
+kvagent_router_decode_placements_total{reason="affinity"} 7.0
+# HELP kvagent_router_turns_total Turns.
+# TYPE kvagent_router_turns_total counter
+kvagent_router_turns_total{path="d_direct"} 9.0
+"""
+
+
+def test_placement_counts_and_delta() -> None:
+    after = goodput.placement_counts(METRICS)
+    assert after == {"prefill:least_loaded": 3.0, "prefill:tier_hit": 5.0,
+                     "decode:affinity": 7.0}
+    assert goodput.placement_counts("") == {}
+    before = {"prefill:least_loaded": 3.0, "decode:affinity": 2.0}
+    assert goodput.counter_delta(before, after) == {"decode:affinity": 5.0,
+                                                    "prefill:tier_hit": 5.0}
