@@ -16,7 +16,14 @@ import random
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
-from .results import LevelResult, LoadConfigResult, LoadTargets, RequestRecord, Slo
+from .results import (
+    LevelResult,
+    LoadConfigResult,
+    LoadReport,
+    LoadTargets,
+    RequestRecord,
+    Slo,
+)
 from .stats import AGGREGATED, KVAGENT, PD_NOREUSE, distribution, percentile
 
 #: Baselines the goodput goal compares against (those that ran).
@@ -128,12 +135,34 @@ def session_outcomes(records: Iterable[RequestRecord], sessions: Sequence[str], 
     return out
 
 
+def missed_by(records: Iterable[RequestRecord], missed: Iterable[str], slo: Slo
+              ) -> dict[str, int]:
+    """Why the `missed` sessions missed: how many had a first turn over its TTFT bound,
+    a later turn over its bound, the ITL p99 over its bound (one session may count in
+    several)."""
+    by: dict[str, list[RequestRecord]] = {s: [] for s in missed}
+    for r in records:
+        if r.conversation in by:
+            by[r.conversation].append(r)
+    out: Counter[str] = Counter()
+    for rs in by.values():
+        if any(r.turn == 0 and not turn_meets_ttft(r, slo) for r in rs):
+            out["first_turn_ttft"] += 1
+        if any(r.turn > 0 and not turn_meets_ttft(r, slo) for r in rs):
+            out["later_turn_ttft"] += 1
+        itl = session_itl_p99(rs)
+        if itl is not None and itl > slo.itl_s:
+            out["itl_p99"] += 1
+    return dict(sorted(out.items()))
+
+
 def summarize_level(level: int, records: Sequence[RequestRecord], *, sessions: Sequence[str],
                     turns: int, cancelled: Sequence[str], window_s: float, wall_s: float,
                     slo: Slo, max_error_rate: float) -> LevelResult:
     """One level's figures; `broken` when no session met the SLO or more than
     `max_error_rate` of the requests failed."""
-    outcomes = Counter(session_outcomes(records, sessions, turns, cancelled, slo).values())
+    by_session = session_outcomes(records, sessions, turns, cancelled, slo)
+    outcomes = Counter(by_session.values())
     ok = [r for r in records if r.error is None]
     errors = len(records) - len(ok)
     error_rate = errors / len(records) if records else 0.0
@@ -164,7 +193,40 @@ def summarize_level(level: int, records: Sequence[RequestRecord], *, sessions: S
                              if wall_s > 0 else 0.0),
         paths=dict(sorted(Counter(r.path for r in ok if r.path).items())),
         slo_met_level=level_ok, broken=reason is not None, broken_reason=reason,
+        missed_by=missed_by(records, [k for k, v in by_session.items() if v == "missed"], slo),
         records=list(records))
+
+
+def rescore_level(lv: LevelResult, slo: Slo, *, turns: int, max_error_rate: float
+                  ) -> LevelResult:
+    """The level judged against another SLO, from its records. Sessions that left no
+    record (cancelled before their first answer) count as cancelled, as they did."""
+    ids = sorted({r.conversation for r in lv.records})
+    silent = [f"(no record {i})" for i in range(lv.sessions - len(ids))]
+    out = summarize_level(lv.level, lv.records, sessions=ids + silent, turns=turns,
+                          cancelled=silent, window_s=lv.window_s, wall_s=lv.wall_s, slo=slo,
+                          max_error_rate=max_error_rate)
+    return out.model_copy(update={"foreign_vllm_max": lv.foreign_vllm_max,
+                                  "placements": lv.placements})
+
+
+def rescore(report: LoadReport, *, ttft_factor: float, itl_factor: float) -> LoadReport:
+    """The whole run judged against the same idle probe with other factors. Levels a
+    configuration did not reach (its sweep stopped earlier) stay unmeasured."""
+    if report.slo is None:
+        raise ValueError("the run has no SLO (its idle probe did not run)")
+    slo = report.slo.model_copy(update={"ttft_factor": ttft_factor,
+                                        "itl_factor": itl_factor})
+    turns = int(report.load["turns"])
+    limit = float(report.load["max_error_rate"])
+    configs = [c.model_copy(update={"levels": [
+        rescore_level(lv, slo, turns=turns, max_error_rate=limit) for lv in c.levels]})
+        for c in report.configs]
+    return report.model_copy(update={
+        "slo": slo, "configs": configs, "targets": load_targets(configs),
+        "rescored": {"ttft_factor": ttft_factor, "itl_factor": itl_factor,
+                     "original": {"ttft_factor": report.slo.ttft_factor,
+                                  "itl_factor": report.slo.itl_factor}}})
 
 
 # ---------------------------------------------------------------------------- placement

@@ -66,6 +66,10 @@ def parser() -> argparse.ArgumentParser:
                    f"{','.join(n for n in ALL_CONFIGS if n not in DEFAULT_CONFIGS)}). The "
                    "aggregated node, when listed, runs first: it hosts the idle probe")
     p.add_argument("--out", type=Path, help="output directory (default: results/<ts>-load)")
+    p.add_argument("--rescore", type=Path, metavar="RESULTS_JSON",
+                   help="start nothing: re-judge a recorded run's requests against "
+                   "--ttft-factor/--itl-factor (same idle probe); writes to --out "
+                   "(default: next to it, rescored-<ttft>x-<itl>x/)")
     lv = p.add_argument_group("load")
     lv.add_argument("--levels", type=_levels, default=[1, 2, 4, 8],
                     help="offered concurrent sessions, increasing (default: 1,2,4,8)")
@@ -268,8 +272,21 @@ def run_load(configs: list[BenchConfig], args: argparse.Namespace, out_dir: Path
                       targets=goodput.load_targets(results))
 
 
+def rescore_main(args: argparse.Namespace) -> int:
+    rep = LoadReport.model_validate_json(args.rescore.read_text())
+    out = rep.model_copy() if rep.slo is None else goodput.rescore(
+        rep, ttft_factor=args.ttft_factor, itl_factor=args.itl_factor)
+    out_dir = args.out or args.rescore.parent / (
+        f"rescored-{args.ttft_factor:g}x-{args.itl_factor:g}x")
+    paths = report_mod.write_load(out, out_dir)
+    print(paths["summary"].read_text())
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.rescore is not None:
+        return rescore_main(args)
     configs = parse_configs(args.configs)
     out_dir = args.out or RESULTS_ROOT / (dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
                                           + "-load")

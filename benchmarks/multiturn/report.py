@@ -287,8 +287,16 @@ def _level_row(name: str, lv: LevelResult) -> str:
             f"{lv.offered_sessions_per_min:.1f} | {_ms(lv.ttft_s.p50)} | {_ms(lv.ttft_s.p90)} | "
             f"{_ms(lv.ttft_later_s.p90)} | {_ms(lv.itl_s.p50)} | {_ms(lv.itl_s.p99)} | "
             f"{lv.turns_per_s:.2f} | {lv.output_tokens_per_s:.0f} | {lv.errors}/{lv.requests} | "
-            f"{_paths_text(lv.paths)} | {'yes' if lv.slo_met_level else 'no'} | "
-            f"{lv.broken_reason or ''} |")
+            f"{_paths_text(lv.paths)} | {_missed_text(lv)} | "
+            f"{'yes' if lv.slo_met_level else 'no'} | {lv.broken_reason or ''} |")
+
+
+def _missed_text(lv: LevelResult) -> str:
+    m = lv.missed_by
+    if not m:
+        return "–"
+    return " / ".join(str(m.get(k, 0)) for k in ("first_turn_ttft", "later_turn_ttft",
+                                                 "itl_p99"))
 
 
 def load_markdown(report: LoadReport) -> str:
@@ -305,6 +313,10 @@ def load_markdown(report: LoadReport) -> str:
         "Load: " + ", ".join(f"{k}={v}" for k, v in ld.items()),
         "",
     ]
+    if report.rescored is not None:
+        lines += [(f"**Re-judged** from the recorded requests with other SLO factors: "
+                   f"{report.rescored}. Levels past where the recorded sweep stopped were "
+                   "not run."), ""]
     slo = report.slo
     if slo is None:
         lines += ["SLO: none (the idle probe did not run); no goodput.", ""]
@@ -322,14 +334,15 @@ def load_markdown(report: LoadReport) -> str:
     lines += [
         ("| config | level | sessions | met | cancelled | goodput /min | offered /min | "
          "TTFT p50 | TTFT p90 | later TTFT p90 | ITL p50 | ITL p99 | turns/s | out tok/s | "
-         "errors | paths | level within SLO | broken |"),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+         "errors | paths | missed by: 1st TTFT / later TTFT / ITL | level within SLO | "
+         "broken |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in report.configs:
         for lv in c.levels:
             lines.append(_level_row(c.name, lv))
         if not c.levels:
-            lines.append(f"| {c.name} | {c.status} |" + " – |" * 16)
+            lines.append(f"| {c.name} | {c.status} |" + " – |" * 17)
     placed = [f"{c.name} level {lv.level}: " + ", ".join(f"{k} {v:g}"
                                                         for k, v in lv.placements.items())
               for c in report.configs for lv in c.levels if lv.placements]

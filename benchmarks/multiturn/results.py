@@ -222,6 +222,9 @@ class LevelResult(BaseModel):
     slo_met_level: bool
     broken: bool  # goodput 0 or too many errors: the sweep of this config stops here
     broken_reason: str | None = None
+    #: Why sessions that finished missed the SLO: `first_turn_ttft`, `later_turn_ttft`,
+    #: `itl_p99` -> sessions (one session may count under several).
+    missed_by: dict[str, int] = Field(default_factory=dict)
     foreign_vllm_max: int | None = None
     #: The router's P and D placement choices during the level, by reason
     #: (`prefill:tier_hit`, `decode:affinity`, ...); empty without a router.
@@ -269,3 +272,6 @@ class LoadReport(BaseModel):
     idle_probe: list[RequestRecord] = Field(default_factory=list)
     configs: list[LoadConfigResult]
     targets: LoadTargets
+    #: Set when this report re-judges a recorded run against other SLO factors
+    #: (`load --rescore`): the factors used and the original ones.
+    rescored: dict | None = None

@@ -274,3 +274,59 @@ def test_placement_counts_and_delta() -> None:
     before = {"prefill:least_loaded": 3.0, "decode:affinity": 2.0}
     assert goodput.counter_delta(before, after) == {"decode:affinity": 5.0,
                                                     "prefill:tier_hit": 5.0}
+
+
+def test_missed_by_names_each_bound() -> None:
+    records = [rec("a", 0, 1.5), rec("a", 1, 0.1),  # first turn slow
+               rec("b", 0, 0.1), rec("b", 1, 0.5, itl=[0.01, 0.3]),  # later turn + ITL
+               rec("c", 0), rec("c", 1)]  # met: not counted
+    assert goodput.missed_by(records, ["a", "b"], SLO) == {
+        "first_turn_ttft": 1, "itl_p99": 1, "later_turn_ttft": 1}
+    lv = goodput.summarize_level(1, records, sessions=["a", "b", "c"], turns=2, cancelled=[],
+                                 window_s=60, wall_s=5, slo=SLO, max_error_rate=0.1)
+    assert lv.missed_by == {"first_turn_ttft": 1, "itl_p99": 1, "later_turn_ttft": 1}
+
+
+def _recorded_run() -> LoadReport:
+    records = [rec("a", 0, 0.9), rec("a", 1, 0.5), rec("b", 0, 0.2), rec("b", 1, 0.2),
+               rec("c", 0, 0.2)]  # c cut at the drain cap after its first turn
+    lv = goodput.summarize_level(2, records, sessions=["a", "b", "c", "d"], turns=2,
+                                 cancelled=["c", "d"], window_s=60, wall_s=30, slo=SLO,
+                                 max_error_rate=0.1)
+    lv = lv.model_copy(update={"foreign_vllm_max": 0, "placements": {"prefill:x": 1.0}})
+    configs = [cfg("kvagent", lv), cfg("aggregated", lv.model_copy())]
+    return LoadReport(created_at="t", command=["x"], machine={}, versions={},
+                      load={"turns": 2, "max_error_rate": 0.1}, slo=SLO, configs=configs,
+                      targets=goodput.load_targets(configs))
+
+
+def test_rescore_rejudges_the_recorded_requests() -> None:
+    rep = _recorded_run()
+    lv = rep.configs[0].levels[0]
+    assert (lv.sessions_met, lv.sessions_cancelled, lv.goodput_sessions_per_min) == (1, 2, 1)
+    loose = goodput.rescore(rep, ttft_factor=4.0, itl_factor=3.0)
+    lv2 = loose.configs[0].levels[0]
+    assert (lv2.sessions, lv2.sessions_met, lv2.sessions_cancelled) == (4, 2, 2)
+    assert lv2.goodput_sessions_per_min == 2 and lv2.placements == {"prefill:x": 1.0}
+    assert lv2.foreign_vllm_max == 0 and len(lv2.records) == 5
+    assert loose.slo is not None and loose.slo.ttft_later_s == pytest.approx(0.8)
+    assert loose.targets.peak_goodput == {"kvagent": 2.0, "aggregated": 2.0}
+    assert loose.rescored == {"ttft_factor": 4.0, "itl_factor": 3.0,
+                              "original": {"ttft_factor": 2.0, "itl_factor": 3.0}}
+    # the same factors give back the recorded judgement
+    same = goodput.rescore(rep, ttft_factor=2.0, itl_factor=3.0)
+    assert same.configs[0].levels[0].model_dump() == lv.model_dump()
+    with pytest.raises(ValueError):
+        goodput.rescore(rep.model_copy(update={"slo": None}), ttft_factor=1, itl_factor=1)
+
+
+def test_rescore_cli(tmp_path) -> None:
+    from benchmarks.multiturn import load
+
+    src = tmp_path / "run"
+    report.write_load(_recorded_run(), src)
+    assert load.main(["--rescore", str(src / "results.json"), "--ttft-factor", "4"]) == 0
+    out = src / "rescored-4x-3x"
+    md = (out / "summary.md").read_text()
+    assert "**Re-judged**" in md and (out / "goodput.png").exists()
+    assert LoadReport.model_validate_json((out / "results.json").read_text()).rescored
