@@ -207,6 +207,7 @@ def rescore_level(lv: LevelResult, slo: Slo, *, turns: int, max_error_rate: floa
                           cancelled=silent, window_s=lv.window_s, wall_s=lv.wall_s, slo=slo,
                           max_error_rate=max_error_rate)
     return out.model_copy(update={"foreign_vllm_max": lv.foreign_vllm_max,
+                                  "load_avg_max": lv.load_avg_max,
                                   "placements": lv.placements})
 
 

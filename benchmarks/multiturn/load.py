@@ -183,6 +183,7 @@ def run_level(ep: Endpoint, config: BenchConfig, level: int, slo: Slo,
         cancelled=cancelled, window_s=args.level_s, wall_s=wall, slo=slo,
         max_error_rate=args.max_error_rate)
     result.foreign_vllm_max = watch.max
+    result.load_avg_max = watch.load_max
     result.placements = goodput.counter_delta(before, _placements(ep, config))
     return result
 
@@ -225,7 +226,7 @@ def run_config(config: BenchConfig, args: argparse.Namespace, run_id: str, work_
                      f"{lv.goodput_sessions_per_min:.1f}/min, TTFT p90 {_ms(lv.ttft_s.p90)}, "
                      f"ITL p99 {_ms(lv.itl_s.p99)}, errors {lv.errors}/{lv.requests}"
                      + (f", foreign vLLM {lv.foreign_vllm_max}" if lv.foreign_vllm_max
-                        else ""))
+                        else "") + f", load avg max {lv.load_avg_max:.1f}")
                 if lv.broken:
                     _log(f"{config.name}: broken at level {level} ({lv.broken_reason})")
                     break

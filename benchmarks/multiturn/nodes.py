@@ -121,12 +121,15 @@ def wait_until_alone(timeout_s: float, *, poll_s: float = 10.0, log=print) -> No
 
 
 class ContentionWatch:
-    """Samples `foreign_vllm()` in a thread while a workload runs; `.max` is the most seen."""
+    """Samples `foreign_vllm()` in a thread while a workload runs; `.max` is the most seen.
+    `.load_max`: the highest 1-minute load average seen (other work on the cores that is
+    not a vLLM node: a test suite, a build)."""
 
     def __init__(self, every_s: float = 2.0) -> None:
         import threading
 
         self.max = 0
+        self.load_max = 0.0
         self._every = every_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="contention-watch", daemon=True)
@@ -134,6 +137,7 @@ class ContentionWatch:
     def _run(self) -> None:
         while True:
             self.max = max(self.max, len(foreign_vllm()))
+            self.load_max = max(self.load_max, os.getloadavg()[0])
             if self._stop.wait(self._every):
                 return
 

@@ -367,6 +367,11 @@ def load_markdown(report: LoadReport) -> str:
                   + ", ".join(busy) + "; those numbers include it.", ""]
     else:
         lines += ["foreign_vllm_max = 0 in every level.", ""]
+    loads = [f"{c.name} {lv.level}: {lv.load_avg_max:.1f}" for c in report.configs
+             for lv in c.levels if lv.load_avg_max is not None]
+    if loads:
+        lines += [f"Highest 1-minute load average per level (cores: "
+                  f"{report.machine.get('cores', '?')}): " + ", ".join(loads), ""]
     for c in report.configs:
         if c.error:
             lines += [f"**{c.name}** {c.status}: {c.error}", ""]

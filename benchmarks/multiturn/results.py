@@ -226,6 +226,9 @@ class LevelResult(BaseModel):
     #: `itl_p99` -> sessions (one session may count under several).
     missed_by: dict[str, int] = Field(default_factory=dict)
     foreign_vllm_max: int | None = None
+    #: Highest 1-minute load average during the level: above the cores the benchmark's
+    #: own nodes keep busy, something else competed for them.
+    load_avg_max: float | None = None
     #: The router's P and D placement choices during the level, by reason
     #: (`prefill:tier_hit`, `decode:affinity`, ...); empty without a router.
     placements: dict[str, float] = Field(default_factory=dict)

@@ -293,7 +293,8 @@ def _recorded_run() -> LoadReport:
     lv = goodput.summarize_level(2, records, sessions=["a", "b", "c", "d"], turns=2,
                                  cancelled=["c", "d"], window_s=60, wall_s=30, slo=SLO,
                                  max_error_rate=0.1)
-    lv = lv.model_copy(update={"foreign_vllm_max": 0, "placements": {"prefill:x": 1.0}})
+    lv = lv.model_copy(update={"foreign_vllm_max": 0, "placements": {"prefill:x": 1.0},
+                               "load_avg_max": 2.5})
     configs = [cfg("kvagent", lv), cfg("aggregated", lv.model_copy())]
     return LoadReport(created_at="t", command=["x"], machine={}, versions={},
                       load={"turns": 2, "max_error_rate": 0.1}, slo=SLO, configs=configs,
@@ -308,7 +309,7 @@ def test_rescore_rejudges_the_recorded_requests() -> None:
     lv2 = loose.configs[0].levels[0]
     assert (lv2.sessions, lv2.sessions_met, lv2.sessions_cancelled) == (4, 2, 2)
     assert lv2.goodput_sessions_per_min == 2 and lv2.placements == {"prefill:x": 1.0}
-    assert lv2.foreign_vllm_max == 0 and len(lv2.records) == 5
+    assert lv2.foreign_vllm_max == 0 and lv2.load_avg_max == 2.5 and len(lv2.records) == 5
     assert loose.slo is not None and loose.slo.ttft_later_s == pytest.approx(0.8)
     assert loose.targets.peak_goodput == {"kvagent": 2.0, "aggregated": 2.0}
     assert loose.rescored == {"ttft_factor": 4.0, "itl_factor": 3.0,
@@ -329,4 +330,5 @@ def test_rescore_cli(tmp_path) -> None:
     out = src / "rescored-4x-3x"
     md = (out / "summary.md").read_text()
     assert "**Re-judged**" in md and (out / "goodput.png").exists()
+    assert "Highest 1-minute load average per level (cores: ?): kvagent 2: 2.5" in md
     assert LoadReport.model_validate_json((out / "results.json").read_text()).rescored
