@@ -326,11 +326,11 @@ def load_markdown(report: LoadReport) -> str:
              f"one session at a time): first-turn TTFT ≤ {slo.ttft_factor:g} × "
              f"{_msu(slo.idle_ttft_first_p90_s)} = **{_msu(slo.ttft_first_s)}**, later-turn "
              f"TTFT ≤ {slo.ttft_factor:g} × {_msu(slo.idle_ttft_later_p90_s)} = "
-             f"**{_msu(slo.ttft_later_s)}** (idle TTFT p90 of the class), each turn's ITL p99 ≤ "
-             f"{slo.itl_factor:g} × {_msu(slo.idle_decode_step_s)} = **{_msu(slo.itl_s)}** "
-             "(idle decode step: TPOT p50). A session meets the SLO when every turn was "
-             "answered within those bounds; goodput = such sessions per minute of the "
-             "arrival window."), ""]
+             f"**{_msu(slo.ttft_later_s)}** (idle TTFT p90 of the class), the session's ITL "
+             f"p99 (all its turns' gaps) ≤ {slo.itl_factor:g} × "
+             f"{_msu(slo.idle_decode_step_s)} = **{_msu(slo.itl_s)}** (idle decode step: TPOT "
+             "p50). A session meets the SLO when every turn was answered within those "
+             "bounds; goodput = such sessions per minute of the arrival window."), ""]
     lines += [
         ("| config | level | sessions | met | cancelled | goodput /min | offered /min | "
          "TTFT p50 | TTFT p90 | later TTFT p90 | ITL p50 | ITL p99 | turns/s | out tok/s | "
