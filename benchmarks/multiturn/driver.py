@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import httpx
 from kvagent.protocol import RESPONSE_CACHE_TOKEN, RESPONSE_PATH, RESPONSE_REUSED_TOKENS
@@ -51,15 +52,72 @@ async def run_workload(base_url: str, model: str, workload: Workload, *, config:
     return [r for rs in results for r in rs], wall
 
 
+@dataclass(frozen=True)
+class ScheduledSession:
+    """One conversation of the load mode: when it arrives and how long the agent "thinks"
+    (runs its tools) before each later turn."""
+
+    conversation: Conversation
+    start_s: float  # after the level starts
+    think_s: Sequence[float] = field(default_factory=tuple)  # before turns 1, 2, ...
+
+
+async def run_sessions(base_url: str, model: str, sessions: Sequence[ScheduledSession],
+                       max_tokens: int, *, config: str, run_id: str, deadline_s: float,
+                       timeout_s: float = 600.0,
+                       on_record: Callable[[RequestRecord], None] | None = None,
+                       transport: httpx.AsyncBaseTransport | None = None,
+                       text_with_tool_calls: bool = True,
+                       ) -> tuple[list[RequestRecord], list[str], float]:
+    """Open arrival: each session starts at its own offset whatever the others are doing,
+    and waits its think time before each later turn. Sessions still running `deadline_s`
+    after the start are cancelled (their open request closed), so a level is bounded
+    in time however slow the configuration. Returns the records of the turns that ended,
+    the ids of the cancelled conversations, and the wall time.
+    """
+    url = base_url.rstrip("/") + "/chat/completions"
+    limits = httpx.Limits(max_connections=len(sessions) + 2)
+    records: list[RequestRecord] = []
+    unfinished = {s.conversation.id for s in sessions}
+    t_start = time.perf_counter()
+
+    async def one(s: ScheduledSession) -> None:
+        await asyncio.sleep(max(0.0, s.start_s - (time.perf_counter() - t_start)))
+        await _conversation(client, url, model, s.conversation, max_tokens, config=config,
+                            session_id=f"{run_id}.{s.conversation.id}", keep=False,
+                            t_start=t_start, on_record=on_record,
+                            text_with_tool_calls=text_with_tool_calls, think_s=s.think_s,
+                            records=records)
+        unfinished.discard(s.conversation.id)
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
+                                 limits=limits, transport=transport) as client:
+        tasks = [asyncio.create_task(one(s)) for s in sessions]
+        if tasks:
+            done, pending = await asyncio.wait(tasks, timeout=deadline_s)
+            for t in pending:
+                t.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for t in done:
+                t.result()  # a bug in the driver surfaces, a failed request does not raise
+    wall = time.perf_counter() - t_start
+    return records, sorted(unfinished), wall
+
+
 async def _conversation(client: httpx.AsyncClient, url: str, model: str, conv: Conversation,
                         max_tokens: int, *, config: str, session_id: str, keep: bool,
                         t_start: float, on_record: Callable[[RequestRecord], None] | None,
-                        text_with_tool_calls: bool = True) -> list[RequestRecord]:
+                        text_with_tool_calls: bool = True, think_s: Sequence[float] = (),
+                        records: list[RequestRecord] | None = None) -> list[RequestRecord]:
+    """`think_s[i - 1]`: seconds to wait before turn i. `records`: append there as each
+    turn ends (a cancelled conversation keeps its finished turns)."""
     history: list[dict] = []
     token: str | None = None
     answer = ""
-    records: list[RequestRecord] = []
+    records = [] if records is None else records
     for i, turn in enumerate(conv.turns):
+        if i > 0 and i - 1 < len(think_s) and think_s[i - 1] > 0:
+            await asyncio.sleep(think_s[i - 1])
         if turn.assistant is not None:
             history.append(assistant_message(turn.assistant, answer, keep_recorded=keep,
                                              text_with_tool_calls=text_with_tool_calls))

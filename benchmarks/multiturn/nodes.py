@@ -18,7 +18,7 @@ from typing import Literal, Self
 
 import httpx
 import psutil
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from benchmarks._procs import free_ports
 
@@ -35,6 +35,10 @@ class BenchConfig(BaseModel):
     kind: Literal["bundle", "aggregated"]
     reuse: bool = False  # router setting `reuse` (bundle only)
     prefill_prefix_caching: bool = True  # P's vLLM prefix cache (bundle only)
+    #: Router setting `skip_prefill_max_tokens` (bundle only): None lets the cost model
+    #: choose between `d_direct` and `pd_reuse`; 0 never skips P; a huge value always does.
+    skip_prefill_max_tokens: int | None = None
+    prefill_count: int = Field(default=1, ge=1, le=4)  # P nodes (bundle only)
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
@@ -49,6 +53,27 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig(name="aggregated", kind="aggregated",
                 description="one aggregated vLLM node with prefix caching (no P/D)"),
 )}
+
+#: More configurations for the load mode (`load.py`): the cost model against each fixed
+#: policy, and two P nodes. Not in `CONFIGS`, whose four are the multi-turn run's.
+ALWAYS_SKIP_P = 1_000_000
+LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
+    BenchConfig(name="kvagent_always_d_direct", kind="bundle", reuse=True,
+                skip_prefill_max_tokens=ALWAYS_SKIP_P,
+                description="kvagent with a fixed policy: every reused turn skips P "
+                "(d_direct)"),
+    BenchConfig(name="kvagent_always_pd_reuse", kind="bundle", reuse=True,
+                skip_prefill_max_tokens=0,
+                description="kvagent with a fixed policy: every reused turn takes P, which "
+                "pulls the prefix from D (pd_reuse)"),
+    BenchConfig(name="kvagent_2p", kind="bundle", reuse=True, prefill_count=2,
+                description="kvagent with two P nodes sharing P's cores, one D"),
+    BenchConfig(name="pd_noreuse_pcache_on_2p", kind="bundle", reuse=False,
+                prefill_prefix_caching=True, prefill_count=2,
+                description="two P nodes sharing P's cores, one D, router reuse off, "
+                "P prefix cache on"),
+)}
+ALL_CONFIGS: dict[str, BenchConfig] = {**CONFIGS, **LOAD_ONLY_CONFIGS}
 
 #: The reference for answer agreement: recomputes every prompt on P, the plainest path.
 REFERENCE_CONFIG = "pd_noreuse_pcache_off"
@@ -96,12 +121,15 @@ def wait_until_alone(timeout_s: float, *, poll_s: float = 10.0, log=print) -> No
 
 
 class ContentionWatch:
-    """Samples `foreign_vllm()` in a thread while a workload runs; `.max` is the most seen."""
+    """Samples `foreign_vllm()` in a thread while a workload runs; `.max` is the most seen.
+    `.load_max`: the highest 1-minute load average seen (other work on the cores that is
+    not a vLLM node: a test suite, a build)."""
 
     def __init__(self, every_s: float = 2.0) -> None:
         import threading
 
         self.max = 0
+        self.load_max = 0.0
         self._every = every_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="contention-watch", daemon=True)
@@ -109,6 +137,7 @@ class ContentionWatch:
     def _run(self) -> None:
         while True:
             self.max = max(self.max, len(foreign_vllm()))
+            self.load_max = max(self.load_max, os.getloadavg()[0])
             if self._stop.wait(self._every):
                 return
 
@@ -137,6 +166,36 @@ def serve(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int = 2,
             yield ep
 
 
+def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cores: list[int],
+                    kv_cache_gib: int, startup_timeout_s: float, model: str | None = None
+                    ) -> dict:
+    """The bundle configuration of `config`: `ports` are P's HTTP and side-channel ports
+    (prefill_count each), then D's two and the router's."""
+    n_p = config.prefill_count
+    if len(ports) != 2 * n_p + 3:
+        raise ValueError(f"{config.name}: need {2 * n_p + 3} ports, got {len(ports)}")
+    prefill: dict = {"count": n_p, "ports": ports[:n_p], "side_channel_ports": ports[n_p:2 * n_p],
+                     "prefix_caching": config.prefill_prefix_caching}
+    decode: dict = {"ports": [ports[2 * n_p]], "side_channel_ports": [ports[2 * n_p + 1]]}
+    if n_p > 1:
+        p_binds, d_bind = shared_prefill_binds(cores, n_p)
+        prefill["cpu_binds"], decode["cpu_binds"] = p_binds, [d_bind]
+    # server_timing: the per-stage budget of each turn reaches the records
+    router: dict = {"port": ports[-1], "reuse": config.reuse, "server_timing": True}
+    if config.skip_prefill_max_tokens is not None:
+        router["skip_prefill_max_tokens"] = config.skip_prefill_max_tokens
+    return {
+        "name": f"mtbench-{config.name}".replace("_", "-"),
+        "model": model,
+        "run_dir": str(run_dir),
+        "kv_cache_gib": kv_cache_gib,
+        "startup_timeout_s": startup_timeout_s,
+        "prefill": prefill,
+        "decode": decode,
+        "router": router,
+    }
+
+
 @contextmanager
 def bundle(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int,
            startup_timeout_s: float, model: str | None = None) -> Iterator[Endpoint]:
@@ -144,19 +203,10 @@ def bundle(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int,
     from kvagent_server.config import validate_config
     from kvagent_server.supervisor import Bundle
 
-    p_http, p_side, d_http, d_side, router_port = free_ports(5)
-    cfg = validate_config({
-        "name": f"mtbench-{config.name}".replace("_", "-"),
-        "model": model,
-        "run_dir": str(work_dir / "run"),
-        "kv_cache_gib": kv_cache_gib,
-        "startup_timeout_s": startup_timeout_s,
-        "prefill": {"ports": [p_http], "side_channel_ports": [p_side],
-                    "prefix_caching": config.prefill_prefix_caching},
-        "decode": {"ports": [d_http], "side_channel_ports": [d_side]},
-        # server_timing: the per-stage budget of each turn reaches the records
-        "router": {"port": router_port, "reuse": config.reuse, "server_timing": True},
-    })
+    ports = free_ports(2 * config.prefill_count + 3)
+    cfg = validate_config(bundle_settings(
+        config, work_dir / "run", ports, cores=sorted(os.sched_getaffinity(0)),
+        kv_cache_gib=kv_cache_gib, startup_timeout_s=startup_timeout_s, model=model))
     b = Bundle(cfg)
     try:
         b.start(wait=True)
@@ -167,6 +217,18 @@ def bundle(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int,
         survivors = b.stop()
         if survivors:
             print(f"warning: bundle processes survived stop: {survivors}", file=sys.stderr)
+
+
+def shared_prefill_binds(cores: list[int], prefill_count: int) -> tuple[list[str], str]:
+    """CPU binds for several P nodes and one D: the P nodes share the cores one P gets in
+    the default 1P+1D bundle, D keeps its own. The comparison with one P then isolates
+    placement across P nodes; the cores given to prefill and to decode stay the same."""
+    from kvagent_server.render import format_cpu_list, partition_cores
+
+    if len(cores) < 2:
+        raise ValueError("P and D need at least two cores between them")
+    p_cores, d_cores = partition_cores(cores, 2)
+    return [format_cpu_list(p_cores)] * prefill_count, format_cpu_list(d_cores)
 
 
 def aggregated_args(model_path: str, port: int, serve_args: list[str] | None = None

@@ -1,17 +1,29 @@
 """Write a run's results: `results.json`, `ttft_by_turn.png`, `time_budget.png`,
-`summary.md`."""
+`summary.md`; for the load mode `results.json`, `goodput.png`, `summary.md`."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from .budget import LABELS, SEGMENTS, markdown_table
-from .results import BenchmarkReport, ConfigResult, PathBudget, TokenTotals
+from .results import (
+    BenchmarkReport,
+    ConfigResult,
+    LevelResult,
+    LoadReport,
+    PathBudget,
+    TokenTotals,
+)
 
 JSON_NAME = "results.json"
 PLOT_NAME = "ttft_by_turn.png"
 BUDGET_PLOT_NAME = "time_budget.png"
 SUMMARY_NAME = "summary.md"
+GOODPUT_PLOT_NAME = "goodput.png"
+#: The load report without per-request records: small enough to keep with the docs.
+LEVELS_JSON_NAME = "levels.json"
 
 
 def write_all(report: BenchmarkReport, out_dir: Path) -> dict[str, Path]:
@@ -182,3 +194,185 @@ def _row(c: ConfigResult) -> str:
             f"{_ms(s.e2e_s.p50)} | "
             f"{_pct(s.reuse_rate_later_turns)} | {_pct(s.cache_hit_rate_later_turns)} | "
             f"{s.tokens.reused} | {s.tokens.recomputed} | {_num(s.requests_per_s)} | {agree} |")
+
+
+# =========================================================================== load mode
+
+
+def write_load(report: LoadReport, out_dir: Path) -> dict[str, Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / JSON_NAME, "levels_json": out_dir / LEVELS_JSON_NAME,
+             "plot": out_dir / GOODPUT_PLOT_NAME, "summary": out_dir / SUMMARY_NAME}
+    data = _rounded(report.model_dump(mode="json"))
+    paths["json"].write_text(json.dumps(data, separators=(",", ":")) + "\n")
+    for c in data["configs"]:
+        for lv in c["levels"]:
+            lv["records"] = []
+    data["idle_probe"] = []
+    paths["levels_json"].write_text(json.dumps(data, indent=1) + "\n")
+    plot_goodput(report, paths["plot"])
+    paths["summary"].write_text(load_markdown(report))
+    return paths
+
+
+def _rounded(value: Any, digits: int = 6) -> Any:
+    """Floats to microseconds (of seconds): a sweep holds thousands of chunk gaps, and
+    their 17-digit reprs would triple the file."""
+    if isinstance(value, float):
+        return round(value, digits)
+    if isinstance(value, dict):
+        return {k: _rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v, digits) for v in value]
+    return value
+
+
+def plot_goodput(report: LoadReport, path: Path) -> None:
+    """Goodput (left) and ITL p99 (right) against offered concurrent sessions, one line
+    per configuration; a cross marks a broken level."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.8), dpi=110)
+    for c in report.configs:
+        if not c.levels:
+            continue
+        xs = [lv.level for lv in c.levels]
+        (line,) = ax.plot(xs, [lv.goodput_sessions_per_min for lv in c.levels], marker="o",
+                          label=c.name)
+        ax2.plot(xs, [(lv.itl_s.p99 or 0) * 1000 for lv in c.levels], marker="o",
+                 color=line.get_color(), label=c.name)
+        broken = [lv for lv in c.levels if lv.broken]
+        ax.scatter([lv.level for lv in broken],
+                   [lv.goodput_sessions_per_min for lv in broken], marker="x", s=80,
+                   color=line.get_color(), zorder=3)
+    offered = {lv.level: lv.offered_sessions_per_min for c in report.configs
+               for lv in c.levels}
+    if offered:
+        xs = sorted(offered)
+        ax.plot(xs, [offered[x] for x in xs], linestyle=":", color="grey", label="offered")
+    if report.slo is not None:
+        ax2.axhline(report.slo.itl_s * 1000, linestyle=":", color="grey", label="ITL bound")
+    levels = sorted({lv.level for c in report.configs for lv in c.levels})
+    for a in (ax, ax2):
+        a.set_xscale("log", base=2)
+        a.set_xticks(levels, [str(x) for x in levels])
+        a.minorticks_off()
+        a.set_xlabel("offered concurrent sessions")
+        a.grid(True, which="both", alpha=0.3)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=7)
+    ax.set_ylabel("goodput: sessions/min with every turn within the SLO")
+    ax.set_title("Goodput under load (x: broken level, sweep stopped)")
+    ax2.set_ylabel("ITL p99 (ms), all turns of the level")
+    ax2.set_title("Inter-token latency p99 under load")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def _msu(x: float | None) -> str:
+    return "–" if x is None else f"{x * 1000:.0f} ms"
+
+
+def _paths_text(paths: dict[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in paths.items()) or "–"
+
+
+def _level_row(name: str, lv: LevelResult) -> str:
+    return (f"| {name} | {lv.level} | {lv.sessions} | {lv.sessions_met} | "
+            f"{lv.sessions_cancelled} | **{lv.goodput_sessions_per_min:.1f}** | "
+            f"{lv.offered_sessions_per_min:.1f} | {_ms(lv.ttft_s.p50)} | {_ms(lv.ttft_s.p90)} | "
+            f"{_ms(lv.ttft_later_s.p90)} | {_ms(lv.itl_s.p50)} | {_ms(lv.itl_s.p99)} | "
+            f"{lv.turns_per_s:.2f} | {lv.output_tokens_per_s:.0f} | {lv.errors}/{lv.requests} | "
+            f"{_paths_text(lv.paths)} | {_missed_text(lv)} | "
+            f"{'yes' if lv.slo_met_level else 'no'} | {lv.broken_reason or ''} |")
+
+
+def _missed_text(lv: LevelResult) -> str:
+    m = lv.missed_by
+    if not m:
+        return "–"
+    return " / ".join(str(m.get(k, 0)) for k in ("first_turn_ttft", "later_turn_ttft",
+                                                 "itl_p99"))
+
+
+def load_markdown(report: LoadReport) -> str:
+    ld = report.load
+    lines = [
+        f"# Multi-turn agent benchmark under load — {report.created_at}",
+        "",
+        f"Command: `{' '.join(report.command)}`",
+        "",
+        "Machine: " + ", ".join(f"{k} {v}" for k, v in report.machine.items()),
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in report.versions.items()),
+        "",
+        "Load: " + ", ".join(f"{k}={v}" for k, v in ld.items()),
+        "",
+    ]
+    if report.rescored is not None:
+        lines += [(f"**Re-judged** from the recorded requests with other SLO factors: "
+                   f"{report.rescored}. Levels past where the recorded sweep stopped were "
+                   "not run."), ""]
+    slo = report.slo
+    if slo is None:
+        lines += ["SLO: none (the idle probe did not run); no goodput.", ""]
+    else:
+        lines += [
+            (f"SLO, from an idle probe on `{slo.probe_config}` ({slo.probe_requests} requests, "
+             f"one session at a time): first-turn TTFT ≤ {slo.ttft_factor:g} × "
+             f"{_msu(slo.idle_ttft_first_p90_s)} = **{_msu(slo.ttft_first_s)}**, later-turn "
+             f"TTFT ≤ {slo.ttft_factor:g} × {_msu(slo.idle_ttft_later_p90_s)} = "
+             f"**{_msu(slo.ttft_later_s)}** (idle TTFT p90 of the class), the session's ITL "
+             f"p99 (all its turns' gaps) ≤ {slo.itl_factor:g} × "
+             f"{_msu(slo.idle_decode_step_s)} = **{_msu(slo.itl_s)}** (idle decode step: TPOT "
+             "p50). A session meets the SLO when every turn was answered within those "
+             "bounds; goodput = such sessions per minute of the arrival window."), ""]
+    lines += [
+        ("| config | level | sessions | met | cancelled | goodput /min | offered /min | "
+         "TTFT p50 | TTFT p90 | later TTFT p90 | ITL p50 | ITL p99 | turns/s | out tok/s | "
+         "errors | paths | missed by: 1st TTFT / later TTFT / ITL | level within SLO | "
+         "broken |"),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in report.configs:
+        for lv in c.levels:
+            lines.append(_level_row(c.name, lv))
+        if not c.levels:
+            lines.append(f"| {c.name} | {c.status} |" + " – |" * 17)
+    placed = [f"{c.name} level {lv.level}: " + ", ".join(f"{k} {v:g}"
+                                                        for k, v in lv.placements.items())
+              for c in report.configs for lv in c.levels if lv.placements]
+    if placed:
+        lines += ["", "Router placements by reason, per level (P and D choices):", "",
+                  *(f"- {p}" for p in placed)]
+    tg = report.targets
+    lines += ["", "Peak goodput (sessions/min, best level): " + ", ".join(
+        f"{k} {v:.1f}" for k, v in tg.peak_goodput.items()), ""]
+    lines += ["Targets (measured, not asserted): "
+              f"kvagent / best baseline ({tg.best_baseline or '–'}) peak goodput = "
+              f"{_num(tg.kvagent_over_best_baseline)}; ITL p99 at level "
+              f"{tg.itl_p99_level or '–'}: kvagent {_msu(tg.kvagent_itl_p99_s)}, aggregated "
+              f"{_msu(tg.aggregated_itl_p99_s)}; cost model / fixed policy peak goodput: "
+              + (", ".join(f"{k} {_num(v)}" for k, v in tg.cost_model_over.items()) or "–")
+              + "; met: " + ", ".join(f"{k}: {'–' if v is None else ('yes' if v else 'no')}"
+                                      for k, v in tg.met.items()), ""]
+    busy = [f"{c.name} level {lv.level} ({lv.foreign_vllm_max})" for c in report.configs
+            for lv in c.levels if lv.foreign_vllm_max]
+    if busy:
+        lines += ["Contention: vLLM processes not started by the benchmark ran during "
+                  + ", ".join(busy) + "; those numbers include it.", ""]
+    else:
+        lines += ["foreign_vllm_max = 0 in every level.", ""]
+    loads = [f"{c.name} {lv.level}: {lv.load_avg_max:.1f}" for c in report.configs
+             for lv in c.levels if lv.load_avg_max is not None]
+    if loads:
+        lines += [f"Highest 1-minute load average per level (cores: "
+                  f"{report.machine.get('cores', '?')}): " + ", ".join(loads), ""]
+    for c in report.configs:
+        if c.error:
+            lines += [f"**{c.name}** {c.status}: {c.error}", ""]
+    return "\n".join(lines)

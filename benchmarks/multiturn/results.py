@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, computed_field
 
 SCHEMA_VERSION = 1
 
@@ -152,3 +152,129 @@ class BenchmarkReport(BaseModel):
     targets: Targets
     #: Mean TTFT per segment, per (configuration, path), turns after the first (budget.py).
     time_budget: list[PathBudget] = Field(default_factory=list)
+
+
+# =========================================================================== load mode
+
+LOAD_SCHEMA_VERSION = 1
+
+
+class Slo(BaseModel):
+    """What a turn must meet to count toward goodput, and where the bounds came from.
+
+    Bounds are multiples of an idle probe measured in the same run: one session at a time
+    on one configuration (`probe_config`), so each bound means "this much worse than the
+    machine does with nothing else running". The computed bounds are written to the JSON
+    too (and ignored when it is read back)."""
+
+    probe_config: str
+    probe_requests: int
+    #: Idle TTFT p90 of first turns (cold document prefill) and of later turns (seconds).
+    idle_ttft_first_p90_s: float
+    idle_ttft_later_p90_s: float
+    #: Idle decode step: TPOT p50 (seconds per output token after the first).
+    idle_decode_step_s: float
+    ttft_factor: float
+    itl_factor: float
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def ttft_first_s(self) -> float:
+        return self.ttft_factor * self.idle_ttft_first_p90_s
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def ttft_later_s(self) -> float:
+        return self.ttft_factor * self.idle_ttft_later_p90_s
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def itl_s(self) -> float:
+        return self.itl_factor * self.idle_decode_step_s
+
+
+class LevelResult(BaseModel):
+    """One level of the sweep on one configuration."""
+
+    level: int  # offered concurrent sessions
+    window_s: float  # arrivals happen in [0, window_s)
+    wall_s: float  # level start to the last turn's end (or the drain cap)
+    sessions: int  # arrived
+    sessions_finished: int  # every turn answered (met the SLO or not)
+    sessions_met: int  # every turn answered within the SLO
+    sessions_cancelled: int  # still running at the drain cap
+    offered_sessions_per_min: float
+    goodput_sessions_per_min: float  # sessions_met per minute of the arrival window
+    requests: int
+    errors: int
+    error_rate: float
+    turns_within_ttft: int  # answered turns whose TTFT met their bound
+    ttft_s: Distribution
+    ttft_first_s: Distribution
+    ttft_later_s: Distribution
+    itl_s: Distribution  # gaps between token-bearing chunks, all turns pooled
+    tpot_s: Distribution
+    turns_per_s: float
+    output_tokens_per_s: float
+    paths: dict[str, int]
+    #: Whether the level's own distributions meet the SLO bounds (TTFT p90 per turn
+    #: class, ITL p99): the SLO read as a fleet-wide target rather than per session.
+    slo_met_level: bool
+    broken: bool  # goodput 0 or too many errors: the sweep of this config stops here
+    broken_reason: str | None = None
+    #: Why sessions that finished missed the SLO: `first_turn_ttft`, `later_turn_ttft`,
+    #: `itl_p99` -> sessions (one session may count under several).
+    missed_by: dict[str, int] = Field(default_factory=dict)
+    foreign_vllm_max: int | None = None
+    #: Highest 1-minute load average during the level: above the cores the benchmark's
+    #: own nodes keep busy, something else competed for them.
+    load_avg_max: float | None = None
+    #: The router's P and D placement choices during the level, by reason
+    #: (`prefill:tier_hit`, `decode:affinity`, ...); empty without a router.
+    placements: dict[str, float] = Field(default_factory=dict)
+    records: list[RequestRecord] = Field(default_factory=list)
+
+
+class LoadConfigResult(BaseModel):
+    name: str
+    description: str
+    status: Literal["ok", "failed"]
+    error: str | None = None
+    startup_s: float | None = None
+    levels: list[LevelResult] = Field(default_factory=list)
+    #: Highest level run; the sweep stopped there when that level was broken.
+    stopped_at: int | None = None
+    logs: str | None = None
+
+
+class LoadTargets(BaseModel):
+    """The load mode's goals, measured (never asserted)."""
+
+    peak_goodput: dict[str, float] = Field(default_factory=dict)  # config -> best level's
+    best_baseline: str | None = None
+    kvagent_over_best_baseline: float | None = None  # peak goodput ratio (goal >= 1.5)
+    #: ITL p99 of kvagent and the aggregated node at the highest level both ran.
+    itl_p99_level: int | None = None
+    kvagent_itl_p99_s: float | None = None
+    aggregated_itl_p99_s: float | None = None
+    #: Peak goodput of the cost model over each fixed policy (> 1: the cost model wins).
+    cost_model_over: dict[str, float | None] = Field(default_factory=dict)
+    met: dict[str, bool | None] = Field(default_factory=dict)
+
+
+class LoadReport(BaseModel):
+    schema_version: int = LOAD_SCHEMA_VERSION
+    created_at: str
+    command: list[str]
+    machine: dict[str, str | int | float | None]
+    versions: dict[str, str | None]
+    #: Session shape (WorkloadSpec without seed/count), think time, level window, drain
+    #: cap, nominal session time, levels.
+    load: dict
+    slo: Slo | None
+    idle_probe: list[RequestRecord] = Field(default_factory=list)
+    configs: list[LoadConfigResult]
+    targets: LoadTargets
+    #: Set when this report re-judges a recorded run against other SLO factors
+    #: (`load --rescore`): the factors used and the original ones.
+    rescored: dict | None = None
