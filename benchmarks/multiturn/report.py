@@ -122,9 +122,10 @@ def _num(x: float | None, fmt: str = ".2f") -> str:
     return "–" if x is None else format(x, fmt)
 
 
-def markdown_summary(report: BenchmarkReport) -> str:
-    lines = [
-        f"# Multi-turn agent benchmark — {report.created_at}",
+def _header(title: str, report: BenchmarkReport | LoadReport) -> list[str]:
+    """Title, command, machine and versions: what every summary opens with."""
+    return [
+        f"# {title} — {report.created_at}",
         "",
         f"Command: `{' '.join(report.command)}`",
         "",
@@ -132,6 +133,12 @@ def markdown_summary(report: BenchmarkReport) -> str:
         "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in report.versions.items()),
         "",
+    ]
+
+
+def markdown_summary(report: BenchmarkReport) -> str:
+    lines = [
+        *_header("Multi-turn agent benchmark", report),
         f"Workload: {report.workload_source}, fingerprint `{report.workload_fingerprint}`, "
         + ", ".join(f"{k}={v}" for k, v in report.workload.items()),
         "",
@@ -302,14 +309,7 @@ def _missed_text(lv: LevelResult) -> str:
 def load_markdown(report: LoadReport) -> str:
     ld = report.load
     lines = [
-        f"# Multi-turn agent benchmark under load — {report.created_at}",
-        "",
-        f"Command: `{' '.join(report.command)}`",
-        "",
-        "Machine: " + ", ".join(f"{k} {v}" for k, v in report.machine.items()),
-        "",
-        "Versions: " + ", ".join(f"{k} {v}" for k, v in report.versions.items()),
-        "",
+        *_header("Multi-turn agent benchmark under load", report),
         "Load: " + ", ".join(f"{k}={v}" for k, v in ld.items()),
         "",
     ]
