@@ -52,11 +52,6 @@ def _call_tools(conv: Conversation, service: str) -> None:
                           "content": f"{service}: p99 840 ms, 2% errors"})
 
 
-# Its first turns passed on real vLLM; the full conversation in this form has not run there
-# yet (the machine's vLLM slots went to other work). Not strict: an XPASS is the signal to
-# drop this mark.
-@pytest.mark.xfail(reason="not yet verified end to end on real vLLM (docs/models.md)",
-                   strict=False)
 def test_tool_conversation_reuses_where_the_format_appends(served: Served) -> None:
     conv = Conversation(served, TEKKEN_MODEL_NAME, tools=TOOLS, messages=[
         SYSTEM, {"role": "user", "content": "Checkout is slow. Check the API."}])
