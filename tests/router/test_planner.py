@@ -426,22 +426,6 @@ def test_cost_based_choice_follows_the_estimates() -> None:
     assert choose_path(reuse_plan(2048), 6000, PathCosts(), **kw) == "pd_reuse"
 
 
-def test_streams_decoding_on_d_move_a_delta_to_p() -> None:
-    """Idle, the faster path wins; with streams decoding on D, the delta's compute there
-    stalls each of them, so the same turn goes to P, until P is as busy."""
-    costs = PathCosts(prefill=LinearCost(fixed_s=0.05, per_token_s=4e-4),
-                      pull=LinearCost(fixed_s=0.02, per_token_s=1e-5),
-                      d_direct=LinearCost(fixed_s=0.0, per_token_s=6e-4))
-    kw = {"skip_prefill_max_tokens": None, "d_healthy": True}
-    # delta 300: D alone 0.18 s, P 0.05 + 0.12 + pull of 2048 (0.04) = 0.21 s
-    assert choose_path(reuse_plan(2048), 2348, costs, **kw) == "d_direct"
-    assert choose_path(reuse_plan(2048), 2348, costs, d_busy=1, **kw) == "pd_reuse"
-    assert choose_path(reuse_plan(2048), 2348, costs, d_busy=1, p_busy=2, **kw) == "d_direct"
-    # a fixed policy is what it says, whatever the load
-    assert choose_path(reuse_plan(2048), 2348, costs, d_busy=8, d_healthy=True,
-                       skip_prefill_max_tokens=10_000) == "d_direct"
-
-
 def test_choose_path_rejects_a_plan_without_a_token_to_compute() -> None:
     with pytest.raises(ValueError):
         choose_path(reuse_plan(64), 64, PathCosts(), skip_prefill_max_tokens=None,

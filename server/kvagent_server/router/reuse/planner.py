@@ -360,21 +360,13 @@ def choose_path(
     *,
     skip_prefill_max_tokens: int | None,
     d_healthy: bool,
-    d_busy: int = 0,
-    p_busy: int = 0,
 ) -> Path:
     """How to serve the turn.
 
     No reuse: `pd_fresh` when there was nothing to reuse, else `recompute`. With reuse,
     `d_direct` (skip P; D extends the prefix it holds) when D is healthy and either the
     uncached delta is at most `skip_prefill_max_tokens`, or that setting is None and the
-    measured costs say it is cheaper; otherwise `pd_reuse`. 0 never skips P.
-
-    The measured cost of a path is this turn's TTFT plus what its compute costs the
-    requests already on the node that does it (`d_busy` legs on D, `p_busy` on P): every
-    one of them waits while the engine computes the new tokens. Idle, that is the faster
-    path; with streams decoding on D, a delta computed there stalls each of them (their
-    inter-token latency) while P would compute it beside them.
+    measured costs say D alone is faster; otherwise `pd_reuse`. 0 never skips P.
     """
     if not plan.reuses:
         return "pd_fresh" if plan.reason in FRESH_REASONS else "recompute"
@@ -387,9 +379,6 @@ def choose_path(
         return "d_direct" if 0 < delta <= skip_prefill_max_tokens else "pd_reuse"
     d_cost = costs.estimate("d_direct", prompt_len, plan.reuse_tokens)
     p_cost = costs.estimate("pd_reuse", prompt_len, plan.reuse_tokens)
-    # Others wait for the compute only, not for this turn's fixed overheads.
-    d_cost += max(0, d_busy) * costs.d_direct.per_token_s * delta
-    p_cost += max(0, p_busy) * costs.prefill.per_token_s * delta
     return "d_direct" if d_cost < p_cost else "pd_reuse"
 
 

@@ -318,9 +318,7 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
     path = planner.choose_path(
         plan, len(prompt_ids), r.costs.snapshot(),
         skip_prefill_max_tokens=r.settings.skip_prefill_max_tokens,
-        d_healthy=d_first is not None and d_first is holder,
-        d_busy=d_first.in_flight if d_first is not None else 0,
-        p_busy=p_first.in_flight if p_first is not None else 0)
+        d_healthy=d_first is not None and d_first is holder)
     return _Choice(handle, plan, path, holder, p_first, d_first)
 
 
