@@ -53,6 +53,14 @@ def kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
 # --------------------------------------------------------------------------- redis
 
 
+def p2p_received(url: str) -> float:
+    """Prompt tokens a node received from another vLLM node over NIXL."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:prompt_tokens_cached_by_source_total{")
+               and 'source="p2p"' in line)
+
+
 @dataclass(frozen=True)
 class RedisServer:
     url: str

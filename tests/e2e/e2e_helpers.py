@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 from support import (
     RedisServer,
+    p2p_received,  # noqa: F401  (the e2e tests import it from here)
 )
 
 SIGNING_KID = "e2e"
@@ -219,9 +220,3 @@ def checked_send(e: E2E, s: Any, content: Any, opts: dict[str, Any]) -> Any:
     return result
 
 
-def p2p_received(url: str) -> float:
-    """Prompt tokens a node received from another vLLM node over NIXL."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:prompt_tokens_cached_by_source_total{")
-               and 'source="p2p"' in line)

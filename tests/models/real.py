@@ -72,12 +72,6 @@ def reference(s: Served, body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def p2p_tokens(url: str) -> float:
-    """Prompt tokens this node received from another vLLM node over NIXL."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:prompt_tokens_cached_by_source_total{")
-               and 'source="p2p"' in line)
 
 
 def nixl_reads(url: str) -> float:

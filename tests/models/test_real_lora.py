@@ -10,8 +10,9 @@ from pathlib import Path
 import httpx
 import pytest
 from kvagent_server.models.lora import DEMO_LORA_NAME
+from support import p2p_received
 
-from .real import Conversation, Served, answer, nixl_reads, p2p_tokens, reference, serve
+from .real import Conversation, Served, answer, nixl_reads, reference, serve
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -55,11 +56,11 @@ def test_conversation_on_the_adapter_reuses_d_kv(served: Served) -> None:
     # has turn 1's prompt), so turn 2's reuse needs a real pull from D.
     conv.checked_send(max_tokens=200)
     conv.messages.append({"role": "user", "content": "Which one first?"})
-    received = p2p_tokens(served.prefill_url)
+    received = p2p_received(served.prefill_url)
     out = conv.checked_send(max_tokens=16)
     kva = out["kvagent"]
     assert kva["path"] == "pd_reuse" and kva["reused_tokens"] >= 512, kva
-    assert p2p_tokens(served.prefill_url) > received, "P got nothing from D over NIXL"
+    assert p2p_received(served.prefill_url) > received, "P got nothing from D over NIXL"
 
 
 def test_base_reference_of_an_adapter_prompt_differs(served: Served) -> None:

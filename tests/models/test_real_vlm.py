@@ -19,6 +19,7 @@ from typing import Any
 import httpx
 import pytest
 from kvagent_server.models.vlm import IMAGE_TOKENS, VLM_MODEL_NAME, ensure_vlm_model
+from support import p2p_received
 
 from tests.engine.flow import FRESH_P_PARAMS
 
@@ -28,7 +29,6 @@ from .real import (
     answer,
     image_url,
     nixl_reads,
-    p2p_tokens,
     reference,
     serve,
 )
@@ -102,12 +102,12 @@ def test_unchanged_image_reuses_a_swapped_one_stops_at_its_placeholder(
 
     # the same image in the history: P pulls D's KV, image positions included
     conv.messages.append({"role": "user", "content": "Say it again, shorter."})
-    received = p2p_tokens(served.prefill_url)
+    received = p2p_received(served.prefill_url)
     out = conv.checked_send(max_tokens=12)
     kva = out["kvagent"]
     assert (kva["path"], kva["reason"]) == ("pd_reuse", "hit"), kva
     assert kva["reused_tokens"] >= placeholder + IMAGE_TOKENS, (kva, placeholder)
-    assert p2p_tokens(served.prefill_url) > received, "P got nothing from D over NIXL"
+    assert p2p_received(served.prefill_url) > received, "P got nothing from D over NIXL"
 
     # the same history with the image swapped: reuse ends before the image's placeholder
     # (P's own prefix cache may serve those text blocks: vLLM hashes images into it too)
