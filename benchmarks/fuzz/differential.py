@@ -5,12 +5,17 @@ A case is a list of operations on one agent conversation (Hypothesis draws them)
 turns, tool calls whose arguments are re-serialized before they go back into the history,
 edits and deletions of earlier messages, stripped assistant text (what a template that
 drops reasoning from history does), `truncate_prompt_tokens`, identical retries with one
-token, forks of one session, and two turns racing for one handle with one token each.
+token, forks of one session, and two turns racing for one handle with one token each; on a
+vision-language model, user turns with images and images swapped in earlier messages; on a
+bundle serving LoRA adapters, switches of the served model mid-session.
 Every turn goes through the router (greedy, `return_token_ids`); its reference is the
 same body sent to the prefill node directly under a fresh random `cache_salt`, which must
 report 0 cached tokens. A turn is a mismatch when its output token ids differ from the
 reference's, and a bound violation when it reused more tokens than the verified common
-prefix of its prompt with the turn whose token it carried (prompt + output token ids).
+prefix of its prompt with the turn whose token it carried (prompt + output token ids),
+cut at the first image placeholder whose image differs, and 0 when the served model
+(adapter) differs: the token ids cannot see an image or an adapter, so the fuzz checks
+what the router's KV identity must enforce.
 
 Used by `tests/e2e/test_fuzz.py` (a seeded, bounded slice) and `run.py` (the long run).
 """
@@ -63,7 +68,23 @@ OPS = st.one_of(
     st.tuples(st.just("race")),
     st.tuples(st.just("long")),
 )
-CASES = st.lists(OPS, min_size=1, max_size=5)
+#: Operations a bundle must offer: images (a vision-language model) and other served
+#: models (LoRA adapters). An index picks one of `Target.images` / `Target.models`.
+IMAGE_OPS = st.one_of(
+    st.tuples(st.just("image"), st.integers(0, 3), st.sampled_from(USER_TEXTS)),
+    st.tuples(st.just("swap"), st.integers(0, 8), st.integers(0, 3)),
+)
+ADAPTER_OPS = st.tuples(st.just("adapter"), st.integers(0, 3))
+
+
+def cases(*, images: bool = False, adapters: bool = False
+          ) -> st.SearchStrategy[list[tuple[Any, ...]]]:
+    """Cases of 1-5 operations; image and adapter operations only where asked for."""
+    ops = [OPS, *([IMAGE_OPS] * images), *([ADAPTER_OPS] * adapters)]
+    return st.lists(st.one_of(*ops), min_size=1, max_size=5)
+
+
+CASES = cases()
 
 
 @dataclass
@@ -108,6 +129,25 @@ class Target:
     #: Negative control: ask the router (test hook) to hand P shifted blocks.
     shift_blocks: bool = False
     timeout: float = 600.0
+    #: Image URLs (data URLs) the image operations attach; empty: no image operations.
+    images: tuple[str, ...] = ()
+    #: The model's image placeholder token ids (one run of them per image in a prompt).
+    image_token_ids: tuple[int, ...] = ()
+    #: Other served names (LoRA adapters) the adapter operation switches to.
+    models: tuple[str, ...] = ()
+
+    @classmethod
+    def demo(cls, router_v1: str, prefill_url: str, model: str, api_key: str | None,
+             **options: Any) -> Target:
+        """A target with the demo's tools and system prompt (the conversations it draws
+        are the demo agent's)."""
+        from kvagent._wire import tool_to_wire
+        from kvagent.tools import as_tools
+        from kvagent_server.demo import TOOLS, system_prompt
+
+        return cls(router_v1=router_v1, prefill_url=prefill_url, model=model,
+                   api_key=api_key, tools=[tool_to_wire(t) for t in as_tools(TOOLS).values()],
+                   system=system_prompt(handbook_sentences=8), **options)
 
 
 @dataclass
@@ -117,18 +157,21 @@ class Sent:
     message: dict[str, Any]
     token: str | None
     held_ids: list[int]  # prompt + output token ids: the KV its token names
+    model: str  # the served name (adapter) the KV was computed with
+    images: list[str]  # its prompt's image URLs, in order
 
 
 class Conversation:
     """One session's history and the last token, driven by `Runner`."""
 
-    def __init__(self, system: str, session_id: str | None = None) -> None:
+    def __init__(self, system: str, model: str, session_id: str | None = None) -> None:
         self.messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+        self.model = model
         self.session_id = session_id or f"fuzz-{uuid.uuid4().hex}"
         self.last: Sent | None = None
 
     def fork(self) -> Conversation:
-        other = Conversation("", self.session_id)
+        other = Conversation("", self.model, self.session_id)
         other.messages = copy.deepcopy(self.messages)
         other.last = self.last
         return other
@@ -144,8 +187,9 @@ class Runner:
 
     # ------------------------------------------------------------------ requests
 
-    def _body(self, messages: list[dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
-        body = {"model": self.t.model, "messages": messages, "tools": self.t.tools,
+    def _body(self, model: str, messages: list[dict[str, Any]], extra: dict[str, Any]
+              ) -> dict[str, Any]:
+        body = {"model": model, "messages": messages, "tools": self.t.tools,
                 "temperature": 0.0, "max_tokens": MAX_TOKENS, "tool_choice": "none",
                 "return_token_ids": True}
         body.update(extra)
@@ -161,16 +205,17 @@ class Runner:
         if self.t.shift_blocks:
             headers["X-Kvagent-Test-Shift-Blocks"] = "1"
         r = self.client.post(f"{self.t.router_v1}/chat/completions", headers=headers,
-                             json=self._body(messages, extra), timeout=self.t.timeout)
-        r.raise_for_status()
+                             json=self._body(conv.model, messages, extra),
+                             timeout=self.t.timeout)
+        _raise_for_status(r)
         return r.json()
 
-    def _reference(self, messages: list[dict[str, Any]], extra: dict[str, Any]
+    def _reference(self, model: str, messages: list[dict[str, Any]], extra: dict[str, Any]
                    ) -> dict[str, Any]:
-        body = self._body(messages, {**extra, "cache_salt": uuid.uuid4().hex})
+        body = self._body(model, messages, {**extra, "cache_salt": uuid.uuid4().hex})
         r = self.client.post(f"{self.t.prefill_url}/v1/chat/completions", json=body,
                              timeout=self.t.timeout)
-        r.raise_for_status()
+        _raise_for_status(r)
         out = r.json()
         cached = ((out.get("usage") or {}).get("prompt_tokens_details") or {}).get(
             "cached_tokens") or 0
@@ -180,10 +225,11 @@ class Runner:
 
     # ------------------------------------------------------------------ one turn
 
-    def turn(self, conv: Conversation, user: str | None, extra: dict[str, Any] | None = None,
-             *, commit: bool = True, token: str | None = None, use_last: bool = True
-             ) -> dict[str, Any]:
-        """Send the history (+ `user`), check it against its reference, commit the answer."""
+    def turn(self, conv: Conversation, user: str | list[dict[str, Any]] | None,
+             extra: dict[str, Any] | None = None, *, commit: bool = True,
+             token: str | None = None, use_last: bool = True) -> dict[str, Any]:
+        """Send the history (+ `user`: text or content parts), check it against its
+        reference, commit the answer."""
         extra = extra or {}
         messages = copy.deepcopy(conv.messages)
         if user is not None:
@@ -191,17 +237,34 @@ class Runner:
         held = conv.last if use_last else None
         sent_token = token if token is not None else (held.token if held else None)
         out = self._route(conv, messages, extra, sent_token)
-        ref = self._reference(messages, extra)
-        self.check(out, ref, held if sent_token else None, extra)
+        ref = self._reference(conv.model, messages, extra)
+        images = image_urls(messages)
+        self.check(out, ref, held if sent_token else None, extra, conv.model, images)
         message = _assistant(out)
         if commit:
             conv.messages = [*messages, message]
             conv.last = Sent(message=message, token=(out.get("kvagent") or {}).get(
-                "cache_token"), held_ids=_held_ids(out))
+                "cache_token"), held_ids=_held_ids(out), model=conv.model, images=images)
         return out
 
+    def bound(self, prompt_ids: list[int], held: Sent, model: str, images: list[str]
+              ) -> int:
+        """The most tokens a turn may reuse from `held`: their common token prefix, cut at
+        the first image that differs (its placeholder tokens are the same for any image),
+        and 0 on another served model (adapter)."""
+        if model != held.model:
+            return 0
+        bound = common_prefix(prompt_ids, held.held_ids)
+        differs = next((i for i, (a, b) in enumerate(zip(images, held.images)) if a != b),
+                       None)
+        if differs is not None:
+            starts = placeholder_starts(prompt_ids, self.t.image_token_ids)
+            if differs < len(starts):
+                bound = min(bound, starts[differs])
+        return bound
+
     def check(self, out: dict[str, Any], ref: dict[str, Any], held: Sent | None,
-              extra: dict[str, Any]) -> None:
+              extra: dict[str, Any], model: str, images: list[str]) -> None:
         s = self.stats
         s.turns += 1
         kv = out.get("kvagent") or {}
@@ -216,7 +279,7 @@ class Runner:
             s.mismatches += 1
             s.failures.append(f"mismatch path={kv.get('path')} reused={reused} "
                               f"reason={kv.get('reason')} extra={sorted(extra)}")
-        bound = common_prefix(prompt_ids, held.held_ids) if held is not None else 0
+        bound = self.bound(prompt_ids, held, model, images) if held is not None else 0
         if reused > bound or (reused and reused >= len(prompt_ids)):
             s.bound_violations += 1
             s.failures.append(f"reused {reused} > verified prefix {bound} "
@@ -226,7 +289,7 @@ class Runner:
 
     def run_case(self, ops: list[tuple[Any, ...]]) -> None:
         """A conversation that opens with a tool call, then `ops`."""
-        conv = Conversation(self.t.system)
+        conv = Conversation(self.t.system, self.t.model)
         self.tool_turn(conv, "as_sent", USER_TEXTS[0])
         for op in ops:
             getattr(self, f"op_{op[0]}")(conv, *op[1:])
@@ -298,6 +361,35 @@ class Runner:
         self.turn(other, text)
         self.turn(conv, "Other branch.")
 
+    def op_image(self, conv: Conversation, k: int, text: str) -> None:
+        """A user turn with an image (then its text)."""
+        if not self.t.images:
+            raise ValueError("the image operations need Target.images")
+        url = self.t.images[k % len(self.t.images)]
+        self.turn(conv, [{"type": "image_url", "image_url": {"url": url}},
+                         {"type": "text", "text": text}])
+
+    def op_swap(self, conv: Conversation, i: int, k: int) -> None:
+        """Another image in an earlier user message (same placeholder tokens, other KV)."""
+        if not self.t.images:
+            raise ValueError("the image operations need Target.images")
+        parts = [p for m in conv.messages if m["role"] == "user"
+                 and isinstance(m["content"], list) for p in m["content"]
+                 if p.get("type") == "image_url"]
+        if parts and len(self.t.images) > 1:
+            part = parts[i % len(parts)]
+            others = [u for u in self.t.images if u != part["image_url"]["url"]]
+            part["image_url"] = {"url": others[k % len(others)]}
+        self.turn(conv, "And now?")
+
+    def op_adapter(self, conv: Conversation, k: int) -> None:
+        """Switch the served model (base or a LoRA adapter) for the rest of the case."""
+        if not self.t.models:
+            raise ValueError("the adapter operation needs Target.models")
+        served = (self.t.model, *self.t.models)
+        conv.model = served[k % len(served)]
+        self.turn(conv, "Go on.")
+
     def op_race(self, conv: Conversation) -> None:
         """Two one-token turns of one session carrying one token, at once."""
         a, b = conv.fork(), conv.fork()
@@ -331,6 +423,25 @@ def reserialize(arguments: str, how: str) -> str:
     if how == "compact":
         return json.dumps(value, separators=(",", ":"))
     return json.dumps(value, indent=1, sort_keys=True)
+
+
+def image_urls(messages: list[dict[str, Any]]) -> list[str]:
+    """The prompt's image URLs in order: its multimodal items as the router sees them."""
+    return [p["image_url"]["url"] for m in messages if isinstance(m.get("content"), list)
+            for p in m["content"] if p.get("type") == "image_url"]
+
+
+def placeholder_starts(ids: list[int], token_ids: tuple[int, ...]) -> list[int]:
+    """Where each run of image placeholder tokens starts (one run per image)."""
+    return [i for i, t in enumerate(ids) if t in token_ids
+            and (i == 0 or ids[i - 1] not in token_ids)]
+
+
+def _raise_for_status(r: httpx.Response) -> None:
+    """Like `raise_for_status`, with the server's error body in the message."""
+    if r.is_error:
+        raise httpx.HTTPStatusError(f"{r.status_code} from {r.request.url}: {r.text[:500]}",
+                                    request=r.request, response=r)
 
 
 def _assistant(out: dict[str, Any]) -> dict[str, Any]:

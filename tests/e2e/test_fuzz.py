@@ -31,16 +31,10 @@ EVERY_OP: list[tuple[Any, ...]] = [
 
 
 def target(e: E2E, *, shift: bool = False) -> Target:
-    from kvagent._wire import tool_to_wire
-    from kvagent.tools import as_tools
-    from kvagent_server.demo import TOOLS, system_prompt
-
-    return Target(router_v1=e.base_url, prefill_url=e.prefill_url, model=e.model,
-                  # Besides the throwaway salt the router gives a shifted turn: the
-                  # control's sessions live under another tenant than the tests after it.
-                  api_key=BETA_KEY if shift else ALPHA_KEY,
-                  tools=[tool_to_wire(t) for t in as_tools(TOOLS).values()],
-                  system=system_prompt(handbook_sentences=8), shift_blocks=shift)
+    # Besides the throwaway salt the router gives a shifted turn: the control's sessions
+    # live under another tenant than the tests after it.
+    return Target.demo(e.base_url, e.prefill_url, e.model, BETA_KEY if shift else ALPHA_KEY,
+                       shift_blocks=shift)
 
 
 @settings(max_examples=2, deadline=None, derandomize=True, database=None,

@@ -8,8 +8,6 @@ it is the plain recomputed greedy answer.
 
 from __future__ import annotations
 
-import base64
-import io
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -127,16 +125,14 @@ class Conversation:
         return out
 
 
-def image_url(color: tuple[int, int, int]) -> str:
-    """A 64x64 PNG data URL: a solid colour with a sparse grid of its complement."""
-    from PIL import Image
+def fuzz_case(s: Served, ops: list[tuple[Any, ...]], **options: Any) -> dict[str, Any]:
+    """One case of the differential fuzz (benchmarks/fuzz) on this bundle; its totals."""
+    from benchmarks.fuzz.differential import Runner, Target
 
-    img = Image.new("RGB", (64, 64), color)
-    inverse = tuple(255 - c for c in color)
-    for x in range(0, 64, 8):
-        for y in range(0, 64, 8):
-            if (x + y) % 16 == 0:
-                img.putpixel((x, y), inverse)
-    buf = io.BytesIO()
-    img.save(buf, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    with httpx.Client() as client:
+        runner = Runner(Target.demo(s.base_url, s.prefill_url, s.model, None, **options),
+                        client)
+        runner.run_case(ops)
+    stats = runner.stats.as_dict()
+    print("fuzz case:", ops, stats)
+    return stats

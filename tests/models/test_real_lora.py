@@ -12,7 +12,7 @@ import pytest
 from kvagent_server.models.lora import DEMO_LORA_NAME
 from support import p2p_received
 
-from .real import Conversation, Served, answer, nixl_reads, reference, serve
+from .real import Conversation, Served, answer, fuzz_case, nixl_reads, reference, serve
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -70,3 +70,13 @@ def test_base_reference_of_an_adapter_prompt_differs(served: Served) -> None:
     a = reference(served, {**body, "model": DEMO_LORA_NAME})
     b = reference(served, {**body, "model": "kvagent-demo"})
     assert answer(a) != answer(b)
+
+
+def test_fuzz_with_adapter_switches_reuse_equals_recompute(served: Served) -> None:
+    """The differential fuzz's adapter operation: the served model switches between base and
+    adapter mid-session; a switch reuses nothing, staying on one reuses, and every answer
+    equals its recompute."""
+    stats = fuzz_case(served, [("adapter", 1), ("long",), ("user", "Ok."), ("adapter", 0),
+                               ("adapter", 1), ("tool", "compact")], models=(DEMO_LORA_NAME,))
+    assert stats["mismatches"] == 0 and stats["bound_violations"] == 0, stats
+    assert stats["pd_reuse_turns"] >= 2, stats

@@ -18,7 +18,12 @@ from typing import Any
 
 import httpx
 import pytest
-from kvagent_server.models.vlm import IMAGE_TOKENS, VLM_MODEL_NAME, ensure_vlm_model
+from kvagent_server.models.vlm import (
+    IMAGE_TOKENS,
+    VLM_MODEL_NAME,
+    ensure_vlm_model,
+    sample_image_url,
+)
 from support import p2p_received
 
 from tests.engine.flow import FRESH_P_PARAMS
@@ -27,7 +32,7 @@ from .real import (
     Conversation,
     Served,
     answer,
-    image_url,
+    fuzz_case,
     nixl_reads,
     reference,
     serve,
@@ -38,7 +43,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 SYSTEM = {"role": "system", "content": "You describe images in one sentence. " * 30}
 
 
-RED, BLUE = image_url((200, 20, 20)), image_url((20, 20, 200))
+RED, BLUE = sample_image_url((200, 20, 20)), sample_image_url((20, 20, 200))
 
 
 def ask(url: str, text: str = "What is in this image?") -> dict[str, Any]:
@@ -117,3 +122,15 @@ def test_unchanged_image_reuses_a_swapped_one_stops_at_its_placeholder(
     kva = out["kvagent"]
     assert kva["reason"] == "multimodal_changed:item_0", kva
     assert 0 < kva["reused_tokens"] <= placeholder, (kva, placeholder)
+
+
+def test_fuzz_with_images_reuse_equals_recompute(served: Served) -> None:
+    """The differential fuzz's image operations: turns with images, then earlier images
+    swapped; every answer equals its recompute and reuse never passes the first swapped
+    image's placeholder."""
+    green = sample_image_url((20, 160, 20))
+    stats = fuzz_case(served, [("image", 0, "What is this?"), ("long",), ("swap", 0, 0),
+                               ("image", 2, "And this one?"), ("swap", 1, 1), ("user", "Ok.")],
+                      images=(RED, BLUE, green), image_token_ids=(image_token_id(),))
+    assert stats["mismatches"] == 0 and stats["bound_violations"] == 0, stats
+    assert stats["pd_reuse_turns"] >= 2, stats

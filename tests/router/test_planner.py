@@ -510,9 +510,9 @@ def test_plan_label_is_the_reason_or_reason_and_detail() -> None:
                      detail="bad_signature").label == "token_rejected:bad_signature"
 
 
-def test_shifted_blocks_shift_every_group_and_leave_the_input_alone() -> None:
-    """The negative control's wrong blocks: each slot holds its predecessor's block, so the
-    blocks P attends to are not the same set (a permutation would change nothing)."""
+def test_shifted_blocks_shift_every_group_by_half_and_leave_the_input_alone() -> None:
+    """The negative control's wrong blocks: slot i holds block i-n//2, so half of the blocks
+    P attends to are not the conversation's (a permutation would change nothing)."""
     from kvagent_server.router.reuse.planner import shifted_blocks
 
     h = make_handle(CACHED)
@@ -521,7 +521,10 @@ def test_shifted_blocks_shift_every_group_and_leave_the_input_alone() -> None:
     out = shifted_blocks(params)
     assert params == before
     for got, orig in zip(out["remote_block_ids"], params["remote_block_ids"], strict=True):
-        assert got == orig[:1] + orig[:-1] and set(got) != set(orig)
-    flat = {"remote_block_ids": [1, 2, 3]}
-    assert shifted_blocks(flat)["remote_block_ids"] == [1, 1, 2]
+        k = len(orig) // 2
+        assert got == [orig[0]] * (k + 1) + orig[1:len(orig) - k]
+        assert len(set(orig) - set(got)) == k
+    assert shifted_blocks({"remote_block_ids": [1, 2, 3]})["remote_block_ids"] == [1, 1, 2]
+    assert shifted_blocks({"remote_block_ids": [1, 2, 3, 4, 5, 6]})["remote_block_ids"] == [
+        1, 1, 1, 1, 2, 3]
     assert shifted_blocks({"remote_block_ids": [7]})["remote_block_ids"] == [7]

@@ -21,6 +21,8 @@ a random model's greedy answer still depends on it. Usage::
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from pathlib import Path
 
@@ -142,6 +144,23 @@ def _build(out: Path, cache_dir: Path | None) -> None:
 def main() -> None:
     """Build (if needed) and print the model's path."""
     print(ensure_vlm_model())
+
+
+
+def sample_image_url(color: tuple[int, int, int]) -> str:
+    """A 64x64 PNG data URL for tests and benchmarks: a solid colour with a sparse grid of
+    its complement (two colours give two images the model tells apart)."""
+    from PIL import Image
+
+    img = Image.new("RGB", (64, 64), color)
+    inverse = tuple(255 - c for c in color)
+    for x in range(0, 64, 8):
+        for y in range(0, 64, 8):
+            if (x + y) % 16 == 0:
+                img.putpixel((x, y), inverse)
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 if __name__ == "__main__":

@@ -273,20 +273,25 @@ def reuse_transfer_params(handle: Handle, reuse_tokens: int) -> dict[str, Any]:
 
 
 def shifted_blocks(params: dict[str, Any]) -> dict[str, Any]:
-    """Test-only negative control: every block slot gets the block before it (the first is
-    repeated, the last dropped), so P reads real KV of this prompt at the wrong places
-    (wrong KV that no identity check can see).
+    """Test-only negative control: shift the block slots by half their number, so slot i
+    gets block i-k (k = n//2; the first block fills the slots before it, the last k blocks
+    are dropped). P then reads real KV of this prompt at the wrong places: wrong KV that
+    no identity check can see.
 
-    A rotation would not do: keys carry their positions (RoPE is applied before caching)
-    and every reused token lies before the new ones, so attention over a permutation of
-    the same blocks is the same sum, and the answer would differ only by rounding.
+    Keys carry their positions (RoPE is applied before caching) and every reused token
+    lies before the new ones, so what P attends to is the *multiset* of blocks: a rotation
+    changes nothing, and a shift by one slot changes one block in n, which a random model's
+    greedy answer missed in about one turn in four. Half of the blocks wrong is not missed.
     """
     out = copy.deepcopy(params)
     parsed = _block_groups(out)
     if parsed is None:
         return out
     groups, flat = parsed
-    shifted = [g[:1] + g[:-1] if len(g) > 1 else g for g in groups]
+    shifted = []
+    for g in groups:
+        k = max(1, len(g) // 2)
+        shifted.append([g[max(0, i - k)] for i in range(len(g))])
     out["remote_block_ids"] = shifted[0] if flat else shifted
     return out
 
