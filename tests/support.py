@@ -191,13 +191,14 @@ def start_bundle(config):
     from kvagent_server.inputs import gather_inputs
     from kvagent_server.supervisor import Bundle
 
-    bundle = Bundle(config, inputs=gather_inputs(config))
+    inputs = gather_inputs(config)
+    bundle = Bundle(config, inputs=inputs)
     bundle.start(wait=True)
     handle = KVAgentBundle(
         available=True,
         base_url=f"{bundle.router_url}/v1",
         router_url=bundle.router_url or "",
-        model=config.served_model_name or "kvagent-demo",
+        model=config.served_model_name or inputs.model.served_name,
         prefill_urls=tuple(bundle.node_urls("prefill")),
         decode_urls=tuple(bundle.node_urls("decode")),
         run_dir=config.resolved_run_dir(),

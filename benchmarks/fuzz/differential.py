@@ -236,8 +236,10 @@ class Runner:
             messages.append({"role": "user", "content": user})
         held = conv.last if use_last else None
         sent_token = token if token is not None else (held.token if held else None)
-        out = self._route(conv, messages, extra, sent_token)
+        # The reference first: a request vLLM rejects fails here with vLLM's own message
+        # (the router passes on only messages known to name nothing internal).
         ref = self._reference(conv.model, messages, extra)
+        out = self._route(conv, messages, extra, sent_token)
         images = image_urls(messages)
         self.check(out, ref, held if sent_token else None, extra, conv.model, images)
         message = _assistant(out)
@@ -320,7 +322,9 @@ class Runner:
         if conv.messages[-1]["role"] == "tool":
             self.turn(conv, None)  # answer the tool results first
         self.tool_turn(conv, how, USER_TEXTS[1])
-        self.turn(conv, None)
+        # Answer the results; if the model answered in text after all, a user turn (a
+        # history may not end in an assistant message: Mistral's format rejects it).
+        self.turn(conv, None if conv.messages[-1]["role"] == "tool" else "Go on.")
 
     def _pick(self, conv: Conversation, role: str, i: int) -> int | None:
         idx = [k for k, m in enumerate(conv.messages) if m["role"] == role
@@ -344,7 +348,9 @@ class Runner:
         k = self._pick(conv, "assistant", i)
         if k is not None:
             text = conv.messages[k].get("content") or ""
-            conv.messages[k] = {**conv.messages[k], "content": text[: len(text) // 2]}
+            # Half of it, never nothing: an empty assistant message is invalid in some
+            # formats (Mistral's), and "nothing" is not what a reasoning strip leaves.
+            conv.messages[k] = {**conv.messages[k], "content": text[: max(1, len(text) // 2)]}
         self.turn(conv, "Go on.")
 
     def op_truncate(self, conv: Conversation, keep: int) -> None:
@@ -444,10 +450,18 @@ def _raise_for_status(r: httpx.Response) -> None:
                                     request=r.request, response=r)
 
 
+#: What the history keeps of an answer with no text and no tool call (a model may stop at
+#: once): formats like Mistral's reject an empty assistant message.
+EMPTY_ANSWER = "(no answer)"
+
+
 def _assistant(out: dict[str, Any]) -> dict[str, Any]:
+    """The answer as the history keeps it: text or tool calls (formats like Mistral's
+    reject an assistant message with both, or with neither)."""
     msg = out["choices"][0]["message"]
-    keep: dict[str, Any] = {"role": "assistant", "content": msg.get("content") or ""}
+    keep: dict[str, Any] = {"role": "assistant", "content": msg.get("content") or EMPTY_ANSWER}
     if msg.get("tool_calls"):
+        keep["content"] = None
         keep["tool_calls"] = [{"id": c["id"], "type": "function",
                                "function": {"name": c["function"]["name"],
                                             "arguments": c["function"]["arguments"]}}

@@ -47,7 +47,7 @@ def start(run_dir: Path, args: argparse.Namespace) -> tuple[Any, Target]:
 
     data: dict[str, Any] = {
         "name": "fuzz", "device": "cpu", "run_dir": str(run_dir), "kv_cache_gib": 1,
-        "max_model_len": 16384, "startup_timeout_s": 900, "stop_grace_s": 10,
+        "startup_timeout_s": 900, "stop_grace_s": 10,
         "prefill": {"ports": [free_port()], "side_channel_ports": [free_port()]},
         "decode": {"ports": [free_port()], "side_channel_ports": [free_port()]},
         "router": {"port": free_port(), "skip_prefill_max_tokens": 96,

@@ -270,6 +270,9 @@ def test_builtin_vlm_is_selectable() -> None:
     src = resolve_model(cfg, build=False)
     assert src.served_name == "kvagent-demo-vlm"
     assert "--limit-mm-per-prompt" in src.extra_args
+    # its template is the demo's, so it parses tool calls like the demo model
+    assert "--tool-call-parser" in src.extra_args and src.served_name not in src.extra_args[
+        src.extra_args.index("--tool-call-parser") + 1]
 
 
 def test_llava_needs_torchvision_idefics3_does_not() -> None:

@@ -50,18 +50,21 @@ _LM_HEAD_STD = 0.25
 
 
 def vlm_serve_args(max_model_len: int = VLM_MAX_MODEL_LEN) -> list[str]:
-    """vLLM serve arguments the model needs besides `--model PATH`: at most 4 images per
-    prompt keeps the encoder's profiling run small."""
-    return [
-        "--served-model-name", VLM_MODEL_NAME,
-        "--max-model-len", str(max_model_len),
-        "--limit-mm-per-prompt", '{"image":4}',
-        "--dtype", "float32",
-    ]
+    """vLLM serve arguments the model needs besides `--model PATH`: the demo model's (its
+    chat template, so its tool calling, is the demo's) under the VLM's name, and at most 4
+    images per prompt, which keeps the encoder's profiling run small."""
+    from kvagent_server.demo_model import demo_serve_args
+
+    args = demo_serve_args(max_model_len)
+    args[args.index("--served-model-name") + 1] = VLM_MODEL_NAME
+    return [*args, "--limit-mm-per-prompt", '{"image":4}']
 
 
 def vlm_serve_env() -> dict[str, str]:
-    return {}
+    """The demo model's environment (the same tool-call setup)."""
+    from kvagent_server.demo_model import demo_serve_env
+
+    return demo_serve_env()
 
 
 def ensure_vlm_model(cache_dir: Path | None = None) -> Path:
