@@ -39,6 +39,8 @@ class BenchConfig(BaseModel):
     #: choose between `d_direct` and `pd_reuse`; 0 never skips P; a huge value always does.
     skip_prefill_max_tokens: int | None = None
     prefill_count: int = Field(default=1, ge=1, le=4)  # P nodes (bundle only)
+    #: KV block size in tokens (bundle only); None: the bundle's default (128 on CPU).
+    block_size: int | None = None
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
@@ -66,6 +68,10 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 skip_prefill_max_tokens=0,
                 description="kvagent with a fixed policy: every reused turn takes P, which "
                 "pulls the prefix from D (pd_reuse)"),
+    BenchConfig(name="kvagent_always_pd_reuse_block512", kind="bundle", reuse=True,
+                skip_prefill_max_tokens=0, block_size=512,
+                description="kvagent_always_pd_reuse with 512-token KV blocks: a pull moves "
+                "4x fewer, 4x larger NIXL descriptors (reuse aligns to 512 tokens)"),
     BenchConfig(name="kvagent_2p", kind="bundle", reuse=True, prefill_count=2,
                 description="kvagent with two P nodes sharing P's cores, one D"),
     BenchConfig(name="pd_noreuse_pcache_on_2p", kind="bundle", reuse=False,
@@ -185,6 +191,7 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
     if config.skip_prefill_max_tokens is not None:
         router["skip_prefill_max_tokens"] = config.skip_prefill_max_tokens
     return {
+        **({"block_size": config.block_size} if config.block_size else {}),
         "name": f"mtbench-{config.name}".replace("_", "-"),
         "model": model,
         "run_dir": str(run_dir),

@@ -28,6 +28,7 @@ from . import budget, stats
 from . import report as report_mod
 from .driver import run_workload
 from .nodes import (
+    ALL_CONFIGS,
     CONFIGS,
     REFERENCE_CONFIG,
     BenchConfig,
@@ -56,7 +57,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="CI size: 2 conversations x 4 turns, ~1.5-2k tokens of context")
     p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"comma-separated, in run order (default: all: {','.join(CONFIGS)})")
+                   help=f"comma-separated, in run order (default: {','.join(CONFIGS)}; also "
+                   f"{','.join(n for n in ALL_CONFIGS if n not in CONFIGS)})")
     p.add_argument("--out", type=Path, help="output directory (default: results/<timestamp>)")
     w = p.add_argument_group("generated workload (defaults: --quick or the full run)")
     w.add_argument("--seed", type=int, default=0)
@@ -102,11 +104,11 @@ def build_workload(args: argparse.Namespace) -> Workload:
 
 def parse_configs(text: str) -> list[BenchConfig]:
     names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in CONFIGS]
+    unknown = [n for n in names if n not in ALL_CONFIGS]
     if unknown or not names:
         raise SystemExit(f"--configs: unknown {unknown or 'empty'}; choose from "
-                         f"{', '.join(CONFIGS)}")
-    return [CONFIGS[n] for n in names]
+                         f"{', '.join(ALL_CONFIGS)}")
+    return [ALL_CONFIGS[n] for n in names]
 
 
 def _log(msg: str) -> None:

@@ -114,6 +114,7 @@ def test_bundle_settings_validate(name: str, tmp_path: Path) -> None:
     assert cfg.router.skip_prefill_max_tokens == c.skip_prefill_max_tokens
     assert cfg.router.server_timing and cfg.router.port == 9000 + n - 1
     assert cfg.prefill.prefix_caching == c.prefill_prefix_caching
+    assert cfg.block_size == c.block_size
     if c.prefill_count > 1:  # P nodes share core 0; D keeps core 1 as in 1P+1D
         assert cfg.prefill.cpu_binds == ["0", "0"] and cfg.decode.cpu_binds == ["1"]
     with pytest.raises(ValueError):
