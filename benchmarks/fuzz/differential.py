@@ -354,7 +354,10 @@ class Runner:
         self.turn(conv, "Go on.")
 
     def op_truncate(self, conv: Conversation, keep: int) -> None:
-        self.turn(conv, "Short version?", {"truncate_prompt_tokens": keep + 64})
+        # vLLM rejects a truncation that would cut an image (placeholders expand after it):
+        # with images in the history, a plain turn.
+        extra = {} if image_urls(conv.messages) else {"truncate_prompt_tokens": keep + 64}
+        self.turn(conv, "Short version?", extra)
 
     def op_retry(self, conv: Conversation) -> None:
         """The same turn twice with the same token: the second finds it claimed."""
