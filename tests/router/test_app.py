@@ -119,7 +119,7 @@ async def test_work_in_flight_is_counted_and_released() -> None:
     back to idle once the turns are answered, streamed or not, whatever path they took."""
     from kvagent_server.router.reuse.queue import IDLE
 
-    async with router_stack() as st:
+    async with router_stack(queue_aware_paths=True) as st:
         kva, answer, _ = await turn(st, FIRST)
         router = st.router
         # the first turn's P leg, estimated from the body's size, taught the ratio
