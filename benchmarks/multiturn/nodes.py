@@ -38,6 +38,9 @@ class BenchConfig(BaseModel):
     #: Router setting `skip_prefill_max_tokens` (bundle only): None lets the cost model
     #: choose between `d_direct` and `pd_reuse`; 0 never skips P; a huge value always does.
     skip_prefill_max_tokens: int | None = None
+    #: Router setting `queue_aware_paths` (bundle only): the cost model also prices the
+    #: work in flight on each node.
+    queue_aware_paths: bool = False
     prefill_count: int = Field(default=1, ge=1, le=4)  # P nodes (bundle only)
     #: KV block size in tokens (bundle only); None: the bundle's default (128 on CPU).
     block_size: int | None = None
@@ -60,6 +63,9 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
 #: policy, and two P nodes. Not in `CONFIGS`, whose four are the multi-turn run's.
 ALWAYS_SKIP_P = 1_000_000
 LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
+    BenchConfig(name="kvagent_queue_aware", kind="bundle", reuse=True, queue_aware_paths=True,
+                description="kvagent whose cost model also prices the work in flight on "
+                "P and D (router.queue_aware_paths)"),
     BenchConfig(name="kvagent_always_d_direct", kind="bundle", reuse=True,
                 skip_prefill_max_tokens=ALWAYS_SKIP_P,
                 description="kvagent with a fixed policy: every reused turn skips P "
@@ -190,6 +196,8 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
     router: dict = {"port": ports[-1], "reuse": config.reuse, "server_timing": True}
     if config.skip_prefill_max_tokens is not None:
         router["skip_prefill_max_tokens"] = config.skip_prefill_max_tokens
+    if config.queue_aware_paths:
+        router["queue_aware_paths"] = True
     return {
         **({"block_size": config.block_size} if config.block_size else {}),
         "name": f"mtbench-{config.name}".replace("_", "-"),

@@ -114,6 +114,29 @@ async def test_edited_history_reuses_only_verified_prefix() -> None:
         no_wrong_kv(st)
 
 
+async def test_work_in_flight_is_counted_and_released() -> None:
+    """The router's count of legs per node (what the queue-aware path choice reads) is
+    back to idle once the turns are answered, streamed or not, whatever path they took."""
+    from kvagent_server.router.reuse.queue import IDLE
+
+    async with router_stack(queue_aware_paths=True) as st:
+        kva, answer, _ = await turn(st, FIRST)
+        router = st.router
+        # the first turn's P leg, estimated from the body's size, taught the ratio
+        assert router.chars.ratio != 0.25
+        kva2, _, _ = await turn(st, second(answer, "ok"), token=kva["cache_token"])
+        assert kva2["path"] in ("d_direct", "pd_reuse")
+        r = await st.client.post("/v1/chat/completions",
+                                 json=chat_body(FIRST, stream=False),
+                                 headers={"X-Session-ID": "s2"})
+        assert r.status_code == 200
+        now = time.monotonic()
+        for node in st.nodes:
+            name = "p0" if node in st.prefill else "d0"
+            assert router.work.work(name, now=now, per_token_s=1e-3) == IDLE
+        assert not router.work._legs
+
+
 async def test_d_direct_when_delta_small() -> None:
     async with router_stack(skip_prefill_max_tokens=64) as st:
         kva, answer, _ = await turn(st, FIRST)

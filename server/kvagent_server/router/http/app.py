@@ -301,6 +301,7 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
         """Idempotent: free the tenant slot, close D's response, end the span."""
         nonlocal done
         if turn is not None:
+            turn.end_work()
             await turn.decode.response.aclose()  # closing D's stream aborts its request
         if not done:
             done = True
@@ -331,6 +332,7 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
         try:
             return await _whole(turn, scrubber, span)
         finally:
+            turn.end_work()
             await turn.decode.response.aclose()
     except LegError as exc:
         record_error(span, str(exc))
@@ -390,8 +392,7 @@ async def _until_disconnect(request: Request, work: Awaitable[T], seconds: float
 
 async def _whole(turn: Turn, scrubber: Scrubber, span: Any) -> Response:
     resp = turn.decode.response
-    turn.first_byte_at = time.perf_counter()
-    turn.router.metrics.ttft.observe(turn.first_byte_at - turn.started)
+    turn.router.metrics.ttft.observe(turn.mark_first_byte() - turn.started)
     assert resp.content is not None  # a non-streamed leg's body is read whole
     data, std = fastjson.parse(resp.content)
     scrubber.scrub(data)
@@ -419,9 +420,9 @@ async def _stream(turn: Turn, scrubber: Scrubber, cleanup: Callable[[Turn], Awai
     try:
         async for out in relay_sse(resp.aiter_raw(), scrubber, turn.finalize):
             if turn.first_byte_at is None:
-                turn.first_byte_at = time.perf_counter()
-                m.ttft.observe(turn.first_byte_at - turn.started)
-                turn.req.budget.add_remainder("first_token", turn.first_byte_at)
+                first = turn.mark_first_byte()
+                m.ttft.observe(first - turn.started)
+                turn.req.budget.add_remainder("first_token", first)
             yield out
         finished = True
         turn.req.budget.record(span)

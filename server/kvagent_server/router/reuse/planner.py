@@ -27,6 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kvagent_server.router.reuse.identity import IdentityCheck
+from kvagent_server.router.reuse.queue import IDLE, NodeWork
 from kvagent_server.router.store.handle import Handle
 
 #: How a turn was served (`kvagent.path` on the wire; the same names as
@@ -323,7 +324,7 @@ class LinearCost(BaseModel):
     per_token_s: float = Field(ge=0)
     samples: int = Field(default=0, ge=0)
 
-    def __call__(self, tokens: int) -> float:
+    def __call__(self, tokens: float) -> float:
         return self.fixed_s + self.per_token_s * tokens
 
 
@@ -341,6 +342,11 @@ class PathCosts(BaseModel):
     - pd_fresh / recompute: `prefill(prompt_tokens)`
     - pd_reuse: `prefill(computed_tokens) + pull(reused_tokens)`
     - d_direct: `d_direct(computed_tokens)`
+
+    With the nodes' work in flight (`queued_*`), the prefill and d_direct lines are
+    evaluated at the tokens ahead on the node plus the turn's own: the lines are then
+    learned the same way (`CostModel.observe(ahead_tokens=...)`), so they price a token
+    of the node's work, not an average queue.
     """
 
     model_config = ConfigDict(frozen=True)
@@ -357,6 +363,36 @@ class PathCosts(BaseModel):
             return self.d_direct(computed)
         return self.prefill(prompt_len)
 
+    def queued_ttft(self, path: Path, prompt_len: int, reuse_tokens: int,
+                    work: NodeWork) -> float:
+        """TTFT on `path` behind `work`, the node's work in flight (P's for the P/D paths,
+        D's for `d_direct`): the wait for the tokens ahead, then the turn's own compute
+        (and the pull on `pd_reuse`); see `tokens_ahead`."""
+        computed = prompt_len - reuse_tokens
+        ahead = tokens_ahead(path, work)
+        if path == "d_direct":
+            return self.d_direct(ahead + computed)
+        if path == "pd_reuse":
+            return self.prefill(ahead + computed) + self.pull(reuse_tokens)
+        return self.prefill(ahead + prompt_len)
+
+    def queued_cost(self, path: Path, prompt_len: int, reuse_tokens: int,
+                    work: NodeWork) -> float:
+        """`queued_ttft` plus the stall its compute puts on the streams decoding on the
+        same node: on `d_direct` each of D's streams waits for the delta (their
+        inter-token gap); a P leg stalls no stream. Seconds of delay added, summed over
+        every request affected."""
+        ttft = self.queued_ttft(path, prompt_len, reuse_tokens, work)
+        if path != "d_direct":
+            return ttft
+        return ttft + work.streams * self.d_direct.per_token_s * (prompt_len - reuse_tokens)
+
+
+def tokens_ahead(path: Path, work: NodeWork) -> float:
+    """The tokens of `work` a turn on `path` waits for: the prompt tokens queued on the
+    node, and on `d_direct` one per stream decoding on D (each adds one to every step)."""
+    return work.prefill_tokens + (work.streams if path == "d_direct" else 0)
+
 
 def choose_path(
     plan: ReusePlan,
@@ -365,13 +401,20 @@ def choose_path(
     *,
     skip_prefill_max_tokens: int | None,
     d_healthy: bool,
+    p_work: NodeWork | None = None,
+    d_work: NodeWork | None = None,
 ) -> Path:
     """How to serve the turn.
 
     No reuse: `pd_fresh` when there was nothing to reuse, else `recompute`. With reuse,
     `d_direct` (skip P; D extends the prefix it holds) when D is healthy and either the
     uncached delta is at most `skip_prefill_max_tokens`, or that setting is None and the
-    measured costs say D alone is faster; otherwise `pd_reuse`. 0 never skips P.
+    costs say D alone is cheaper; otherwise `pd_reuse`. 0 never skips P.
+
+    The costs: with the work in flight on the P node and on the holding D node
+    (`p_work`, `d_work`), `PathCosts.queued_cost` (the wait for that work, the turn's own
+    compute, and the stall a `d_direct` delta puts on D's streams); without them, each
+    path's learned TTFT line alone.
     """
     if not plan.reuses:
         return "pd_fresh" if plan.reason in FRESH_REASONS else "recompute"
@@ -382,8 +425,12 @@ def choose_path(
     delta = prompt_len - plan.reuse_tokens
     if skip_prefill_max_tokens is not None:
         return "d_direct" if 0 < delta <= skip_prefill_max_tokens else "pd_reuse"
-    d_cost = costs.estimate("d_direct", prompt_len, plan.reuse_tokens)
-    p_cost = costs.estimate("pd_reuse", prompt_len, plan.reuse_tokens)
+    if p_work is not None or d_work is not None:
+        d_cost = costs.queued_cost("d_direct", prompt_len, plan.reuse_tokens, d_work or IDLE)
+        p_cost = costs.queued_cost("pd_reuse", prompt_len, plan.reuse_tokens, p_work or IDLE)
+    else:
+        d_cost = costs.estimate("d_direct", prompt_len, plan.reuse_tokens)
+        p_cost = costs.estimate("pd_reuse", prompt_len, plan.reuse_tokens)
     return "d_direct" if d_cost < p_cost else "pd_reuse"
 
 
@@ -436,21 +483,26 @@ class CostModel:
         self._d = _Ewma(alpha)
 
     def observe(self, path: Path, tokens: int, seconds: float, *,
-                reused_tokens: int = 0) -> None:
+                reused_tokens: int = 0, ahead_tokens: float = 0.0) -> None:
         """Record one turn: `tokens` computed (not reused), `seconds` to first token.
 
         For `pd_reuse`, pass `reused_tokens` too: the part of `seconds` the prefill line
-        does not explain is attributed to the pull.
+        does not explain is attributed to the pull. `ahead_tokens`: the work that was in
+        flight on the node when the turn was sent there (`PathCosts.queued_ttft`'s
+        tokens ahead), so the line learns the cost of a token of work, queue included.
         """
-        if tokens < 0 or reused_tokens < 0 or seconds < 0 or not math.isfinite(seconds):
-            raise ValueError("tokens, reused_tokens and seconds must be non-negative")
+        if (tokens < 0 or reused_tokens < 0 or seconds < 0 or not math.isfinite(seconds)
+                or ahead_tokens < 0 or not math.isfinite(ahead_tokens)):
+            raise ValueError("tokens, reused_tokens, ahead_tokens and seconds must be "
+                             "non-negative")
+        work = tokens + ahead_tokens
         if path in ("pd_fresh", "recompute"):
-            self._prefill.add(tokens, seconds)
+            self._prefill.add(work, seconds)
         elif path == "pd_reuse":
             prefill = self._prefill.fit(self._prior.prefill, self._min)
-            self._pull.add(reused_tokens, max(0.0, seconds - prefill(tokens)))
+            self._pull.add(reused_tokens, max(0.0, seconds - prefill(work)))
         elif path == "d_direct":
-            self._d.add(tokens, seconds)
+            self._d.add(work, seconds)
         else:
             raise ValueError(f"unknown path {path!r}")
 

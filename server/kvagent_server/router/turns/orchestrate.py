@@ -16,7 +16,9 @@ import httpx
 
 from kvagent_server.router.auth.cache_token import TokenCodec, TokenError, verify_binding
 from kvagent_server.router.auth.tenancy import Tenant
+from kvagent_server.router.common import fastjson
 from kvagent_server.router.reuse import identity, placement, planner, transfer
+from kvagent_server.router.reuse.queue import IDLE, CharsPerToken, NodeWork, WorkLedger
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.base import SessionStore, StoreUnavailable
 from kvagent_server.router.store.factory import KeySync
@@ -56,6 +58,10 @@ class Router:
     metrics: RouterMetrics
     client: httpx.AsyncClient
     costs: planner.CostModel = field(default_factory=planner.CostModel)
+    #: The legs in flight per node, in tokens of work (what a new leg queues behind).
+    work: WorkLedger = field(default_factory=WorkLedger)
+    #: Tokens per body character of P legs whose prompt the router did not tokenize.
+    chars: CharsPerToken = field(default_factory=CharsPerToken)
     #: Tier-aware P placement from the nodes' KV events (None: by load only).
     tiers: TierPlacement | None = None
     #: Bounds what decode nodes retain (router/retention.py; None: TTL only).
@@ -95,6 +101,24 @@ class Turn:
     started: float
     first_byte_at: float | None = None
     reused: int = 0  # set by finalize
+    #: Tokens of work ahead on the node that computed the prompt when the turn was sent
+    #: (what `CostModel.observe` learns the TTFT against; 0 without queue-aware costs).
+    ahead: float = 0.0
+    #: The D leg in the router's `WorkLedger` (None: not counted).
+    d_ticket: int | None = None
+
+    def mark_first_byte(self) -> float:
+        """The client's first byte: D's prompt work is done, it decodes from now on."""
+        self.first_byte_at = time.perf_counter()
+        if self.d_ticket is not None:
+            self.router.work.prefilled(self.d_ticket, time.monotonic())
+        return self.first_byte_at
+
+    def end_work(self) -> None:
+        """The D leg is over (idempotent): it no longer counts as a stream on D."""
+        if self.d_ticket is not None:
+            self.router.work.end(self.d_ticket, time.monotonic())
+            self.d_ticket = None
 
     async def finalize(self, capture: Capture) -> Final:
         t0 = time.perf_counter()
@@ -141,7 +165,7 @@ class Turn:
             ttft = self.first_byte_at - self.started
             try:
                 self.router.costs.observe(self.path, max(0, prompt_tokens - cached), ttft,
-                                          reused_tokens=reused)
+                                          reused_tokens=reused, ahead_tokens=self.ahead)
             except ValueError:
                 pass
 
@@ -256,6 +280,12 @@ class _Choice:
     holder: Node | None  # the decode node holding the handle's blocks, if alive and current
     p_first: Node | None
     d_first: Node | None
+    #: Prompt tokens as the router tokenized them (0: not tokenized, a first turn).
+    prompt_len: int = 0
+    #: Work in flight on `p_first` and `d_first` when the turn was planned (None: the
+    #: choice does not use it).
+    p_work: NodeWork | None = None
+    d_work: NodeWork | None = None
 
 
 async def _choose(r: Router, req: TurnRequest) -> _Choice:
@@ -315,11 +345,20 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
     if req.span is not None:
         req.span.set_attribute("kvagent.decode_placement", d_reason)
     d_first = r.registry.get(picked_d.node_id) if picked_d else None
+    costs = r.costs.snapshot()
+    p_work = d_work = None
+    if r.settings.queue_aware_paths:
+        now = time.monotonic()
+        p_work = (r.work.work(p_first.name, now=now, per_token_s=costs.prefill.per_token_s)
+                  if p_first is not None else IDLE)
+        d_work = (r.work.work(d_first.name, now=now, per_token_s=costs.d_direct.per_token_s)
+                  if d_first is not None else IDLE)
     path = planner.choose_path(
-        plan, len(prompt_ids), r.costs.snapshot(),
+        plan, len(prompt_ids), costs,
         skip_prefill_max_tokens=r.settings.skip_prefill_max_tokens,
-        d_healthy=d_first is not None and d_first is holder)
-    return _Choice(handle, plan, path, holder, p_first, d_first)
+        d_healthy=d_first is not None and d_first is holder, p_work=p_work, d_work=d_work)
+    return _Choice(handle, plan, path, holder, p_first, d_first, len(prompt_ids), p_work,
+                   d_work)
 
 
 def _identity_of(r: Router, req: TurnRequest, prompt_ids: list[int]) -> KVIdentity:
@@ -364,7 +403,13 @@ async def plan_turn(r: Router, req: TurnRequest) -> Turn:
                 finally:
                     req.budget.add("decode", time.perf_counter() - t0)
             r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
-            return Turn(r, req, c.path, c.plan, None, start, started)
+            turn = Turn(r, req, c.path, c.plan, None, start, started)
+            if c.d_work is not None:
+                turn.ahead = planner.tokens_ahead("d_direct", c.d_work)
+                turn.d_ticket = r.work.begin(
+                    start.node.name, prefill_tokens=c.prompt_len - c.plan.reuse_tokens,
+                    stream=True, now=time.monotonic())
+            return turn
         except LegError as exc:
             if exc.status < 500:
                 raise
@@ -390,15 +435,32 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
         p_params = transfer.fresh()
     p_nodes = r.registry.ranked("prefill", c.p_first if c.p_first and c.p_first.healthy
                                 else None)
+    queued = c.p_work is not None and bool(p_nodes)
+    chars = 0
+    if not queued:
+        p_tokens = 0
+    elif c.path == "pd_reuse":
+        p_tokens = c.prompt_len - c.plan.reuse_tokens
+    elif c.prompt_len:
+        p_tokens = c.prompt_len
+    else:  # not tokenized: estimated from the body's size
+        chars = len(fastjson.dumps(req.body))
+        p_tokens = r.chars.tokens(chars)
+    p_ticket = (r.work.begin(p_nodes[0].name, prefill_tokens=p_tokens, stream=False,
+                             now=time.monotonic()) if queued else None)
     with leg_span(req.span, "prefill") as span:
         t0 = time.perf_counter()
         try:
             prefill = await r.legs.prefill(p_nodes, req.endpoint, req.body, p_params)
         finally:
             req.budget.add("prefill", time.perf_counter() - t0)
+            if p_ticket is not None:
+                r.work.end(p_ticket, time.monotonic())
         span.set_attribute("kvagent.node", prefill.node.name)
         span.set_attribute("kvagent.pull_failed", prefill.pull_failed)
     r.metrics.leg_latency.labels(leg="prefill").observe(prefill.elapsed_s)
+    if chars and prefill.prompt_tokens:
+        r.chars.observe(chars, prefill.prompt_tokens - (prefill.cached_tokens or 0))
     if p_nodes and prefill.node is not p_nodes[0]:
         r.metrics.retries.labels(leg="prefill").inc()
     path, plan = c.path, c.plan
@@ -430,7 +492,13 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
     r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
     if d_nodes and start.node is not d_nodes[0]:
         r.metrics.retries.labels(leg="decode").inc()
-    return Turn(r, req, path, plan, prefill, start, started)
+    turn = Turn(r, req, path, plan, prefill, start, started)
+    if queued:
+        assert c.p_work is not None
+        turn.ahead = planner.tokens_ahead(path, c.p_work)
+        turn.d_ticket = r.work.begin(start.node.name, prefill_tokens=0, stream=True,
+                                     now=time.monotonic())
+    return turn
 
 
 async def _whole_on_decode(r: Router, req: TurnRequest, started: float) -> Turn:
