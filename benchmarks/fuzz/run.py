@@ -42,7 +42,8 @@ COLORS = ((200, 20, 20), (20, 20, 200), (20, 160, 20))
 def start(run_dir: Path, args: argparse.Namespace) -> tuple[Any, Target]:
     from kvagent_server.config import validate_config
     from kvagent_server.inputs import gather_inputs
-    from kvagent_server.models.lora import DEMO_LORA_NAME
+    from kvagent_server.models.builtin import builtin_model
+    from kvagent_server.models.lora import builtin_adapter_for
     from kvagent_server.supervisor import Bundle
 
     data: dict[str, Any] = {
@@ -56,8 +57,14 @@ def start(run_dir: Path, args: argparse.Namespace) -> tuple[Any, Target]:
     }
     if args.model:
         data["model"] = args.model
+    adapter = None
     if args.lora:
-        data["lora_modules"] = [{"name": DEMO_LORA_NAME}]
+        base = builtin_model(args.model)
+        adapter = builtin_adapter_for(base.name) if base is not None else None
+        if adapter is None:
+            raise SystemExit(f"--lora needs a built-in model with a built-in adapter; "
+                             f"{args.model} has none")
+        data["lora_modules"] = [{"name": adapter}]
     cfg = validate_config(data)
     inputs = gather_inputs(cfg)
     options: dict[str, Any] = {"shift_blocks": args.shift_blocks}
@@ -69,8 +76,8 @@ def start(run_dir: Path, args: argparse.Namespace) -> tuple[Any, Target]:
                              f"kvagent-demo-vlm); {inputs.model.served_name} takes no images")
         options["images"] = tuple(sample_image_url(c) for c in COLORS)
         options["image_token_ids"] = inputs.model.mm_placeholder_token_ids
-    if args.lora:
-        options["models"] = (DEMO_LORA_NAME,)
+    if adapter is not None:
+        options["models"] = (adapter,)
     bundle = Bundle(cfg, inputs=inputs)
     bundle.start(wait=True)
     target = Target.demo(f"{bundle.router_url}/v1", bundle.node_urls("prefill")[0],
@@ -114,7 +121,7 @@ def main() -> int:
     ap.add_argument("--images", action="store_true",
                     help="add image operations (needs a vision-language --model)")
     ap.add_argument("--lora", action="store_true",
-                    help="serve the demo LoRA adapter and add adapter switches")
+                    help="serve the model's built-in LoRA adapter and add adapter switches")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvagent-fuzz-") as tmp:

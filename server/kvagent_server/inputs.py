@@ -101,17 +101,24 @@ def placeholder_token_ids(model_dir: Path) -> tuple[int, ...]:
 
 def resolve_lora(cfg: BundleConfig, *, build: bool = True) -> tuple[tuple[str, str], ...]:
     """(name, path) of each configured adapter; a path-less one is a built-in adapter."""
+    from kvagent_server.models.builtin import builtin_model
     from kvagent_server.models.cache import default_cache_dir
     from kvagent_server.models.lora import BUILTIN_ADAPTERS
 
     out: list[tuple[str, str]] = []
     problems: list[str] = []
+    base = builtin_model(cfg.model)
     for i, module in enumerate(cfg.lora_modules):
         if module.path is not None:
             out.append((module.name, module.path))
         elif module.name in BUILTIN_ADAPTERS:
-            version, ensure = BUILTIN_ADAPTERS[module.name]
-            path = ensure(None) if build else default_cache_dir() / version
+            adapter = BUILTIN_ADAPTERS[module.name]
+            if base is None or base.name != adapter.base:
+                # Its weights have the shapes of that model: vLLM would fail to load it.
+                problems.append(f"lora_modules[{i}]: the built-in adapter {module.name!r} is "
+                                f"for model {adapter.base!r}, not {cfg.model!r}")
+                continue
+            path = adapter.ensure(None) if build else default_cache_dir() / adapter.version
             out.append((module.name, str(path)))
         else:
             problems.append(f"lora_modules[{i}].path: required (no built-in adapter is named "

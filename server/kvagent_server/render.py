@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import shlex
 import tempfile
 from dataclasses import asdict, dataclass, field
@@ -239,6 +240,33 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
         router_settings_path=settings_path,
         router_settings=router_settings,
     )
+
+
+KV_TRANSFER_FLAG = "--kv-transfer-config"
+
+
+def with_engine_id(argv: list[str] | tuple[str, ...], engine_id: str) -> list[str]:
+    """`argv` with its KV connector's `engine_id` replaced (unchanged without one).
+
+    A node started again must not reuse its engine id: its peers cache the NIXL agent
+    they handshook with per engine id, so a restarted node under the old id would get
+    every transfer sent to its dead predecessor (`NIXL_ERR_REMOTE_DISCONNECT`, and the
+    KV recomputed) until the peers restart too. Under a new id they handshake again.
+    """
+    out = list(argv)
+    if KV_TRANSFER_FLAG not in out:
+        return out
+    i = out.index(KV_TRANSFER_FLAG) + 1
+    kv = json.loads(out[i])
+    if "engine_id" in kv:
+        kv["engine_id"] = engine_id
+        out[i] = json.dumps(kv, separators=(",", ":"))
+    return out
+
+
+def incarnation_engine_id(base: str) -> str:
+    """`base` with a suffix that is new every time a node process starts."""
+    return f"{base}-{secrets.token_hex(4)}"
 
 
 def lora_args(cfg: BundleConfig, model: ModelSource) -> list[str]:

@@ -26,7 +26,15 @@ import httpx
 
 from kvagent_server import processes
 from kvagent_server.config import BundleConfig, ConfigError, dump_config, validate_config
-from kvagent_server.render import BundlePlan, PlanInputs, ProcessSpec, ipc_socket_dirs, plan
+from kvagent_server.render import (
+    BundlePlan,
+    PlanInputs,
+    ProcessSpec,
+    incarnation_engine_id,
+    ipc_socket_dirs,
+    plan,
+    with_engine_id,
+)
 from kvagent_server.runstate import (
     CONFIG_FILE,
     LOG_DIR,
@@ -251,8 +259,12 @@ class Bundle:
 
     def _launch(self, spec: ProcessSpec) -> None:
         ps = self.state.proc(spec.name)
+        argv = list(spec.argv)
+        if spec.engine_id:  # a new NIXL identity per start: peers handshake with it anew
+            ps.engine_id = incarnation_engine_id(spec.engine_id)
+            argv = with_engine_id(argv, ps.engine_id)
         try:
-            popen = processes.launch(list(spec.argv), env=spec.env, log_path=Path(ps.log),
+            popen = processes.launch(argv, env=spec.env, log_path=Path(ps.log),
                                      run_dir=self.run_dir, name=spec.name)
         except OSError as exc:  # e.g. engine_command not found
             raise LaunchError(spec.name, f"cannot run {spec.argv[0]!r}: "

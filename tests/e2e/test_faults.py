@@ -23,6 +23,7 @@ from support import start_redis
 
 from .e2e_helpers import (
     E2E,
+    EXTERNAL_HITS,
     PREFILL_LEASE_S,
     TEXT_TURN,
     TOOL_TURN,
@@ -131,6 +132,16 @@ def test_prefill_killed_during_its_leg(e2e: E2E) -> None:
         e2e.wait_router_sees("p0", True)
         r = checked_send(e2e, s, None, TEXT_TURN)
         assert r.cache_token_received
+    # D must read the new P's KV over NIXL: a peer that kept the NIXL agent of the killed P
+    # (same engine id) would fail every read and recompute, right answers and no transfer.
+    d_loaded = e2e.metric(e2e.decode_url, EXTERNAL_HITS)
+    with session(e2e) as fresh:
+        first = checked_send(e2e, fresh, USER_TURNS[1], TOOL_TURN)
+    assert first.path == "pd_fresh", first.path
+    deadline = time.monotonic() + 5  # counters follow the outputs: poll briefly
+    while e2e.metric(e2e.decode_url, EXTERNAL_HITS) <= d_loaded:
+        assert time.monotonic() < deadline, "D read nothing from the new P over NIXL"
+        time.sleep(0.2)
 
 
 def test_decode_frozen_during_transfer(e2e: E2E) -> None:

@@ -210,6 +210,27 @@ def test_bad_lora_modules(data: dict, problem: str) -> None:
     assert problem in str(err.value) or "pattern" in str(err.value)
 
 
+@pytest.mark.parametrize(("model", "adapter", "ok"), [
+    (None, "kvagent-demo-lora", True),
+    ("kvagent-demo-tekken", "kvagent-demo-tekken-lora", True),
+    ("kvagent-demo-tekken", "kvagent-demo-lora", False),
+    (None, "kvagent-demo-tekken-lora", False),
+    ("/my/model", "kvagent-demo-lora", False),
+])
+def test_a_builtin_adapter_only_on_the_model_it_was_made_for(
+        model: str | None, adapter: str, ok: bool) -> None:
+    """Its weights have that model's shapes: on another base vLLM would fail to load it."""
+    from kvagent_server.config import ConfigError
+
+    cfg = validate_config({"model": model, "lora_modules": [{"name": adapter}]})
+    if ok:
+        assert resolve_model(cfg, build=False).lora_modules[0][0] == adapter
+        assert lora.builtin_adapter_for(lora.BUILTIN_ADAPTERS[adapter].base) == adapter
+    else:
+        with pytest.raises(ConfigError, match=rf"built-in adapter '{adapter}' is for model"):
+            resolve_model(cfg, build=False)
+
+
 def test_unknown_pathless_adapter_is_a_config_error() -> None:
     from kvagent_server.config import ConfigError
 

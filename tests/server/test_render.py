@@ -310,3 +310,18 @@ def test_vllm_parses_every_rendered_command(vllm_parser, device: str) -> None:
         assert args.served_model_name == ["kvagent-demo"]
         if device == "cuda":
             assert args.kv_cache_memory_bytes == 2 * 1024**3
+
+
+def test_with_engine_id_replaces_only_the_connector_engine_id() -> None:
+    from kvagent_server.render import incarnation_engine_id, with_engine_id
+
+    kv = {"kv_connector": "NixlConnector", "engine_id": "b-decode-0", "kv_role": "kv_consumer"}
+    argv = ["vllm", "--port", "1", "--kv-transfer-config", json.dumps(kv), "--x"]
+    out = with_engine_id(argv, "b-decode-0-1a2b3c4d")
+    assert json.loads(out[4]) == {**kv, "engine_id": "b-decode-0-1a2b3c4d"}
+    assert out[:4] == argv[:4] and out[5:] == argv[5:]
+    assert with_engine_id(["vllm", "--port", "1"], "x") == ["vllm", "--port", "1"]
+    no_id = ["vllm", "--kv-transfer-config", json.dumps({"kv_connector": "X"})]
+    assert with_engine_id(no_id, "x") == no_id
+    a, b = incarnation_engine_id("b-decode-0"), incarnation_engine_id("b-decode-0")
+    assert a != b and a.startswith("b-decode-0-") and b.startswith("b-decode-0-")

@@ -98,6 +98,9 @@ def test_node_that_dies_is_restarted(fake_config: dict) -> None:
         assert after.pid != before.pid and after.exit_code is None
         assert after.last_event.startswith("exited with code 7; restart 1/3")
         assert Path(after.log).read_text().count("starting decode-0") == 2
+        # a new NIXL engine id per start, so peers handshake with the new process
+        assert before.engine_id and after.engine_id and after.engine_id != before.engine_id
+        assert after.engine_id.rsplit("-", 1)[0] == before.engine_id.rsplit("-", 1)[0]
 
 
 def test_restart_limit_gives_up_and_keeps_the_rest(fake_config: dict) -> None:

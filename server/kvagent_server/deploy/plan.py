@@ -8,7 +8,6 @@ becomes the pod name and the side-channel host the pod IP (NIXL binds to it).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -22,6 +21,7 @@ from kvagent_server.render import (
     PlanInputs,
     ProcessSpec,
     plan,
+    with_engine_id,
 )
 
 Target = Literal["kubernetes", "compose"]
@@ -131,7 +131,8 @@ def deploy_plan(cfg: BundleConfig, options: DeployOptions, *, target: Target,
             env["UCX_TLS"] = UCX_TLS[options.rdma]
         if options.rdma == "efa":
             env["FI_PROVIDER"] = "efa"
-        argv = _with_engine_id(first.argv, POD_NAME) if target == "kubernetes" else first.argv
+        argv = (tuple(with_engine_id(first.argv, POD_NAME)) if target == "kubernetes"
+                else first.argv)
         roles[role] = RoleSpec(
             role=role, count=len(nodes), nodes=nodes, argv=argv, env=env, port=first.port,
             side_channel_port=first.side_channel_port or 0,
@@ -165,15 +166,6 @@ def _redis_mode(cfg: BundleConfig, options: DeployOptions, target: Target,
     if mode == "bundled" and cfg.router.redis_url:
         problems.append("router.redis_url: set while redis: bundled; use redis: external")
     return mode
-
-
-def _with_engine_id(argv: tuple[str, ...], engine_id: str) -> tuple[str, ...]:
-    out = list(argv)
-    i = out.index("--kv-transfer-config") + 1
-    kv = json.loads(out[i])
-    kv["engine_id"] = engine_id
-    out[i] = json.dumps(kv, separators=(",", ":"))
-    return tuple(out)
 
 
 def _plugin_needs() -> tuple[PerRole, dict[str, tuple[str, ...]]]:

@@ -1,4 +1,4 @@
-"""A random LoRA adapter for the demo model, written in PEFT's on-disk format without PEFT
+"""Random LoRA adapters for the built-in models, written in PEFT's on-disk format without PEFT
 (`adapter_config.json` + `adapter_model.safetensors`), for `--enable-lora --lora-modules`.
 
 Its B matrices are random, not zero as in a fresh PEFT adapter, so serving it really changes
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from kvagent_server.models.cache import ensure_built
 
 DEMO_LORA_NAME = "kvagent-demo-lora"
 DEMO_LORA_VERSION = "demo-lora-v1"
+TEKKEN_LORA_NAME = "kvagent-demo-tekken-lora"
+TEKKEN_LORA_VERSION = "tekken-lora-v1"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 LORA_RANK = 8
@@ -103,10 +106,35 @@ def ensure_demo_lora(cache_dir: Path | None = None) -> Path:
                         marker=ADAPTER_CONFIG)
 
 
-#: Built-in adapters by name (cache version, builder): what a `lora_modules` entry without a
-#: path refers to.
-BUILTIN_ADAPTERS: dict[str, tuple[str, Callable[[Path | None], Path]]] = {
-    DEMO_LORA_NAME: (DEMO_LORA_VERSION, ensure_demo_lora)}
+def ensure_tekken_lora(cache_dir: Path | None = None) -> Path:
+    """The tekken-format model's adapter directory, built (deterministically) on first use."""
+    from kvagent_server.models.tekken import ensure_tekken_model
+
+    base = ensure_tekken_model(cache_dir)
+    return ensure_built(TEKKEN_LORA_VERSION, lambda out: write_lora(out, base), cache_dir,
+                        marker=ADAPTER_CONFIG)
+
+
+@dataclass(frozen=True)
+class BuiltinAdapter:
+    """An adapter kvagent builds itself, for one built-in model (its shapes)."""
+
+    base: str  # the built-in model's served name
+    version: str  # cache directory name
+    ensure: Callable[[Path | None], Path]
+
+
+#: Built-in adapters by name: what a `lora_modules` entry without a path refers to.
+BUILTIN_ADAPTERS: dict[str, BuiltinAdapter] = {
+    DEMO_LORA_NAME: BuiltinAdapter("kvagent-demo", DEMO_LORA_VERSION, ensure_demo_lora),
+    TEKKEN_LORA_NAME: BuiltinAdapter("kvagent-demo-tekken", TEKKEN_LORA_VERSION,
+                                     ensure_tekken_lora),
+}
+
+
+def builtin_adapter_for(model: str) -> str | None:
+    """The name of the built-in adapter made for the built-in model `model`, if any."""
+    return next((name for name, a in BUILTIN_ADAPTERS.items() if a.base == model), None)
 
 
 def main() -> None:
