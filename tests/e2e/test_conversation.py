@@ -130,8 +130,9 @@ def test_history_edit_reuses_only_the_common_prefix(e2e: E2E) -> None:
 
 
 def test_shifted_blocks_change_the_answer(e2e: E2E) -> None:
-    """Negative control: the router's test-only hook hands P D's blocks shifted by one slot
-    (real KV of this conversation in the wrong places). The answer must differ from the
+    """Negative control: the router's test-only hook hands P D's blocks shifted by half
+    their number (slot i gets block i - n//2: real KV of this conversation in the wrong
+    places). The answer must differ from the
     reuse-off answer, proving the greedy-equality checks above can fail."""
     long_text = {**TEXT_TURN, "max_tokens": 32}
     # A long answer (generated on D: blocks P never computed), then a question long

@@ -19,6 +19,7 @@ import httpx
 import pytest
 from support import bundle_config, free_port, start_bundle, vllm_available
 
+from tests.e2e.e2e_helpers import assert_pulled, p_hits
 from tests.engine.flow import metric_sum
 
 GREEDY: dict[str, Any] = {"temperature": 0.0}
@@ -117,10 +118,14 @@ class Conversation:
         self.messages.append(keep)
         return out
 
-    def checked_send(self, **opts: Any) -> dict[str, Any]:
-        """A turn whose answer must equal the recomputed reference's."""
+    def checked_send(self, *, strict: bool = False, **opts: Any) -> dict[str, Any]:
+        """A turn whose answer must equal the recomputed reference's; a `pd_reuse` turn's
+        reused tokens must show in P's counters as pulled over NIXL from D, or (unless
+        `strict`) as P's own prefix-cache hits (see `assert_pulled`)."""
         ref = reference(self.served, self.body(**opts))
+        hits = p_hits(self.served)
         out = self.send(**opts)
+        assert_pulled(self.served, hits, out, strict=strict)
         assert answer(out) == answer(ref), out.get("kvagent")
         return out
 

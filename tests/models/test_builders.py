@@ -117,21 +117,41 @@ def test_tekken_new_user_message_moves_tools_and_system_prompt(render) -> None:
 # ------------------------------------------------------------------------- lora
 
 
-def test_lora_adapter_matches_the_demo_model(lora_dir: Path, cache: Path) -> None:
+@pytest.mark.parametrize("name", [lora.DEMO_LORA_NAME, lora.TEKKEN_LORA_NAME])
+def test_lora_adapter_matches_its_base_model(name: str, lora_dir: Path, tekken_dir: Path,
+                                             cache: Path) -> None:
+    """Every tensor has the shape its base model's config.json gives (hidden size, the
+    attention and MLP projections), so vLLM loads it onto that model."""
     from safetensors import safe_open
 
-    cfg = json.loads((lora_dir / lora.ADAPTER_CONFIG).read_text())
+    adapter_dir, base_dir = {
+        lora.DEMO_LORA_NAME: (lora_dir, cache / "demo-model-v1"),
+        lora.TEKKEN_LORA_NAME: (lora.ensure_tekken_lora(cache), tekken_dir)}[name]
+    cfg = json.loads((adapter_dir / lora.ADAPTER_CONFIG).read_text())
     assert cfg["peft_type"] == "LORA" and cfg["r"] == lora.LORA_RANK
-    base = json.loads((cache / "demo-model-v1" / "config.json").read_text())
-    shapes = lora.llama_module_shapes(base)
-    with safe_open(str(lora_dir / lora.ADAPTER_WEIGHTS), "pt") as f:
+    base = json.loads((base_dir / "config.json").read_text())
+    hidden, heads = base["hidden_size"], base["num_attention_heads"]
+    kv_heads = base.get("num_key_value_heads") or heads
+    head_dim = base.get("head_dim") or hidden // heads
+    inter = base["intermediate_size"]
+    # (out, in) of each projection, written out here rather than taken from the builder
+    shapes = {"self_attn.q_proj": (heads * head_dim, hidden),
+              "self_attn.k_proj": (kv_heads * head_dim, hidden),
+              "self_attn.v_proj": (kv_heads * head_dim, hidden),
+              "self_attn.o_proj": (hidden, heads * head_dim),
+              "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+              "mlp.down_proj": (hidden, inter)}
+    with safe_open(str(adapter_dir / lora.ADAPTER_WEIGHTS), "pt") as f:
         keys = set(f.keys())
         assert len(keys) == 2 * len(shapes) * base["num_hidden_layers"]
-        a = f.get_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight")
-        b = f.get_tensor("base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight")
-    assert tuple(a.shape) == (lora.LORA_RANK, base["hidden_size"])
-    assert tuple(b.shape) == (base["hidden_size"], lora.LORA_RANK)
-    assert float(b.abs().sum()) > 0, "a zero B would leave the model unchanged"
+        for layer in range(base["num_hidden_layers"]):
+            for module, (fan_out, fan_in) in shapes.items():
+                prefix = f"base_model.model.model.layers.{layer}.{module}"
+                a = f.get_tensor(f"{prefix}.lora_A.weight")
+                b = f.get_tensor(f"{prefix}.lora_B.weight")
+                assert tuple(a.shape) == (lora.LORA_RANK, fan_in), (prefix, a.shape)
+                assert tuple(b.shape) == (fan_out, lora.LORA_RANK), (prefix, b.shape)
+                assert float(b.abs().sum()) > 0, "a zero B would leave the model unchanged"
 
 
 def test_lora_build_is_deterministic(lora_dir: Path, tmp_path: Path) -> None:

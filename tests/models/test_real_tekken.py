@@ -2,7 +2,8 @@
 mistral`) on real vLLM-CPU P/D nodes with NIXL, through the router: a tool-using
 conversation reuses D's KV where the format appends, recomputes where it re-renders
 (a new user message moves the tools and the system prompt), and every greedy answer
-equals the recomputed one."""
+equals the recomputed one; and one case of the differential fuzz (benchmarks/fuzz) on
+the same bundle."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 from kvagent_server.models.tekken import TEKKEN_MODEL_NAME
 
-from .real import Conversation, Served, serve
+from .real import Conversation, Served, fuzz_case, serve
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -75,3 +76,19 @@ def test_tool_conversation_reuses_where_the_format_appends(served: Served) -> No
     again = conv.checked_send(**TEXT_TURN)
     assert again["kvagent"]["path"] == "pd_reuse", again["kvagent"]
     assert again["kvagent"]["reused_tokens"] >= 256
+
+
+#: Every fuzz operation (all keep a history valid in Mistral's format: an answer holds
+#: text or tool calls, a history never ends in an assistant message), each once; `long`
+#: first, so a later P leg pulls blocks only D computed.
+TEKKEN_OPS = [("long",), ("tool", "compact"), ("edit", 0, "Ignore that; look at DNS."),
+              ("strip", 1), ("delete", 0), ("truncate", 40), ("retry",), ("fork", "Ok."),
+              ("race",), ("user", "Thanks, go on.")]
+
+
+def test_fuzz_case_reuse_equals_recompute(served: Served) -> None:
+    """One bounded case of the differential fuzz on the tekken format: 0 mismatches, 0
+    reuses past the verified prefix, and reuse where the format appends."""
+    stats = fuzz_case(served, TEKKEN_OPS)
+    assert stats["mismatches"] == 0 and stats["bound_violations"] == 0, stats
+    assert stats["pd_reuse_turns"] >= 1, stats
