@@ -34,7 +34,11 @@ from types import ModuleType
 from typing import Any
 
 # The router's transfer vocabulary: one definition of the release key and its bound.
-from kvagent_server.router.reuse.transfer import MAX_RELEASES_PER_REQUEST, RELEASE_KEY
+from kvagent_server.router.reuse.transfer import (
+    DO_REMOTE_DECODE,
+    MAX_RELEASES_PER_REQUEST,
+    RELEASE_KEY,
+)
 
 logger = logging.getLogger("vllm.kvagent")
 
@@ -63,7 +67,7 @@ def release_only(params: dict[str, Any] | None) -> bool:
 
 def is_decode_retention(delay_free: bool, out: dict[str, Any] | None) -> bool:
     """True when `request_finished` kept a decode-side request's blocks for a later reader."""
-    return bool(delay_free and out and out.get("do_remote_decode"))
+    return bool(delay_free and out and out.get(DO_REMOTE_DECODE))
 
 
 class Retained:
