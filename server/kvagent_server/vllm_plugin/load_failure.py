@@ -16,6 +16,7 @@ from types import ModuleType
 from typing import Any
 
 from kvagent_server.router.reuse.transfer import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, READ_BY_KEY
+from kvagent_server.vllm_plugin.wrapped import is_wrapped, mark_wrapped
 
 logger = logging.getLogger("vllm.kvagent")
 
@@ -26,7 +27,7 @@ def patch_module(module: ModuleType) -> bool:
     """Wrap `Scheduler.__init__` to set `recompute_kv_load_failures` when a connector exists."""
     cls = module.Scheduler
     original = cls.__init__
-    if getattr(original, "__kvagent_wrapped__", False):
+    if is_wrapped(original):
         return False
 
     @functools.wraps(original)
@@ -36,7 +37,7 @@ def patch_module(module: ModuleType) -> bool:
             self.recompute_kv_load_failures = True
             logger.info("kvagent: kv_load_failure_policy set to 'recompute'")
 
-    __init__.__kvagent_wrapped__ = True  # type: ignore[attr-defined]
+    mark_wrapped(__init__)
     cls.__init__ = __init__
     return True
 
@@ -78,7 +79,7 @@ def patch_pull_scheduler(module: ModuleType) -> bool:
     """
     cls = module.NixlPullConnectorScheduler
     original = cls.get_num_new_matched_tokens
-    if getattr(original, "__kvagent_wrapped__", False):
+    if is_wrapped(original):
         return False
 
     @functools.wraps(original)
@@ -92,6 +93,6 @@ def patch_pull_scheduler(module: ModuleType) -> bool:
             params[DO_REMOTE_PREFILL] = False
         return original(self, request, num_computed_tokens)
 
-    get_num_new_matched_tokens.__kvagent_wrapped__ = True  # type: ignore[attr-defined]
+    mark_wrapped(get_num_new_matched_tokens)
     cls.get_num_new_matched_tokens = get_num_new_matched_tokens
     return True
