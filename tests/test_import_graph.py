@@ -113,9 +113,22 @@ def test_sdk_never_imports_the_server() -> None:
     assert not bad, bad
 
 
+def _sdk_private(target: str) -> bool:
+    return target.startswith("kvagent.") and target.split(".")[1].startswith("_")
+
+
 def test_server_uses_only_the_sdks_public_modules() -> None:
     bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if m.startswith("kvagent_server")
-                 for t in ts if t.startswith("kvagent.") and t.split(".")[1].startswith("_"))
+                 for t in ts if _sdk_private(t))
+    assert not bad, bad
+
+
+def test_benchmarks_use_only_the_sdks_public_modules() -> None:
+    bad = []
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        bad += [f"{module} -> {t}" for t in sorted(_imports(module, path)) if _sdk_private(t)]
     assert not bad, bad
 
 
