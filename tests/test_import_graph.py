@@ -132,6 +132,18 @@ def test_benchmarks_use_only_the_sdks_public_modules() -> None:
     assert not bad, bad
 
 
+def test_vllm_plugin_takes_only_the_transfer_vocabulary_from_the_router() -> None:
+    """The plugin runs inside vLLM: the one router module it loads is `reuse.transfer`,
+    and neither that module nor the package `__init__`s it runs import anything of ours."""
+    transfer = "kvagent_server.router.reuse.transfer"
+    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items()
+                 if m.startswith("kvagent_server.vllm_plugin") for t in ts
+                 if t.startswith("kvagent_server.router") and t != transfer)
+    assert not bad, bad
+    for module in ("kvagent_server.router", "kvagent_server.router.reuse", transfer):
+        assert not GRAPH[module], f"{module} imports {sorted(GRAPH[module])}"
+
+
 @pytest.mark.parametrize("top", ["benchmarks", "tests"])
 def test_packages_never_import_benchmarks_or_tests(top: str) -> None:
     bad = []
@@ -141,6 +153,48 @@ def test_packages_never_import_benchmarks_or_tests(top: str) -> None:
                 if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == top:
                     bad.append(str(path))
     assert not bad, bad
+
+
+#: Tests outside tests/benchmarks/ that run (a slice of) a benchmark, and the benchmark each
+#: may import. The rule: a test imports only the benchmark it exercises (tests/benchmarks/
+#: tests any of them); anything else it needs lives in tests/ or the packages.
+BENCHMARK_USERS = {
+    "tests/deploy/test_multihost_rehearsal.py": "benchmarks.multihost",
+    "tests/deploy/test_multihost_wiring.py": "benchmarks.multihost",
+    "tests/e2e/test_fuzz.py": "benchmarks.fuzz",
+    "tests/models/real.py": "benchmarks.fuzz",
+    "tests/reliability/test_load_small.py": "benchmarks.load",
+    "tests/sdk/test_bench_sdk_overhead.py": "benchmarks.sdk_overhead",
+    # Counts connections on the SDK overhead benchmark's local SSE server.
+    "tests/sdk/test_connection_reuse.py": "benchmarks.sdk_overhead",
+}
+
+
+def _benchmark_imports(path: Path) -> set[str]:
+    """The `benchmarks` modules (or names) `path` imports, at any depth."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.update([node.module] if "." in node.module
+                       else (f"{node.module}.{a.name}" for a in node.names))
+    return {m for m in out if m.split(".")[0] == "benchmarks"}
+
+
+def test_tests_import_only_the_benchmark_they_exercise() -> None:
+    bad, unused = [], set(BENCHMARK_USERS)
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("tests/benchmarks/"):
+            continue
+        allowed = BENCHMARK_USERS.get(rel)
+        for name in sorted(_benchmark_imports(path)):
+            unused.discard(rel)
+            if allowed is None or not (name == allowed or name.startswith(allowed + ".")):
+                bad.append(f"{rel} -> {name}")
+    assert not bad, "tests importing a benchmark they do not exercise: " + ", ".join(bad)
+    assert not unused, f"BENCHMARK_USERS lists tests that import no benchmark: {sorted(unused)}"
 
 
 def _is_package(module: str) -> bool:
