@@ -6,6 +6,7 @@ docs/architecture.md ("Code map") draws the same layers; this test is what keeps
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -97,6 +98,18 @@ def test_router_imports_point_down_its_layers() -> None:
             if there is not None and there > here:
                 upward.append(f"{module} -> {target}")
     assert not upward, "upward imports in the router: " + ", ".join(sorted(upward))
+
+
+def test_the_architecture_map_names_every_router_module() -> None:
+    """Each subpackage's node in docs/architecture.md's diagram lists exactly its modules."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    router = SOURCES["kvagent_server"] / "router"
+    for package in (p for p in ROUTER_LAYERS if (router / p).is_dir()):
+        node = re.search(rf'^\s*{package}\["{package}<br/>(.*?)"\]', doc, re.MULTILINE)
+        assert node, f"no {package} node in the diagram"
+        drawn = {m.strip() for m in node.group(1).replace("<br/>", ",").split(",")} - {""}
+        actual = {p.stem for p in (router / package).glob("*.py") if p.stem != "__init__"}
+        assert drawn == actual, f"{package}: diagram {sorted(drawn)}, source {sorted(actual)}"
 
 
 def test_router_depends_on_nothing_else_in_the_server_package() -> None:
