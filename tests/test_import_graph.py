@@ -6,6 +6,7 @@ docs/architecture.md ("Code map") draws the same layers; this test is what keeps
 from __future__ import annotations
 
 import ast
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -99,6 +100,18 @@ def test_router_imports_point_down_its_layers() -> None:
     assert not upward, "upward imports in the router: " + ", ".join(sorted(upward))
 
 
+def test_the_architecture_map_names_every_router_module() -> None:
+    """Each subpackage's node in docs/architecture.md's diagram lists exactly its modules."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    router = SOURCES["kvagent_server"] / "router"
+    for package in (p for p in ROUTER_LAYERS if (router / p).is_dir()):
+        node = re.search(rf'^\s*{package}\["{package}<br/>(.*?)"\]', doc, re.MULTILINE)
+        assert node, f"no {package} node in the diagram"
+        drawn = {m.strip() for m in node.group(1).replace("<br/>", ",").split(",")} - {""}
+        actual = {p.stem for p in (router / package).glob("*.py") if p.stem != "__init__"}
+        assert drawn == actual, f"{package}: diagram {sorted(drawn)}, source {sorted(actual)}"
+
+
 def test_router_depends_on_nothing_else_in_the_server_package() -> None:
     """The router runs alone (`python -m kvagent_server.router`): no bundle code in it."""
     bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if m.startswith("kvagent_server.router")
@@ -113,10 +126,35 @@ def test_sdk_never_imports_the_server() -> None:
     assert not bad, bad
 
 
+def _sdk_private(target: str) -> bool:
+    return target.startswith("kvagent.") and target.split(".")[1].startswith("_")
+
+
 def test_server_uses_only_the_sdks_public_modules() -> None:
     bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if m.startswith("kvagent_server")
-                 for t in ts if t.startswith("kvagent.") and t.split(".")[1].startswith("_"))
+                 for t in ts if _sdk_private(t))
     assert not bad, bad
+
+
+def test_benchmarks_use_only_the_sdks_public_modules() -> None:
+    bad = []
+    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+        rel = path.relative_to(ROOT).with_suffix("")
+        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        bad += [f"{module} -> {t}" for t in sorted(_imports(module, path)) if _sdk_private(t)]
+    assert not bad, bad
+
+
+def test_vllm_plugin_takes_only_the_transfer_vocabulary_from_the_router() -> None:
+    """The plugin runs inside vLLM: the one router module it loads is `reuse.transfer`,
+    and neither that module nor the package `__init__`s it runs import anything of ours."""
+    transfer = "kvagent_server.router.reuse.transfer"
+    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items()
+                 if m.startswith("kvagent_server.vllm_plugin") for t in ts
+                 if t.startswith("kvagent_server.router") and t != transfer)
+    assert not bad, bad
+    for module in ("kvagent_server.router", "kvagent_server.router.reuse", transfer):
+        assert not GRAPH[module], f"{module} imports {sorted(GRAPH[module])}"
 
 
 @pytest.mark.parametrize("top", ["benchmarks", "tests"])
@@ -128,6 +166,48 @@ def test_packages_never_import_benchmarks_or_tests(top: str) -> None:
                 if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == top:
                     bad.append(str(path))
     assert not bad, bad
+
+
+#: Tests outside tests/benchmarks/ that run (a slice of) a benchmark, and the benchmark each
+#: may import. The rule: a test imports only the benchmark it exercises (tests/benchmarks/
+#: tests any of them); anything else it needs lives in tests/ or the packages.
+BENCHMARK_USERS = {
+    "tests/deploy/test_multihost_rehearsal.py": "benchmarks.multihost",
+    "tests/deploy/test_multihost_wiring.py": "benchmarks.multihost",
+    "tests/e2e/test_fuzz.py": "benchmarks.fuzz",
+    "tests/models/real.py": "benchmarks.fuzz",
+    "tests/reliability/test_load_small.py": "benchmarks.load",
+    "tests/sdk/test_bench_sdk_overhead.py": "benchmarks.sdk_overhead",
+    # Counts connections on the SDK overhead benchmark's local SSE server.
+    "tests/sdk/test_connection_reuse.py": "benchmarks.sdk_overhead",
+}
+
+
+def _benchmark_imports(path: Path) -> set[str]:
+    """The `benchmarks` modules (or names) `path` imports, at any depth."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            out.update([node.module] if "." in node.module
+                       else (f"{node.module}.{a.name}" for a in node.names))
+    return {m for m in out if m.split(".")[0] == "benchmarks"}
+
+
+def test_tests_import_only_the_benchmark_they_exercise() -> None:
+    bad, unused = [], set(BENCHMARK_USERS)
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith("tests/benchmarks/"):
+            continue
+        allowed = BENCHMARK_USERS.get(rel)
+        for name in sorted(_benchmark_imports(path)):
+            unused.discard(rel)
+            if allowed is None or not (name == allowed or name.startswith(allowed + ".")):
+                bad.append(f"{rel} -> {name}")
+    assert not bad, "tests importing a benchmark they do not exercise: " + ", ".join(bad)
+    assert not unused, f"BENCHMARK_USERS lists tests that import no benchmark: {sorted(unused)}"
 
 
 def _is_package(module: str) -> bool:

@@ -3,6 +3,7 @@ and the router's pure cores; see `[tool.mypy]` in pyproject.toml)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +27,17 @@ def test_ruff_is_clean() -> None:
                           "examples"], check=False, cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_every_type_ignore_names_its_code_and_says_why() -> None:
+    """`# type: ignore[code]  # why`: a bare one silences any error the line gets later, and
+    tells the reader nothing."""
+    explained = re.compile(r"# type: ignore\[[\w,-]+\]  # \S")
+    bare = [f"{path.relative_to(ROOT)}:{n}" for top in ("sdk", "server")
+            for path in sorted((ROOT / top).rglob("*.py"))
+            for n, line in enumerate(path.read_text().splitlines(), 1)
+            if "# type: ignore" in line and not explained.search(line)]
+    assert not bare, "type: ignore without a code and a reason: " + ", ".join(bare)
 
 
 @pytest.mark.slow

@@ -141,12 +141,11 @@ class Target:
              **options: Any) -> Target:
         """A target with the demo's tools and system prompt (the conversations it draws
         are the demo agent's)."""
-        from kvagent._wire import tool_to_wire
         from kvagent.tools import as_tools
         from kvagent_server.demo import TOOLS, system_prompt
 
         return cls(router_v1=router_v1, prefill_url=prefill_url, model=model,
-                   api_key=api_key, tools=[tool_to_wire(t) for t in as_tools(TOOLS).values()],
+                   api_key=api_key, tools=[t.to_wire() for t in as_tools(TOOLS).values()],
                    system=system_prompt(handbook_sentences=8), **options)
 
 

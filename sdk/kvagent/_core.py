@@ -190,6 +190,10 @@ class _TurnSlot:
 class SessionCore:
     """State and decisions shared by ``Session`` and ``AsyncSession``."""
 
+    #: Whether closing the session closes its HTTP client (set by each subclass; never on
+    #: a ``with_options`` copy).
+    _owns_client: bool
+
     def __init__(self, base_url: str | None = None, model: str | None = None,
                  **options: Unpack[SessionOptions]) -> None:
         opts: dict[str, Any] = dict(options)
@@ -280,7 +284,7 @@ class SessionCore:
         retries, headers and the given per-turn defaults differ. Closing it closes nothing.
         """
         clone = copy.copy(self)
-        clone._owns_client = False  # type: ignore[attr-defined]
+        clone._owns_client = False
         if not isinstance(timeout, _Unset):
             clone.timeout = timeout
         if max_retries is not None:

@@ -62,11 +62,8 @@ def _arguments(raw: str) -> str:
 
 
 def tool_to_wire(tool: Tool) -> dict[str, Any]:
-    function: dict[str, Any] = {"name": tool.name}
-    if tool.description:
-        function["description"] = tool.description
-    function["parameters"] = tool.parameters
-    return {"type": "function", "function": function}
+    """A declared tool as a ``tools`` entry (public as ``Tool.to_wire``, which benchmarks use)."""
+    return tool.to_wire()
 
 
 def tool_choice_to_wire(choice: ToolChoice) -> str | dict[str, Any]:

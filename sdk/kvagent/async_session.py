@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from datetime import UTC, datetime
 from types import TracebackType
 from typing import Self, Unpack
@@ -34,7 +34,7 @@ class AsyncTurnStream:
 
     __slots__ = ("_events", "_release", "result")
 
-    def __init__(self, events: AsyncIterator[StreamEvent],
+    def __init__(self, events: AsyncGenerator[StreamEvent, None],
                  release: Callable[[], None] | None = None) -> None:
         self._events = events
         self._release = release
@@ -63,7 +63,7 @@ class AsyncTurnStream:
 
     async def aclose(self) -> None:
         try:
-            await self._events.aclose()  # type: ignore[attr-defined]
+            await self._events.aclose()
         finally:
             if self._release is not None:
                 self._release()
@@ -181,7 +181,7 @@ class AsyncSession(SessionCore):
                 return response
         raise AssertionError("unreachable")  # pragma: no cover
 
-    async def _turn(self, prepared: PreparedTurn) -> AsyncIterator[StreamEvent]:
+    async def _turn(self, prepared: PreparedTurn) -> AsyncGenerator[StreamEvent, None]:
         self._begin(prepared)
         req = prepared.request
         span = telemetry.start_turn(model=self.model, session_id=self.session_id, url=req.url,

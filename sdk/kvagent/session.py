@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from types import TracebackType
@@ -29,7 +29,7 @@ class TurnStream:
 
     __slots__ = ("_events", "result")
 
-    def __init__(self, events: Iterator[StreamEvent]) -> None:
+    def __init__(self, events: Generator[StreamEvent, None, None]) -> None:
         self._events = events
         #: Set once ``Done`` has been yielded.
         self.result: TurnResult | None = None
@@ -51,7 +51,7 @@ class TurnStream:
         return self.result
 
     def close(self) -> None:
-        self._events.close()  # type: ignore[attr-defined]
+        self._events.close()
 
     def __enter__(self) -> Self:
         return self
@@ -168,7 +168,7 @@ class Session(SessionCore):
                 return response
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _turn(self, prepared: PreparedTurn) -> Iterator[StreamEvent]:
+    def _turn(self, prepared: PreparedTurn) -> Generator[StreamEvent, None, None]:
         self._begin(prepared)
         req = prepared.request
         span = telemetry.start_turn(model=self.model, session_id=self.session_id, url=req.url,

@@ -59,6 +59,15 @@ class Tool:
     def __repr__(self) -> str:
         return f"Tool(name={self.name!r})"
 
+    def to_wire(self) -> dict[str, Any]:
+        """This tool as an entry of the Chat Completions ``tools`` array: the dict a session
+        sends, for building the same request by other means."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description:
+            function["description"] = self.description
+        function["parameters"] = self.parameters
+        return {"type": "function", "function": function}
+
     def validate_arguments(self, arguments: str) -> dict[str, Any]:
         """Parse and validate the model's JSON arguments; raises ``ValueError`` with details."""
         try:

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from kvagent import KVAgentError, Session, TurnResult
 from kvagent.messages import Message, UserMessage
-from rich.console import Console
+from rich.console import Console, JustifyMethod
 from rich.live import Live
 from rich.table import Table
 
@@ -128,10 +128,11 @@ def recompute_ttft(prefill_url: str, model: str, history: Sequence[Message],
 
 def _table(rows: Sequence[Row]) -> Table:
     table = Table(title="kvagent demo: one row per model call", show_lines=False)
-    for name, justify in (("#", "right"), ("call", "left"), ("prompt tok", "right"),
-                          ("reused", "right"), ("path", "left"), ("TTFT", "right"),
-                          ("TTFT no reuse", "right"), ("speed-up", "right")):
-        table.add_column(name, justify=justify)  # type: ignore[arg-type]
+    columns: tuple[tuple[str, JustifyMethod], ...] = (
+        ("#", "right"), ("call", "left"), ("prompt tok", "right"), ("reused", "right"),
+        ("path", "left"), ("TTFT", "right"), ("TTFT no reuse", "right"), ("speed-up", "right"))
+    for name, justify in columns:
+        table.add_column(name, justify=justify)
     for r in rows:
         speedup = (f"{r.ttft_recompute / r.ttft:.1f}x"
                    if r.ttft_recompute and r.ttft > 0 else "-")

@@ -20,7 +20,8 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
+from typing import Any
 
 import httpx
 
@@ -403,6 +404,9 @@ def write_private(path: Path, text: str) -> None:
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
+#: What `signal.signal` returns and takes back: a function, SIG_DFL/SIG_IGN, or None.
+_Handler = Callable[[int, FrameType | None], Any] | int | None
+
 
 class _StopOnSignal:
     """Signal handler: the first SIGINT/SIGTERM/SIGHUP raises `KeyboardInterrupt` in the
@@ -423,8 +427,8 @@ class _StopOnSignal:
         self.requested = True
         raise KeyboardInterrupt
 
-    def install(self) -> dict[int, object]:
-        previous: dict[int, object] = {}
+    def install(self) -> dict[int, _Handler]:
+        previous: dict[int, _Handler] = {}
         for s in _STOP_SIGNALS:
             if s == signal.SIGHUP and signal.getsignal(s) == signal.SIG_IGN:
                 continue  # started under nohup: closing the terminal must not stop it
@@ -477,7 +481,7 @@ def run_foreground(bundle: Bundle, *, wait: Callable[[Bundle], None] | None = No
                 report(f"could not stop pids {survivors}")
     finally:
         for s, h in previous.items():
-            signal.signal(s, h)  # type: ignore[arg-type]
+            signal.signal(s, h)
     return 1 if failed or survivors else 0
 
 

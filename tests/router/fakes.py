@@ -420,8 +420,9 @@ class FakeNode:
             self.engine_id, lease_id, list(prompt), len(prompt),
             time.monotonic() + self.cluster.lease_s)
         self.sequences.append(list(prompt))
-        # vLLM's P reports remote_num_tokens=0 (verified live, ENGINE_NOTES.md); its blocks
-        # cover the whole prompt.
+        # What a P leg returns: docs/engine.md, "Bidirectional reuse at the request level".
+        # Its blocks cover the whole prompt; the router hands P's params to D verbatim and
+        # never reads their remote_num_tokens, so the fake's 0 changes nothing.
         kv = self._kv_params(lease_id, 0, is_p=True, expiry=None,
                              nblocks=-(-len(prompt) // self.cluster.block_size))
         first = self.cluster.reply(prompt).generated_ids()[:1]

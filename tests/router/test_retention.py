@@ -7,7 +7,12 @@ import time
 
 import pytest
 from fakes import FakeCluster, router_stack
-from kvagent_server.router.reuse.transfer import RELEASE_KEY, with_release
+from kvagent_server.router.reuse.transfer import (
+    RELEASE_KEY,
+    REMOTE_BLOCK_IDS,
+    REMOTE_REQUEST_ID,
+    with_release,
+)
 from kvagent_server.router.store.handle import Handle, handle_blocks
 from kvagent_server.router.turns.retention import (
     NodeKV,
@@ -48,9 +53,9 @@ def test_parse_node_kv_reads_vllm_metrics() -> None:
 
 
 def test_handle_helpers() -> None:
-    h = _handle({"remote_request_id": "cmpl-1", "remote_block_ids": [[4, 5, 6], [7, 8, 9]]})
+    h = _handle({REMOTE_REQUEST_ID: "cmpl-1", REMOTE_BLOCK_IDS: [[4, 5, 6], [7, 8, 9]]})
     assert remote_request_id(h) == "cmpl-1" and handle_blocks(h) == 3
-    flat = _handle({"remote_request_id": "", "remote_block_ids": [4, 5]})
+    flat = _handle({REMOTE_REQUEST_ID: "", REMOTE_BLOCK_IDS: [4, 5]})
     assert remote_request_id(flat) is None and handle_blocks(flat) == 2
     assert handle_blocks(_handle({})) == 0
 

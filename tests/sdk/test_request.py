@@ -97,6 +97,7 @@ def test_tool_and_tool_choice_wire_forms() -> None:
         "name": "ping", "description": "Ping a host.", "parameters": {
             "type": "object", "properties": {"host": {"type": "string"}},
             "required": ["host"], "additionalProperties": False}}}
+    assert ping.to_wire() == tool_to_wire(ping)  # the public spelling of the same mapping
     assert tool_choice_to_wire(ping) == {"type": "function", "function": {"name": "ping"}}
     assert tool_choice_to_wire("required") == "required"
     assert tool_choice_to_wire({"type": "function", "function": {"name": "x"}})["type"] == \

@@ -535,11 +535,13 @@ def _from_chunks(chunks: Iterator[ChatGenerationChunk]) -> ChatResult:
     if merged is None:
         raise ValueError("the stream produced no chunks")
     msg = merged.message
-    message = AIMessage(content=msg.content, tool_calls=msg.tool_calls,  # type: ignore[attr-defined]
-                        invalid_tool_calls=msg.invalid_tool_calls,  # type: ignore[attr-defined]
+    if not isinstance(msg, AIMessageChunk):  # `_chunk` makes only these; this tells mypy so
+        raise TypeError(f"expected AIMessageChunk chunks, got {type(msg).__name__}")
+    message = AIMessage(content=msg.content, tool_calls=msg.tool_calls,
+                        invalid_tool_calls=msg.invalid_tool_calls,
                         additional_kwargs=msg.additional_kwargs,
                         response_metadata=msg.response_metadata,
-                        usage_metadata=msg.usage_metadata,  # type: ignore[attr-defined]
+                        usage_metadata=msg.usage_metadata,
                         id=msg.id)
     return ChatResult(generations=[ChatGeneration(message=message,
                                                   generation_info=merged.generation_info)])

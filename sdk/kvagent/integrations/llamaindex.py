@@ -69,7 +69,7 @@ from ._parts import bytes_part, text_or_parts
 try:  # llama-index-core >= 0.14 has typed tool-call blocks; older ones use additional_kwargs
     from llama_index.core.base.llms.types import ToolCallBlock
 except ImportError:  # pragma: no cover - depends on the installed llama-index-core
-    ToolCallBlock = None  # type: ignore[assignment,misc]
+    ToolCallBlock = None  # type: ignore[assignment,misc]  # absent: callers test for None
 
 if TYPE_CHECKING:
     from llama_index.core.tools.types import BaseTool

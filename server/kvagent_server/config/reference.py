@@ -43,7 +43,7 @@ def _row(key: str, field: FieldInfo, default: str | None = None) -> str:
     desc = field.description or ""
     if default is None:
         if field.default_factory is not None:
-            value = field.default_factory()  # type: ignore[call-arg]
+            value = field.get_default(call_default_factory=True)
             default = "`{}`" if value == {} else "`[]`" if value == [] else "(see below)"
         else:
             default = f"`{_yaml_value(field.default)}`"

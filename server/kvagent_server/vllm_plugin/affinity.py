@@ -16,6 +16,8 @@ import os
 from types import ModuleType
 from typing import Any
 
+from kvagent_server.vllm_plugin.wrapped import is_wrapped, mark_wrapped
+
 logger = logging.getLogger("vllm.kvagent")
 
 TARGET_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker"
@@ -25,7 +27,7 @@ def patch_module(module: ModuleType) -> bool:
     """Wrap `NixlBaseConnectorWorker.__init__` so it leaves the thread's affinity alone."""
     cls = module.NixlBaseConnectorWorker
     original = cls.__init__
-    if getattr(original, "__kvagent_wrapped__", False) or not hasattr(os, "sched_getaffinity"):
+    if is_wrapped(original) or not hasattr(os, "sched_getaffinity"):
         return False
 
     @functools.wraps(original)
@@ -38,6 +40,6 @@ def patch_module(module: ModuleType) -> bool:
             logger.info("kvagent: restored worker main-thread CPU affinity %s (NIXL set %s)",
                         sorted(before), sorted(after))
 
-    __init__.__kvagent_wrapped__ = True  # type: ignore[attr-defined]
+    mark_wrapped(__init__)
     cls.__init__ = __init__
     return True

@@ -26,6 +26,8 @@ import queue
 from types import ModuleType
 from typing import Any
 
+from kvagent_server.vllm_plugin.wrapped import is_wrapped, mark_wrapped
+
 logger = logging.getLogger("vllm.kvagent")
 
 TARGET_MODULE = "vllm.v1.engine.core"
@@ -48,7 +50,7 @@ def patch_module(module: ModuleType, idle_poll_ms: int) -> bool:
     """Patch `EngineCoreProc._process_engine_step` in `vllm.v1.engine.core`."""
     cls = module.EngineCoreProc
     original = cls._process_engine_step
-    if getattr(original, "__kvagent_wrapped__", False):
+    if is_wrapped(original):
         return False
     timeout_s = idle_poll_ms / 1000.0
 
@@ -64,7 +66,7 @@ def patch_module(module: ModuleType, idle_poll_ms: int) -> bool:
             wait_for_input(self.input_queue, timeout_s)
         return bool(executed)
 
-    _process_engine_step.__kvagent_wrapped__ = True  # type: ignore[attr-defined]
+    mark_wrapped(_process_engine_step)
     cls._process_engine_step = _process_engine_step
     logger.info("kvagent: engine idle poll set to %d ms while only KV leases are held",
                 idle_poll_ms)
@@ -75,7 +77,7 @@ def patch_spin_module(module: ModuleType, spin_ms: int) -> bool:
     """Cap `SpinCondition`'s reader busy-loop window at `spin_ms`."""
     cls = module.SpinCondition
     original = cls.__init__
-    if getattr(original, "__kvagent_wrapped__", False):
+    if is_wrapped(original):
         return False
     cap_s = spin_ms / 1000.0
 
@@ -85,6 +87,6 @@ def patch_spin_module(module: ModuleType, spin_ms: int) -> bool:
         if getattr(self, "is_reader", False) and self.busy_loop_s > cap_s:
             self.busy_loop_s = cap_s
 
-    __init__.__kvagent_wrapped__ = True  # type: ignore[attr-defined]
+    mark_wrapped(__init__)
     cls.__init__ = __init__
     return True

@@ -15,6 +15,9 @@ import time
 from types import ModuleType
 from typing import Any
 
+from kvagent_server.router.reuse.transfer import DO_REMOTE_DECODE, DO_REMOTE_PREFILL, READ_BY_KEY
+from kvagent_server.vllm_plugin.wrapped import is_wrapped, mark_wrapped
+
 logger = logging.getLogger("vllm.kvagent")
 
 TARGET_MODULE = "vllm.v1.core.sched.scheduler"
@@ -24,7 +27,7 @@ def patch_module(module: ModuleType) -> bool:
     """Wrap `Scheduler.__init__` to set `recompute_kv_load_failures` when a connector exists."""
     cls = module.Scheduler
     original = cls.__init__
-    if getattr(original, "__kvagent_wrapped__", False):
+    if is_wrapped(original):
         return False
 
     @functools.wraps(original)
@@ -34,7 +37,7 @@ def patch_module(module: ModuleType) -> bool:
             self.recompute_kv_load_failures = True
             logger.info("kvagent: kv_load_failure_policy set to 'recompute'")
 
-    __init__.__kvagent_wrapped__ = True  # type: ignore[attr-defined]
+    mark_wrapped(__init__)
     cls.__init__ = __init__
     return True
 
@@ -44,12 +47,8 @@ PULL_SCHEDULER_MODULE = "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_
 
 def already_pulled(params: dict[str, Any] | None) -> bool:
     """True for a P-side request whose one pull from D was already attempted."""
-    return params is not None and bool(params.get("do_remote_decode")) and bool(
+    return params is not None and bool(params.get(DO_REMOTE_DECODE)) and bool(
         params.get("_remote_blocks_processed"))
-
-
-#: Unix time by which a decode node must start reading P's blocks (set by the router).
-READ_BY_KEY = "kvagent_read_by"
 
 
 def read_too_late(params: dict[str, Any] | None, now: float) -> bool:
@@ -61,7 +60,7 @@ def read_too_late(params: dict[str, Any] | None, now: float) -> bool:
     wrong KV, logged by P as "Potentially invalid KV blocks". Such a request computes its
     prompt locally instead.
     """
-    if params is None or not params.get("do_remote_prefill"):
+    if params is None or not params.get(DO_REMOTE_PREFILL):
         return False
     read_by = params.get(READ_BY_KEY)
     return isinstance(read_by, int | float) and not isinstance(read_by, bool) and now > read_by
@@ -80,7 +79,7 @@ def patch_pull_scheduler(module: ModuleType) -> bool:
     """
     cls = module.NixlPullConnectorScheduler
     original = cls.get_num_new_matched_tokens
-    if getattr(original, "__kvagent_wrapped__", False):
+    if is_wrapped(original):
         return False
 
     @functools.wraps(original)
@@ -91,9 +90,9 @@ def patch_pull_scheduler(module: ModuleType) -> bool:
         if params is not None and read_too_late(params, time.time()):
             logger.warning("kvagent: request %s reached the decode node after P's lease; "
                            "computing its prompt locally", request.request_id)
-            params["do_remote_prefill"] = False
+            params[DO_REMOTE_PREFILL] = False
         return original(self, request, num_computed_tokens)
 
-    get_num_new_matched_tokens.__kvagent_wrapped__ = True  # type: ignore[attr-defined]
+    mark_wrapped(get_num_new_matched_tokens)
     cls.get_num_new_matched_tokens = get_num_new_matched_tokens
     return True

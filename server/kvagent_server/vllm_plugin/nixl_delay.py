@@ -46,7 +46,7 @@ def patch_api_module(module: ModuleType, delay_us: int) -> bool:
         return False
     if isinstance(bindings, _BindingsWithDelay):
         return False
-    module.nixlBind = _BindingsWithDelay(bindings, delay_us)  # type: ignore[attr-defined]
+    module.nixlBind = _BindingsWithDelay(bindings, delay_us)  # type: ignore[attr-defined]  # ModuleType declares no nixlBind
     logger.info("kvagent: NIXL progress-thread delay set to %d us (%s)", delay_us,
                 module.__name__)
     return True

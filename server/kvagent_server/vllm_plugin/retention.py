@@ -33,8 +33,13 @@ from collections.abc import Iterable
 from types import ModuleType
 from typing import Any
 
-# The router's transfer vocabulary: one definition of the release key and its bound.
-from kvagent_server.router.reuse.transfer import MAX_RELEASES_PER_REQUEST, RELEASE_KEY
+# The router's transfer vocabulary: one definition of each key and of the release bound.
+from kvagent_server.router.reuse.transfer import (
+    DO_REMOTE_DECODE,
+    MAX_RELEASES_PER_REQUEST,
+    RELEASE_KEY,
+)
+from kvagent_server.vllm_plugin.wrapped import is_wrapped, mark_wrapped
 
 logger = logging.getLogger("vllm.kvagent")
 
@@ -63,7 +68,7 @@ def release_only(params: dict[str, Any] | None) -> bool:
 
 def is_decode_retention(delay_free: bool, out: dict[str, Any] | None) -> bool:
     """True when `request_finished` kept a decode-side request's blocks for a later reader."""
-    return bool(delay_free and out and out.get("do_remote_decode"))
+    return bool(delay_free and out and out.get(DO_REMOTE_DECODE))
 
 
 class Retained:
@@ -93,7 +98,7 @@ def patch_module(module: ModuleType) -> bool:
     """Wrap `NixlPullConnectorScheduler.request_finished` (see the module docstring)."""
     cls = module.NixlPullConnectorScheduler
     original = cls.request_finished
-    if getattr(original, "__kvagent_wrapped__", False):
+    if is_wrapped(original):
         return False
 
     @functools.wraps(original)
@@ -118,6 +123,6 @@ def patch_module(module: ModuleType) -> bool:
             logger.debug("kvagent: releasing retained blocks of %s early", rid)
         return delay_free, out
 
-    request_finished.__kvagent_wrapped__ = True  # type: ignore[attr-defined]
+    mark_wrapped(request_finished)
     cls.request_finished = request_finished
     return True

@@ -19,6 +19,8 @@ from typing import Any
 
 import pydantic_core
 
+from kvagent_server.vllm_plugin.wrapped import is_wrapped, mark_wrapped
+
 KV_PARAMS_KEY = "kv_transfer_params"
 _DATA_PREFIX = "data: "
 _DONE = "data: [DONE]"
@@ -137,7 +139,7 @@ def wrap_stream_generator(original: Callable[..., AsyncIterator[str]]) -> Callab
         bound.arguments["result_generator"] = watch.watch(bound.arguments["result_generator"])
         return relay_with_params(original(*bound.args, **bound.kwargs), watch)
 
-    wrapper.__kvagent_wrapped__ = True  # type: ignore[attr-defined]
+    mark_wrapped(wrapper)
     return wrapper
 
 
@@ -157,7 +159,7 @@ def patch_module(module: Any) -> bool:
             continue
         cls = getattr(module, cls_name)
         current = getattr(cls, meth)
-        if getattr(current, "__kvagent_wrapped__", False):
+        if is_wrapped(current):
             continue
         setattr(cls, meth, wrap_stream_generator(current))
         patched = True

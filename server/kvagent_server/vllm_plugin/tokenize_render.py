@@ -16,6 +16,8 @@ import logging
 from types import ModuleType
 from typing import Any
 
+from kvagent_server.vllm_plugin.wrapped import is_wrapped, mark_wrapped
+
 logger = logging.getLogger("vllm.kvagent")
 
 TARGET_MODULE = "vllm.entrypoints.serve.tokenize.serving"
@@ -25,7 +27,7 @@ def patch_module(module: ModuleType) -> bool:
     """Wrap `ServingTokenization.create_tokenize` (chat requests, Mistral tokenizer)."""
     cls = module.ServingTokenization
     original = cls.create_tokenize
-    if getattr(original, "__kvagent_wrapped__", False):
+    if is_wrapped(original):
         return False
     from vllm.utils.mistral import is_mistral_tokenizer
     from vllm.utils.mistral import mt as mistral
@@ -38,6 +40,6 @@ def patch_module(module: ModuleType) -> bool:
             mistral.truncate_tool_call_ids(request)
         return await original(self, request, raw_request)
 
-    create_tokenize.__kvagent_wrapped__ = True  # type: ignore[attr-defined]
+    mark_wrapped(create_tokenize)
     cls.create_tokenize = create_tokenize
     return True

@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Callable
+from typing import Any
 
 from starlette.responses import StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -71,9 +72,9 @@ class GuardedStream(StreamingResponse):
     "ASGI callable returned without completing response" for it: the response was cut.
     """
 
-    def __init__(self, *args: object, write_timeout_s: float,
-                 on_stall: Callable[[], None] | None = None, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+    def __init__(self, *args: Any, write_timeout_s: float,
+                 on_stall: Callable[[], None] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         self.write_timeout_s = write_timeout_s
         self.on_stall = on_stall
 

@@ -129,7 +129,7 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._counted = False
 
     # -- connections
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn's own narrowing of BaseTransport
         super().connection_made(transport)
         self._peer = self.client[0] if self.client else "?"
         self._counted = True

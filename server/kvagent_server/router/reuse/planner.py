@@ -28,6 +28,12 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvagent_server.router.reuse.identity import IdentityCheck
 from kvagent_server.router.reuse.queue import IDLE, NodeWork
+from kvagent_server.router.reuse.transfer import (
+    DO_REMOTE_DECODE,
+    DO_REMOTE_PREFILL,
+    REMOTE_BLOCK_IDS,
+    REMOTE_NUM_TOKENS,
+)
 from kvagent_server.router.store.handle import Handle
 
 #: How a turn was served (`kvagent.path` on the wire; the same names as
@@ -130,7 +136,7 @@ def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
 
 def _block_groups(params: dict[str, Any]) -> tuple[list[list[int]], bool] | None:
     """D's `remote_block_ids` as per-group lists (and whether it came flat), or None."""
-    groups = params.get("remote_block_ids")
+    groups = params.get(REMOTE_BLOCK_IDS)
     if not isinstance(groups, list) or not groups:
         return None
     if all(isinstance(b, int) and not isinstance(b, bool) for b in groups):
@@ -150,7 +156,7 @@ def retained_tokens(handle: Handle) -> int | None:
     so the handle is not reused at all rather than reused wrongly.
     """
     params = handle.kv_transfer_params
-    n = params.get("remote_num_tokens")
+    n = params.get(REMOTE_NUM_TOKENS)
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         return None
     parsed = _block_groups(params)
@@ -266,10 +272,10 @@ def reuse_transfer_params(handle: Handle, reuse_tokens: int) -> dict[str, Any]:
     groups, flat = parsed
     n_blocks = reuse_tokens // handle.block_size
     cut = [group[:n_blocks] for group in groups]
-    params["remote_block_ids"] = cut[0] if flat else cut
-    params["remote_num_tokens"] = reuse_tokens
-    params["do_remote_decode"] = True
-    params["do_remote_prefill"] = False
+    params[REMOTE_BLOCK_IDS] = cut[0] if flat else cut
+    params[REMOTE_NUM_TOKENS] = reuse_tokens
+    params[DO_REMOTE_DECODE] = True
+    params[DO_REMOTE_PREFILL] = False
     return params
 
 
@@ -293,7 +299,7 @@ def shifted_blocks(params: dict[str, Any]) -> dict[str, Any]:
     for g in groups:
         k = max(1, len(g) // 2)
         shifted.append([g[max(0, i - k)] for i in range(len(g))])
-    out["remote_block_ids"] = shifted[0] if flat else shifted
+    out[REMOTE_BLOCK_IDS] = shifted[0] if flat else shifted
     return out
 
 
@@ -306,9 +312,9 @@ def release_transfer_params(handle: Handle) -> dict[str, Any]:
     epoch (P must reach D's side channel).
     """
     params = copy.deepcopy(handle.kv_transfer_params)
-    params["remote_num_tokens"] = 0
-    params["do_remote_decode"] = True
-    params["do_remote_prefill"] = False
+    params[REMOTE_NUM_TOKENS] = 0
+    params[DO_REMOTE_DECODE] = True
+    params[DO_REMOTE_PREFILL] = False
     return params
 
 

@@ -128,10 +128,10 @@ def pulls_kv(body: dict[str, Any]) -> bool:
     params = body.get("kv_transfer_params")
     if not isinstance(params, dict):
         return False
-    if params.get("do_remote_prefill"):
+    if params.get(transfer.DO_REMOTE_PREFILL):
         return True
-    return bool(params.get("do_remote_decode") and params.get("remote_block_ids")
-                and (params.get("remote_num_tokens") or 0) > 0)
+    return bool(params.get(transfer.DO_REMOTE_DECODE) and params.get(transfer.REMOTE_BLOCK_IDS)
+                and (params.get(transfer.REMOTE_NUM_TOKENS) or 0) > 0)
 
 
 class Legs:

@@ -173,7 +173,7 @@ class Turn:
         """D retained this turn's blocks, but no handle records them (no session, reuse
         off, store down...): nobody can ever reuse them, so let D free them now."""
         params = capture.kv_params
-        rid = params.get("remote_request_id") if isinstance(params, dict) else None
+        rid = params.get(transfer.REMOTE_REQUEST_ID) if isinstance(params, dict) else None
         if self.router.retention is not None and isinstance(rid, str) and rid:
             self.router.retention.queue.add(self.decode.node.name, [rid])
 
