@@ -12,12 +12,14 @@ from collections.abc import Iterator
 
 import pytest
 from support import (
+    REQUIRE_REAL_ENV,
     KVAgentBundle,
     RedisServer,
     VLLMNode,
     bundle_config,
     free_port,
     kill_group,
+    require_real,
     start_bundle,
     start_redis,
     start_vllm_node,
@@ -76,23 +78,16 @@ def kvagent_bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVAgent
 
 # ----------------------------------------------------------------- CI: real parts must run
 
-#: Set by `.ci/run`: a test that needs real vLLM or Redis may not skip there, because a
-#: skipped real-engine test is a check that silently did not happen.
-REQUIRE_REAL_ENV = "KVAGENT_REQUIRE_REAL"
+# `.ci/run` sets KVAGENT_REQUIRE_REAL (support.REQUIRE_REAL_ENV): a test that needs real
+# vLLM or Redis may not skip there. Unmarked tests use `support.skip_unless_required`.
 _REAL_MARKERS = ("vllm", "redis")
-
-
-def _require_real() -> bool:
-    import os
-
-    return os.environ.get(REQUIRE_REAL_ENV, "") not in ("", "0")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     outcome = yield
     report = outcome.get_result()
-    if not (_require_real() and report.skipped):
+    if not (require_real() and report.skipped):
         return
     marks = [m for m in _REAL_MARKERS if item.get_closest_marker(m) is not None]
     # A test marked xfail documents why it cannot pass here (e.g. what a random-weight
@@ -108,7 +103,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
     outcome = yield
     report = outcome.get_result()
-    if _require_real() and report.skipped and isinstance(collector, pytest.Module):
+    if require_real() and report.skipped and isinstance(collector, pytest.Module):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
         report.outcome = "failed"
         report.longrepr = (f"module skipped while {REQUIRE_REAL_ENV}=1 (CI installs every "

@@ -19,6 +19,26 @@ from pathlib import Path
 import httpx
 from kvagent_server.ports import free_port, free_ports  # noqa: F401 - the tests' port pickers
 
+#: Set by `.ci/run`: a test that needs real vLLM or Redis may not skip there, because a
+#: skipped real-engine test is a check that silently did not happen.
+REQUIRE_REAL_ENV = "KVAGENT_REQUIRE_REAL"
+
+
+def require_real() -> bool:
+    """Whether `KVAGENT_REQUIRE_REAL` is set (not empty, not 0): real parts must run."""
+    return os.environ.get(REQUIRE_REAL_ENV, "") not in ("", "0")
+
+
+def skip_unless_required(reason: str) -> None:
+    """`pytest.skip(reason)`, or `pytest.fail` while `KVAGENT_REQUIRE_REAL` is set: for a
+    skip no marker names (the conftest hook only turns vllm/redis-marked skips into
+    failures)."""
+    import pytest
+
+    if require_real():
+        pytest.fail(f"{reason} (may not skip while {REQUIRE_REAL_ENV}=1)", pytrace=False)
+    pytest.skip(reason)
+
 
 def vllm_available() -> bool:
     try:

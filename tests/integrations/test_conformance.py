@@ -112,11 +112,14 @@ class Servers:
 @pytest.fixture(scope="module")
 def stock_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMNode]:
     """Stock vLLM: no connector, no plugin, the flags the bundle gives its nodes that
-    shape answers (usage details, context length)."""
+    shape answers (usage details, context length), and `--enable-request-id-headers`:
+    the router always sends `x-request-id` as vLLM does with it, so the header check
+    below holds the router to it."""
     if not vllm_available():
         pytest.skip("vLLM is not installed (./dev test installs the CPU engine)")
     node, proc = start_vllm_node(tmp_path_factory.mktemp("stock"), extra_args=[
-        "--max-model-len", "16384", "--enable-prompt-tokens-details"])
+        "--max-model-len", "16384", "--enable-prompt-tokens-details",
+        "--enable-request-id-headers"])
     try:
         yield node
     finally:
@@ -237,7 +240,8 @@ def test_router_answers_like_stock_vllm(answers: dict[str, tuple[Answer, Answer]
     assert shape(router) == shape(stock), differences(shape(stock), shape(router))
     # Only transport-level headers may be the router's own (e.g. no-cache on a stream);
     # `vary: origin` comes from vLLM's CORS middleware (the router serves no browsers).
-    missing = stock.headers - router.headers - {"x-request-id", "vary"}
+    # `x-request-id` is not exempt: the router sends it on every response.
+    missing = stock.headers - router.headers - {"vary"}
     assert not missing, missing
     if name.startswith("err-"):
         assert stock.status >= 400

@@ -189,6 +189,32 @@ async def test_openai_async_whole_reuses(bundle: Any) -> None:
     assert reused[0] == 0 and all(n > 0 for n in reused[1:]), reused
 
 
+async def test_openai_async_streaming_reuses_with_session_id_only(bundle: Any) -> None:
+    client = openai.AsyncOpenAI(base_url=bundle.base_url, api_key="none", max_retries=0,
+                                default_headers={SESSION_HEADER: session_id()})
+    history: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    added: list[float] = []
+    paths: list[str] = []
+    async with client:
+        for question in QUESTIONS:
+            history.append({"role": "user", "content": question})
+            before = await asyncio.to_thread(reuse_hits, bundle.router_url)
+            text = []
+            # No stream_options: the plain call most code makes.
+            stream = await client.chat.completions.create(
+                model=bundle.model, messages=history, stream=True, temperature=0.0,
+                max_tokens=MAX_TOKENS)
+            async for chunk in stream:
+                text.append(chunk.choices[0].delta.content or "")
+                if kvagent_info(chunk):
+                    paths.append(kvagent_info(chunk)["path"])
+                    assert chunk.choices[0].finish_reason  # it rides on the finish chunk
+            added.append(await asyncio.to_thread(reuse_hits, bundle.router_url) - before)
+            history.append({"role": "assistant", "content": "".join(text)})
+    assert_reused_after_first(added)
+    assert len(paths) == 3 and all(p in ("pd_reuse", "d_direct") for p in paths[1:]), paths
+
+
 def test_openai_streamed_tool_calls_multi_turn(bundle: Any) -> None:
     """A forced tool call streamed as deltas, its result sent back, three times over."""
     if not bundle.real:

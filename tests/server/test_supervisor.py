@@ -295,8 +295,18 @@ def test_cli_foreground_ctrl_c_stops_everything(config_file: Path, fake_config: 
         pids = [p.pid for p in load_state(run_dir).processes]
         assert len(pids) == 3 and all(alive(pid) for pid in pids)
         os.killpg(proc.pid, signal.SIGINT)
-        # Each wave (router, then nodes) gets stop_grace_s before SIGKILL; 30 s is far more.
-        out, _ = proc.communicate(timeout=30)
+        # The stop's own bound: two waves (router, then nodes) of `stop_grace_s` each before
+        # SIGKILL; the margin covers a monitor tick in flight (a 2 s health probe at most),
+        # the SIGKILLs and interpreter exit on a loaded machine. (The fake nodes exit on
+        # SIGTERM, so a healthy stop takes well under a second.)
+        grace = float(fake_config["stop_grace_s"])
+        bound = 2 * grace + 10.0
+        try:
+            out, _ = proc.communicate(timeout=bound)
+        except subprocess.TimeoutExpired as exc:
+            partial = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout
+            raise AssertionError(f"up still running {bound:.0f} s after Ctrl-C (stop grace "
+                                 f"{grace:g} s):\n{seen}{partial or ''}") from None
         out = seen + out
     finally:
         if proc.poll() is None:

@@ -12,6 +12,7 @@ import contextlib
 import functools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -23,6 +24,7 @@ from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvagent_server.router.auth.cache_token import TokenCodec
 from kvagent_server.router.auth.tenancy import AuthError, TenantResolver
@@ -117,10 +119,43 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
     app = Starlette(routes=routes, lifespan=functools.partial(_lifespan, parts),
                     middleware=[Middleware(HeaderLimit,
                                            max_header_bytes=settings.max_header_bytes,
-                                           max_header_count=settings.max_header_count)],
+                                           max_header_count=settings.max_header_count),
+                                Middleware(RequestIdHeader)],
                     exception_handlers={404: _not_found, 405: _not_allowed})
     app.state.parts = parts
     return app
+
+
+REQUEST_ID_HEADER = b"x-request-id"
+
+
+class RequestIdHeader:
+    """Every response carries `x-request-id`, as vLLM's server's does when started with
+    `--enable-request-id-headers` (its `XRequestIdMiddleware`): the request's own
+    `X-Request-Id` echoed, else a fresh uuid4 hex. So `result.request_id` (SDK) and
+    openai-python's `_request_id` are set through the router.
+
+    Only the client sees it: the nodes are sent no request id and name each request
+    themselves (see `request.CLIENT_DROPPED`). Inside `HeaderLimit`, so a 431 for an
+    oversized head echoes nothing back.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        rid = next((v for k, v in scope.get("headers") or () if k == REQUEST_ID_HEADER),
+                   None) or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*(message.get("headers") or ()), (REQUEST_ID_HEADER, rid)]
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 @contextlib.asynccontextmanager
