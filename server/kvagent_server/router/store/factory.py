@@ -46,6 +46,10 @@ async def key_ring_for(settings: RouterSettings, store: SessionStore) -> KeyRing
     return KeyRing.generate()
 
 
+# How often a replica without configured keys re-publishes them and learns the others'.
+KEY_SYNC_INTERVAL_S = 10.0
+
+
 class KeySync:
     """Keeps replicas without configured keys verifying each other's tokens through Redis.
 
@@ -55,8 +59,8 @@ class KeySync:
     that made its own key meanwhile is trusted by the others, and they by it.
     """
 
-    def __init__(self, store: SharesKeys, codec: TokenCodec, *, interval_s: float = 10.0,
-                 min_refresh_s: float = 1.0) -> None:
+    def __init__(self, store: SharesKeys, codec: TokenCodec, *,
+                 interval_s: float = KEY_SYNC_INTERVAL_S, min_refresh_s: float = 1.0) -> None:
         self._store, self._codec = store, codec
         self._min_refresh_s = min_refresh_s
         self._last = 0.0
