@@ -17,6 +17,7 @@ class PNode:
     free_at: float = 0.0  # one prefill at a time
     in_flight: int = 0
     warm_prefix: bool = False  # holds the shared system prompt in its prefix cache
+    session_prefix: dict[str, int] = field(default_factory=dict)  # session -> cached tokens
     busy_s: float = 0.0
 
     def compute(self, ready: float, seconds: float) -> float:

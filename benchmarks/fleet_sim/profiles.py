@@ -32,6 +32,10 @@ class Profile(BaseModel):
     #: D extending its own prefix (`d_direct`): fixed + per new token.
     d_direct_fixed_s: float = Field(ge=0)
     d_direct_per_token_s: float = Field(ge=0)
+    #: Attention: every computed token (on P or in a `d_direct` delta) also costs this much
+    #: per token of context before it (cached, pulled, or computed earlier in the same
+    #: prefill). 0: compute is linear in the new tokens alone.
+    per_token_per_context_s: float = Field(default=0.0, ge=0)
     #: One NIXL read (either direction): fixed + bytes / bandwidth.
     xfer_fixed_s: float = Field(ge=0)
     xfer_bytes_per_s: float = Field(gt=0)
@@ -43,11 +47,23 @@ class Profile(BaseModel):
     #: How the constants were obtained (shown in the docs).
     source: str = ""
 
-    def prefill_s(self, tokens: int) -> float:
-        return self.prefill_fixed_s + self.prefill_per_token_s * tokens
+    def _attention_s(self, tokens: int, context: int) -> float:
+        """Extra seconds for `tokens` new tokens after `context` ones: each attends to the
+        context and to the new tokens before it (`context + (tokens - 1) / 2` on average)."""
+        if tokens <= 0:
+            return 0.0
+        return self.per_token_per_context_s * tokens * (context + (tokens - 1) / 2)
 
-    def d_direct_s(self, tokens: int) -> float:
-        return self.d_direct_fixed_s + self.d_direct_per_token_s * tokens
+    def prefill_compute_s(self, tokens: int, context: int = 0) -> float:
+        """P's compute for `tokens` new tokens after `context` (the part P serialises)."""
+        return self.prefill_per_token_s * tokens + self._attention_s(tokens, context)
+
+    def prefill_s(self, tokens: int, context: int = 0) -> float:
+        return self.prefill_fixed_s + self.prefill_compute_s(tokens, context)
+
+    def d_direct_s(self, tokens: int, context: int = 0) -> float:
+        return (self.d_direct_fixed_s + self.d_direct_per_token_s * tokens
+                + self._attention_s(tokens, context))
 
     def xfer_s(self, tokens: int) -> float:
         return self.xfer_fixed_s + tokens * self.kv_bytes_per_token / self.xfer_bytes_per_s

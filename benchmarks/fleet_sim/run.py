@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import math
-import statistics
 import subprocess
 import tempfile
 import time
@@ -22,80 +21,56 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._procs import free_ports, stop
-from benchmarks.fleet_sim.profiles import Profile, fit_machine_profile, glm_constants, gpu_profile
+from benchmarks.fleet_sim import calibrate
+from benchmarks.fleet_sim.profiles import Profile, glm_constants, gpu_profile
 from benchmarks.fleet_sim.sim import SimConfig, Simulation, summarize
-from benchmarks.fleet_sim.workload import FleetSpec, scripts_from_results
+from benchmarks.fleet_sim.workload import FleetSpec
 
 HERE = Path(__file__).resolve().parent
-RECORDED = HERE.parent / "multiturn" / "results"
-QUICK = RECORDED / "20261130T012117Z-quick" / "results.json"
-FULL = RECORDED / "20261130T020127Z" / "results.json"
 
 
 def machine_profile() -> Profile:
-    return fit_machine_profile([QUICK, FULL])
+    """This machine's profile: measured constants, fixed latencies fitted on the fit half
+    of the quiet recorded run (`calibrate`)."""
+    return calibrate.machine_profile()
 
 
 # ------------------------------------------------------------------ validation
 
 
-def replay(profile: Profile, results: Path, *, config: str, reuse: bool,
-           p_prefix_cache: bool) -> dict[str, Any]:
-    scripts, conc, max_tokens, shared = scripts_from_results(results, config=config)
-    sim = Simulation(profile, SimConfig(reuse=reuse, p_prefix_cache=p_prefix_cache))
-    records = asyncio.run(sim.run_replay(scripts, concurrency=conc, max_tokens=max_tokens,
-                                         shared_prefix=shared))
-    return summarize(sim, records, span_s=sim.now)
+def validate() -> dict[str, Any]:
+    """Fit on the quiet run's fit half; compare on its held-out half and the other quiet
+    run (and, marked in sample, on the fit half itself)."""
+    return calibrate.validate()
 
 
-def recorded(results: Path, config: str) -> dict[str, Any]:
-    data = json.loads(results.read_text())
-    c = next(c for c in data["configs"] if c["name"] == config)
-    by_turn: dict[int, list[float]] = {}
-    for r in c["records"]:
-        by_turn.setdefault(r["turn"], []).append(r["ttft_s"])
-    s = c["summary"]
-    return {"ttft_p50": s["ttft_s"]["p50"], "ttft_later_p50": s["ttft_later_turns_s"]["p50"],
-            "ttft_by_turn_p50": {t: statistics.median(v) for t, v in sorted(by_turn.items())}}
+def _ms(v: float) -> str:
+    return f"{v * 1e3:.0f}"
 
 
-#: (label, which fit, recorded run replayed, its config, reuse, P prefix cache)
-CHECKS = [
-    ("full run, kvagent (reuse)", "recorded", FULL, "kvagent", True, True),
-    ("quick run, kvagent (reuse)", "recorded", QUICK, "kvagent", True, True),
-    ("quick run, P/D no reuse, P cache off", "recorded", QUICK, "pd_noreuse_pcache_off",
-     False, False),
-    ("quick run, kvagent", "full run only", QUICK, "kvagent", True, True),
-    ("full run, kvagent", "quick run only", FULL, "kvagent", True, True),
-]
-
-
-def validate() -> list[dict[str, Any]]:
-    profiles = {"recorded": machine_profile(), "full run only": fit_machine_profile(FULL),
-                "quick run only": fit_machine_profile(QUICK)}
-    rows = []
-    for label, fit, results, config, reuse, pcache in CHECKS:
-        sim = replay(profiles[fit], results, config=config, reuse=reuse, p_prefix_cache=pcache)
-        real = recorded(results, config)
-        rows.append({"check": label, "fit": fit,
-                     "real_p50": real["ttft_p50"], "sim_p50": sim["ttft_p50"],
-                     "real_later_p50": real["ttft_later_p50"],
-                     "sim_later_p50": sim["ttft_later_p50"],
-                     "err_p50": sim["ttft_p50"] / real["ttft_p50"] - 1,
-                     "err_later_p50": sim["ttft_later_p50"] / real["ttft_later_p50"] - 1,
-                     "real_by_turn": real["ttft_by_turn_p50"],
-                     "sim_by_turn": sim["ttft_by_turn_p50"], "sim_paths": sim["paths"]})
-    return rows
-
-
-def validation_markdown(rows: list[dict[str, Any]]) -> str:
-    out = [("| recorded run replayed | constants fitted on | real TTFT p50 | sim | error | "
-           "real later-turn p50 | sim | error |"), "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        out.append(f"| {r['check']} | {r['fit']} | {r['real_p50'] * 1e3:.0f} ms | "
-                   f"{r['sim_p50'] * 1e3:.0f} ms | {r['err_p50']:+.0%} | "
-                   f"{r['real_later_p50'] * 1e3:.0f} ms | {r['sim_later_p50'] * 1e3:.0f} ms | "
-                   f"{r['err_later_p50']:+.0%} |")
+def validation_markdown(doc: dict[str, Any]) -> str:
+    sw = doc["swapped_profile"]
+    out = [(f"Constants fitted on conversations {', '.join(doc['fit_set'])} of "
+           f"`{doc['fit_run']}` (every configuration; split `random.Random("
+           f"{doc['split_seed']})`, half of the conversations); judged on the held-out "
+           f"{', '.join(doc['held_out'])} and on all of `{doc['other_run']}` "
+           "(concurrency 1). Swapped halves: fitted on the held-out half instead "
+           f"(P {sw['prefill_fixed_s'] * 1e3:.0f} ms, d_direct "
+           f"{sw['d_direct_fixed_s'] * 1e3:.0f} ms fixed), judged on the first. TTFT in "
+           "ms, real / simulated (error); \u2713: every figure of the row within 25%."), "",
+           ("| fitted on | judged on | set | config | turns | TTFT p50 | later-turn p50 | "
+            "TTFT p90 | later-turn p90 | within 25% |"), "|---|---|---|---|---|---|---|---|---|---|"]
+    keys = ("p50", "later_p50", "p90", "later_p90")
+    for r in doc["rows"]:
+        cells = [f"{_ms(r['real'][k])} / {_ms(r['sim'][k])} ({r['err'][k]:+.0%})" for k in keys]
+        if all(abs(r["err"][k]) <= 0.25 for k in keys):
+            verdict = "\u2713"
+        elif all(abs(r["err"][k]) <= 0.25 for k in keys[:2]):
+            verdict = "medians only"
+        else:
+            verdict = "no"
+        out.append(f"| {r['fit_on']} | {r['judged_on']} | {r['set']} | `{r['config']}` | "
+                   f"{r['n']} | " + " | ".join(cells) + f" | {verdict} |")
     return "\n".join(out)
 
 
@@ -361,11 +336,13 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def profiles_markdown(profiles: list[Profile]) -> str:
     out = [("| profile | block | KV bytes / token | prefill F + per token | d_direct F + per "
-            "token | transfer | decode step | D KV blocks |"), "|---|---|---|---|---|---|---|---|"]
+            "token | + per token per context token | transfer | decode step | D KV blocks |"),
+           "|---|---|---|---|---|---|---|---|---|"]
     for p in profiles:
         out.append(f"| {p.name} | {p.block_size} | {p.kv_bytes_per_token:,} | "
                    f"{p.prefill_fixed_s * 1e3:.0f} ms + {p.prefill_per_token_s * 1e6:.1f} µs | "
                    f"{p.d_direct_fixed_s * 1e3:.0f} ms + {p.d_direct_per_token_s * 1e6:.1f} µs | "
+                   f"{p.per_token_per_context_s * 1e9:.1f} ns | "
                    f"{p.xfer_bytes_per_s / 1e9:.2f} GB/s | {p.decode_step_s * 1e3:.1f} ms | "
                    f"{p.d_kv_blocks:,} |")
     glm_p, glm_x = glm_constants()
@@ -402,11 +379,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.cmd == "validate":
-        rows = validate()
-        (args.out / "validation.json").write_text(json.dumps(_jsonable(rows), indent=1))
-        md = validation_markdown(rows)
+        doc = validate()
+        (args.out / "validation.json").write_text(json.dumps(_jsonable(doc), indent=1))
+        md = validation_markdown(doc)
         (args.out / "validation.md").write_text(md + "\n")
-        (args.out / "validation-by-turn.md").write_text(by_turn_markdown(rows[0]) + "\n")
+        first = next(r for r in doc["rows"] if r["set"] == "held out")
+        (args.out / "validation-by-turn.md").write_text(
+            f"`{first['config']}`, held-out conversations of `{first['run']}`:\n\n"
+            + by_turn_markdown(first) + "\n")
+        profiles = [gpu_profile(), machine_profile()]
+        (args.out / "profiles.md").write_text(profiles_markdown(profiles) + "\n")
         print(md)
         return 0
     if args.cmd == "redis":

@@ -92,6 +92,9 @@ class SimConfig:
     reuse: bool = True
     #: P's prefix cache: holds the shared system prompt once it has computed it.
     p_prefix_cache: bool = True
+    #: ... and also each session's last prompt (whole blocks; no eviction: for replaying
+    #: a few recorded conversations, where P's cache holds them all).
+    p_session_cache: bool = False
     d_kv_blocks: int | None = None  # None: the profile's
     ttl_s: float = 480.0
     settings: dict[str, Any] = field(default_factory=dict)  # RouterSettings overrides
@@ -362,7 +365,7 @@ class Simulation:
                 if got < shared:  # gone meanwhile (TTL): allocate them after all
                     d.take(t, shared - got)
                 begin = max(t, d.free_at)
-                d.free_at = begin + prof.d_direct_s(delta)
+                d.free_at = begin + prof.d_direct_s(delta, reuse)
                 self.at(d.free_at, lambda: first_token(self.now, delta))
             d.admit(start, alloc - shared, admitted)
             return
@@ -382,13 +385,19 @@ class Simulation:
         elif transfer.offers_remote_blocks(params) and isinstance(holder, DNode):
             holder.release(start, old_rid)  # declined: P tells D to free them
         cached = 0
-        if pulled == 0 and self.cfg.p_prefix_cache and p.warm_prefix:
-            cached = len(self._shared) // bs * bs
+        if pulled == 0 and self.cfg.p_prefix_cache:
+            if p.warm_prefix:
+                cached = len(self._shared) // bs * bs
+            if self.cfg.p_session_cache:  # this session's last prompt, whole blocks
+                cached = max(cached, p.session_prefix.get(s.name, 0))
         computed = len(prompt) - pulled - cached
         # The fixed part is latency (HTTP, scheduling), not P's compute.
-        p_done = p.compute(ready, prof.prefill_per_token_s * computed) + prof.prefill_fixed_s
+        p_done = (p.compute(ready, prof.prefill_compute_s(computed, pulled + cached))
+                  + prof.prefill_fixed_s)
         if self.cfg.p_prefix_cache:
             p.warm_prefix = True
+            if self.cfg.p_session_cache:
+                p.session_prefix[s.name] = len(prompt) // bs * bs
         # D's own prefix cache still holds what P pulled from it when D is the holder.
         moved = len(prompt) - (pulled if d is holder else 0)
         rec.push_bytes = moved * prof.kv_bytes_per_token

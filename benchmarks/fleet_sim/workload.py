@@ -52,9 +52,21 @@ def scripts_from_results(results_json: Path, *, config: str = "kvagent") -> tupl
         list[Script], int, int, int]:
     """The conversations of a recorded multi-turn benchmark run, as scripts.
 
-    Returns (scripts in start order, concurrency, max_tokens, shared prefix): each turn's new
-    tokens are its recorded `prompt_tokens` minus the previous prompt and answer.
+    Returns (scripts in the order the benchmark started them, concurrency, max_tokens,
+    shared prefix): each turn's new tokens are its recorded `prompt_tokens` minus the
+    previous prompt and answer.
     """
+    named, conc, answer, shared = conversations_from_results(results_json, config=config)
+    return [s for _, s in named], conc, answer, shared
+
+
+def conversations_from_results(results_json: Path, *, config: str = "kvagent") -> tuple[
+        list[tuple[str, Script]], int, int, int]:
+    """As `scripts_from_results`, each script with its recorded conversation id (a
+    replay's session `i` is the `i`-th of them). Reads only the workload side of the
+    records (conversation, turn, prompt/completion/cached token counts), never their
+    timings: the benchmark's driver starts conversations in workload order
+    (`conv-<seed>-<index>`) as its semaphore frees a slot."""
     data = json.loads(Path(results_json).read_text())
     wl = data["workload"]
     answer = int(wl["max_tokens"])
@@ -63,19 +75,22 @@ def scripts_from_results(results_json: Path, *, config: str = "kvagent") -> tupl
     for r in chosen["records"]:
         convs.setdefault(r["conversation"], []).append(r)
     scripts = []
-    first_start = {}
     for conv, records in convs.items():
         records.sort(key=lambda r: r["turn"])
-        first_start[conv] = records[0]["start_s"]
         new, prev = [], 0
         for r in records:
             n = r["prompt_tokens"] - prev
             new.append(max(1, n))
             prev = r["prompt_tokens"] + (r.get("completion_tokens") or answer)
         scripts.append((conv, Script(new_tokens=new)))
-    scripts.sort(key=lambda cs: first_start[cs[0]])
+    scripts.sort(key=lambda cs: _workload_index(cs[0]))
     # The shared prefix: what P had cached on the first turn of a later conversation.
     later_first = [r.get("cached_tokens") or 0 for c in convs.values() for r in c
                    if r["turn"] == 0]
     shared = max(later_first) if later_first else 0
-    return [s for _, s in scripts], int(wl["concurrency"]), answer, shared
+    return scripts, int(wl["concurrency"]), answer, shared
+
+
+def _workload_index(conversation: str) -> tuple[int, str]:
+    tail = conversation.rsplit("-", 1)[-1]
+    return (int(tail) if tail.isdigit() else 0, conversation)

@@ -4,11 +4,13 @@ retention code (no nodes, no HTTP; seconds)."""
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 
 import pytest
 
-from benchmarks.fleet_sim import run
-from benchmarks.fleet_sim.profiles import derive_from_reuse_report, gpu_profile
+from benchmarks.fleet_sim import calibrate, run
+from benchmarks.fleet_sim.profiles import Profile, derive_from_reuse_report, gpu_profile
 from benchmarks.fleet_sim.sim import SimConfig, Simulation, summarize
 from benchmarks.fleet_sim.workload import FleetSpec
 
@@ -73,14 +75,79 @@ def test_gpu_constants_reproduce_the_published_figures():
     assert 0.03 + 23_000 * x + 1000 * (p + x) == pytest.approx(0.460)
 
 
-def test_simulator_matches_the_recorded_full_run():
-    """The recorded 4 x 8-turn run replayed: later-turn median TTFT within 25%."""
-    sim = run.replay(run.machine_profile(), run.FULL, config="kvagent", reuse=True,
-                     p_prefix_cache=True)
-    real = run.recorded(run.FULL, "kvagent")
-    assert sim["turns"] == 32 and sim["reuse_rate"] == 1.0
-    assert abs(sim["ttft_later_p50"] / real["ttft_later_p50"] - 1) <= 0.25
-    assert abs(sim["ttft_p50"] / real["ttft_p50"] - 1) <= 0.25
+def _recorded_profile() -> Profile:
+    """The constants `run.py validate` fitted and recorded (results/validation.json)."""
+    doc = json.loads((Path(run.HERE) / "results" / "validation.json").read_text())
+    return Profile(**doc["profile"])
+
+
+def test_simulator_matches_the_held_out_half_of_the_quiet_run():
+    """The recorded constants, replayed on the quiet run's held-out conversations:
+    median TTFT (all turns and later turns) within 25% with and without reuse."""
+    prof = _recorded_profile()
+    _, held = calibrate.split_conversations()
+    rows = {r["config"]: r for r in calibrate.compare(prof, calibrate.QUIET, held,
+                                                      set_name="held out")}
+    assert set(rows) == set(calibrate.REPLAYED)
+    for config in ("kvagent", "pd_noreuse_pcache_off"):
+        r = rows[config]
+        assert r["n"] == 16
+        assert abs(r["err"]["p50"]) <= 0.25 and abs(r["err"]["later_p50"]) <= 0.25, r
+    assert rows["kvagent"]["sim_paths"].get("d_direct", 0) >= 12
+
+
+def test_validation_split_is_disjoint_and_seeded():
+    fit, held = calibrate.split_conversations()
+    assert fit and held and not (fit & held)
+    assert fit | held == {f"conv-0-{i}" for i in range(4)}
+    assert calibrate.split_conversations() == (fit, held)
+    checks = calibrate.plan()
+    judged_quiet = [c for c in checks if c.results == calibrate.QUIET and not c.in_sample]
+    assert judged_quiet and all(not (c.judged & c.fit_set) for c in judged_quiet)
+    assert all(c.held_out for c in checks if not c.in_sample)
+    assert {c.fit_set for c in checks} == {fit, held}
+
+
+def _perturbed(tmp_path: Path, convs: frozenset[str], factor: float) -> Path:
+    """A copy of the quiet run with the recorded outcomes of `convs` scaled by `factor`
+    (the workload, i.e. token counts, untouched)."""
+    data = json.loads(calibrate.QUIET.read_text())
+    for c in data["configs"]:
+        for r in c["records"]:
+            if r["conversation"] in convs:
+                for key in ("ttft_s", "tpot_s", "e2e_s", "headers_s"):
+                    if r.get(key) is not None:
+                        r[key] *= factor
+    out = tmp_path / f"{factor}-{'-'.join(sorted(convs))}" / "results.json"
+    out.parent.mkdir()
+    out.write_text(json.dumps(data))
+    return out
+
+
+def test_fit_never_sees_the_held_out_outcomes(tmp_path):
+    """Scaling every held-out TTFT/TPOT by 3 leaves the fitted profile unchanged; scaling
+    the fit half's changes it (so the test would catch a fit on held-out data)."""
+    fit, held = calibrate.split_conversations()
+    small = {"coarse": [0.05, 0.15], "fine_half": 1, "rounds": 1}
+
+    def constants(results: Path) -> dict:
+        p = calibrate.fit_profile(results, fit, **small).model_dump()
+        p.pop("source")
+        return p
+
+    base = constants(calibrate.QUIET)
+    assert constants(_perturbed(tmp_path, held, 3.0)) == base
+    assert constants(_perturbed(tmp_path, fit, 3.0)) != base
+
+
+def test_measured_constants_come_from_their_benchmarks():
+    bw = calibrate.nixl_bytes_per_s()
+    assert 8.4e9 < bw < 8.6e9  # tcp,self,sm, 256 KiB descriptors, quiet host
+    _, p, q, n = calibrate.engine_compute()
+    assert n == 17 and p > 0 and q > 0
+    prof = _recorded_profile()
+    assert prof.xfer_bytes_per_s == bw
+    assert prof.prefill_per_token_s == p and prof.per_token_per_context_s == q
 
 
 @pytest.mark.redis
