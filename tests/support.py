@@ -146,7 +146,7 @@ def start_vllm_node(log_dir: Path, *, extra_args: list[str] | None = None,
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_path), "--host", "127.0.0.1", "--port", str(port),
-            *demo_serve_args(), *(extra_args or [])]
+            *demo_serve_args(), *TEST_ENGINE_ARGS, *(extra_args or [])]
     if "--served-model-name" not in argv:
         argv += ["--served-model-name", DEMO_MODEL_NAME]
     with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
@@ -186,8 +186,16 @@ class KVAgentBundle:
     run_dir: Path | None = None
 
 
+#: vLLM arguments of every engine the suite starts: eager mode (no torch.compile). Compiling
+#: one engine config costs ~60 s of CPU on a fresh machine and ~25 s even from the cache,
+#: and the suite starts a few dozen engines; eager is what vLLM's own tests run. Answers are
+#: compared between engines of the same mode. The demo (tests/test_demo.py), the multi-host
+#: rehearsal and the benchmarks' quick mode run the default, compiled mode.
+TEST_ENGINE_ARGS = ("-O0",)
+
+
 def bundle_config(run_dir: Path, **overrides: object):
-    """A bundle config on free loopback ports, for tests (demo model, CPU, pinned)."""
+    """A bundle config on free loopback ports, for tests (demo model, CPU, pinned, eager)."""
     from kvagent_server.config import validate_config
 
     data: dict[str, object] = {
@@ -203,6 +211,10 @@ def bundle_config(run_dir: Path, **overrides: object):
         "stop_grace_s": 10,
     }
     data.update(overrides)
+    for role in ("prefill", "decode"):
+        spec = dict(data.get(role) or {})  # type: ignore[call-overload]
+        spec["extra_args"] = [*TEST_ENGINE_ARGS, *spec.get("extra_args", [])]
+        data[role] = spec
     return validate_config(data)
 
 

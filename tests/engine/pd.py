@@ -24,6 +24,7 @@ import httpx
 from kvagent_server.demo_model import demo_serve_args, demo_serve_env, ensure_demo_model
 from kvagent_server.ports import free_port
 from kvagent_server.vllm_plugin.env import node_args, node_env
+from support import TEST_ENGINE_ARGS
 
 HOST = "127.0.0.1"
 
@@ -134,7 +135,7 @@ def launch_node(role: str, *, core: int, log_dir: Path, ttl_s: int, threshold: i
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model), "--host", HOST, "--port", str(port),
-        *demo_serve_args(max_model_len),
+        *demo_serve_args(max_model_len), *TEST_ENGINE_ARGS,
         "--kv-transfer-config", json.dumps(cfg),
         *args,
     ]

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from kvagent_server.processes import RUN_DIR_ENV
 from kvagent_server.runstate import load_state
-from support import free_ports
+from support import TEST_ENGINE_ARGS, free_ports
 
 from tests.server.server_helpers import processes_mentioning
 
@@ -65,8 +65,10 @@ def test_up_detach_status_down_with_real_vllm(tmp_path: Path) -> None:
     config = tmp_path / "bundle.yaml"
     config.write_text(yaml.safe_dump({
         "name": "realtest", "run_dir": str(run_dir),
-        "prefill": {"ports": [p], "side_channel_ports": [ps]},
-        "decode": {"ports": [d], "side_channel_ports": [ds]},
+        "prefill": {"ports": [p], "side_channel_ports": [ps],
+                    "extra_args": list(TEST_ENGINE_ARGS)},
+        "decode": {"ports": [d], "side_channel_ports": [ds],
+                   "extra_args": list(TEST_ENGINE_ARGS)},
         "kv_cache_gib": 1, "max_model_len": 4096,
         "startup_timeout_s": 1200, "stop_grace_s": 20, "restart_limit": 0,
     }))
