@@ -20,7 +20,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Self
@@ -138,8 +138,9 @@ class Rehearsal:
     """Namespaces, the rendered processes, a client; a context manager that always cleans."""
 
     def __init__(self, workdir: Path, *, run_id: str | None = None,
-                 say: Callable[[str], None] = print) -> None:
+                 say: Callable[[str], None] = print, engine_args: Sequence[str] = ()) -> None:
         self.workdir = workdir
+        self.engine_args = tuple(engine_args)
         self.topo = Topology(run_id or f"{os.getpid() % 10000:04d}")
         self.say = say
         self.procs: dict[str, Proc] = {}
@@ -168,6 +169,10 @@ class Rehearsal:
         self.created = True
         netns.create(self.topo)
         self.client = netns.NamespaceThreads(self.topo.ns("client"))
+        # `render` only names the model's path; the "hosts" share this filesystem, so build
+        # the built-in model there once, as `up` does on first use (a fresh machine has none).
+        resolve_model(validate_config(rehearsal_config(
+            self.topo, str(self.workdir / "run"), self.engine_args)), build=True)
         self._render()
         t = self.topo
         redis_dir = self.workdir / "redis"
@@ -212,7 +217,7 @@ class Rehearsal:
     def _render(self) -> None:
         """Each host's processes from `kvagent-server render` run for that host."""
         t = self.topo
-        plans = render_hosts(t, self.workdir)
+        plans = render_hosts(t, self.workdir, self.engine_args)
         p_node = plans["p"]["nodes"][0]
         d_node = plans["d"]["nodes"][1]
         assert p_node["role"] == "prefill" and d_node["role"] == "decode"
@@ -458,17 +463,15 @@ class Rehearsal:
         return c
 
 
-def render_hosts(topo: Topology, workdir: Path) -> dict[str, dict[str, Any]]:
+def render_hosts(topo: Topology, workdir: Path,
+                 engine_args: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
     """`kvagent-server render --format json` once per host ("p", "d", "ra", "rb"), each
     with that host's address as bind host and a run dir of its own (router B: its own
     `router.host`). The same config file for all: one plan, rendered where it runs."""
     cfg_path = workdir / "rehearsal.yaml"
     workdir.mkdir(parents=True, exist_ok=True)
-    cfg = rehearsal_config(topo, str(workdir / "run"))
-    cfg_path.write_text(yaml.safe_dump(cfg))
-    # `render` only names the model's path; the "hosts" share this filesystem, so build the
-    # built-in model there once, as `up` does on first use (a fresh machine has none).
-    resolve_model(validate_config(cfg), build=True)
+    cfg_path.write_text(yaml.safe_dump(rehearsal_config(topo, str(workdir / "run"),
+                                                         engine_args)))
     exe = Path(sys.executable).with_name("kvagent-server")
 
     def render(host: str, *sets: str) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,8 +57,10 @@ class Topology:
         return f"redis://{self.addr('redis')}:{REDIS_PORT}/0"
 
 
-def rehearsal_config(topo: Topology, run_dir: str) -> dict[str, Any]:
-    """The bundle config of the rehearsal: each role on its own host, one Redis.
+def rehearsal_config(topo: Topology, run_dir: str,
+                     engine_args: Sequence[str] = ()) -> dict[str, Any]:
+    """The bundle config of the rehearsal: each role on its own host, one Redis
+    (`engine_args`: extra vLLM arguments of both nodes, e.g. the suite's eager mode).
 
     KV events are off: their ipc socket would join the "hosts" through the shared
     filesystem, and tcp needs a wildcard bind (see docs/deployment.md).
@@ -69,8 +72,9 @@ def rehearsal_config(topo: Topology, run_dir: str) -> dict[str, Any]:
         # it, P serves the part of the prompt it computed itself last turn from its own
         # cache and pulls only the blocks D generated), so P's pull metrics account for
         # every reused token.
-        "prefill": {"hosts": [topo.addr("p")], "prefix_caching": False},
-        "decode": {"hosts": [topo.addr("d")]},
+        "prefill": {"hosts": [topo.addr("p")], "prefix_caching": False,
+                    "extra_args": list(engine_args)},
+        "decode": {"hosts": [topo.addr("d")], "extra_args": list(engine_args)},
         "router": {"host": topo.addr("ra"), "port": ROUTER_PORT, "redis_url": topo.redis_url,
                    # Every reuse is a pull from D to P over NIXL, never D extending itself.
                    "skip_prefill_max_tokens": 0},

@@ -19,7 +19,7 @@ import pytest
 
 from benchmarks.multihost import netns
 from benchmarks.multihost.rehearsal import Rehearsal
-from tests.support import vllm_available
+from tests.support import TEST_ENGINE_ARGS, vllm_available
 
 # The timeout covers waiting for the shared vLLM lock on a busy machine.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(1800)]
@@ -38,7 +38,8 @@ def rehearsal(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rehearsal]:
         pytest.skip("vLLM is not installed (./dev test installs the CPU engine)")
     with open(LOCK, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one real-vLLM run at a time on this machine
-        r = Rehearsal(tmp_path_factory.mktemp("multihost"), say=print)
+        r = Rehearsal(tmp_path_factory.mktemp("multihost"), say=print,
+                      engine_args=TEST_ENGINE_ARGS)
         try:
             r.start()
             yield r
