@@ -93,11 +93,82 @@ async def test_slow_header_is_cut_by_the_header_timeout() -> None:
         assert out == b""
 
 
+async def _answered_mid_body(url: str, head: bytes, *, window_s: float = 4.0
+                             ) -> tuple[bytes, float | None]:
+    """Send `head` and then a body byte every 0.1 s, whatever the server answers, reading
+    as we go. Returns what was read, and how long after the first byte of the answer the
+    server closed the connection (None: still open `window_s` after the answer)."""
+
+    def run() -> tuple[bytes, float | None]:
+        s = _connect(url)
+        s.settimeout(0.1)
+        out, answered = b"", None
+        deadline = time.monotonic() + 15
+        try:
+            s.sendall(head)
+            while time.monotonic() < deadline:
+                if answered is not None and time.monotonic() - answered > window_s:
+                    return out, None
+                try:
+                    s.sendall(b" ")
+                    piece = s.recv(65536)
+                except TimeoutError:
+                    continue
+                except OSError:  # reset: closed with our bytes unread
+                    return out, None if answered is None else time.monotonic() - answered
+                if not piece:
+                    return out, None if answered is None else time.monotonic() - answered
+                if answered is None:
+                    answered = time.monotonic()
+                out += piece
+            return out, None
+        finally:
+            s.close()
+
+    return await asyncio.to_thread(run)
+
+
 async def test_slow_body_is_cut_by_the_body_timeout() -> None:
+    """408 at the body timeout, and the connection closed although the body keeps
+    arriving: a byte at a time must not hold it open after the answer."""
     async with router_stack(body_timeout_s=0.5) as st:
-        head = HEAD + b"content-type: application/json\r\ncontent-length: 200\r\n\r\n"
-        out, _ = await _raw(st.url, [head, b"{"] + [b" "] * 30, pause_s=0.1)
+        head = HEAD + b"content-type: application/json\r\ncontent-length: 200\r\n\r\n{"
+        out, closed_after = await _answered_mid_body(st.url, head)
         assert out.startswith(b"HTTP/1.1 408"), out[:80]
+        assert closed_after is not None and closed_after < 2, closed_after
+
+
+@pytest.mark.parametrize(("request_line", "extra", "status"), [
+    (b"POST /v1/chat/completions", b"", b"401"),  # no key: answered before the body
+    (b"POST /v1/nowhere", b"authorization: Bearer k\r\n", b"404"),
+    (b"GET /v1/chat/completions", b"authorization: Bearer k\r\n", b"405"),
+    (b"POST /v1/chat/completions", b"authorization: Bearer k\r\n", b"413"),
+])
+async def test_an_answer_before_the_body_ends_closes_the_connection(
+        request_line: bytes, extra: bytes, status: bytes) -> None:
+    length = b"100000000" if status == b"413" else b"200"
+    async with router_stack(tenants=[{"name": "t", "api_keys": ["k"]}]) as st:
+        head = (request_line + b" HTTP/1.1\r\nhost: x\r\n" + extra
+                + b"content-type: application/json\r\ncontent-length: " + length
+                + b"\r\n\r\n{")
+        out, closed_after = await _answered_mid_body(st.url, head)
+        assert out.startswith(b"HTTP/1.1 " + status), out[:80]
+        assert closed_after is not None and closed_after < 2, closed_after
+        for node in st.nodes:
+            assert not node.requests
+
+
+async def test_a_connection_whose_body_arrived_stays_open_after_an_error() -> None:
+    """Keep-alive is untouched when the body was complete: a 401 for a whole request, then
+    a second request on the same connection."""
+    async with router_stack(tenants=[{"name": "t", "api_keys": ["k"]}]) as st:
+        body = b'{"model": "m", "messages": []}'
+        first = (HEAD + b"content-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                 % len(body) + body)
+        out, sent_all = await _raw(st.url, [first, b"GET /health HTTP/1.1\r\nhost: x\r\n"
+                                            b"connection: close\r\n\r\n"], pause_s=0.3)
+        assert sent_all and out.startswith(b"HTTP/1.1 401"), out[:80]
+        assert b"HTTP/1.1 200" in out, out
 
 
 async def test_connections_per_client_are_capped() -> None:

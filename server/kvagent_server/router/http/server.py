@@ -12,7 +12,11 @@ protocol class) closes such connections early:
 - a head that has not arrived `header_timeout_s` after the connection opened (or after
   the previous response ended): 408 and closed;
 - past `max_connections` open connections in all, or `max_connections_per_client` from
-  one address, a new connection is closed at once, unanswered.
+  one address, a new connection is closed at once, unanswered;
+- a response sent while its request's body is still arriving (a 408 body timeout, a 401,
+  413 or 404 answered before the body was read) closes the connection once written:
+  otherwise a client trickling body bytes would hold it forever (uvicorn discards them
+  and its keep-alive timer restarts on every byte; the head deadline is not armed yet).
 
 `HeadMeter` is the I/O-free part (counted per connection); the protocol class only
 wires it to uvicorn's callbacks. `uvicorn_config` is how the router is served.
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from kvagent_server.router.settings import RouterSettings
 
@@ -127,6 +131,8 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._peer = "?"
         self._counted = False
+        #: The request whose body is still arriving (headers parsed, message not complete).
+        self._body_open: RequestResponseCycle | None = None
 
     # -- connections
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn's own narrowing of BaseTransport
@@ -173,16 +179,27 @@ class GuardedHttpTools(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self.meter.head_done()
         self._disarm()
+        before = self.cycle
         super().on_headers_complete()
+        if self.cycle is not before:  # a new request (not a protocol upgrade)
+            self._body_open = self.cycle
 
     def on_message_complete(self) -> None:
         self.meter.next_request()
+        self._body_open = None
         super().on_message_complete()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing():
-            self._arm()
+        if self.transport.is_closing():
+            return
+        # The answered request's body is still arriving (a pipelined request's cycle is
+        # not complete yet, so it keeps its connection).
+        if self._body_open is not None and self._body_open.response_complete:
+            self._body_open = None
+            self.transport.close()
+            return
+        self._arm()
 
     def send_400_response(self, msg: str) -> None:
         if self._verdict is not None:  # a parser callback rejected the head
