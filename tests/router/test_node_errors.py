@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kvagent_server.router.http.node_errors import client_type
+from kvagent_server.router.common.node_errors import client_type
 
 
 @pytest.mark.parametrize("given", ["BadRequestError", "NotFoundError", "Bad Request"])
