@@ -15,7 +15,7 @@ from kvagent_server.router.http.app import create_app
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.memory import MemoryStore
 from pydantic import ValidationError
-from router_client import FIRST, assert_clean, chat_body, second, turn
+from router_client import FIRST, assert_clean, chat_body, content_of, events, second, turn
 
 # --------------------------------------------------------------------- raw sockets
 
@@ -165,8 +165,8 @@ async def test_a_connection_whose_body_arrived_stays_open_after_an_error() -> No
         body = b'{"model": "m", "messages": []}'
         first = (HEAD + b"content-type: application/json\r\ncontent-length: %d\r\n\r\n"
                  % len(body) + body)
-        out, sent_all = await _raw(st.url, [first, b"GET /health HTTP/1.1\r\nhost: x\r\n"
-                                            b"connection: close\r\n\r\n"], pause_s=0.3)
+        health = b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        out, sent_all = await _raw(st.url, [first, health], pause_s=0.3)
         assert sent_all and out.startswith(b"HTTP/1.1 401"), out[:80]
         assert b"HTTP/1.1 200" in out, out
 
@@ -269,6 +269,26 @@ async def test_node_error_message_is_allow_listed() -> None:
         r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST))
         assert r.status_code == 400
         assert r.json()["error"]["message"] == "the model server rejected the request"
+        assert_clean(st, r.text)
+
+
+async def test_a_streamed_error_event_is_allow_listed() -> None:
+    """vLLM reports a failure mid-stream as an error event; its message can name the
+    engine and the side channel. The client gets the event, rebuilt from safe parts."""
+    async with router_stack() as st:
+        node = st.decode[0]
+        node.error_after_chunks = 3
+        node.fail_message = (f"engine {node.engine_id} at {node.side_host}:{node.side_port} "
+                             "died: EngineDeadError")
+        r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST))
+        assert r.status_code == 200
+        evs = events(r.text)
+        assert content_of(evs)  # the tokens before the error got through
+        errors = [e for e in evs if isinstance(e, dict) and "error" in e]
+        assert errors == [{"error": {"message": "the model server failed while answering",
+                                     "type": "InternalServerError", "param": None,
+                                     "code": None}}], errors
+        assert evs[-1] == "[DONE]"
         assert_clean(st, r.text)
 
 

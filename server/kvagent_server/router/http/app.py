@@ -28,8 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvagent_server.router.auth.cache_token import TokenCodec
 from kvagent_server.router.auth.tenancy import AuthError, TenantResolver
-from kvagent_server.router.common import fastjson
-from kvagent_server.router.common import node_errors
+from kvagent_server.router.common import fastjson, node_errors
 from kvagent_server.router.http.limits import GuardedStream, HeaderLimit
 from kvagent_server.router.http.request import (
     ClientGone,
