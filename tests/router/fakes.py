@@ -252,6 +252,9 @@ class FakeNode:
         self.fail_next: list[int] = []
         #: Cut the stream (connection drop) after this many data chunks.
         self.cut_after_chunks: int | None = None
+        #: Send an error event (`fail_message`, vLLM's shape) and `[DONE]` after this many
+        #: data chunks, as vLLM does when generation fails mid-stream.
+        self.error_after_chunks: int | None = None
         self.echo_errors = False
         self.fail_message = "injected failure"
         self.requests: list[dict[str, Any]] = []
@@ -526,6 +529,13 @@ class FakeNode:
             for j, piece in enumerate(pieces):
                 if self.cut_after_chunks is not None and sent >= self.cut_after_chunks:
                     raise ConnectionResetError("injected cut")
+                if self.error_after_chunks is not None and sent >= self.error_after_chunks:
+                    error = {"message": self.fail_message, "type": "InternalServerError",
+                             "param": f"{self.side_host}:{self.side_port}",
+                             "code": self.engine_id}
+                    yield f"data: {json.dumps({'error': error})}\n\n".encode()
+                    yield b"data: [DONE]\n\n"
+                    return
                 if self.cluster.token_delay_s:
                     await asyncio.sleep(self.cluster.token_delay_s)
                 text = decode_ids(piece)
