@@ -255,6 +255,9 @@ class FakeNode:
         #: Send an error event (`fail_message`, vLLM's shape) and `[DONE]` after this many
         #: data chunks, as vLLM does when generation fails mid-stream.
         self.error_after_chunks: int | None = None
+        #: Hold each completion request this long before any byte of the answer (a node
+        #: that takes requests and does not answer).
+        self.stall_s = 0.0
         self.echo_errors = False
         self.fail_message = "injected failure"
         self.requests: list[dict[str, Any]] = []
@@ -373,6 +376,8 @@ class FakeNode:
     async def _generate(self, request: Request, body: dict[str, Any], prompt: list[int],
                         *, chat: bool) -> Response:
         self.requests.append(body)
+        if self.stall_s:
+            await asyncio.sleep(self.stall_s)
         if not self.healthy:
             return self._error(503, "node unhealthy")
         if self.fail_next:

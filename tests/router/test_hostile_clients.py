@@ -292,6 +292,24 @@ async def test_a_streamed_error_event_is_allow_listed() -> None:
         assert_clean(st, r.text)
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_node_that_never_answers_is_cut_at_the_request_timeout(
+        role: str, stream: bool) -> None:
+    async with router_stack(request_timeout_s=1.0, skip_prefill_max_tokens=0) as st:
+        node = (st.prefill if role == "prefill" else st.decode)[0]
+        node.stall_s = 60
+        started = time.monotonic()
+        r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST, stream=stream))
+        elapsed = time.monotonic() - started
+        assert r.status_code == 504, r.text
+        error = r.json()["error"]
+        assert error["code"] == "upstream_timeout" and error["type"] == "server_error"
+        assert f"{role} leg timed out" in error["message"]
+        assert 0.9 < elapsed < 10, elapsed  # cut at the timeout, not after the node's 60 s
+        assert_clean(st, r.text)
+
+
 async def test_client_request_id_never_reaches_a_node() -> None:
     async with router_stack() as st:
         r = await st.client.post("/v1/chat/completions",

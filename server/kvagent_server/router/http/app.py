@@ -387,6 +387,9 @@ def _leg_error(exc: LegError) -> HTTPError:
                          param=node_errors.client_param(err.get("param")))
     if 400 <= exc.status < 500:
         return HTTPError(exc.status, "the model server rejected the request")
+    if exc.status == 504:
+        return HTTPError(504, f"{exc.leg} leg timed out: no node answered within the request "
+                         "timeout", type_="server_error", code="upstream_timeout")
     status = 503 if exc.status == 503 else 502
     return HTTPError(status, f"{exc.leg} leg failed: no node could serve the request",
                      type_="server_error", code="upstream_unavailable")
