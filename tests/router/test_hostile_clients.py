@@ -235,6 +235,28 @@ async def test_streams_per_client_are_capped() -> None:
         assert r.status_code == 200  # the slot came back
 
 
+async def test_a_tenant_named_like_a_client_address_has_its_own_count() -> None:
+    """Tenants' and client addresses' stream counts are kept apart: a tenant named
+    `client:127.0.0.1` calling from 127.0.0.1 counts once in each, not twice in one."""
+    cluster = FakeCluster(token_delay_s=0.05)
+    tenants = [{"name": "client:127.0.0.1", "api_keys": ["k"], "max_concurrent_streams": 2}]
+    auth = {"Authorization": "Bearer k"}
+    async with router_stack(cluster=cluster, tenants=tenants, max_streams_per_client=2) as st:
+        slow = asyncio.create_task(st.client.post("/v1/chat/completions",
+                                                  json=chat_body(FIRST), headers=auth))
+        await asyncio.sleep(0.3)
+        r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST, stream=False),
+                                 headers=auth)
+        assert r.status_code == 200, r.text  # two in flight: within both caps
+        assert (await slow).status_code == 200
+        streams = st.app.state.parts.streams
+        for _ in range(50):  # the stream's slot returns as its response ends
+            if streams == {"tenant:client:127.0.0.1": 0}:
+                break
+            await asyncio.sleep(0.05)
+        assert streams == {"tenant:client:127.0.0.1": 0}
+
+
 # --------------------------------------------------------------------- small flaws
 
 
