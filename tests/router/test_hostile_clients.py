@@ -97,12 +97,14 @@ async def _answered_mid_body(url: str, head: bytes, *, window_s: float = 4.0
                              ) -> tuple[bytes, float | None]:
     """Send `head` and then a body byte every 0.1 s, whatever the server answers, reading
     as we go. Returns what was read, and how long after the first byte of the answer the
-    server closed the connection (None: still open `window_s` after the answer)."""
+    server had closed the connection, i.e. our bytes could no longer be sent (None: still
+    taking them `window_s` after the answer). A FIN alone (the server shut its side) is
+    not closed: a socket still reading holds the connection."""
 
     def run() -> tuple[bytes, float | None]:
         s = _connect(url)
         s.settimeout(0.1)
-        out, answered = b"", None
+        out, answered, eof = b"", None, False
         deadline = time.monotonic() + 15
         try:
             s.sendall(head)
@@ -111,16 +113,21 @@ async def _answered_mid_body(url: str, head: bytes, *, window_s: float = 4.0
                     return out, None
                 try:
                     s.sendall(b" ")
+                except OSError:  # reset, or the pipe is gone: the server closed
+                    return out, None if answered is None else time.monotonic() - answered
+                if eof:
+                    time.sleep(0.1)
+                    continue
+                try:
                     piece = s.recv(65536)
                 except TimeoutError:
                     continue
-                except OSError:  # reset: closed with our bytes unread
+                except OSError:
                     return out, None if answered is None else time.monotonic() - answered
-                if not piece:
-                    return out, None if answered is None else time.monotonic() - answered
-                if answered is None:
+                if answered is None and piece:
                     answered = time.monotonic()
                 out += piece
+                eof = not piece
             return out, None
         finally:
             s.close()
@@ -131,7 +138,7 @@ async def _answered_mid_body(url: str, head: bytes, *, window_s: float = 4.0
 async def test_slow_body_is_cut_by_the_body_timeout() -> None:
     """408 at the body timeout, and the connection closed although the body keeps
     arriving: a byte at a time must not hold it open after the answer."""
-    async with router_stack(body_timeout_s=0.5) as st:
+    async with router_stack(body_timeout_s=0.5, header_timeout_s=1.0) as st:
         head = HEAD + b"content-type: application/json\r\ncontent-length: 200\r\n\r\n{"
         out, closed_after = await _answered_mid_body(st.url, head)
         assert out.startswith(b"HTTP/1.1 408"), out[:80]
@@ -147,7 +154,8 @@ async def test_slow_body_is_cut_by_the_body_timeout() -> None:
 async def test_an_answer_before_the_body_ends_closes_the_connection(
         request_line: bytes, extra: bytes, status: bytes) -> None:
     length = b"100000000" if status == b"413" else b"200"
-    async with router_stack(tenants=[{"name": "t", "api_keys": ["k"]}]) as st:
+    async with router_stack(tenants=[{"name": "t", "api_keys": ["k"]}],
+                            header_timeout_s=1.0) as st:
         head = (request_line + b" HTTP/1.1\r\nhost: x\r\n" + extra
                 + b"content-type: application/json\r\ncontent-length: " + length
                 + b"\r\n\r\n{")
@@ -156,6 +164,17 @@ async def test_an_answer_before_the_body_ends_closes_the_connection(
         assert closed_after is not None and closed_after < 2, closed_after
         for node in st.nodes:
             assert not node.requests
+
+
+async def test_an_upload_answered_early_still_gets_its_answer() -> None:
+    """A client uploading a body the router refuses at once (413 on its declared length)
+    gets the 413: the router reads the rest before closing, so the kernel does not reset
+    the connection under the upload."""
+    async with router_stack(max_body_bytes=1024 * 1024) as st:
+        big = [{"role": "user", "content": "x" * (9 * 1024 * 1024)}]
+        for _ in range(3):
+            r = await st.client.post("/v1/chat/completions", json=chat_body(big))
+            assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
 
 
 async def test_a_connection_whose_body_arrived_stays_open_after_an_error() -> None:
