@@ -252,6 +252,12 @@ class FakeNode:
         self.fail_next: list[int] = []
         #: Cut the stream (connection drop) after this many data chunks.
         self.cut_after_chunks: int | None = None
+        #: Send an error event (`fail_message`, vLLM's shape) and `[DONE]` after this many
+        #: data chunks, as vLLM does when generation fails mid-stream.
+        self.error_after_chunks: int | None = None
+        #: Hold each completion request this long before any byte of the answer (a node
+        #: that takes requests and does not answer).
+        self.stall_s = 0.0
         self.echo_errors = False
         self.fail_message = "injected failure"
         self.requests: list[dict[str, Any]] = []
@@ -370,6 +376,8 @@ class FakeNode:
     async def _generate(self, request: Request, body: dict[str, Any], prompt: list[int],
                         *, chat: bool) -> Response:
         self.requests.append(body)
+        if self.stall_s:
+            await asyncio.sleep(self.stall_s)
         if not self.healthy:
             return self._error(503, "node unhealthy")
         if self.fail_next:
@@ -526,6 +534,13 @@ class FakeNode:
             for j, piece in enumerate(pieces):
                 if self.cut_after_chunks is not None and sent >= self.cut_after_chunks:
                     raise ConnectionResetError("injected cut")
+                if self.error_after_chunks is not None and sent >= self.error_after_chunks:
+                    error = {"message": self.fail_message, "type": "InternalServerError",
+                             "param": f"{self.side_host}:{self.side_port}",
+                             "code": self.engine_id}
+                    yield f"data: {json.dumps({'error': error})}\n\n".encode()
+                    yield b"data: [DONE]\n\n"
+                    return
                 if self.cluster.token_delay_s:
                     await asyncio.sleep(self.cluster.token_delay_s)
                 text = decode_ids(piece)

@@ -15,7 +15,7 @@ from kvagent_server.router.http.app import create_app
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.memory import MemoryStore
 from pydantic import ValidationError
-from router_client import FIRST, assert_clean, chat_body, second, turn
+from router_client import FIRST, assert_clean, chat_body, content_of, events, second, turn
 
 # --------------------------------------------------------------------- raw sockets
 
@@ -93,11 +93,101 @@ async def test_slow_header_is_cut_by_the_header_timeout() -> None:
         assert out == b""
 
 
+async def _answered_mid_body(url: str, head: bytes, *, window_s: float = 4.0
+                             ) -> tuple[bytes, float | None]:
+    """Send `head` and then a body byte every 0.1 s, whatever the server answers, reading
+    as we go. Returns what was read, and how long after the first byte of the answer the
+    server had closed the connection, i.e. our bytes could no longer be sent (None: still
+    taking them `window_s` after the answer). A FIN alone (the server shut its side) is
+    not closed: a socket still reading holds the connection."""
+
+    def run() -> tuple[bytes, float | None]:
+        s = _connect(url)
+        s.settimeout(0.1)
+        out, answered, eof = b"", None, False
+        deadline = time.monotonic() + 15
+        try:
+            s.sendall(head)
+            while time.monotonic() < deadline:
+                if answered is not None and time.monotonic() - answered > window_s:
+                    return out, None
+                try:
+                    s.sendall(b" ")
+                except OSError:  # reset, or the pipe is gone: the server closed
+                    return out, None if answered is None else time.monotonic() - answered
+                if eof:
+                    time.sleep(0.1)
+                    continue
+                try:
+                    piece = s.recv(65536)
+                except TimeoutError:
+                    continue
+                except OSError:
+                    return out, None if answered is None else time.monotonic() - answered
+                if answered is None and piece:
+                    answered = time.monotonic()
+                out += piece
+                eof = not piece
+            return out, None
+        finally:
+            s.close()
+
+    return await asyncio.to_thread(run)
+
+
 async def test_slow_body_is_cut_by_the_body_timeout() -> None:
-    async with router_stack(body_timeout_s=0.5) as st:
-        head = HEAD + b"content-type: application/json\r\ncontent-length: 200\r\n\r\n"
-        out, _ = await _raw(st.url, [head, b"{"] + [b" "] * 30, pause_s=0.1)
+    """408 at the body timeout, and the connection closed although the body keeps
+    arriving: a byte at a time must not hold it open after the answer."""
+    async with router_stack(body_timeout_s=0.5, header_timeout_s=1.0) as st:
+        head = HEAD + b"content-type: application/json\r\ncontent-length: 200\r\n\r\n{"
+        out, closed_after = await _answered_mid_body(st.url, head)
         assert out.startswith(b"HTTP/1.1 408"), out[:80]
+        assert closed_after is not None and closed_after < 2, closed_after
+
+
+@pytest.mark.parametrize(("request_line", "extra", "status"), [
+    (b"POST /v1/chat/completions", b"", b"401"),  # no key: answered before the body
+    (b"POST /v1/nowhere", b"authorization: Bearer k\r\n", b"404"),
+    (b"GET /v1/chat/completions", b"authorization: Bearer k\r\n", b"405"),
+    (b"POST /v1/chat/completions", b"authorization: Bearer k\r\n", b"413"),
+])
+async def test_an_answer_before_the_body_ends_closes_the_connection(
+        request_line: bytes, extra: bytes, status: bytes) -> None:
+    length = b"100000000" if status == b"413" else b"200"
+    async with router_stack(tenants=[{"name": "t", "api_keys": ["k"]}],
+                            header_timeout_s=1.0) as st:
+        head = (request_line + b" HTTP/1.1\r\nhost: x\r\n" + extra
+                + b"content-type: application/json\r\ncontent-length: " + length
+                + b"\r\n\r\n{")
+        out, closed_after = await _answered_mid_body(st.url, head)
+        assert out.startswith(b"HTTP/1.1 " + status), out[:80]
+        assert closed_after is not None and closed_after < 2, closed_after
+        for node in st.nodes:
+            assert not node.requests
+
+
+async def test_an_upload_answered_early_still_gets_its_answer() -> None:
+    """A client uploading a body the router refuses at once (413 on its declared length)
+    gets the 413: the router reads the rest before closing, so the kernel does not reset
+    the connection under the upload."""
+    async with router_stack(max_body_bytes=1024 * 1024) as st:
+        big = [{"role": "user", "content": "x" * (9 * 1024 * 1024)}]
+        for _ in range(3):
+            r = await st.client.post("/v1/chat/completions", json=chat_body(big))
+            assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+
+async def test_a_connection_whose_body_arrived_stays_open_after_an_error() -> None:
+    """Keep-alive is untouched when the body was complete: a 401 for a whole request, then
+    a second request on the same connection."""
+    async with router_stack(tenants=[{"name": "t", "api_keys": ["k"]}]) as st:
+        body = b'{"model": "m", "messages": []}'
+        first = (HEAD + b"content-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                 % len(body) + body)
+        health = b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+        out, sent_all = await _raw(st.url, [first, health], pause_s=0.3)
+        assert sent_all and out.startswith(b"HTTP/1.1 401"), out[:80]
+        assert b"HTTP/1.1 200" in out, out
 
 
 async def test_connections_per_client_are_capped() -> None:
@@ -164,6 +254,28 @@ async def test_streams_per_client_are_capped() -> None:
         assert r.status_code == 200  # the slot came back
 
 
+async def test_a_tenant_named_like_a_client_address_has_its_own_count() -> None:
+    """Tenants' and client addresses' stream counts are kept apart: a tenant named
+    `client:127.0.0.1` calling from 127.0.0.1 counts once in each, not twice in one."""
+    cluster = FakeCluster(token_delay_s=0.05)
+    tenants = [{"name": "client:127.0.0.1", "api_keys": ["k"], "max_concurrent_streams": 2}]
+    auth = {"Authorization": "Bearer k"}
+    async with router_stack(cluster=cluster, tenants=tenants, max_streams_per_client=2) as st:
+        slow = asyncio.create_task(st.client.post("/v1/chat/completions",
+                                                  json=chat_body(FIRST), headers=auth))
+        await asyncio.sleep(0.3)
+        r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST, stream=False),
+                                 headers=auth)
+        assert r.status_code == 200, r.text  # two in flight: within both caps
+        assert (await slow).status_code == 200
+        streams = st.app.state.parts.streams
+        for _ in range(50):  # the stream's slot returns as its response ends
+            if streams == {"tenant:client:127.0.0.1": 0}:
+                break
+            await asyncio.sleep(0.05)
+        assert streams == {"tenant:client:127.0.0.1": 0}
+
+
 # --------------------------------------------------------------------- small flaws
 
 
@@ -198,6 +310,44 @@ async def test_node_error_message_is_allow_listed() -> None:
         r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST))
         assert r.status_code == 400
         assert r.json()["error"]["message"] == "the model server rejected the request"
+        assert_clean(st, r.text)
+
+
+async def test_a_streamed_error_event_is_allow_listed() -> None:
+    """vLLM reports a failure mid-stream as an error event; its message can name the
+    engine and the side channel. The client gets the event, rebuilt from safe parts."""
+    async with router_stack() as st:
+        node = st.decode[0]
+        node.error_after_chunks = 3
+        node.fail_message = (f"engine {node.engine_id} at {node.side_host}:{node.side_port} "
+                             "died: EngineDeadError")
+        r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST))
+        assert r.status_code == 200
+        evs = events(r.text)
+        assert content_of(evs)  # the tokens before the error got through
+        errors = [e for e in evs if isinstance(e, dict) and "error" in e]
+        assert errors == [{"error": {"message": "the model server failed while answering",
+                                     "type": "InternalServerError", "param": None,
+                                     "code": None}}], errors
+        assert evs[-1] == "[DONE]"
+        assert_clean(st, r.text)
+
+
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+@pytest.mark.parametrize("stream", [True, False])
+async def test_a_node_that_never_answers_is_cut_at_the_request_timeout(
+        role: str, stream: bool) -> None:
+    async with router_stack(request_timeout_s=1.0, skip_prefill_max_tokens=0) as st:
+        node = (st.prefill if role == "prefill" else st.decode)[0]
+        node.stall_s = 60
+        started = time.monotonic()
+        r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST, stream=stream))
+        elapsed = time.monotonic() - started
+        assert r.status_code == 504, r.text
+        error = r.json()["error"]
+        assert error["code"] == "upstream_timeout" and error["type"] == "server_error"
+        assert f"{role} leg timed out" in error["message"]
+        assert 0.9 < elapsed < 10, elapsed  # cut at the timeout, not after the node's 60 s
         assert_clean(st, r.text)
 
 

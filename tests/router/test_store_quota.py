@@ -60,3 +60,37 @@ async def test_the_global_bound_returns_what_it_evicts(clock: FakeClock) -> None
     for i in range(4):
         out += await store.put(handle(clock, f"h{i}", tenant=f"t{i}", session="s"))
     assert [h.handle_id for h in out] == ["h0", "h1"]
+
+
+async def test_the_global_bounds_evict_the_biggest_holder_first(clock: FakeClock) -> None:
+    """A tenant under its fair share keeps every handle when another floods past the
+    store's bound; every handle the flood loses is handed back (to be released on D)."""
+    store = MemoryStore(max_handles=10, clock=clock)
+    for i in range(3):
+        clock.advance(1)
+        assert await store.put(handle(clock, f"a{i}", tenant="a", session=f"a{i}")) == []
+    evicted = []
+    for i in range(20):
+        clock.advance(1)
+        evicted += await store.put(handle(clock, f"b{i}", tenant="b", session=f"b{i}"))
+    assert [(h.tenant, h.handle_id) for h in evicted] == [("b", f"b{i}") for i in range(13)]
+    for i in range(13):  # evicted means claimed: nobody reuses them, the caller releases
+        assert await store.claim("b", f"b{i}") is None
+    assert len(store) == 10
+    for i in range(3):
+        assert await store.claim_latest("a", f"a{i}") is not None
+
+
+async def test_the_token_bound_evicts_the_tenant_holding_the_most_tokens(
+        clock: FakeClock) -> None:
+    store = MemoryStore(max_tokens=1000, clock=clock)
+    clock.advance(1)
+    await store.put(handle(clock, "a0", tenant="a", session="a0", tokens=list(range(300))))
+    evicted = []
+    for i in range(8):  # b's handles are smaller, but b holds more tokens in all
+        clock.advance(1)
+        evicted += await store.put(handle(clock, f"b{i}", tenant="b", session=f"b{i}",
+                                          tokens=list(range(150))))
+    assert [h.handle_id for h in evicted] == ["b0", "b1", "b2", "b3"]
+    assert store.retained_tokens <= 1000
+    assert await store.claim("a", "a0") is not None

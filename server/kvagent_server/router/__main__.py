@@ -9,11 +9,15 @@ Binds 127.0.0.1 unless told otherwise; `--host`/`--port` override the settings f
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
+import logging
 import sys
 from pathlib import Path
 
 from kvagent_server.router.settings import RouterSettings
+
+log = logging.getLogger("kvagent.router")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,6 +46,28 @@ def load_settings(path: Path | None) -> RouterSettings:
     return RouterSettings.model_validate(data.get("router", data))
 
 
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches; a name other than `localhost` is
+    taken as reachable from elsewhere (it may resolve to any interface)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def warn_if_open(host: str, settings: RouterSettings) -> bool:
+    """Warn when the router listens beyond this machine with no API keys: anyone who
+    reaches it is then the one anonymous tenant. True when it warned."""
+    if settings.tenants or is_loopback(host):
+        return False
+    log.warning("the router listens on %s with no tenants configured: every client that "
+                "reaches it is served, unauthenticated, as the anonymous tenant (set "
+                "router.tenants with api_keys, or bind 127.0.0.1)", host)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     import uvicorn
     from pydantic import ValidationError
@@ -57,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     host = args.host or settings.host
     port = args.port or settings.port
+    warn_if_open(host, settings)
     app = create_app(settings, args.prefill, args.decode, model=args.model)
     # loop "auto": uvloop (the `server` extra installs it); httptools with the head and
     # connection limits (router/http/server.py).

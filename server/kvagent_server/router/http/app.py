@@ -28,8 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvagent_server.router.auth.cache_token import TokenCodec
 from kvagent_server.router.auth.tenancy import AuthError, TenantResolver
-from kvagent_server.router.common import fastjson
-from kvagent_server.router.http import node_errors
+from kvagent_server.router.common import fastjson, node_errors
 from kvagent_server.router.http.limits import GuardedStream, HeaderLimit
 from kvagent_server.router.http.request import (
     ClientGone,
@@ -84,7 +83,9 @@ class AppParts:
     transport: httpx.AsyncBaseTransport | None
     #: The served model's name; None until a node answered `/v1/models`.
     model: str | None = None
-    #: Requests in flight per tenant (the tenants' stream caps).
+    #: Requests in flight per `tenant:<name>` (the tenants' stream caps) and per
+    #: `client:<address>` (`max_streams_per_client`): prefixed, so no tenant name can
+    #: share a client address's count.
     streams: dict[str, int] = field(default_factory=dict)
     router: Router | None = None
 
@@ -317,7 +318,8 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
                                     and SHIFT_BLOCKS_HEADER in request.headers),
                       budget=time_budget.TurnBudget(arrived=arrived))
 
-    if streams.get(tenant.name, 0) >= tenant.max_concurrent_streams:
+    held = f"tenant:{tenant.name}"
+    if streams.get(held, 0) >= tenant.max_concurrent_streams:
         raise HTTPError(429, f"tenant has {tenant.max_concurrent_streams} requests in flight; "
                         "retry later", type_="rate_limit_error", code="rate_limit_exceeded")
     client = f"client:{request.client.host if request.client else '?'}"
@@ -325,7 +327,7 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
         raise HTTPError(429, f"this client has {r.settings.max_streams_per_client} requests in "
                         "flight; retry later", type_="rate_limit_error",
                         code="rate_limit_exceeded")
-    streams[tenant.name] = streams.get(tenant.name, 0) + 1
+    streams[held] = streams.get(held, 0) + 1
     streams[client] = streams.get(client, 0) + 1
     span = start_turn(endpoint=endpoint, model=body.get("model"), session=session,
                       tenant=tenant.name)
@@ -340,7 +342,7 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
             await turn.decode.response.aclose()  # closing D's stream aborts its request
         if not done:
             done = True
-            streams[tenant.name] -= 1
+            streams[held] -= 1
             if streams[client] <= 1:  # one entry per address in flight, never more
                 del streams[client]
             else:
@@ -388,6 +390,9 @@ def _leg_error(exc: LegError) -> HTTPError:
                          param=node_errors.client_param(err.get("param")))
     if 400 <= exc.status < 500:
         return HTTPError(exc.status, "the model server rejected the request")
+    if exc.status == 504:
+        return HTTPError(504, f"{exc.leg} leg timed out: no node answered within the request "
+                         "timeout", type_="server_error", code="upstream_timeout")
     status = 503 if exc.status == 503 else 502
     return HTTPError(status, f"{exc.leg} leg failed: no node could serve the request",
                      type_="server_error", code="upstream_unavailable")

@@ -12,7 +12,15 @@ protocol class) closes such connections early:
 - a head that has not arrived `header_timeout_s` after the connection opened (or after
   the previous response ended): 408 and closed;
 - past `max_connections` open connections in all, or `max_connections_per_client` from
-  one address, a new connection is closed at once, unanswered.
+  one address, a new connection is closed at once, unanswered;
+- a response sent while its request's body is still arriving (a 408 body timeout, a 401,
+  413 or 404 answered before the body was read) ends the connection: the router's side
+  is shut once the answer is written (FIN), the rest of the body is read and discarded,
+  and the connection is closed when the body ends or `header_timeout_s` after the
+  answer, whichever comes first. Without this a client trickling body bytes held the
+  connection forever (uvicorn discards them, and its keep-alive timer restarts on every
+  byte); reading to the end, rather than closing at once, keeps the kernel from
+  resetting the connection under a client still uploading, which would lose its answer.
 
 `HeadMeter` is the I/O-free part (counted per connection); the protocol class only
 wires it to uvicorn's callbacks. `uvicorn_config` is how the router is served.
@@ -26,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from kvagent_server.router.settings import RouterSettings
 
@@ -127,6 +135,11 @@ class GuardedHttpTools(HttpToolsProtocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._peer = "?"
         self._counted = False
+        #: The request whose body is still arriving (headers parsed, message not complete).
+        self._body_open: RequestResponseCycle | None = None
+        #: Answered before its body ended: discarding the rest, then closing.
+        self._lingering = False
+        self._linger_timer: asyncio.TimerHandle | None = None
 
     # -- connections
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn's own narrowing of BaseTransport
@@ -143,6 +156,9 @@ class GuardedHttpTools(HttpToolsProtocol):
             self._counted = False
             self.counter.close(self._peer)
         self._disarm()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
         super().connection_lost(exc)
 
     # -- the head
@@ -173,16 +189,39 @@ class GuardedHttpTools(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self.meter.head_done()
         self._disarm()
+        before = self.cycle
         super().on_headers_complete()
+        if self.cycle is not before:  # a new request (not a protocol upgrade)
+            self._body_open = self.cycle
 
     def on_message_complete(self) -> None:
         self.meter.next_request()
+        self._body_open = None
         super().on_message_complete()
+        if self._lingering:  # the answered body is all read: nothing more is wanted
+            self.transport.close()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing():
-            self._arm()
+        if self.transport.is_closing():
+            return
+        # The answered request's body is still arriving (a pipelined request's cycle is
+        # not complete yet, so it keeps its connection).
+        if self._body_open is not None and self._body_open.response_complete:
+            self._linger()
+            return
+        self._arm()
+
+    def _linger(self) -> None:
+        """End a connection whose answer went out before its body ended: FIN now, read
+        and discard the rest, close at the body's end or after `header_timeout_s`."""
+        if not self.transport.can_write_eof():
+            self.transport.close()
+            return
+        self._lingering = True
+        self.transport.write_eof()
+        self._linger_timer = self.loop.call_later(self.limits.header_timeout_s,
+                                                  self.transport.close)
 
     def send_400_response(self, msg: str) -> None:
         if self._verdict is not None:  # a parser callback rejected the head

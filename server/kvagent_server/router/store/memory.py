@@ -20,7 +20,10 @@ class MemoryStore:
     tenant by `max_handles_per_tenant` (so one tenant's churn cannot evict another's).
 
     Every method runs without awaiting, so under asyncio each one is atomic: a claim can
-    never be won twice. Oldest handles are evicted first; expired ones are swept on write.
+    never be won twice. Expired handles are swept on write. Over a bound, the oldest handle
+    of the tenant holding the most (handles for the count, tokens for the token bound) goes
+    first: a flood evicts the flooding tenant's own handles, never those of a tenant
+    holding less than it.
     """
 
     def __init__(self, *, max_handles: int = 10_000, max_tokens: int = 50_000_000,
@@ -41,6 +44,8 @@ class MemoryStore:
             OrderedDict())
         self._latest: dict[tuple[str, str], str] = {}
         self._tokens = 0
+        #: tenant -> the token ids its handles retain (for the token bound's choice)
+        self._tenant_tokens: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -54,6 +59,11 @@ class MemoryStore:
         if entry is None:
             return None
         self._tokens -= entry[4]
+        left = self._tenant_tokens.get(key[0], 0) - entry[4]
+        if left > 0:
+            self._tenant_tokens[key[0]] = left
+        else:
+            self._tenant_tokens.pop(key[0], None)
         ids = self._by_tenant.get(key[0])
         if ids is not None:
             ids.pop(key[1], None)
@@ -82,6 +92,7 @@ class MemoryStore:
         self._handles[key] = (pack_handle(handle), handle.expires_at, handle.session,
                               handle.decode_node, n)
         self._tokens += n
+        self._tenant_tokens[handle.tenant] = self._tenant_tokens.get(handle.tenant, 0) + n
         self._latest[(handle.tenant, handle.session)] = handle.handle_id
         mine = self._by_tenant.setdefault(handle.tenant, OrderedDict())
         mine[handle.handle_id] = None
@@ -98,17 +109,40 @@ class MemoryStore:
             if oldest_id == handle.handle_id:
                 break
             evict((handle.tenant, oldest_id))
-        # Expired handles first (cheap: oldest first, stop at the first live one), then
-        # the least recently stored while over a bound (never the one just stored).
+        # Expired handles first (cheap: oldest first, stop at the first live one), then,
+        # while over a bound, the biggest holder's oldest (never the one just stored).
         while self._handles:
             oldest = next(iter(self._handles))
-            entry = self._handles[oldest]
-            over = len(self._handles) > self._max_handles or self._tokens > self._max_tokens
-            if oldest != key and (now >= entry[1] or over):
+            if oldest != key and now >= self._handles[oldest][1]:
                 evict(oldest)
             else:
                 break
+        while len(self._handles) > self._max_handles:
+            victim = self._biggest_holders_oldest(lambda t: len(self._by_tenant[t]), key)
+            if victim is None:
+                break
+            evict(victim)
+        while self._tokens > self._max_tokens:
+            victim = self._biggest_holders_oldest(self._tenant_tokens.__getitem__, key)
+            if victim is None:
+                break
+            evict(victim)
         return evicted
+
+    def _biggest_holders_oldest(self, held: Callable[[str], int],
+                                keep: tuple[str, str]) -> tuple[str, str] | None:
+        """The oldest handle of the tenant that `held` most, ties to the tenant whose oldest
+        expires first (the longest idle); never `keep`, the handle just stored."""
+        best: tuple[str, str] | None = None
+        best_rank: tuple[int, float] | None = None
+        for tenant, ids in self._by_tenant.items():
+            oldest = (tenant, next(iter(ids)))
+            if oldest == keep:  # the tenant's only handle is the one just stored
+                continue
+            rank = (-held(tenant), self._handles[oldest][1])
+            if best_rank is None or rank < best_rank:
+                best, best_rank = oldest, rank
+        return best
 
     def _take(self, key: tuple[str, str]) -> Handle | None:
         entry = self._remove(key)
@@ -171,4 +205,5 @@ class MemoryStore:
         self._handles.clear()
         self._latest.clear()
         self._by_tenant.clear()
+        self._tenant_tokens.clear()
         self._tokens = 0

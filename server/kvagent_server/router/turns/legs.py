@@ -27,6 +27,7 @@ from kvagent_server.router.turns.upstream import (
     ConnectFailed,
     NodeClient,
     NodeResponse,
+    ReadTimeout,
     StaleConnection,
     UpstreamError,
 )
@@ -50,6 +51,13 @@ class LegError(Exception):
         self.status = status
         self.body = body  # the node's own error body when it is the client's fault (4xx)
         self.leg = leg
+
+
+def _unreachable(leg: str, exc: UpstreamError) -> LegError:
+    """A leg's node failed to answer: 504 when it sent nothing in time, else 502."""
+    if isinstance(exc, ReadTimeout):
+        return LegError(f"{leg} node timed out ({exc})", status=504, leg=leg)
+    return LegError(f"{leg} node unreachable ({exc})", leg=leg)
 
 
 @dataclass
@@ -196,7 +204,7 @@ class Legs:
                 resp = await self._post(node, path, prefill_body(body, params),
                                         stream=False)
             except UpstreamError as exc:
-                last = LegError(f"prefill node unreachable ({exc})", leg="prefill")
+                last = _unreachable("prefill", exc)
                 if reuse and not isinstance(exc, ConnectFailed):
                     pull_failed = True  # it may have read D's blocks: never offer them again
                 continue
@@ -208,8 +216,8 @@ class Legs:
                 try:
                     resp = await self._post(node, path, prefill_body(body, transfer.fresh()),
                                             stream=False)
-                except UpstreamError:
-                    last = LegError("prefill node unreachable", leg="prefill")
+                except UpstreamError as exc:
+                    last = _unreachable("prefill", exc)
                     continue
             if resp.status_code != 200:
                 if resp.status_code in RETRYABLE_STATUS:
@@ -240,7 +248,7 @@ class Legs:
             try:
                 resp = await self._post(node, path, body, stream=stream)
             except UpstreamError as exc:
-                last = LegError(f"decode node unreachable ({exc})")
+                last = _unreachable("decode", exc)
                 if pulls and not isinstance(exc, ConnectFailed):
                     break  # it may have read P's blocks: no second reader (see pulls_kv)
                 continue

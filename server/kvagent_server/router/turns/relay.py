@@ -14,6 +14,10 @@ chunk the client receives anyway: the usage chunk when the client asked for usag
 dropped. A chunk without choices would break clients that read `choices[0]` of every
 chunk, as vLLM's own benchmark client does. Chunks vLLM sends only to carry token ids
 (an empty delta while a tool-call parser holds text back) are dropped too.
+
+An error event from the node (`data: {"error": ...}`, sent mid-stream when generation
+fails) is rebuilt from the allow-listed parts of `common.node_errors`: its message could
+name the node's engine id or side-channel address.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvagent_server.router.common import fastjson
+from kvagent_server.router.common import fastjson, node_errors
 
 #: Top-level response fields that are internal to P/D and never reach a client.
 INTERNAL_FIELDS = ("kv_transfer_params", "ec_transfer_params")
@@ -33,7 +37,7 @@ TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")
 DONE = b"[DONE]"
 #: A chunk holding any of these takes the JSON path (rewrite, capture or final chunk).
 _SLOW_MARKERS = (b'"kv_transfer_params"', b'"ec_transfer_params"', b'"prompt_token_ids"',
-                 b'"usage"')
+                 b'"usage"', b'"error"')
 _TOKEN_IDS_RE = re.compile(rb',\s*"token_ids":\s*\[([0-9,\s]*)\]')
 _FINISH_RE = re.compile(rb'"finish_reason":\s*"([a-z_]+)"')
 _INDEX_RE = re.compile(rb'"index":\s*([0-9]+)')
@@ -245,6 +249,9 @@ class _Relay:
             return self.release() + b"data: " + payload + b"\n\n"
         if not isinstance(obj, dict):
             return self.release() + _dump(obj, std=std)
+        safe = node_errors.client_error_event(obj)
+        if safe is not None:
+            return self.release() + _dump(safe)
         self.scrubber.scrub(obj)
         if self.drop_empty and _only_token_ids(obj):
             return b""

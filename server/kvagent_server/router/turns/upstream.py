@@ -10,6 +10,7 @@ Error classes (what `Legs` does with them):
     |                        a started stream is cut)
     +-- ConnectFailed        no connection (refused, connect timeout): node marked down
     +-- StaleConnection      the connection broke before any response: sent again once
+    +-- ReadTimeout          the node sent nothing for the read timeout
 """
 
 from __future__ import annotations
@@ -51,6 +52,11 @@ class StaleConnection(UpstreamError):
     """A (pooled) connection broke before the node sent a response."""
 
 
+class ReadTimeout(UpstreamError):
+    """The node took the request but sent nothing for the read timeout (a hung node, or
+    one too busy to start): a gateway timeout, not an unreachable node."""
+
+
 class BodyTooLarge(UpstreamError):
     """A non-streamed answer larger than the router reads whole (`max_body_bytes`)."""
 
@@ -79,6 +85,8 @@ def _wrap(exc: BaseException) -> UpstreamError:
         return ConnectFailed(name, timed_out=True)
     if isinstance(exc, aiohttp.ClientConnectorError):
         return ConnectFailed(name)
+    if isinstance(exc, TimeoutError):  # aiohttp's sock_read timeout (connect's is above)
+        return ReadTimeout(name)
     if isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError
                   | aiohttp.ClientPayloadError):
         return StaleConnection(name)

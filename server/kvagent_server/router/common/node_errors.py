@@ -3,14 +3,18 @@
 A node's 4xx message can name its engine id, its side-channel host and port, or echo the
 router's own fields back (pydantic's `input_value=...`). Only messages of the shapes below,
 vLLM's own validation messages about the client's request, reach the client; anything
-else becomes a generic message with the node's status.
+else becomes a generic message with the node's status. An error event in a streamed
+answer is rebuilt from the same parts (`client_error_event`).
 """
 
 from __future__ import annotations
 
 import re
+from typing import Any
 
 GENERIC = "the model server rejected the request"
+#: For an error a node reports in the middle of a streamed answer.
+STREAM_GENERIC = "the model server failed while answering"
 MAX_LEN = 400
 
 #: vLLM's messages about the client's request that name nothing internal. Each matches the
@@ -29,16 +33,16 @@ _INTERNAL = re.compile(
     r"|cache_salt|input_value|request_id|[0-9a-f]{12,}", re.IGNORECASE)
 
 
-def client_message(message: object) -> str:
+def client_message(message: object, default: str = GENERIC) -> str:
     """`message` when it is one of vLLM's known messages naming nothing internal, else
-    the generic one."""
+    `default`."""
     if not isinstance(message, str) or not message or len(message) > MAX_LEN:
-        return GENERIC
+        return default
     if _INTERNAL.search(message):
-        return GENERIC
+        return default
     if any(p.fullmatch(message) for p in _ALLOWED):
         return message
-    return GENERIC
+    return default
 
 
 _PARAM = re.compile(r"[A-Za-z_][\w.\[\]]{0,63}", re.ASCII)
@@ -54,10 +58,40 @@ def client_param(param: object) -> str | None:
 _TYPE = re.compile(r"[A-Za-z][A-Za-z ]{0,47}", re.ASCII)
 
 
-def client_type(type_: object) -> str:
+def client_type(type_: object, default: str = "invalid_request_error") -> str:
     """The node's error `type` (vLLM's class-like names, e.g. `BadRequestError`,
-    `NotFoundError`), so the client sees what vLLM itself would send; OpenAI's
-    `invalid_request_error` when it is anything else."""
+    `NotFoundError`), so the client sees what vLLM itself would send; `default` (OpenAI's
+    name) when it is anything else."""
     if isinstance(type_, str) and _TYPE.fullmatch(type_) and not _INTERNAL.search(type_):
         return type_
-    return "invalid_request_error"
+    return default
+
+
+_CODE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,47}", re.ASCII)
+
+
+def client_code(code: object) -> int | str | None:
+    """The node's error `code` when it is an HTTP status or a plain identifier."""
+    if isinstance(code, int) and not isinstance(code, bool) and 100 <= code <= 599:
+        return code
+    if isinstance(code, str) and _CODE.fullmatch(code) and not _INTERNAL.search(code):
+        return code
+    return None
+
+
+def _safe_error(err: dict[str, Any]) -> dict[str, Any]:
+    return {"message": client_message(err.get("message"), STREAM_GENERIC),
+            "type": client_type(err.get("type"), "server_error"),
+            "param": client_param(err.get("param")), "code": client_code(err.get("code"))}
+
+
+def client_error_event(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """A streamed error event (`{"error": {...}}`, or vLLM's older top-level
+    `{"object": "error", "message": ...}`) rebuilt from allow-listed parts only; None when
+    `obj` is not an error event. Nothing else of the node's event is kept."""
+    if "error" in obj:
+        err = obj["error"]
+        return {"error": _safe_error(err if isinstance(err, dict) else {"message": err})}
+    if obj.get("object") == "error":
+        return {"object": "error", **_safe_error(obj)}
+    return None
