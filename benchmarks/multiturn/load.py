@@ -38,7 +38,16 @@ from .nodes import (
     wait_until_alone,
 )
 from .results import LevelResult, LoadConfigResult, LoadReport, RequestRecord, Slo
-from .run import RESULTS_ROOT, _log, _pair, _sigterm, _text_with_tool_calls, _warmup, machine
+from .run import (
+    RESULTS_ROOT,
+    _log,
+    _pair,
+    _sigterm,
+    _text_with_tool_calls,
+    _warmup,
+    add_device_args,
+    machine,
+)
 from .run import versions as versions_of
 from .stats import AGGREGATED
 from .workload import WorkloadSpec, generate
@@ -106,6 +115,7 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--max-tokens", type=int, default=32, help="answer length (default: 32)")
     s = p.add_argument_group("servers")
     s.add_argument("--model", default=None, help="built-in model id (default: kvagent-demo)")
+    add_device_args(s)
     s.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache per vLLM node")
     s.add_argument("--startup-timeout", type=float, default=900.0)
     s.add_argument("--wait-alone", type=float, default=0.0, metavar="SECONDS",
@@ -205,7 +215,8 @@ def run_config(config: BenchConfig, args: argparse.Namespace, run_id: str, work_
     try:
         _log(f"{config.name}: starting ({config.description})")
         with serve(config, cdir, kv_cache_gib=args.kv_cache_gib,
-                   startup_timeout_s=args.startup_timeout, model=args.model) as ep:
+                   startup_timeout_s=args.startup_timeout, model=args.model,
+                   device=args.device, engine_args=args.engine_args) as ep:
             result.startup_s = time.perf_counter() - t0
             _log(f"{config.name}: up in {result.startup_s:.0f} s")
             _warmup(ep.base_url, ep.model)
@@ -268,7 +279,8 @@ def run_load(configs: list[BenchConfig], args: argparse.Namespace, out_dir: Path
         "idle_sessions": args.idle_sessions,
     }
     return LoadReport(created_at=now.isoformat(timespec="seconds"), command=command,
-                      machine=machine(), versions=versions_of(), load=load, slo=slo,
+                      machine=machine(args.device),
+                      versions=versions_of(), load=load, slo=slo,
                       idle_probe=probe, configs=results,
                       targets=goodput.load_targets(results))
 

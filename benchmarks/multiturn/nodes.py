@@ -24,6 +24,18 @@ from benchmarks._procs import free_ports
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 
+#: Where the vLLM nodes run. `cuda`: every node of a configuration on GPU 0 (one GPU holds
+#: P and D), each with its own share of GPU memory; `cpu`: the cores are partitioned.
+Device = Literal["cpu", "cuda"]
+#: The one GPU every node uses with `cuda` (CUDA_VISIBLE_DEVICES).
+GPU = "0"
+#: Most of the GPU's memory the nodes of one configuration may claim together. vLLM
+#: checks at start-up that free memory >= total x `--gpu-memory-utilization`: with the
+#: default 0.9 a second node beside the first can fail that check.
+GPU_MEMORY_TOTAL = 0.9
+#: A node's share when it is alone or one of two (P+D): 0.4 of the GPU.
+GPU_MEMORY_PER_NODE = 0.4
+
 
 class BenchConfig(BaseModel):
     """One configuration under test."""
@@ -164,34 +176,60 @@ class ContentionWatch:
 
 @contextmanager
 def serve(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int = 2,
-          startup_timeout_s: float = 900.0, model: str | None = None) -> Iterator[Endpoint]:
+          startup_timeout_s: float = 900.0, model: str | None = None,
+          device: Device = "cpu", engine_args: list[str] | None = None
+          ) -> Iterator[Endpoint]:
     """The configuration serving `model` (a built-in id or a path; None: the demo model),
-    running; stopped (with every child process) on exit."""
+    running; stopped (with every child process) on exit. `engine_args`: more vLLM
+    arguments for every node (e.g. `-O0`)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     if config.kind == "aggregated":
         with aggregated_node(work_dir, kv_cache_gib=kv_cache_gib,
-                             startup_timeout_s=startup_timeout_s, model=model) as ep:
+                             startup_timeout_s=startup_timeout_s, model=model,
+                             device=device, engine_args=engine_args) as ep:
             yield ep
     else:
         with bundle(config, work_dir, kv_cache_gib=kv_cache_gib,
-                    startup_timeout_s=startup_timeout_s, model=model) as ep:
+                    startup_timeout_s=startup_timeout_s, model=model, device=device,
+                    engine_args=engine_args) as ep:
             yield ep
 
 
+def gpu_memory_fraction(nodes: int) -> float:
+    """`--gpu-memory-utilization` of each of `nodes` vLLM nodes sharing one GPU: at most
+    `GPU_MEMORY_PER_NODE`, and together at most `GPU_MEMORY_TOTAL`. The KV cache itself is
+    sized by `--kv-cache-memory-bytes` (kv_cache_gib), which vLLM honours over the
+    fraction; the fraction is the start-up check's bar and the node's budget."""
+    if nodes < 1:
+        raise ValueError(f"nodes: {nodes} < 1")
+    return min(GPU_MEMORY_PER_NODE, int(GPU_MEMORY_TOTAL / nodes * 100) / 100)
+
+
 def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cores: list[int],
-                    kv_cache_gib: int, startup_timeout_s: float, model: str | None = None
-                    ) -> dict:
+                    kv_cache_gib: int, startup_timeout_s: float, model: str | None = None,
+                    device: Device = "cpu", engine_args: list[str] | None = None) -> dict:
     """The bundle configuration of `config`: `ports` are P's HTTP and side-channel ports
-    (prefill_count each), then D's two and the router's."""
+    (prefill_count each), then D's two and the router's.
+
+    `device="cuda"`: every node on GPU 0 (`cuda_devices`), each with a share of its memory
+    (`gpu_memory_fraction`), no CPU pinning; `cores` is then unused."""
     n_p = config.prefill_count
     if len(ports) != 2 * n_p + 3:
         raise ValueError(f"{config.name}: need {2 * n_p + 3} ports, got {len(ports)}")
     prefill: dict = {"count": n_p, "ports": ports[:n_p], "side_channel_ports": ports[n_p:2 * n_p],
                      "prefix_caching": config.prefill_prefix_caching}
     decode: dict = {"ports": [ports[2 * n_p]], "side_channel_ports": [ports[2 * n_p + 1]]}
-    if n_p > 1:
-        p_binds, d_bind = shared_prefill_binds(cores, n_p)
-        prefill["cpu_binds"], decode["cpu_binds"] = p_binds, [d_bind]
+    if device == "cuda":
+        share = ["--gpu-memory-utilization", f"{gpu_memory_fraction(n_p + 1):g}"]
+        prefill["cuda_devices"], decode["cuda_devices"] = [GPU] * n_p, [GPU]
+        prefill["extra_args"] = [*share, *(engine_args or [])]
+        decode["extra_args"] = [*share, *(engine_args or [])]
+    else:
+        if n_p > 1:
+            p_binds, d_bind = shared_prefill_binds(cores, n_p)
+            prefill["cpu_binds"], decode["cpu_binds"] = p_binds, [d_bind]
+        if engine_args:
+            prefill["extra_args"], decode["extra_args"] = list(engine_args), list(engine_args)
     # server_timing: the per-stage budget of each turn reaches the records
     router: dict = {"port": ports[-1], "reuse": config.reuse, "server_timing": True}
     if config.skip_prefill_max_tokens is not None:
@@ -200,6 +238,7 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
         router["queue_aware_paths"] = True
     return {
         **({"block_size": config.block_size} if config.block_size else {}),
+        **({"device": "cuda", "cpu_pinning": False} if device == "cuda" else {}),
         "name": f"mtbench-{config.name}".replace("_", "-"),
         "model": model,
         "run_dir": str(run_dir),
@@ -213,7 +252,8 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
 
 @contextmanager
 def bundle(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int,
-           startup_timeout_s: float, model: str | None = None) -> Iterator[Endpoint]:
+           startup_timeout_s: float, model: str | None = None, device: Device = "cpu",
+           engine_args: list[str] | None = None) -> Iterator[Endpoint]:
     """The kvagent bundle on free loopback ports, run directory inside `work_dir`."""
     from kvagent_server.config import validate_config
     from kvagent_server.supervisor import Bundle
@@ -221,7 +261,8 @@ def bundle(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int,
     ports = free_ports(2 * config.prefill_count + 3)
     cfg = validate_config(bundle_settings(
         config, work_dir / "run", ports, cores=sorted(os.sched_getaffinity(0)),
-        kv_cache_gib=kv_cache_gib, startup_timeout_s=startup_timeout_s, model=model))
+        kv_cache_gib=kv_cache_gib, startup_timeout_s=startup_timeout_s, model=model,
+        device=device, engine_args=engine_args))
     b = Bundle(cfg)
     try:
         b.start(wait=True)
@@ -258,9 +299,28 @@ def aggregated_args(model_path: str, port: int, serve_args: list[str] | None = N
             *serve_args, "--enable-prefix-caching", "--enable-prompt-tokens-details"]
 
 
+def aggregated_device(device: Device, *, kv_cache_gib: int, serve_env: dict[str, str],
+                      cpu_bind: str | None = None, ncpu: int = 1
+                      ) -> tuple[dict[str, str], list[str]]:
+    """The aggregated node's environment and device arguments. CPU: its KV space and all
+    cores (`0-<ncpu-1>`) or `cpu_bind`. CUDA: GPU 0, the same KV size as a bundle node
+    (`--kv-cache-memory-bytes`, which is what the bundle renders), a node's share of GPU
+    memory, and the bundle's block size; no VLLM_CPU_* variables."""
+    if device == "cuda":
+        from kvagent_server.render import DEFAULT_BLOCK_SIZE
+
+        return ({**serve_env, "CUDA_VISIBLE_DEVICES": GPU},
+                ["--kv-cache-memory-bytes", str(kv_cache_gib * 1024**3),
+                 "--gpu-memory-utilization", f"{gpu_memory_fraction(1):g}",
+                 "--block-size", str(DEFAULT_BLOCK_SIZE["cuda"])])
+    return ({**serve_env, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+             "VLLM_CPU_OMP_THREADS_BIND": cpu_bind or f"0-{ncpu - 1}"}, [])
+
+
 @contextmanager
 def aggregated_node(work_dir: Path, *, kv_cache_gib: int, startup_timeout_s: float,
-                    cpu_bind: str | None = None, model: str | None = None
+                    cpu_bind: str | None = None, model: str | None = None,
+                    device: Device = "cpu", engine_args: list[str] | None = None
                     ) -> Iterator[Endpoint]:
     """A plain `python -m vllm.entrypoints.openai.api_server` serving a built-in model."""
     from kvagent_server import processes
@@ -273,12 +333,13 @@ def aggregated_node(work_dir: Path, *, kv_cache_gib: int, startup_timeout_s: flo
     (port,) = free_ports(1)
     run_dir = work_dir / "run"
     log_path = run_dir / "logs" / "aggregated.log"
-    ncpu = len(os.sched_getaffinity(0))
-    env = {**builtin.serve_env(), "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
-           "VLLM_CPU_OMP_THREADS_BIND": cpu_bind or f"0-{ncpu - 1}"}
+    env, device_args = aggregated_device(device, kv_cache_gib=kv_cache_gib,
+                                         serve_env=builtin.serve_env(), cpu_bind=cpu_bind,
+                                         ncpu=len(os.sched_getaffinity(0)))
     popen = processes.launch([sys.executable, "-m", VLLM_MODULE,
                               *aggregated_args(model_path, port,
-                                               builtin.serve_args(builtin.max_model_len))],
+                                               builtin.serve_args(builtin.max_model_len)),
+                              *device_args, *(engine_args or [])],
                              env=env, log_path=log_path, run_dir=run_dir, name="aggregated")
     root = f"http://127.0.0.1:{port}"
     try:

@@ -19,6 +19,7 @@ import platform
 import signal
 import sys
 import time
+from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -77,6 +78,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--model", default=None,
                    help="built-in model id (kvagent-demo, kvagent-demo-tekken) or a path "
                    "(default: kvagent-demo)")
+    add_device_args(s)
     s.add_argument("--kv-cache-gib", type=int, default=2, help="KV cache per vLLM node")
     s.add_argument("--startup-timeout", type=float, default=900.0)
     s.add_argument("--request-timeout", type=float, default=600.0)
@@ -84,8 +86,25 @@ def parser() -> argparse.ArgumentParser:
                    help="before each configuration, wait this long for vLLM processes not "
                    "started here to exit (fail if they remain); 0: do not check")
     s.add_argument("--no-warmup", action="store_true")
+    s.add_argument("--time-budget", type=float, default=0.0, metavar="SECONDS",
+                   help="stop starting configurations once this much time has gone (one is "
+                   "skipped when less is left than the longest one so far took); skipped "
+                   "ones are recorded as such. Start-up waits are capped to what is left. "
+                   "0: no budget")
     p.add_argument("--dump-workload", type=Path, help="write the workload JSON and exit")
     return p
+
+
+def add_device_args(group: argparse._ArgumentGroup) -> None:
+    """`--device` and `--engine-arg`, shared with the load mode."""
+    group.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                       help="where the vLLM nodes run (default cpu). cuda: every node of a "
+                       "configuration on GPU 0 (P and D share it, each with a fraction of "
+                       "its memory), no CPU pinning")
+    group.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
+                       dest="engine_args",
+                       help="one more vLLM argument for every node, repeatable (use the = "
+                       "form for flags: --engine-arg=-O0)")
 
 
 def build_workload(args: argparse.Namespace) -> Workload:
@@ -126,8 +145,10 @@ def _warmup(base_url: str, model: str) -> None:
 
 
 def run_config(config: BenchConfig, workload: Workload, work_dir: Path, *, run_id: str,
-               args: argparse.Namespace) -> ConfigResult:
-    """Up, warm, drive, down. A failure is recorded in the result, not raised."""
+               args: argparse.Namespace, startup_timeout_s: float | None = None
+               ) -> ConfigResult:
+    """Up, warm, drive, down. A failure is recorded in the result, not raised.
+    `startup_timeout_s`: overrides `--startup-timeout` (what a time budget leaves)."""
     if args.wait_alone > 0:
         wait_until_alone(args.wait_alone, log=_log)
     cdir = work_dir / config.name
@@ -144,7 +165,9 @@ def run_config(config: BenchConfig, workload: Workload, work_dir: Path, *, run_i
     try:
         _log(f"{config.name}: starting ({config.description})")
         with serve(config, cdir, kv_cache_gib=args.kv_cache_gib,
-                   startup_timeout_s=args.startup_timeout, model=args.model) as ep:
+                   startup_timeout_s=startup_timeout_s or args.startup_timeout,
+                   model=args.model, device=args.device,
+                   engine_args=args.engine_args) as ep:
             startup = time.perf_counter() - t0
             _log(f"{config.name}: up in {startup:.0f} s at {ep.base_url}")
             if not args.no_warmup:
@@ -173,7 +196,9 @@ def run_config(config: BenchConfig, workload: Workload, work_dir: Path, *, run_i
         logs=log_tails(cdir / "run" / "logs") if errors else None)
 
 
-def machine() -> dict[str, str | int | float | None]:
+def machine(device: str = "cpu") -> dict[str, str | int | float | None]:
+    """The host. `gpu`: "none", or the GPUs nvidia-smi names ("yes" without nvidia-smi);
+    with `device="cuda"` a `device` entry says the nodes ran on the GPU."""
     import psutil
 
     cpu = None
@@ -184,14 +209,35 @@ def machine() -> dict[str, str | int | float | None]:
                 break
     except OSError:
         pass
-    return {"platform": platform.platform(), "cpu": cpu,
-            "cores": len(os.sched_getaffinity(0)),
-            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1), "gpu": "none"
-            if not _has_gpu() else "yes"}
+    out: dict[str, str | int | float | None] = {
+        "platform": platform.platform(), "cpu": cpu, "cores": len(os.sched_getaffinity(0)),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "gpu": "none" if not _has_gpu() else (gpu_names() or "yes")}
+    if device != "cpu":
+        out["device"] = device
+    return out
 
 
 def _has_gpu() -> bool:
     return Path("/dev/nvidia0").exists()
+
+
+def gpu_names() -> str | None:
+    """`nvidia-smi`'s name, memory and driver of each GPU, `; `-joined; None without it."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run([exe, "--query-gpu=name,memory.total,driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True,
+                             timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = [" ".join(line.split()) for line in out.splitlines() if line.strip()]
+    return "; ".join(lines) or None
 
 
 def versions() -> dict[str, str | None]:
@@ -216,8 +262,9 @@ def run_benchmark(workload: Workload, configs: list[BenchConfig], out_dir: Path,
                   args: argparse.Namespace, command: list[str]) -> BenchmarkReport:
     now = dt.datetime.now(dt.UTC)
     run_id = f"mt{now:%H%M%S}"
-    results = [run_config(c, workload, out_dir / "work", run_id=run_id, args=args)
-               for c in configs]
+    results = run_within_budget(configs, args.time_budget, lambda c, startup: run_config(
+        c, workload, out_dir / "work", run_id=run_id, args=args, startup_timeout_s=startup),
+        startup_timeout_s=args.startup_timeout)
     ref = next((c for c in results if c.name == REFERENCE_CONFIG and c.status == "ok"), None)
     for c in results:
         if ref is not None and c.summary is not None:
@@ -228,12 +275,43 @@ def run_benchmark(workload: Workload, configs: list[BenchConfig], out_dir: Path,
         "max_tokens": workload.max_tokens, "concurrency": workload.concurrency,
         "keep_assistant": args.keep_assistant}
     return BenchmarkReport(
-        created_at=now.isoformat(timespec="seconds"), command=command, machine=machine(),
+        created_at=now.isoformat(timespec="seconds"), command=command,
+        machine=machine(args.device),
         versions=versions(), workload_source=workload.source,
         workload_fingerprint=workload.fingerprint(), workload=spec,
         reference_config=ref.name if ref else None, configs=results,
         targets=stats.targets(results),
         time_budget=budget.budgets(r for c in results for r in c.records))
+
+
+def run_within_budget(configs: list[BenchConfig], budget_s: float,
+                      run: Callable[[BenchConfig, float | None], ConfigResult], *,
+                      startup_timeout_s: float,
+                      clock: Callable[[], float] = time.monotonic) -> list[ConfigResult]:
+    """`run(config, startup_timeout)` for each configuration in order. With a budget
+    (`budget_s` > 0), a configuration is skipped (status `skipped`) once less time is left
+    than the longest one so far took, and each start-up wait is capped to what is left;
+    without one, `run(config, None)` for every configuration."""
+    results: list[ConfigResult] = []
+    t0 = clock()
+    longest = 0.0
+    for c in configs:
+        if budget_s <= 0:
+            results.append(run(c, None))
+            continue
+        left = budget_s - (clock() - t0)
+        if left <= 0 or left < longest:
+            _log(f"{c.name}: skipped, {max(left, 0):.0f} s of the time budget left "
+                 f"(the longest configuration took {longest:.0f} s)")
+            results.append(ConfigResult(
+                name=c.name, description=c.description, status="skipped",
+                error=f"not started: {max(left, 0):.0f} s of --time-budget {budget_s:.0f} s "
+                f"left, the longest configuration so far took {longest:.0f} s"))
+            continue
+        started = clock()
+        results.append(run(c, min(startup_timeout_s, left)))
+        longest = max(longest, clock() - started)
+    return results
 
 
 def _sigterm(signum: int, frame: object) -> None:
