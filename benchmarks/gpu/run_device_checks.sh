@@ -66,7 +66,8 @@ TIERS_ARGS=(--work "$WORK/tiers" --out "$OUTDIR/tiers-report.json")
 
 reap() {  # stop every process of this run (TERM, then KILL after 15 s); never others
   "$PY" - "$WORK" <<'EOF' || true
-import os, signal, sys, time
+import os, sys
+from benchmarks._procs import signal_until_gone
 root, me = sys.argv[1], os.getpid()
 def ours():
     found = []
@@ -88,19 +89,7 @@ def ours():
         if hit:
             found.append(int(pid))
     return found
-for sig, wait in ((signal.SIGTERM, 15.0), (signal.SIGKILL, 5.0)):
-    pids = ours()
-    if not pids:
-        break
-    print(f"cleanup: {signal.Signals(sig).name} {pids}", flush=True)
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except OSError:
-            pass
-    end = time.monotonic() + wait
-    while time.monotonic() < end and ours():
-        time.sleep(0.5)
+signal_until_gone(ours, grace_s=15.0, say=lambda m: print(m, flush=True))
 EOF
 }
 

@@ -11,12 +11,11 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
-import signal
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from benchmarks._procs import signal_until_gone
 from benchmarks.multihost.topology import HOSTS, PREFIX, SUBNET, Topology
 
 _CLONE_NEWNET = 0x40000000
@@ -79,20 +78,8 @@ def pids_in(ns: str) -> list[int]:
 
 def destroy(namespaces: list[str], grace: float = 5.0) -> list[str]:
     """Kill every process in the namespaces, then delete them; returns what is left."""
-    procs = {ns: pids_in(ns) for ns in namespaces}
-    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
-        for pids in procs.values():
-            for pid in pids:
-                try:
-                    os.kill(pid, sig)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline and any(pids_in(ns) for ns in namespaces):
-            time.sleep(0.1)
-        procs = {ns: pids_in(ns) for ns in namespaces}
-        if not any(procs.values()):
-            break
+    signal_until_gone(lambda: [pid for ns in namespaces for pid in pids_in(ns)],
+                      grace_s=grace)
     for ns in namespaces:
         subprocess.run(["ip", "netns", "del", ns], check=False, capture_output=True)
     return [ns for ns in namespaces if ns in existing()]

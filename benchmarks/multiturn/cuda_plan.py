@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvagent_server.render import last_flag
+
 from .nodes import (
     ALL_CONFIGS,
     GPU,
@@ -34,17 +36,6 @@ from .nodes import (
 MAX_GPU_SHARE = 0.95
 #: Placeholder ports (nothing binds them here).
 _PORT0 = 19000
-
-
-def _flag(argv: list[str] | tuple[str, ...], flag: str) -> str | None:
-    """The value of the last `flag` in `argv` (None if absent)."""
-    value = None
-    for i, tok in enumerate(argv):
-        if tok == flag and i + 1 < len(argv):
-            value = argv[i + 1]
-        elif tok.startswith(flag + "="):
-            value = tok.split("=", 1)[1]
-    return value
 
 
 def render_config(config: BenchConfig, work: Path, *, kv_cache_gib: int = 2,
@@ -105,9 +96,9 @@ def check(rendered: dict[str, Any]) -> list[str]:
         cpu_env = sorted(k for k in env if k.startswith("VLLM_CPU_"))
         if cpu_env or node.get("cpu_bind"):
             problems.append(f"{where}: CPU settings {cpu_env or node.get('cpu_bind')}")
-        if _flag(argv, "--kv-cache-memory-bytes") is None:
+        if last_flag(argv, "--kv-cache-memory-bytes") is None:
             problems.append(f"{where}: no --kv-cache-memory-bytes")
-        fraction = _flag(argv, "--gpu-memory-utilization")
+        fraction = last_flag(argv, "--gpu-memory-utilization")
         if fraction is None:
             problems.append(f"{where}: no --gpu-memory-utilization")
         else:

@@ -12,6 +12,7 @@ import json
 import secrets
 import shlex
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -203,7 +204,7 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
         if events is not None:
             event_sources[http_url(host, port)] = {
                 "endpoint": events[1], "topic": cfg.kv_events.topic,
-                "hash_algo": _last_flag(args, "--prefix-caching-hash-algo") or "sha256",
+                "hash_algo": last_flag(args, "--prefix-caching-hash-algo") or "sha256",
                 "hash_seed": env.get("PYTHONHASHSEED")}
         engine = cfg.engine_command or [inputs.python, "-m", VLLM_MODULE]
         nodes.append(ProcessSpec(
@@ -319,7 +320,7 @@ def ipc_socket_dirs(plan: BundlePlan) -> list[Path]:
     return sorted(dirs)
 
 
-def _last_flag(args: list[str], flag: str) -> str | None:
+def last_flag(args: Sequence[str], flag: str) -> str | None:
     """The value the last `flag VALUE` / `flag=VALUE` in `args` gives (argparse: last wins)."""
     value = None
     for k, arg in enumerate(args):
