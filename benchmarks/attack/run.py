@@ -10,7 +10,9 @@ source addresses (127.0.0.2 and up) than the well-behaved client (127.0.0.1), as
 separate clients would. Recorded per phase: the router's RSS and open fds (peak, from
 /proc), event-loop lag (the latency of a `/livez` probe every 50 ms on its own
 connection: the loop's lag plus one small request), the well-behaved client's TTFT, and
-what the attack got back. Targets (`check`): RSS under `--rss-cap-mib`, fds under
+what the attack got back. The probe and the well-behaved client run in an observer
+process of their own (`--observe`), so the attackers' own work cannot delay what they
+time; their samples are split into phases by time afterwards. Targets (`check`): RSS under `--rss-cap-mib`, fds under
 `max_connections` + 64, the well-behaved TTFT p99 within 2x its quiet value (the suite's
 slice allows 4x: the machine is shared), isolation held, the router alive.
 """
@@ -88,36 +90,64 @@ class Phase:
                 "good_reused_turns": self.good_reused, "attack": self.attack}
 
 
-class Monitor:
-    """Samples the router process and probes its loop while a phase runs."""
+@dataclass
+class Samples:
+    """What the observer process saw, each sample stamped with `time.monotonic()` (one
+    clock for every process on Linux), to be split into phases afterwards."""
+    rss_mib: list[tuple[float, float]] = field(default_factory=list)
+    fds: list[tuple[float, int]] = field(default_factory=list)
+    lag_ms: list[tuple[float, float]] = field(default_factory=list)
+    #: (turn sent, TTFT ms or None for a failed turn, reused)
+    turns: list[tuple[float, float | None, bool]] = field(default_factory=list)
 
-    def __init__(self, pid: int, base: str) -> None:
-        self.pid, self.base = pid, base
-        self.phase = Phase("start")
+    def phase(self, name: str, start: float, end: float) -> Phase:
+        def within(rows: list[Any]) -> list[Any]:
+            return [r for r in rows if start <= r[0] < end]
+
+        ph = Phase(name)
+        ph.rss_mib = [v for _, v in within(self.rss_mib)]
+        ph.fds = [v for _, v in within(self.fds)]
+        ph.lag_ms = [v for _, v in within(self.lag_ms)]
+        for _, ttft, reused in within(self.turns):
+            if ttft is None:
+                ph.good_errors += 1
+            else:
+                ph.ttft_ms.append(ttft)
+                ph.good_reused += reused
+        return ph
+
+
+class Monitor:
+    """Samples the router process and probes its loop."""
+
+    def __init__(self, pid: int, base: str, samples: Samples) -> None:
+        self.pid, self.base, self.samples = pid, base, samples
 
     def sample(self) -> None:
+        now = time.monotonic()
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
-                    self.phase.rss_mib.append(round(int(line.split()[1]) / 1024, 1))
-            self.phase.fds.append(len(os.listdir(f"/proc/{self.pid}/fd")))
+                    self.samples.rss_mib.append((now, round(int(line.split()[1]) / 1024, 1)))
+            self.samples.fds.append((now, len(os.listdir(f"/proc/{self.pid}/fd"))))
 
     async def run(self) -> None:
         async with httpx.AsyncClient(base_url=self.base, timeout=30) as c:
             while True:
                 self.sample()
                 t0 = time.perf_counter()
+                sent = time.monotonic()
                 with contextlib.suppress(httpx.HTTPError):
                     await c.get("/livez")
-                    self.phase.lag_ms.append((time.perf_counter() - t0) * 1000)
+                    self.samples.lag_ms.append((sent, (time.perf_counter() - t0) * 1000))
                 await asyncio.sleep(0.05)
 
 
 class GoodClient:
     """Streamed turns on one session (reset every 4 turns), measuring TTFT."""
 
-    def __init__(self, base: str, monitor: Monitor, session: str) -> None:
-        self.base, self.monitor, self.session = base, monitor, session
+    def __init__(self, base: str, samples: Samples, session: str) -> None:
+        self.base, self.samples, self.session = base, samples, session
         self.turns = 0
 
     async def run(self) -> None:
@@ -127,7 +157,7 @@ class GoodClient:
             while True:
                 if self.turns % 4 == 0:
                     messages = [{"role": "user", "content": "Summarise this. " * 20}]
-                phase = self.monitor.phase
+                sent = time.monotonic()
                 t0 = time.perf_counter()
                 ttft, text, kva = None, [], {}
                 try:
@@ -146,15 +176,34 @@ class GoodClient:
                             if obj.get("choices"):
                                 text.append(obj["choices"][0]["delta"].get("content") or "")
                             kva = obj.get("kvagent") or kva
-                    phase.ttft_ms.append((ttft or 0) * 1000)
-                    phase.good_reused += bool(kva.get("reused_tokens"))
+                    self.samples.turns.append((sent, (ttft or 0) * 1000,
+                                               bool(kva.get("reused_tokens"))))
                 except (httpx.HTTPError, RuntimeError, ValueError):
-                    phase.good_errors += 1
+                    self.samples.turns.append((sent, None, False))
                     await asyncio.sleep(0.1)
                 self.turns += 1
                 messages = [*messages, {"role": "assistant", "content": "".join(text)},
                             {"role": "user", "content": f"and then {self.turns}?"}]
                 await asyncio.sleep(0.05)
+
+
+async def observe(base: str, pid: int, session: str, out: Path) -> None:
+    """The observer process: the loop probe and the well-behaved client, until SIGTERM;
+    then the samples go to `out`. Apart from the attackers' process, so that what they
+    do in their own event loop (encoding a 9 MiB body, say) cannot delay what it times."""
+    import signal
+
+    samples = Samples()
+    stop_ev = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop_ev.set)
+    tasks = [asyncio.create_task(Monitor(pid, base, samples).run()),
+             asyncio.create_task(GoodClient(base, samples, session).run())]
+    await stop_ev.wait()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    out.write_text(json.dumps({k: getattr(samples, k) for k in
+                               ("rss_mib", "fds", "lag_ms", "turns")}))
 
 
 # ------------------------------------------------------------------ attacks
@@ -443,7 +492,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
              "--settings", settings_path, "--log-level", "warning"], env, args.router_log)
         procs.append(router)
         await wait_ready(f"{base}/ready")
-        monitor = Monitor(router.pid, base)
         session = f"good-{rng.randrange(1 << 30):x}"
         attacks = Attacks(r_port, base, rng, args.scale, session)
 
@@ -459,8 +507,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             return None
 
         attacks.d_blocks = d_blocks  # type: ignore[method-assign]
-        background = [asyncio.create_task(monitor.run()),
-                      asyncio.create_task(GoodClient(base, monitor, session).run())]
+        samples_path = Path(tempfile.mkdtemp(prefix="kvagent-attack-")) / "samples.json"
+        observer = _spawn([sys.executable, str(HERE / "run.py"), "--observe", base,
+                           str(router.pid), session, str(samples_path)], env, None)
+        procs.append(observer)
+        await asyncio.sleep(0.5)  # the observer's first turns before the quiet phase
         s, q = args.scale, args.phase_s
         plan: list[tuple[str, Any]] = [
             ("quiet", lambda: asyncio.sleep(q)),
@@ -475,6 +526,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             ("hijack_quota_abuse", lambda: attacks.hijack_and_quota(int(300 * s) or 60)),
             ("quiet_after", lambda: asyncio.sleep(q)),
         ]
+        windows: list[tuple[str, float, float, dict[str, Any]]] = []
         phases: dict[str, Any] = {}
         deadline = time.monotonic() + args.max_s
         for name, attack in plan:
@@ -483,19 +535,23 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 phases[name] = {"skipped": "run over --max-s"}
                 continue
-            monitor.phase = Phase(name)
             started = time.monotonic()
             result = await asyncio.wait_for(attack(), timeout=max(5.0, q * 4 + 60))
             await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - started)))  # samples
-            monitor.sample()
-            monitor.phase.attack = result or {}
-            monitor.phase.attack["seconds"] = round(time.monotonic() - started, 1)
-            phases[name] = monitor.phase.summary()
-            phases[name]["router_alive"] = router.poll() is None
+            result = result or {}
+            result["seconds"] = round(time.monotonic() - started, 1)
+            windows.append((name, started, time.monotonic(), result))
+            phases[name] = {"router_alive": router.poll() is None}
+            print(name, json.dumps(result), flush=True)
+        observer.terminate()
+        observer.wait(30)
+        raw = json.loads(samples_path.read_text())
+        samples = Samples(**{k: [tuple(r) for r in v] for k, v in raw.items()})
+        for name, start, end, result in windows:
+            ph = samples.phase(name, start, end)
+            ph.attack = result
+            phases[name] = {**ph.summary(), **phases[name]}
             print(name, json.dumps(phases[name]), flush=True)
-        for t in background:
-            t.cancel()
-        await asyncio.gather(*background, return_exceptions=True)
         return {"settings": known, "seed": args.seed, "scale": args.scale,
                 "phase_s": q, "phases": phases, "checks": check(phases, args)}
     finally:
@@ -545,7 +601,13 @@ def main() -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--router-log", type=Path)
     p.add_argument("--backend-log", type=Path)
+    p.add_argument("--observe", nargs=4, metavar=("BASE", "ROUTER_PID", "SESSION", "OUT"),
+                   help=argparse.SUPPRESS)  # the observer process (see `observe`)
     args = p.parse_args()
+    if args.observe:
+        base, pid, session, out = args.observe
+        asyncio.run(observe(base, int(pid), session, Path(out)))
+        return 0
     if args.quick:
         args.scale, args.phase_s, args.max_s, args.ttft_factor = 0.1, 3.0, 50.0, 4.0
     result = asyncio.run(run(args))

@@ -709,9 +709,11 @@ async def router_stack(*, n_prefill: int = 1, n_decode: int = 1, settings: Any =
 
 
 async def serve_pair(cluster: FakeCluster, p_port: int, d_port: int, *,
-                     bounded_logs: bool = False) -> None:
+                     bounded_logs: bool = False,
+                     wrap: Callable[[str, Any], Any] | None = None) -> None:
     """Serve one fake P and one fake D node on loopback ports until cancelled (the
-    benchmarks' backends). `bounded_logs` keeps only the last requests (long runs)."""
+    benchmarks' backends). `bounded_logs` keeps only the last requests (long runs);
+    `wrap(role, app)` returns the ASGI app to serve in place of a node's own."""
     import uvicorn
 
     servers = []
@@ -720,7 +722,8 @@ async def serve_pair(cluster: FakeCluster, p_port: int, d_port: int, *,
         if bounded_logs:
             node.requests = deque(maxlen=64)  # type: ignore[assignment]
             node.tokenize_requests = deque(maxlen=64)  # type: ignore[assignment]
-        config = uvicorn.Config(node.app, host="127.0.0.1", port=port, log_level="warning",
+        app = wrap(role, node.app) if wrap is not None else node.app
+        config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                 access_log=False, backlog=4096)
         servers.append(uvicorn.Server(config))
     await asyncio.gather(*(srv.serve() for srv in servers))
