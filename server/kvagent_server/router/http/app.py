@@ -330,7 +330,7 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
     streams[held] = streams.get(held, 0) + 1
     streams[client] = streams.get(client, 0) + 1
     span = start_turn(endpoint=endpoint, model=body.get("model"), session=session,
-                      tenant=tenant.name)
+                      tenant=tenant.name, arrived=arrived)
     req.span = span
     done = False
 

@@ -7,6 +7,7 @@ Attribute names follow the GenAI semantic conventions where they exist
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -18,9 +19,11 @@ _tracer = trace.get_tracer("kvagent.router")
 
 
 def start_turn(*, endpoint: str, model: str | None, session: str | None,
-               tenant: str) -> Span:
-    """The turn's span. Not made current: a streamed turn ends in another task, where
-    detaching a context attached here would fail; leg spans name it as parent instead."""
+               tenant: str, arrived: float | None = None) -> Span:
+    """The turn's span, from the request's arrival (`arrived`, a `time.perf_counter()`) so
+    that it covers the receive stage. Not made current: a streamed turn ends in another
+    task, where detaching a context attached here would fail; leg spans name it as parent
+    instead."""
     attrs: dict[str, Any] = {"gen_ai.operation.name": "chat" if "chat" in endpoint
                              else "text_completion", "kvagent.tenant": tenant,
                              "http.route": endpoint}
@@ -28,7 +31,9 @@ def start_turn(*, endpoint: str, model: str | None, session: str | None,
         attrs["gen_ai.request.model"] = model
     if session:
         attrs["gen_ai.conversation.id"] = session
-    return _tracer.start_span("kvagent.turn", attributes=attrs)
+    start_ns = None if arrived is None else \
+        time.time_ns() - int((time.perf_counter() - arrived) * 1e9)
+    return _tracer.start_span("kvagent.turn", attributes=attrs, start_time=start_ns)
 
 
 @contextmanager
