@@ -8,7 +8,7 @@ validated by the bundle's own `validate_config` and rendered by `render.plan` on
 with one GPU (what `kvagent-server up` would start), and the aggregated node's environment
 and arguments are built; `check()` then asserts what one GPU shared by P and D needs:
 device cuda, every node on GPU 0, no CPU pinning or VLLM_CPU_* variables, a KV size per
-node, and `--gpu-memory-utilization` fractions that sum to at most `MAX_GPU_SHARE`.
+node, and `--gpu-memory-utilization` fractions that sum to at most `nodes.GPU_MEMORY_TOTAL`.
 `benchmarks/gpu/run_device_checks.sh --dry-run` runs this.
 """
 
@@ -25,6 +25,7 @@ from kvagent_server.render import last_flag
 from .nodes import (
     ALL_CONFIGS,
     GPU,
+    GPU_MEMORY_TOTAL,
     VLLM_MODULE,
     BenchConfig,
     aggregated_args,
@@ -32,8 +33,6 @@ from .nodes import (
     bundle_settings,
 )
 
-#: The most of the GPU's memory the nodes of one configuration may claim together.
-MAX_GPU_SHARE = 0.95
 #: Placeholder ports (nothing binds them here).
 _PORT0 = 19000
 
@@ -103,8 +102,8 @@ def check(rendered: dict[str, Any]) -> list[str]:
             problems.append(f"{where}: no --gpu-memory-utilization")
         else:
             share += float(fraction)
-    if share > MAX_GPU_SHARE:
-        problems.append(f"{name}: GPU memory fractions sum to {share:.2f} > {MAX_GPU_SHARE}")
+    if share > GPU_MEMORY_TOTAL:
+        problems.append(f"{name}: GPU memory fractions sum to {share:.2f} > {GPU_MEMORY_TOTAL}")
     rendered["gpu_memory_share"] = round(share, 4)
     return problems
 
