@@ -236,3 +236,15 @@ def start_bundle(config):
         run_dir=config.resolved_run_dir(),
     )
     return handle, bundle
+
+
+def metric_sum(url: str, name: str) -> float:
+    """Sum of a Prometheus metric's samples (all label sets) on a node or the router."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total

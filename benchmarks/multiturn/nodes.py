@@ -53,6 +53,9 @@ class BenchConfig(BaseModel):
     #: Router setting `queue_aware_paths` (bundle only): the cost model also prices the
     #: work in flight on each node.
     queue_aware_paths: bool = False
+    #: Router setting `skip_tokenize_extensions` (bundle only): False tokenizes every
+    #: reused turn, as the router did before turns could skip it.
+    skip_tokenize_extensions: bool = True
     prefill_count: int = Field(default=1, ge=1, le=4)  # P nodes (bundle only)
     #: KV block size in tokens (bundle only); None: the bundle's default (128 on CPU).
     block_size: int | None = None
@@ -78,6 +81,10 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig(name="kvagent_queue_aware", kind="bundle", reuse=True, queue_aware_paths=True,
                 description="kvagent whose cost model also prices the work in flight on "
                 "P and D (router.queue_aware_paths)"),
+    BenchConfig(name="kvagent_tokenize_always", kind="bundle", reuse=True,
+                skip_tokenize_extensions=False,
+                description="kvagent that tokenizes every reused turn, even one whose "
+                "messages extend the held turn's (router.skip_tokenize_extensions off)"),
     BenchConfig(name="kvagent_always_d_direct", kind="bundle", reuse=True,
                 skip_prefill_max_tokens=ALWAYS_SKIP_P,
                 description="kvagent with a fixed policy: every reused turn skips P "
@@ -236,6 +243,8 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
         router["skip_prefill_max_tokens"] = config.skip_prefill_max_tokens
     if config.queue_aware_paths:
         router["queue_aware_paths"] = True
+    if not config.skip_tokenize_extensions:
+        router["skip_tokenize_extensions"] = False
     return {
         **({"block_size": config.block_size} if config.block_size else {}),
         **({"device": "cuda", "cpu_pinning": False} if device == "cuda" else {}),

@@ -19,3 +19,11 @@ def test_nixl_pull_between_processes_arrives_intact() -> None:
     assert "error" not in result, result
     assert result["data_ok"] is True
     assert len(result["times_s"]) == 2 and all(t > 0 for t in result["times_s"])
+
+
+def test_the_single_copy_ceiling_arrives_intact() -> None:
+    from benchmarks.nixl_bandwidth.run import measure_single_copy
+
+    result = measure_single_copy(4 << 20, 256 << 10, repeats=2, timeout_s=120)
+    assert "error" not in result, result
+    assert result["data_ok"] is True and len(result["times_s"]) == 2

@@ -17,6 +17,7 @@ from support import (
     RedisServer,
     p2p_received,  # noqa: F401  (the e2e tests import it from here)
 )
+from support import metric_sum as metric
 
 SIGNING_KID = "e2e"
 
@@ -119,16 +120,6 @@ class E2E:
     def metric(self, url: str, name: str) -> float:
         """Sum of a Prometheus metric's samples (all label sets) on a node or the router."""
         return metric(url, name)
-
-
-def metric(url: str, name: str) -> float:
-    """Sum of a Prometheus metric's samples (all label sets) on a node or the router."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and line[len(name):len(name) + 1] in (" ", "{"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 def session(e: E2E, *, api_key: str = ALPHA_KEY, **kw: Any):

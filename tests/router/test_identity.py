@@ -246,3 +246,50 @@ def test_identity_survives_packing() -> None:
     assert unpack_handle(pack_handle(h)) == h
     old = handle(ids, None)  # a handle from a router that recorded no identity
     assert unpack_handle(pack_handle(old)).identity is None
+
+
+# ---------------------------------------------------------------- messages that extend
+
+
+def _chat(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": messages, **extra}
+
+
+HELD = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+NEXT = [*HELD, {"role": "assistant", "content": "hello"}, {"role": "user", "content": "more"}]
+
+
+def _held(body: dict[str, Any]) -> Any:
+    return identity.identity_of(body, chat=True, history=True)
+
+
+def test_a_body_that_repeats_the_held_messages_extends_them() -> None:
+    held = _held(_chat(HELD, tools=[{"type": "function", "function": {"name": "f"}}]))
+    assert held.history is not None and held.messages == 2
+    grown = _chat(NEXT, tools=[{"type": "function", "function": {"name": "f"}}])
+    assert identity.extension_chars(held, grown) == identity.message_chars(NEXT[2:]) > 0
+
+
+@pytest.mark.parametrize("change", [
+    {"messages": [{"role": "system", "content": "be BRIEF"}, *NEXT[1:]]},  # an edit
+    {"messages": HELD},  # nothing new
+    {"messages": NEXT[:1]},  # fewer messages
+    {"messages": NEXT, "tools": [{"type": "function", "function": {"name": "g"}}]},
+    {"messages": NEXT, "chat_template_kwargs": {"enable_thinking": False}},
+    {"messages": NEXT, "add_generation_prompt": False},
+])
+def test_any_change_to_what_rendered_the_held_messages_is_no_extension(
+        change: dict[str, Any]) -> None:
+    held = _held(_chat(HELD))
+    assert identity.extension_chars(held, {"model": "m", **change}) is None
+
+
+def test_a_handle_without_a_history_digest_is_never_extended() -> None:
+    held = identity.identity_of(_chat(HELD), chat=True)  # recorded without `history`
+    assert held.history is None
+    assert identity.extension_chars(held, _chat(NEXT)) is None
+
+
+def test_the_history_digest_ignores_fields_that_do_not_render() -> None:
+    held = _held(_chat(HELD, temperature=0.7, max_tokens=5))
+    assert identity.extension_chars(held, _chat(NEXT, temperature=0.0, stream=True))

@@ -528,3 +528,50 @@ def test_shifted_blocks_shift_every_group_by_half_and_leave_the_input_alone() ->
     assert shifted_blocks({"remote_block_ids": [1, 2, 3, 4, 5, 6]})["remote_block_ids"] == [
         1, 1, 1, 1, 2, 3]
     assert shifted_blocks({"remote_block_ids": [7]})["remote_block_ids"] == [7]
+
+
+# ------------------------------------------------------- d_direct without /tokenize
+
+
+def test_extension_plan_reuses_every_whole_block_d_holds() -> None:
+    from kvagent_server.router.reuse.planner import Reason, extension_plan
+
+    h = make_handle(list(range(100)))  # D holds KV of 99 tokens
+    p = extension_plan(h, threshold=0)
+    assert p.reuse_tokens == 99 // BS * BS and p.reason is Reason.HIT and not p.tokenized
+    assert extension_plan(h, threshold=200).reason is Reason.BELOW_THRESHOLD
+    bad = make_handle(list(range(100)), params={"remote_num_tokens": 99})
+    assert extension_plan(bad, threshold=0).reason is Reason.UNSUPPORTED_KV_LAYOUT
+
+
+def test_skip_tokenize_pays_within_a_fixed_threshold_only() -> None:
+    from kvagent_server.router.reuse.planner import skip_tokenize_pays
+
+    p = ReusePlan(reuse_tokens=1024, reason="hit")
+    kw = {"tokenize_s": 0.01}
+    assert skip_tokenize_pays(p, (10, 300), PathCosts(), skip_prefill_max_tokens=300, **kw)
+    assert not skip_tokenize_pays(p, (10, 301), PathCosts(), skip_prefill_max_tokens=300,
+                                  **kw)
+    assert not skip_tokenize_pays(p, (10, 50), PathCosts(), skip_prefill_max_tokens=0, **kw)
+    with pytest.raises(ValueError):
+        skip_tokenize_pays(p, (0, 5), PathCosts(), skip_prefill_max_tokens=None, **kw)
+
+
+def test_skip_tokenize_pays_while_d_direct_loses_less_than_the_tokenize() -> None:
+    """With the cost model: skip unless somewhere in the range `pd_reuse` beats
+    `d_direct` by more than the /tokenize the skip saves."""
+    from kvagent_server.router.reuse.planner import skip_tokenize_pays
+
+    # d_direct: 1 ms/token on D; pd_reuse: 20 ms fixed + 0.5 ms/token on P (pull free):
+    # they cross at 40 tokens, and pd_reuse leads by 10 ms at 60.
+    costs = PathCosts(prefill=LinearCost(fixed_s=0.02, per_token_s=5e-4),
+                      pull=LinearCost(fixed_s=0.0, per_token_s=0.0),
+                      d_direct=LinearCost(fixed_s=0.0, per_token_s=1e-3))
+    p = ReusePlan(reuse_tokens=1024, reason="hit")
+    pays = lambda lo, hi, t: skip_tokenize_pays(
+        p, (lo, hi), costs, t, skip_prefill_max_tokens=None)
+    assert pays(5, 39, 0.0)  # d_direct everywhere
+    assert not pays(5, 60, 0.005)  # pd_reuse 10 ms ahead at 60 > a 5 ms tokenize
+    assert pays(5, 60, 0.0101)  # ... but not by more than a 10.1 ms one
+    assert choose_path(p, 1024 + 60, costs, skip_prefill_max_tokens=None,
+                       d_healthy=True) == "pd_reuse"

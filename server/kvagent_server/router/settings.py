@@ -60,6 +60,12 @@ class RouterSettings(BaseModel):
         "flight on its node (prompt tokens queued on P, D's queued deltas and decode streams) "
         "and the stall a `d_direct` delta puts on D's streams. False: each path's learned "
         "TTFT line alone (off: not shown better under load, docs/benchmarks.md run 5).")
+    skip_tokenize_extensions: bool = Field(default=True,
+        description="A chat turn whose messages repeat the held turn's exactly (same "
+        "rendering inputs) and add new ones goes `d_direct` without the router's `/tokenize` "
+        "when the path would be `d_direct` for any delta near the one its new messages' size "
+        "suggests: D's prefix cache matches the tokens itself. False: tokenize every "
+        "reused turn.")
     reuse: bool = Field(default=True,
         description="Reuse is disabled entirely (for A/B comparisons and benchmarks).")
     server_timing: bool = Field(default=False,

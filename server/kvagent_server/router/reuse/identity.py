@@ -145,11 +145,45 @@ def placeholder_starts(prompt_ids: Sequence[int],
             if t in ph and (i == 0 or prompt_ids[i - 1] not in ph)]
 
 
+def history_digest(body: dict[str, Any], upto: int) -> str | None:
+    """SHA-256 of what renders a chat body's first `upto` messages: those messages and
+    every other rendered field (tools, the template and its arguments). None when the
+    body has fewer messages.
+
+    Two bodies with equal digests render their first `upto` messages from the same
+    inputs, so (for a template that renders a conversation front to back) the later
+    prompt starts with the earlier one."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or len(messages) < upto:
+        return None
+    render = {k: body[k] for k in sorted(RENDERED_CHAT - {"messages"})
+              if body.get(k) is not None}
+    return _digest({"render": render, "messages": messages[:upto]})
+
+
+def extension_chars(held: KVIdentity, body: dict[str, Any]) -> int | None:
+    """Bytes of JSON a chat body adds to the held prompt's messages, when it repeats them
+    exactly, under the same rendering inputs, and adds at least one; else None."""
+    messages = body.get("messages")
+    if (held.history is None or not isinstance(messages, list)
+            or len(messages) <= held.messages
+            or history_digest(body, held.messages) != held.history):
+        return None
+    return message_chars(messages[held.messages:])
+
+
+def message_chars(messages: Any) -> int:
+    """The size of `messages` as compact UTF-8 JSON (what tokens-per-byte ratios use)."""
+    return len(json.dumps(messages, separators=(",", ":"), ensure_ascii=False).encode())
+
+
 def identity_of(body: dict[str, Any], *, chat: bool, prompt_ids: Sequence[int] = (),
                 placeholder_ids: Collection[int] = (),
-                extra_unverifiable: Collection[str] = ()) -> KVIdentity:
+                extra_unverifiable: Collection[str] = (),
+                history: bool = False) -> KVIdentity:
     """The identity of the prompt `body` describes (`prompt_ids`: its tokenized ids;
-    placeholder positions as `with_positions` finds them)."""
+    placeholder positions as `with_positions` finds them; `history`: record the digest
+    of its messages, for a handle)."""
     parts = media_parts(body) if chat else []
     media = tuple(MediaItem(where=where, digest=_digest(part), inline=_inline(part))
                   for where, part in parts)
@@ -160,7 +194,9 @@ def identity_of(body: dict[str, Any], *, chat: bool, prompt_ids: Sequence[int] =
                        cache_salt=salt if isinstance(salt, str) else None, media=media,
                        messages=len(messages) if isinstance(messages, list) else 0,
                        unverifiable=unverifiable_fields(body, chat=chat,
-                                                        extra=extra_unverifiable))
+                                                        extra=extra_unverifiable),
+                       history=(history_digest(body, len(messages))
+                                if history and isinstance(messages, list) else None))
     return with_positions(ident, prompt_ids, placeholder_ids)
 
 

@@ -99,6 +99,9 @@ class ReusePlan(BaseModel):
     common_prefix: int = Field(default=0, ge=0)
     #: Tokens whose KV the decode node could hand over.
     cached_tokens: int = Field(default=0, ge=0)
+    #: False: planned from the messages alone (`extension_plan`), so only `d_direct`
+    #: may serve it and `reuse_tokens` is what D holds, not a verified prefix.
+    tokenized: bool = True
 
     @property
     def reuses(self) -> bool:
@@ -226,15 +229,8 @@ def plan_reuse(
         common = min(common, cut.cap or 0)
     if common == 0:
         return ReusePlan(reuse_tokens=0, reason=Reason.DIVERGED_AT_0, cached_tokens=retained)
-    align = handle.block_size
-    if prefill_block_size is not None:
-        if prefill_block_size < 1:
-            raise ValueError("prefill_block_size must be positive")
-        align = math.lcm(align, prefill_block_size)
-    usable = min(common, len(prompt_ids) - 1)
-    reuse = usable // align * align
-    if reuse < threshold:
-        reuse = 0
+    reuse = _aligned(min(common, len(prompt_ids) - 1), handle.block_size,
+                     prefill_block_size, threshold)
     if cut is not None:  # the media check, not the tokens, ended the prefix
         return _identity_plan(cut, reuse, common_prefix=common, cached_tokens=retained)
     if reuse == 0:
@@ -243,6 +239,37 @@ def plan_reuse(
     reason = Reason.HIT if common == retained else Reason.PREFIX_PARTIAL
     return ReusePlan(reuse_tokens=reuse, reason=reason, common_prefix=common,
                      cached_tokens=retained)
+
+
+def _aligned(tokens: int, block_size: int, prefill_block_size: int | None,
+             threshold: int) -> int:
+    """`tokens` rounded down to whole blocks of D (and of P, when its size differs);
+    0 below `threshold`."""
+    align = block_size
+    if prefill_block_size is not None:
+        if prefill_block_size < 1:
+            raise ValueError("prefill_block_size must be positive")
+        align = math.lcm(align, prefill_block_size)
+    reuse = tokens // align * align
+    return reuse if reuse >= threshold else 0
+
+
+def extension_plan(handle: Handle, *, threshold: int,
+                   prefill_block_size: int | None = None) -> ReusePlan:
+    """The plan for a prompt known, from its messages, to extend everything `handle`
+    holds (reuse.identity.extension_chars), without its token ids: every whole block D
+    retains. Only a `d_direct` leg may act on it, since D's prefix cache then matches the
+    real tokens itself; a pull needs the verified plan of `plan_reuse`.
+    The caller has made `plan_reuse`'s other checks (tenant, expiry, epoch, identity)."""
+    retained = retained_tokens(handle)
+    if retained is None:
+        return ReusePlan(reuse_tokens=0, reason=Reason.UNSUPPORTED_KV_LAYOUT)
+    reuse = _aligned(retained, handle.block_size, prefill_block_size, threshold)
+    if reuse == 0:
+        return ReusePlan(reuse_tokens=0, reason=Reason.BELOW_THRESHOLD,
+                         common_prefix=retained, cached_tokens=retained)
+    return ReusePlan(reuse_tokens=reuse, reason=Reason.HIT, common_prefix=retained,
+                     cached_tokens=retained, tokenized=False)
 
 
 def _identity_plan(check: IdentityCheck, reuse: int, **counts: int) -> ReusePlan:
@@ -431,13 +458,41 @@ def choose_path(
     delta = prompt_len - plan.reuse_tokens
     if skip_prefill_max_tokens is not None:
         return "d_direct" if 0 < delta <= skip_prefill_max_tokens else "pd_reuse"
-    if p_work is not None or d_work is not None:
-        d_cost = costs.queued_cost("d_direct", prompt_len, plan.reuse_tokens, d_work or IDLE)
-        p_cost = costs.queued_cost("pd_reuse", prompt_len, plan.reuse_tokens, p_work or IDLE)
-    else:
-        d_cost = costs.estimate("d_direct", prompt_len, plan.reuse_tokens)
-        p_cost = costs.estimate("pd_reuse", prompt_len, plan.reuse_tokens)
+    d_cost, p_cost = _path_costs(plan, prompt_len, costs, p_work, d_work)
     return "d_direct" if d_cost < p_cost else "pd_reuse"
+
+
+def skip_tokenize_pays(plan: ReusePlan, deltas: tuple[int, int], costs: PathCosts,
+                       tokenize_s: float, *, skip_prefill_max_tokens: int | None,
+                       p_work: NodeWork | None = None,
+                       d_work: NodeWork | None = None) -> bool:
+    """May a turn whose uncached delta is only known to lie in `deltas` (from..to tokens)
+    go `d_direct` without the router's `/tokenize` (which takes `tokenize_s`)?
+
+    With a fixed `skip_prefill_max_tokens`, only when every delta in the range is within
+    it. With the cost model, when `d_direct` costs at most `tokenize_s` more than
+    `pd_reuse` anywhere in the range: tokenizing to choose would cost that much itself.
+    Every cost is linear in the delta, so the two ends decide."""
+    low, high = deltas
+    if not 0 < low <= high:
+        raise ValueError("deltas must be positive and ordered")
+    if skip_prefill_max_tokens is not None:
+        return high <= skip_prefill_max_tokens
+    for delta in (low, high):
+        d_cost, p_cost = _path_costs(plan, plan.reuse_tokens + delta, costs, p_work, d_work)
+        if d_cost - p_cost > tokenize_s:
+            return False
+    return True
+
+
+def _path_costs(plan: ReusePlan, prompt_len: int, costs: PathCosts,
+                p_work: NodeWork | None, d_work: NodeWork | None) -> tuple[float, float]:
+    """(`d_direct`, `pd_reuse`) costs of the turn, as `choose_path` compares them."""
+    if p_work is not None or d_work is not None:
+        return (costs.queued_cost("d_direct", prompt_len, plan.reuse_tokens, d_work or IDLE),
+                costs.queued_cost("pd_reuse", prompt_len, plan.reuse_tokens, p_work or IDLE))
+    return (costs.estimate("d_direct", prompt_len, plan.reuse_tokens),
+            costs.estimate("pd_reuse", prompt_len, plan.reuse_tokens))
 
 
 class _Ewma:

@@ -96,11 +96,14 @@ class WorkLedger:
 
 
 class CharsPerToken:
-    """Prompt tokens a P leg computes per character of its request body, learned online.
+    """Tokens per character (byte of JSON) of what the router did not tokenize, learned
+    online (EWMA).
 
-    A first turn is not tokenized by the router (there is nothing to verify against), so
-    its P leg's work is estimated from the body's size; the ratio learned from P legs'
-    usage also absorbs what P's own prefix cache saves on such turns.
+    The router keeps two: a first turn is not tokenized (there is nothing to verify
+    against), so its P leg's work is estimated from the body's size, with a ratio
+    learned from P legs' usage that also absorbs what P's own prefix cache saves; and a
+    turn that skips `/tokenize` because its messages extend the held ones estimates its
+    delta from the new messages' size, with a ratio of prompt tokens to message bytes.
     """
 
     def __init__(self, *, prior: float = 0.25, alpha: float = 0.2) -> None:
@@ -108,11 +111,13 @@ class CharsPerToken:
             raise ValueError("prior must be positive and alpha in (0, 1]")
         self.ratio = prior
         self.alpha = alpha
+        self.samples = 0
 
     def observe(self, chars: int, computed_tokens: int) -> None:
         if chars <= 0 or computed_tokens < 0:
             return
         self.ratio += self.alpha * (computed_tokens / chars - self.ratio)
+        self.samples += 1
 
     def tokens(self, chars: int) -> int:
         return max(0, round(chars * self.ratio))

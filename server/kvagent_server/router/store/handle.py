@@ -49,6 +49,9 @@ class KVIdentity(BaseModel):
     messages: int = Field(default=0, ge=0)
     #: Request fields present that may shape KV in ways the router cannot verify.
     unverifiable: tuple[str, ...] = ()
+    #: SHA-256 of everything that rendered those messages (the messages themselves, tools,
+    #: template and its arguments; reuse.identity.history_digest); None: not recorded.
+    history: str | None = None
 
 
 class Handle(BaseModel):

@@ -34,6 +34,10 @@ class RouterMetrics:
                                          "Prompt tokens computed by a node.", registry=r)
         self.paths = Counter("kvagent_router_turns", "Turns by path taken.", ["path"],
                              registry=r)
+        self.tokenize_skipped = Counter(
+            "kvagent_router_tokenize_skipped",
+            "Reused turns sent d_direct without the router's /tokenize (their messages "
+            "extend the held turn's).", registry=r)
         self.leg_latency = Histogram("kvagent_router_leg_seconds",
                                      "Leg latency (P: whole leg; D: to response headers).",
                                      ["leg"], buckets=_LATENCY_BUCKETS, registry=r)

@@ -43,7 +43,11 @@ from kvagent_server.router.turns.retention import RetentionGuard, remote_request
 
 log = logging.getLogger("kvagent.router.turn")
 
-
+#: Turns whose prompt tokens per message byte were learned before a turn may estimate its
+#: delta from its messages' size (and skip `/tokenize`).
+MIN_RATIO_SAMPLES = 3
+#: Weight of the newest `/tokenize` round trip in the router's running mean of it.
+TOKENIZE_EWMA_ALPHA = 0.2
 
 
 @dataclass
@@ -62,6 +66,12 @@ class Router:
     work: WorkLedger = field(default_factory=WorkLedger)
     #: Tokens per body character of P legs whose prompt the router did not tokenize.
     chars: CharsPerToken = field(default_factory=CharsPerToken)
+    #: Prompt tokens per byte of a chat turn's messages (a turn that skips `/tokenize`
+    #: estimates its delta from its new messages with it).
+    message_chars: CharsPerToken = field(default_factory=CharsPerToken)
+    #: The `/tokenize` round trip, seconds (running mean; None until one was made): what
+    #: a turn that skips it saves.
+    tokenize_s: float | None = None
     #: Tier-aware P placement from the nodes' KV events (None: by load only).
     tiers: TierPlacement | None = None
     #: Bounds what decode nodes retain (router/retention.py; None: TTL only).
@@ -138,6 +148,10 @@ class Turn:
         else:
             reported = usage_cached(usage)
         cached = reported if reported is not None else planned
+        r = self.router
+        if self.req.chat and prompt_tokens and r.settings.skip_tokenize_extensions:
+            r.message_chars.observe(identity.message_chars(self.req.body.get("messages")),
+                                    prompt_tokens)
         reused = min(planned, cached) if self.path == "pd_reuse" else (
             cached if self.path == "d_direct" else 0)
         self._account(prompt_tokens, cached, reused)
@@ -207,7 +221,8 @@ class Turn:
                         decode_node=node.name, decode_epoch=node.epoch,
                         kv_transfer_params=capture.kv_params, token_ids=sequence,
                         block_size=block_size, created_at=now, expires_at=now + ttl,
-                        identity=_identity_of(r, req, capture.prompt_token_ids or []))
+                        identity=_identity_of(r, req, capture.prompt_token_ids or [],
+                                              history=True))
         if planner.retained_tokens(handle) is None:
             log.warning("decode node %s returned unusable kv_transfer_params", node.name)
             return None, 0
@@ -310,6 +325,21 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
     if req.span is not None:
         req.span.set_attribute("kvagent.placement", p_reason)
     # -- end tier-aware P placement
+    affinity = handle.decode_node if handle else await _affinity(r, req)
+    picked_d, d_reason = placement.pick_decode(r.registry.states(), affinity=affinity)
+    r.metrics.decode_placements.labels(reason=d_reason).inc()
+    if req.span is not None:
+        req.span.set_attribute("kvagent.decode_placement", d_reason)
+    d_first = r.registry.get(picked_d.node_id) if picked_d else None
+    d_healthy = d_first is not None and d_first is holder
+    costs = r.costs.snapshot()
+    p_work = d_work = None
+    if r.settings.queue_aware_paths:
+        now = time.monotonic()
+        p_work = (r.work.work(p_first.name, now=now, per_token_s=costs.prefill.per_token_s)
+                  if p_first is not None else IDLE)
+        d_work = (r.work.work(d_first.name, now=now, per_token_s=costs.d_direct.per_token_s)
+                  if d_first is not None else IDLE)
     prompt_ids: list[int] = []
     plan: planner.ReusePlan | None = None
     new_ident = _identity_of(r, req, [])
@@ -317,6 +347,16 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
     # A refusal that positions cannot change (model, salt, a field) needs no /tokenize.
     final = ident is not None and ident.cap == 0 and ident.detail != "media_url" and (
         ident.reason != "multimodal_changed")
+    if holder is not None and d_healthy and not final:
+        assert handle is not None  # a holder holds a handle
+        fast = _extension(r, req, handle, ident, new_ident, costs, p_work, d_work)
+        if fast is not None:
+            plan, prompt_len = fast
+            r.metrics.tokenize_skipped.inc()
+            if req.span is not None:
+                req.span.set_attribute("kvagent.tokenized", False)
+            return _Choice(handle, plan, "d_direct", holder, p_first, d_first, prompt_len,
+                           p_work, d_work)
     if holder is not None and p_first is not None and not final:
         t0 = time.perf_counter()
         try:
@@ -329,7 +369,10 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
             ident = _check_identity(r, handle, identity.with_positions(
                 new_ident, prompt_ids, r.settings.mm_placeholder_token_ids))
         finally:
-            req.budget.add("tokenize", time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            req.budget.add("tokenize", took)
+            r.tokenize_s = took if r.tokenize_s is None else (
+                r.tokenize_s + TOKENIZE_EWMA_ALPHA * (took - r.tokenize_s))
     if plan is None:
         plan = planner.plan_reuse(
             prompt_ids, handle, threshold=r.settings.kv_recompute_threshold, now=time.time(),
@@ -339,33 +382,59 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
             rejected=rejected,
             prefill_block_size=r.settings.block_size or (p_first.block_size if p_first else None),
             identity=ident)
-    affinity = handle.decode_node if handle else await _affinity(r, req)
-    picked_d, d_reason = placement.pick_decode(r.registry.states(), affinity=affinity)
-    r.metrics.decode_placements.labels(reason=d_reason).inc()
-    if req.span is not None:
-        req.span.set_attribute("kvagent.decode_placement", d_reason)
-    d_first = r.registry.get(picked_d.node_id) if picked_d else None
-    costs = r.costs.snapshot()
-    p_work = d_work = None
-    if r.settings.queue_aware_paths:
-        now = time.monotonic()
-        p_work = (r.work.work(p_first.name, now=now, per_token_s=costs.prefill.per_token_s)
-                  if p_first is not None else IDLE)
-        d_work = (r.work.work(d_first.name, now=now, per_token_s=costs.d_direct.per_token_s)
-                  if d_first is not None else IDLE)
     path = planner.choose_path(
         plan, len(prompt_ids), costs,
         skip_prefill_max_tokens=r.settings.skip_prefill_max_tokens,
-        d_healthy=d_first is not None and d_first is holder, p_work=p_work, d_work=d_work)
+        d_healthy=d_healthy, p_work=p_work, d_work=d_work)
     return _Choice(handle, plan, path, holder, p_first, d_first, len(prompt_ids), p_work,
                    d_work)
 
 
-def _identity_of(r: Router, req: TurnRequest, prompt_ids: list[int]) -> KVIdentity:
+def _extension(r: Router, req: TurnRequest, handle: Handle,
+               ident: identity.IdentityCheck | None, new_ident: KVIdentity,
+               costs: planner.PathCosts, p_work: NodeWork | None,
+               d_work: NodeWork | None) -> tuple[planner.ReusePlan, int] | None:
+    """The plan and estimated prompt length of a turn that may go `d_direct` without
+    `/tokenize`, or None (then it is tokenized and verified as usual).
+
+    It may when its messages repeat the held turn's exactly under the same rendering
+    inputs (`identity.extension_chars`), identities agree with no media involved (media
+    positions need the ids), and, for any delta from half to twice what the new messages'
+    size suggests (past D's last whole block), `d_direct` is the path or costs at most the `/tokenize`
+    round trip more than `pd_reuse` (`planner.skip_tokenize_pays`). D's own prefix cache
+    then matches the real tokens: however the template rendered them, D computes what
+    differs, so the answer is the one a recompute gives; a wrong estimate costs time, not
+    correctness."""
+    s = r.settings
+    if (not s.skip_tokenize_extensions or not req.chat or ident is None
+            or ident.reason is not None or new_ident.media or handle.identity is None
+            or handle.identity.media or r.message_chars.samples < MIN_RATIO_SAMPLES):
+        return None
+    chars = identity.extension_chars(handle.identity, req.body)
+    if chars is None:
+        return None
+    plan = planner.extension_plan(handle, threshold=s.kv_recompute_threshold)
+    if not plan.reuses:
+        return None
+    # The delta: D's retained tokens past the last whole block (known), then the new
+    # messages' tokens (estimated; their bytes include the answer D already holds).
+    tail = plan.cached_tokens - plan.reuse_tokens
+    new = max(1, r.message_chars.tokens(chars))
+    if r.tokenize_s is None or not planner.skip_tokenize_pays(
+            plan, (tail + max(1, new // 2), tail + 2 * new), costs, r.tokenize_s,
+            skip_prefill_max_tokens=s.skip_prefill_max_tokens, p_work=p_work,
+            d_work=d_work):
+        return None
+    return plan, plan.reuse_tokens + tail + new
+
+
+def _identity_of(r: Router, req: TurnRequest, prompt_ids: list[int], *,
+                 history: bool = False) -> KVIdentity:
     s = r.settings
     return identity.identity_of(req.body, chat=req.chat, prompt_ids=prompt_ids,
                                 placeholder_ids=s.mm_placeholder_token_ids,
-                                extra_unverifiable=s.identity_unverifiable_fields)
+                                extra_unverifiable=s.identity_unverifiable_fields,
+                                history=history and s.skip_tokenize_extensions)
 
 
 def _check_identity(r: Router, handle: Handle | None,

@@ -1,0 +1,96 @@
+"""On real vLLM: turns that skip the router's `/tokenize` (their messages extend the held
+turn's, router.skip_tokenize_extensions) go `d_direct`, reuse D's KV through D's own
+prefix cache, and answer exactly as a recompute does.
+
+The reference for each turn is the same request sent straight to the prefill node under a
+fresh random `cache_salt` (nothing cached can match), greedy, so any wrong KV shows as a
+different answer. The fake-node tests of the rule are tests/router/test_skip_tokenize.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from support import free_port, metric_sum
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+GREEDY = {"temperature": 0.0, "max_tokens": 16}
+SYSTEM = ("You are an on-call assistant. Answer briefly and cite the runbook section. "
+          "Runbook: " + " ".join(f"section {i}: restart the worker pool, check queue depth "
+                                 f"and compare p99 latency before and after." for i in range(30)))
+
+
+def _chat(url: str, model: str, messages: list[dict[str, Any]],
+          headers: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
+    r = httpx.post(f"{url}/v1/chat/completions", headers=headers or {}, timeout=300,
+                   json={"model": model, "messages": messages, **GREEDY, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@contextlib.contextmanager
+def _router(b: Any, tmp_path: Path, **settings: Any) -> Iterator[str]:
+    """A second router (`python -m kvagent_server.router`) in front of the bundle's nodes,
+    with its own settings and store."""
+    cfg = tmp_path / "router.json"
+    cfg.write_text(json.dumps({"router": settings}))
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvagent_server.router", "--port", str(port),
+         "--prefill", *b.prefill_urls, "--decode", *b.decode_urls, "--settings", str(cfg),
+         "--log-level", "warning"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "router did not start"
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(15)
+
+
+def test_turns_that_skip_tokenize_answer_as_a_recompute(kvagent_bundle: Any,
+                                                        tmp_path: Path) -> None:
+    """With every reused turn sent `d_direct` (a fixed policy, so the skip does not hang on
+    the cost model's lines), turns after the router learned its tokens-per-byte ratio skip
+    `/tokenize`; every answer equals the recompute's."""
+    if not kvagent_bundle.available:
+        pytest.skip(kvagent_bundle.reason)
+    b = kvagent_bundle
+    session = f"skip-{uuid.uuid4().hex[:8]}"
+    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
+                                      {"role": "user", "content": "Checkout is slow."}]
+    turns = []
+    with _router(b, tmp_path, skip_prefill_max_tokens=100_000) as url:
+        for i in range(6):
+            out = _chat(url, b.model, messages, {"X-Session-ID": session})
+            text = out["choices"][0]["message"]["content"] or ""
+            ref = _chat(b.prefill_urls[0], b.model, messages, cache_salt=uuid.uuid4().hex)
+            turns.append((out["kvagent"]["path"], out["kvagent"]["reused_tokens"],
+                          text == (ref["choices"][0]["message"]["content"] or "")))
+            messages = [*messages, {"role": "assistant", "content": text},
+                        {"role": "user", "content": f"Step {i} done; what next?"}]
+        skipped = metric_sum(url, "kvagent_router_tokenize_skipped_total")
+    print("turns (path, reused, equal to the recompute):", turns, "skipped:", skipped)
+    assert all(equal for *_, equal in turns), turns
+    assert all(path == "d_direct" and reused > 0 for path, reused, _ in turns[1:]), turns
+    # The first turns teach the router tokens per message byte; from the fourth on it skips.
+    assert skipped == len(turns) - 3, turns
