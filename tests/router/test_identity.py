@@ -293,3 +293,20 @@ def test_a_handle_without_a_history_digest_is_never_extended() -> None:
 def test_the_history_digest_ignores_fields_that_do_not_render() -> None:
     held = _held(_chat(HELD, temperature=0.7, max_tokens=5))
     assert identity.extension_chars(held, _chat(NEXT, temperature=0.0, stream=True))
+
+
+def test_a_handle_without_history_packs_as_before_the_field_existed() -> None:
+    """Replicas that predate `history` forbid unknown fields: leave it out unless set."""
+    import json
+
+    ident = identity.identity_of(_chat(HELD), chat=True)
+    fields = {"handle_id": "h", "tenant": "t", "session": "s", "decode_node": "d",
+              "decode_epoch": "e", "kv_transfer_params": {}, "token_ids": [1, 2],
+              "block_size": 16, "created_at": 1.0, "expires_at": 2.0}
+    plain = Handle(**fields, identity=ident)
+    packed = pack_handle(plain)
+    meta = json.loads(packed[4:4 + int.from_bytes(packed[:4], "little")])
+    assert "history" not in meta["identity"]
+    assert unpack_handle(packed) == plain
+    recorded = Handle(**fields, identity=_held(_chat(HELD)))
+    assert unpack_handle(pack_handle(recorded)).identity.history == recorded.identity.history

@@ -272,10 +272,11 @@ def extension_plan(handle: Handle, *, threshold: int,
                      cached_tokens=retained, tokenized=False)
 
 
-def _identity_plan(check: IdentityCheck, reuse: int, **counts: int) -> ReusePlan:
+def _identity_plan(check: IdentityCheck, reuse: int, *, common_prefix: int = 0,
+                   cached_tokens: int = 0) -> ReusePlan:
     assert check.reason is not None  # a cap always comes with its reason
     return ReusePlan(reuse_tokens=reuse, reason=Reason(check.reason), detail=check.detail,
-                     **counts)
+                     common_prefix=common_prefix, cached_tokens=cached_tokens)
 
 
 def reuse_transfer_params(handle: Handle, reuse_tokens: int) -> dict[str, Any]:

@@ -102,7 +102,11 @@ _LEN = struct.Struct("<I")
 
 
 def pack_handle(handle: Handle) -> bytes:
-    meta = handle.model_dump_json(exclude={"token_ids"}).encode()
+    exclude: dict[str, Any] = {"token_ids": True}
+    if handle.identity is not None and handle.identity.history is None:
+        # Left out unless recorded, so routers that predate the field still read it.
+        exclude["identity"] = {"history"}
+    meta = handle.model_dump_json(exclude=exclude).encode()
     ids = array("I", handle.token_ids)
     if sys.byteorder == "big":
         ids.byteswap()

@@ -400,11 +400,11 @@ def _extension(r: Router, req: TurnRequest, handle: Handle,
     It may when its messages repeat the held turn's exactly under the same rendering
     inputs (`identity.extension_chars`), identities agree with no media involved (media
     positions need the ids), and, for any delta from half to twice what the new messages'
-    size suggests (past D's last whole block), `d_direct` is the path or costs at most the `/tokenize`
-    round trip more than `pd_reuse` (`planner.skip_tokenize_pays`). D's own prefix cache
-    then matches the real tokens: however the template rendered them, D computes what
-    differs, so the answer is the one a recompute gives; a wrong estimate costs time, not
-    correctness."""
+    size suggests (past D's last whole block), `d_direct` is the path or costs at most the
+    `/tokenize` round trip more than `pd_reuse` (`planner.skip_tokenize_pays`). D's own
+    prefix cache then matches the real tokens: however the template rendered them, D
+    computes what differs, so the answer is the one a recompute gives; a wrong estimate
+    costs time, not correctness."""
     s = r.settings
     if (not s.skip_tokenize_extensions or not req.chat or ident is None
             or ident.reason is not None or new_ident.media or handle.identity is None
