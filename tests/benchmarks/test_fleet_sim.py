@@ -147,7 +147,9 @@ def test_measured_constants_come_from_their_benchmarks():
     assert n == 17 and p > 0 and q > 0
     prof = _recorded_profile()
     assert prof.xfer_bytes_per_s == bw
-    assert prof.prefill_per_token_s == p and prof.per_token_per_context_s == q
+    # a least-squares fit: the last digits depend on the machine's BLAS
+    assert prof.prefill_per_token_s == pytest.approx(p, rel=1e-9)
+    assert prof.per_token_per_context_s == pytest.approx(q, rel=1e-9)
 
 
 @pytest.mark.redis

@@ -199,6 +199,14 @@ def skeleton(value: Any, key: str = "") -> Any:
     return "null" if value is None else type(value).__name__
 
 
+def _is_middle(chunk: dict[str, Any]) -> bool:
+    """A chunk with choices that opens none (no `role`), finishes none and carries no
+    usage: the kind vLLM merges into its neighbours when the reader lags."""
+    choices = chunk.get("choices") or []
+    return bool(choices) and chunk.get("usage") is None and not any(
+        ch.get("finish_reason") or "role" in (ch.get("delta") or {}) for ch in choices)
+
+
 def stream_shape(events: list[Any]) -> dict[str, Any]:
     """What a client can tell apart between two streams of different lengths."""
     chunks = [e for e in events if isinstance(e, dict)]
@@ -207,10 +215,11 @@ def stream_shape(events: list[Any]) -> dict[str, Any]:
         "first": skeleton(chunks[0]),
         "last": skeleton(chunks[-1]),
         "kinds": skeleton(chunks),  # every distinct chunk structure
-        # For streams that arrived as their first and last chunk only (see
-        # `without_unmatched_middles`): the kinds of those two, and whether there was more.
-        "_edges": skeleton([chunks[0], chunks[-1]]),
-        "_middle": len(chunks) > 2,
+        # For streams whose middle chunks were merged away (see
+        # `without_unmatched_middles`): the kinds of the other chunks, and whether there
+        # were middle ones.
+        "_edges": skeleton([c for c in chunks if not _is_middle(c)]),
+        "_middle": any(_is_middle(c) for c in chunks),
         "choiceless": sum(1 for c in chunks if not c.get("choices")),
         "with_usage": sum(1 for c in chunks if c.get("usage") is not None),
         "finish_chunks": sum(1 for c in chunks for ch in c.get("choices") or ()
@@ -239,8 +248,9 @@ def shape(answer: Answer) -> dict[str, Any]:
 
 def without_unmatched_middles(a: dict[str, Any], b: dict[str, Any]) -> None:
     """vLLM merges the tokens a stream's reader has not taken yet into one chunk, so a short
-    stream from a busy server can arrive as its first and last chunk only. The middle
-    chunks' kinds are then compared on neither side (first and last still are)."""
+    stream from a busy server can arrive without any middle chunk (each choice's first
+    chunk, then its finish). The middle chunks' kinds are then compared on neither side;
+    every other chunk's kind still is."""
     sa, sb = a["body"], b["body"]
     if not (isinstance(sa, dict) and isinstance(sb, dict) and "_middle" in sa
             and "_middle" in sb):
