@@ -72,6 +72,30 @@ def _buffer(nbytes: int, thp: bool) -> np.ndarray:
     return np.frombuffer(m, dtype=np.uint8)
 
 
+def _random_buffer(nbytes: int, thp: bool, *, seed: int) -> np.ndarray:
+    buf = _buffer(nbytes, thp)
+    buf[:] = np.frombuffer(np.random.default_rng(seed).bytes(nbytes), dtype=np.uint8)
+    return buf
+
+
+def _run_pair(first: Any, second: Any, results: Connection, label: str,
+              timeout_s: float) -> dict[str, Any]:
+    """Start two processes, wait for the result one of them sends, then reap both."""
+    for proc in (first, second):
+        proc.start()
+    try:
+        if not results.poll(timeout_s):
+            return {"tls": label, "error": f"no result within {timeout_s:.0f} s"}
+        result: dict[str, Any] = results.recv()
+        return result
+    finally:
+        for proc in (second, first):
+            proc.join(10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(5)
+
+
 def _agent(name: str, agent: AgentSettings) -> Any:
     from nixl import _api
     from nixl._api import nixl_agent, nixl_agent_config
@@ -93,8 +117,7 @@ def _target(conn: Connection, tls: str, nbytes: int, block_bytes: int, thp: bool
             settings: AgentSettings) -> None:
     _set_ucx(tls)
     agent = _agent("target", settings)
-    buf = _buffer(nbytes, thp)
-    buf[:] = np.frombuffer(np.random.default_rng(0).bytes(nbytes), dtype=np.uint8)
+    buf = _random_buffer(nbytes, thp, seed=0)
     agent.register_memory(agent.get_reg_descs([(buf.ctypes.data, nbytes, 0, "")], "DRAM"))
     conn.send((agent.get_agent_metadata(), _blocks(buf, block_bytes).tobytes(),
                int(buf[:4096].sum())))
@@ -144,18 +167,7 @@ def measure_nixl(tls: str, nbytes: int, block_bytes: int, repeats: int,
     init = ctx.Process(target=_initiator,
                        args=(b, tls, nbytes, block_bytes, repeats, res_send, thp, agent),
                        daemon=True)
-    target.start()
-    init.start()
-    try:
-        if not res_recv.poll(timeout_s):
-            return {"tls": tls, "error": f"no result within {timeout_s:.0f} s"}
-        return res_recv.recv()
-    finally:
-        for p in (init, target):
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-                p.join(5)
+    return _run_pair(target, init, res_recv, tls, timeout_s)
 
 
 class _IoVec(ctypes.Structure):
@@ -163,8 +175,7 @@ class _IoVec(ctypes.Structure):
 
 
 def _vm_target(conn: Connection, nbytes: int, thp: bool) -> None:
-    buf = _buffer(nbytes, thp)
-    buf[:] = np.frombuffer(np.random.default_rng(0).bytes(nbytes), dtype=np.uint8)
+    buf = _random_buffer(nbytes, thp, seed=0)
     conn.send((os.getpid(), buf.ctypes.data, int(buf[:4096].sum())))
     conn.recv()  # wait until the reader is done
     conn.close()
@@ -210,27 +221,15 @@ def measure_single_copy(nbytes: int, block_bytes: int, repeats: int,
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     res_recv, res_send = ctx.Pipe(duplex=False)
-    procs = [ctx.Process(target=_vm_target, args=(a, nbytes, thp), daemon=True),
-             ctx.Process(target=_vm_reader,
+    target = ctx.Process(target=_vm_target, args=(a, nbytes, thp), daemon=True)
+    reader = ctx.Process(target=_vm_reader,
                          args=(b, nbytes, block_bytes, repeats, res_send, thp, per_call),
-                         daemon=True)]
-    for proc in procs:
-        proc.start()
-    try:
-        if not res_recv.poll(timeout_s):
-            return {"tls": "process_vm_readv", "error": f"no result within {timeout_s:.0f} s"}
-        return res_recv.recv()
-    finally:
-        for proc in procs:
-            proc.join(10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
+                         daemon=True)
+    return _run_pair(target, reader, res_recv, "process_vm_readv", timeout_s)
 
 
 def measure_memcpy(nbytes: int, repeats: int, thp: bool = False) -> list[float]:
-    src = _buffer(nbytes, thp)
-    src[:] = np.frombuffer(np.random.default_rng(1).bytes(nbytes), dtype=np.uint8)
+    src = _random_buffer(nbytes, thp, seed=1)
     dst = _buffer(nbytes, thp)
     np.copyto(dst, src)  # fault the pages in
     out = []

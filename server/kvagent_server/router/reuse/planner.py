@@ -254,8 +254,7 @@ def _aligned(tokens: int, block_size: int, prefill_block_size: int | None,
     return reuse if reuse >= threshold else 0
 
 
-def extension_plan(handle: Handle, *, threshold: int,
-                   prefill_block_size: int | None = None) -> ReusePlan:
+def extension_plan(handle: Handle, *, threshold: int) -> ReusePlan:
     """The plan for a prompt known, from its messages, to extend everything `handle`
     holds (reuse.identity.extension_chars), without its token ids: every whole block D
     retains. Only a `d_direct` leg may act on it, since D's prefix cache then matches the
@@ -264,7 +263,7 @@ def extension_plan(handle: Handle, *, threshold: int,
     retained = retained_tokens(handle)
     if retained is None:
         return ReusePlan(reuse_tokens=0, reason=Reason.UNSUPPORTED_KV_LAYOUT)
-    reuse = _aligned(retained, handle.block_size, prefill_block_size, threshold)
+    reuse = _aligned(retained, handle.block_size, None, threshold)  # D's blocks only
     if reuse == 0:
         return ReusePlan(reuse_tokens=0, reason=Reason.BELOW_THRESHOLD,
                          common_prefix=retained, cached_tokens=retained)
