@@ -1,6 +1,7 @@
 """On real vLLM: turns that skip the router's `/tokenize` (their messages extend the held
-turn's, router.skip_tokenize_extensions) go `d_direct`, reuse D's KV through D's own
-prefix cache, and answer exactly as a recompute does.
+turn's, router.skip_tokenize_extensions) go `d_direct`, reusing D's KV through D's own
+prefix cache, or `pd_reuse`, P pulling only the blocks its own prompt repeats (the
+plugin's pull check), and answer exactly as a recompute does.
 
 The reference for each turn is the same request sent straight to the prefill node under a
 fresh random `cache_salt` (nothing cached can match), greedy, so any wrong KV shows as a
@@ -67,19 +68,23 @@ def _router(b: Any, tmp_path: Path, **settings: Any) -> Iterator[str]:
         proc.wait(15)
 
 
-def test_turns_that_skip_tokenize_answer_as_a_recompute(kvagent_bundle: Any,
-                                                        tmp_path: Path) -> None:
-    """With every reused turn sent `d_direct` (a fixed policy, so the skip does not hang on
+@pytest.mark.parametrize(("path", "skip_prefill_max_tokens"),
+                         [("d_direct", 100_000), ("pd_reuse", 0)])
+def test_turns_that_skip_tokenize_answer_as_a_recompute(kvagent_bundle: Any, tmp_path: Path,
+                                                        path: str,
+                                                        skip_prefill_max_tokens: int) -> None:
+    """With every reused turn sent one way (a fixed policy, so the skip does not hang on
     the cost model's lines), turns after the router learned its tokens-per-byte ratio skip
-    `/tokenize`; every answer equals the recompute's."""
+    `/tokenize`; every answer equals the recompute's. `pd_reuse`: P checks the offered
+    blocks' digests itself (the plugin's pull check), which its first reuse leg shows."""
     if not kvagent_bundle.available:
         pytest.skip(kvagent_bundle.reason)
     b = kvagent_bundle
-    session = f"skip-{uuid.uuid4().hex[:8]}"
+    session = f"skip-{path}-{uuid.uuid4().hex[:8]}"
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
                                       {"role": "user", "content": "Checkout is slow."}]
     turns = []
-    with _router(b, tmp_path, skip_prefill_max_tokens=100_000) as url:
+    with _router(b, tmp_path, skip_prefill_max_tokens=skip_prefill_max_tokens) as url:
         for i in range(6):
             out = _chat(url, b.model, messages, {"X-Session-ID": session})
             text = out["choices"][0]["message"]["content"] or ""
@@ -91,6 +96,6 @@ def test_turns_that_skip_tokenize_answer_as_a_recompute(kvagent_bundle: Any,
         skipped = metric_sum(url, "kvagent_router_tokenize_skipped_total")
     print("turns (path, reused, equal to the recompute):", turns, "skipped:", skipped)
     assert all(equal for *_, equal in turns), turns
-    assert all(path == "d_direct" and reused > 0 for path, reused, _ in turns[1:]), turns
+    assert all(p == path and reused > 0 for p, reused, _ in turns[1:]), turns
     # The first turns teach the router tokens per message byte; from the fourth on it skips.
     assert skipped == len(turns) - 3, turns

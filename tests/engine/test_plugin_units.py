@@ -550,3 +550,96 @@ def test_router_and_plugin_agree_on_the_read_by_key() -> None:
     p = {"do_remote_prefill": True}
     assert transfer.with_read_by(p, 5.0) == {"do_remote_prefill": True, "kvagent_read_by": 5.0}
     assert p == {"do_remote_prefill": True}
+
+
+# --- pull check: P pulls only the blocks its own prompt repeats -----------------------------
+
+def _offer(tokens: list[int], n: int, block: int = 4) -> dict[str, Any]:
+    from kvagent_server.router.reuse import transfer
+
+    return {"do_remote_decode": True, "do_remote_prefill": False, "remote_num_tokens": n,
+            "remote_block_ids": [list(range(100, 100 + n // block))],
+            transfer.EXPECT_KEY: transfer.expect(tokens[:n], block)}
+
+
+def test_pull_check_keeps_an_offer_the_prompt_repeats() -> None:
+    from kvagent_server.router.reuse.transfer import EXPECT_KEY, VERIFIED_KEY
+    from kvagent_server.vllm_plugin.pull_check import check_offer
+
+    held = list(range(20))
+    params = _offer(held, 16)
+    assert check_offer(params, held + [7, 7], 4) == 16
+    assert params["remote_num_tokens"] == 16 and params["remote_block_ids"] == [
+        [100, 101, 102, 103]]
+    assert params[VERIFIED_KEY] == 16 and EXPECT_KEY not in params
+    assert check_offer(params, [], 4) is None  # checked once: the scheduler may ask again
+
+
+@pytest.mark.parametrize(("prompt", "local_block", "want"), [
+    (list(range(9)) + [99] * 11, 4, 8),   # differs in block 3: blocks 1-2 only
+    ([99] + list(range(1, 20)), 4, 0),    # differs in block 1: nothing
+    (list(range(13)) + [99] * 7, 8, 8),   # 12 verified; P's blocks of 8: whole ones of both
+    (list(range(16)), 4, 12),              # the prompt is the offer: one token left to compute
+    (list(range(6)), 4, 4),                # a shorter prompt
+])
+def test_pull_check_cuts_the_offer_to_the_verified_blocks(prompt: list[int], local_block: int,
+                                                          want: int) -> None:
+    from kvagent_server.vllm_plugin.pull_check import check_offer
+
+    params = _offer(list(range(20)), 16)
+    assert check_offer(params, prompt, local_block) == want
+    assert params["remote_num_tokens"] == want
+    # Blocks are cut to those verified; with none, they stay so D hears P is done.
+    assert params["remote_block_ids"] == [list(range(100, 100 + (want // 4 if want else 4)))]
+
+
+@pytest.mark.parametrize("expected", [None, "x", {"block_size": 0, "digests": []},
+                                      {"block_size": 4, "digests": "ab"}])
+def test_pull_check_refuses_a_malformed_offer(expected: object) -> None:
+    from kvagent_server.router.reuse.transfer import EXPECT_KEY
+    from kvagent_server.vllm_plugin.pull_check import check_offer
+
+    params = {**_offer(list(range(20)), 16), EXPECT_KEY: expected}
+    assert check_offer(params, list(range(20)), 4) == 0
+    assert params["remote_num_tokens"] == 0
+
+
+def test_pull_check_patch_cuts_before_vllm_and_echoes_the_count() -> None:
+    from kvagent_server.router.reuse.transfer import VERIFIED_KEY
+    from kvagent_server.vllm_plugin import load_failure, pull_check
+
+    mod = types.ModuleType("pull_scheduler")
+
+    class NixlPullConnectorScheduler:
+        block_size = 4
+
+        def get_num_new_matched_tokens(self, request: Any, num_computed: int) -> Any:
+            n = request.kv_transfer_params["remote_num_tokens"] - num_computed
+            return (n, True) if n > 0 else (0, False)
+
+        def request_finished(self, request: Any, block_ids: Any) -> Any:
+            return True, {"do_remote_prefill": True, "remote_request_id": request.request_id}
+
+    mod.NixlPullConnectorScheduler = NixlPullConnectorScheduler  # type: ignore[attr-defined]
+    assert load_failure.patch_pull_scheduler(mod)  # another patch on the same method
+    assert pull_check.patch_module(mod)
+    assert not pull_check.patch_module(mod)
+    sched = NixlPullConnectorScheduler()
+    req = types.SimpleNamespace(request_id="r1", prompt_token_ids=list(range(9)) + [99] * 11,
+                                kv_transfer_params=_offer(list(range(20)), 16))
+    assert sched.get_num_new_matched_tokens(req, 0) == (8, True)
+    assert sched.request_finished(req, [[1]])[1][VERIFIED_KEY] == 8
+    plain = types.SimpleNamespace(request_id="r2", prompt_token_ids=[1, 2],
+                                  kv_transfer_params={"do_remote_prefill": False})
+    assert VERIFIED_KEY not in sched.request_finished(plain, [[1]])[1]
+
+
+def test_block_digests_chain_and_ignore_a_partial_block() -> None:
+    from kvagent_server.router.reuse.transfer import block_digests, verified_tokens
+
+    a, b = block_digests(list(range(10)), 4), block_digests([0, 1, 2, 3, 9, 5, 6, 7], 4)
+    assert len(a) == 2 and a[0] == b[0] and a[1] != b[1]
+    assert block_digests([0] * 4 + list(range(4, 8)), 4)[1] != a[1]  # chained over block 1
+    with pytest.raises(ValueError):
+        block_digests([1], 0)
+    assert verified_tokens(list(range(10)), {"block_size": 4, "digests": a}) == 8

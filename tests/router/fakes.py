@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvagent_server.ports import free_port
+from kvagent_server.router.reuse.transfer import EXPECT_KEY, VERIFIED_KEY
+from kvagent_server.vllm_plugin.pull_check import check_offer
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -177,8 +179,12 @@ class FakeCluster:
                  reply: Callable[[list[int]], Reply] = default_reply,
                  kv_params_chunk: str = "usage", chunk_chars: int = 4,
                  token_delay_s: float = 0.0, prefill_delay_s: float = 0.0,
-                 prefix_cache: bool = True, kv_blocks: int = 1_000_000) -> None:
+                 prefix_cache: bool = True, kv_blocks: int = 1_000_000,
+                 pull_check: bool = True) -> None:
         self.block_size = block_size
+        #: P checks an offer's block digests against its prompt first, as the kvagent
+        #: plugin does (`vllm_plugin.pull_check`, the same function); off: a P without it.
+        self.pull_check = pull_check
         self.recompute_threshold = recompute_threshold
         self.decode_ttl_s = decode_ttl_s
         self.lease_s = lease_s
@@ -418,6 +424,12 @@ class FakeNode:
                            chat: bool) -> Response:
         if body.get("stream"):
             return self._error(400, "fake P expects stream=false")
+        verified = None
+        if self.cluster.pull_check:
+            params = dict(params)
+            verified = check_offer(params, prompt, self.cluster.block_size)
+        else:
+            params = {k: v for k, v in params.items() if k != EXPECT_KEY}
         if params.get("remote_block_ids"):
             got = self.cluster.pull(self.engine_id, params, prompt, locally_cached=cached)
             if got < 0:
@@ -433,6 +445,8 @@ class FakeNode:
         # never reads their remote_num_tokens, so the fake's 0 changes nothing.
         kv = self._kv_params(lease_id, 0, is_p=True, expiry=None,
                              nblocks=-(-len(prompt) // self.cluster.block_size))
+        if verified is not None:
+            kv[VERIFIED_KEY] = verified
         first = self.cluster.reply(prompt).generated_ids()[:1]
         text = decode_ids(first)
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "stop_reason": None,

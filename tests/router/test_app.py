@@ -617,9 +617,12 @@ async def test_spans_per_turn_and_leg(monkeypatch: pytest.MonkeyPatch) -> None:
         assert not any(secret in str(s.attributes) for secret in st.internal_strings())
 
 
-async def test_negative_control_unverified_reuse_is_caught(monkeypatch: pytest.MonkeyPatch
-                                                           ) -> None:
-    """The fakes catch a router that reuses unverified KV: this suite can fail."""
+@pytest.mark.parametrize("p_checks", [False, True])
+async def test_negative_control_unverified_reuse_is_caught(monkeypatch: pytest.MonkeyPatch,
+                                                           p_checks: bool) -> None:
+    """The fakes catch a router that reuses unverified KV on a P node that pulls whatever
+    it is offered: this suite can fail. A P node with the plugin's pull check (the fake
+    runs the same function) pulls only the blocks its prompt repeats: no wrong KV."""
     from kvagent_server.router.reuse import planner
 
     original = planner.plan_reuse
@@ -632,10 +635,11 @@ async def test_negative_control_unverified_reuse_is_caught(monkeypatch: pytest.M
         return planner.ReusePlan(reuse_tokens=n, reason="hit")
 
     monkeypatch.setattr(planner, "plan_reuse", trusting)
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(skip_prefill_max_tokens=0,
+                            cluster=FakeCluster(pull_check=p_checks)) as st:
         kva, _, _ = await turn(st, FIRST)
         await turn(st, second("a rewritten answer " * 12), token=kva["cache_token"])
-        assert st.cluster.events_of("wrong_kv")
+        assert bool(st.cluster.events_of("wrong_kv")) is not p_checks
 
 
 async def test_cli_serves_with_settings_file(tmp_path: Any) -> None:

@@ -1,5 +1,6 @@
-"""`d_direct` without the router's `/tokenize`: a turn whose messages extend the held
-turn's exactly goes straight to D, whose prefix cache matches the real tokens itself.
+"""Reuse without the router's `/tokenize`: a turn whose messages extend the held turn's
+exactly goes straight to D, whose prefix cache matches the real tokens itself, or to a P
+node that checks the offered blocks' digests against its own prompt.
 
 Against fake nodes over real HTTP; the fake D reports as cached only the prefix its own
 sequences share with the prompt, as vLLM's prefix cache does, and every routed turn is
@@ -11,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from fakes import router_stack
+from fakes import FakeCluster, router_stack
+from kvagent_server.router.reuse.transfer import EXPECT_KEY
 from kvagent_server.router.turns.orchestrate import MIN_RATIO_SAMPLES
 from router_client import FIRST, LONG, no_wrong_kv, turn
 
@@ -102,4 +104,28 @@ async def test_a_long_new_message_is_tokenized_and_priced() -> None:
                                     {"role": "user", "content": LONG * 6}], token=token)
         assert len(st.prefill[0].tokenize_requests) == calls + 1
         assert kva["path"] == "pd_reuse" and _skipped(st) == skipped
+        no_wrong_kv(st)
+
+
+async def test_pulls_skip_tokenize_once_p_was_seen_checking_them() -> None:
+    """Always `pd_reuse`: P pulls an offer the router did not tokenize for only from a P
+    node seen checking what it pulls (its first reuse leg answered with the verified
+    count); the fake P cuts the offer with the plugin's own `pull_check`."""
+    async with router_stack(skip_prefill_max_tokens=0) as st:
+        kvas = await _conversation(st, MIN_RATIO_SAMPLES + 3)
+        assert [k["tokenized"] for k in kvas] == (
+            [False] + [True] * (MIN_RATIO_SAMPLES - 1) + [False] * 3)
+        assert all(k["path"] == "pd_reuse" and k["reused_tokens"] > 0 for k in kvas[1:])
+        assert _skipped(st) == 3
+        assert st.prefill[0].requests[-1]["kv_transfer_params"][EXPECT_KEY]["digests"]
+        no_wrong_kv(st)
+
+
+async def test_a_p_node_that_does_not_check_pulls_gets_tokenized_offers() -> None:
+    async with router_stack(skip_prefill_max_tokens=0,
+                            cluster=FakeCluster(pull_check=False)) as st:
+        kvas = await _conversation(st, MIN_RATIO_SAMPLES + 3)
+        assert all(k["tokenized"] for k in kvas[1:])
+        assert all(k["path"] == "pd_reuse" and k["reused_tokens"] > 0 for k in kvas[1:])
+        assert _skipped(st) == 0
         no_wrong_kv(st)

@@ -7,6 +7,7 @@ Inert unless `KVAGENT_PLUGIN=1` (the bundle sets it on the nodes it starts). Whe
 - gives NIXL's UCX progress thread a poll timeout so an idle node sleeps (`nixl_delay`);
 - makes a failed or declined KV load recompute instead of failing the request
   (`load_failure`);
+- pulls from D only the blocks whose tokens P's own prompt repeats (`pull_check`);
 - keeps the worker's compute thread on the node's cores (`affinity`);
 - makes every block a decode node retains expire, and lets the router release retained
   blocks early (`retention`);
@@ -58,6 +59,7 @@ def register() -> None:
         idle_wait,
         load_failure,
         nixl_delay,
+        pull_check,
         retention,
         stream_params,
         tokenize_render,
@@ -90,6 +92,7 @@ def register() -> None:
         when_imported(load_failure.PULL_SCHEDULER_MODULE, load_failure.patch_pull_scheduler)
     if os.environ.get(env.RETENTION_ENV, "1") == "1":
         when_imported(retention.TARGET_MODULE, retention.patch_module)
+    when_imported(pull_check.TARGET_MODULE, pull_check.patch_module)
     when_imported(tokenize_render.TARGET_MODULE, tokenize_render.patch_module)
     if spin_ms > 0:
         when_imported(idle_wait.SPIN_MODULE, lambda m: idle_wait.patch_spin_module(m, spin_ms))

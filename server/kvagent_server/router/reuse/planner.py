@@ -31,8 +31,10 @@ from kvagent_server.router.reuse.queue import IDLE, NodeWork
 from kvagent_server.router.reuse.transfer import (
     DO_REMOTE_DECODE,
     DO_REMOTE_PREFILL,
+    EXPECT_KEY,
     REMOTE_BLOCK_IDS,
     REMOTE_NUM_TOKENS,
+    expect,
 )
 from kvagent_server.router.store.handle import Handle
 
@@ -257,8 +259,9 @@ def _aligned(tokens: int, block_size: int, prefill_block_size: int | None,
 def extension_plan(handle: Handle, *, threshold: int) -> ReusePlan:
     """The plan for a prompt known, from its messages, to extend everything `handle`
     holds (reuse.identity.extension_chars), without its token ids: every whole block D
-    retains. Only a `d_direct` leg may act on it, since D's prefix cache then matches the
-    real tokens itself; a pull needs the verified plan of `plan_reuse`.
+    retains. A `d_direct` leg may act on it, since D's prefix cache then matches the
+    real tokens itself; a pull only on a P node that checks what it pulls
+    (`untokenized_path`), since the router has not verified the tokens.
     The caller has made `plan_reuse`'s other checks (tenant, expiry, epoch, identity)."""
     retained = retained_tokens(handle)
     if retained is None:
@@ -284,6 +287,8 @@ def reuse_transfer_params(handle: Handle, reuse_tokens: int) -> dict[str, Any]:
     Every group's block list is cut to `reuse_tokens // block_size` blocks (P end-trims
     it to what it lacks locally), `remote_num_tokens` becomes `reuse_tokens`, and the
     flags say "P node, pull from D": do_remote_decode=True, do_remote_prefill=False.
+    The blocks' token digests go along (`transfer.EXPECT_KEY`): P pulls only the leading
+    blocks its own prompt repeats, whether or not the router tokenized the prompt.
     """
     retained = retained_tokens(handle)
     if retained is None:
@@ -303,6 +308,7 @@ def reuse_transfer_params(handle: Handle, reuse_tokens: int) -> dict[str, Any]:
     params[REMOTE_NUM_TOKENS] = reuse_tokens
     params[DO_REMOTE_DECODE] = True
     params[DO_REMOTE_PREFILL] = False
+    params[EXPECT_KEY] = expect(handle.token_ids[:reuse_tokens], handle.block_size)
     return params
 
 
@@ -483,6 +489,30 @@ def skip_tokenize_pays(plan: ReusePlan, deltas: tuple[int, int], costs: PathCost
         if d_cost - p_cost > tokenize_s:
             return False
     return True
+
+
+def untokenized_path(plan: ReusePlan, deltas: tuple[int, int], costs: PathCosts,
+                     tokenize_s: float, *, skip_prefill_max_tokens: int | None,
+                     prefill_checks_pulls: bool, p_work: NodeWork | None = None,
+                     d_work: NodeWork | None = None) -> Path | None:
+    """The path of a turn whose uncached delta is only known to lie in `deltas`, when it
+    may skip the router's `/tokenize`; None when it must tokenize to choose.
+
+    `d_direct` when `skip_tokenize_pays`. `pd_reuse` when it is the path at both ends of
+    the range and the P node checks what it pulls (`prefill_checks_pulls`: the plugin's
+    `pull_check` pulls only the blocks whose digests its own prompt repeats, so the
+    unverified plan cannot become wrong KV)."""
+    if skip_tokenize_pays(plan, deltas, costs, tokenize_s,
+                          skip_prefill_max_tokens=skip_prefill_max_tokens,
+                          p_work=p_work, d_work=d_work):
+        return "d_direct"
+    if not prefill_checks_pulls:
+        return None
+    low, high = deltas
+    paths = {choose_path(plan, plan.reuse_tokens + delta, costs,
+                         skip_prefill_max_tokens=skip_prefill_max_tokens, d_healthy=True,
+                         p_work=p_work, d_work=d_work) for delta in (low, high)}
+    return "pd_reuse" if paths == {"pd_reuse"} else None
 
 
 def _path_costs(plan: ReusePlan, prompt_len: int, costs: PathCosts,

@@ -6,12 +6,15 @@ keeps P's blocks for D; with D's `remote_*` fields as well, P first pulls
 `do_remote_prefill=True` pulls P's blocks; with both flags False, D computes the prompt
 itself from its own prefix cache (`d_direct`). `kvagent_release` is kvagent's own key,
 honoured by the vLLM plugin (`vllm_plugin.retention`): the decode node frees the retained
-sequences it names.
+sequences it names. `kvagent_expect` (also the plugin's) names, per offered block, a
+digest of its tokens: P pulls only the leading blocks its own prompt repeats.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import hashlib
+import struct
+from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
 DO_REMOTE_DECODE: Final = "do_remote_decode"
@@ -31,6 +34,57 @@ READ_BY_KEY: Final = "kvagent_read_by"
 RELEASE_KEY: Final = "kvagent_release"
 #: The plugin honours at most this many ids per request: a bound on what one body can do.
 MAX_RELEASES_PER_REQUEST: Final = 256
+
+
+#: Under this key of a pull's P leg params: `{"block_size": B, "digests": [...]}`, one
+#: digest per offered block (`block_digests`). The plugin (`vllm_plugin.pull_check`) pulls
+#: only the leading blocks whose tokens P's own prompt repeats, so a plan the router made
+#: without `/tokenize` can never put another prompt's KV under this one.
+EXPECT_KEY: Final = "kvagent_expect"
+#: In P's returned params: how many offered tokens P's prompt verified (and so pulled at
+#: most). Its presence also tells the router that this P node checks what it pulls.
+VERIFIED_KEY: Final = "kvagent_verified_tokens"
+#: Bytes kept of each block's SHA-256 (128 bits: no accidental match in any KV cache).
+DIGEST_BYTES: Final = 16
+
+
+def block_digests(token_ids: Sequence[int], block_size: int) -> list[str]:
+    """One hex digest per whole block of `token_ids`, each chained over the blocks before
+    it (as vLLM's block hashes are), so block i's digest names the whole prefix up to it."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    out: list[str] = []
+    prev = b""
+    block = struct.Struct(f"<{block_size}q")
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        prev = hashlib.sha256(prev + block.pack(*token_ids[start:start + block_size])
+                              ).digest()[:DIGEST_BYTES]
+        out.append(prev.hex())
+    return out
+
+
+def expect(token_ids: Sequence[int], block_size: int) -> dict[str, Any]:
+    """The `EXPECT_KEY` value for a pull of `token_ids` (whole blocks of `block_size`)."""
+    return {"block_size": block_size, "digests": block_digests(token_ids, block_size)}
+
+
+def verified_tokens(prompt_ids: Sequence[int], expected: object) -> int:
+    """How many leading tokens of `prompt_ids` the offered blocks' digests verify (whole
+    blocks only); 0 for a malformed `expected`."""
+    if not isinstance(expected, dict):
+        return 0
+    size, digests = expected.get("block_size"), expected.get("digests")
+    if (not isinstance(size, int) or isinstance(size, bool) or size < 1
+            or not isinstance(digests, list)):
+        return 0
+    n_blocks = min(len(digests), len(prompt_ids) // size)
+    mine = block_digests(prompt_ids[:n_blocks * size], size)
+    matched = 0
+    for got, want in zip(mine, digests, strict=False):
+        if got != want:
+            break
+        matched += 1
+    return matched * size
 
 
 def fresh() -> dict[str, Any]:

@@ -349,13 +349,13 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
         ident.reason != "multimodal_changed")
     if holder is not None and d_healthy and not final:
         assert handle is not None  # a holder holds a handle
-        fast = _extension(r, req, handle, ident, new_ident, costs, p_work, d_work)
+        fast = _extension(r, req, handle, ident, new_ident, costs, p_first, p_work, d_work)
         if fast is not None:
-            plan, prompt_len = fast
+            plan, prompt_len, fast_path = fast
             r.metrics.tokenize_skipped.inc()
             if req.span is not None:
                 req.span.set_attribute("kvagent.tokenized", False)
-            return _Choice(handle, plan, "d_direct", holder, p_first, d_first, prompt_len,
+            return _Choice(handle, plan, fast_path, holder, p_first, d_first, prompt_len,
                            p_work, d_work)
     if holder is not None and p_first is not None and not final:
         t0 = time.perf_counter()
@@ -392,19 +392,19 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
 
 def _extension(r: Router, req: TurnRequest, handle: Handle,
                ident: identity.IdentityCheck | None, new_ident: KVIdentity,
-               costs: planner.PathCosts, p_work: NodeWork | None,
-               d_work: NodeWork | None) -> tuple[planner.ReusePlan, int] | None:
-    """The plan and estimated prompt length of a turn that may go `d_direct` without
-    `/tokenize`, or None (then it is tokenized and verified as usual).
+               costs: planner.PathCosts, p_first: Node | None, p_work: NodeWork | None,
+               d_work: NodeWork | None) -> tuple[planner.ReusePlan, int, planner.Path] | None:
+    """The plan, estimated prompt length and path of a turn that may skip `/tokenize`,
+    or None (then it is tokenized and verified as usual).
 
     It may when its messages repeat the held turn's exactly under the same rendering
     inputs (`identity.extension_chars`), identities agree with no media involved (media
     positions need the ids), and, for any delta from half to twice what the new messages'
-    size suggests (past D's last whole block), `d_direct` is the path or costs at most the
-    `/tokenize` round trip more than `pd_reuse` (`planner.skip_tokenize_pays`). D's own
-    prefix cache then matches the real tokens: however the template rendered them, D
-    computes what differs, so the answer is the one a recompute gives; a wrong estimate
-    costs time, not correctness."""
+    size suggests (past D's last whole block), one path is the choice
+    (`planner.untokenized_path`): `d_direct`, or `pd_reuse` on a P node that checks what
+    it pulls. Either way the node matches the real tokens itself (D's prefix cache; P's
+    `pull_check` against the blocks' digests), so the answer is the one a recompute
+    gives; a wrong estimate costs time, not correctness."""
     s = r.settings
     if (not s.skip_tokenize_extensions or not req.chat or ident is None
             or ident.reason is not None or new_ident.media or handle.identity is None
@@ -420,12 +420,16 @@ def _extension(r: Router, req: TurnRequest, handle: Handle,
     # messages' tokens (estimated; their bytes include the answer D already holds).
     tail = plan.cached_tokens - plan.reuse_tokens
     new = max(1, r.message_chars.tokens(chars))
-    if r.tokenize_s is None or not planner.skip_tokenize_pays(
-            plan, (tail + max(1, new // 2), tail + 2 * new), costs, r.tokenize_s,
-            skip_prefill_max_tokens=s.skip_prefill_max_tokens, p_work=p_work,
-            d_work=d_work):
+    if r.tokenize_s is None:
         return None
-    return plan, plan.reuse_tokens + tail + new
+    path = planner.untokenized_path(
+        plan, (tail + max(1, new // 2), tail + 2 * new), costs, r.tokenize_s,
+        skip_prefill_max_tokens=s.skip_prefill_max_tokens,
+        prefill_checks_pulls=p_first is not None and p_first.checks_pulls,
+        p_work=p_work, d_work=d_work)
+    if path is None:
+        return None
+    return plan, plan.reuse_tokens + tail + new, path
 
 
 def _identity_of(r: Router, req: TurnRequest, prompt_ids: list[int], *,
@@ -527,6 +531,10 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
                 r.work.end(p_ticket, time.monotonic())
         span.set_attribute("kvagent.node", prefill.node.name)
         span.set_attribute("kvagent.pull_failed", prefill.pull_failed)
+        verified = prefill.kv_params.get(transfer.VERIFIED_KEY)
+        if isinstance(verified, int) and not isinstance(verified, bool):
+            prefill.node.checks_pulls_epoch = prefill.node.epoch
+            span.set_attribute("kvagent.p_verified_tokens", verified)
     r.metrics.leg_latency.labels(leg="prefill").observe(prefill.elapsed_s)
     if chars and prefill.prompt_tokens:
         r.chars.observe(chars, prefill.prompt_tokens - (prefill.cached_tokens or 0))
