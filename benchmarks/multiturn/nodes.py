@@ -95,8 +95,9 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 "pulls the prefix from D (pd_reuse)"),
     BenchConfig(name="kvagent_always_pd_reuse_tokenize_always", kind="bundle", reuse=True,
                 skip_prefill_max_tokens=0, skip_tokenize_extensions=False,
-                description="kvagent_always_pd_reuse that tokenizes every reused turn (P "
-                "is offered only blocks the router verified, as before P checked them)"),
+                description="kvagent_always_pd_reuse that tokenizes every reused turn "
+                "(router.skip_tokenize_extensions off: the router verifies every offer "
+                "itself, as it did before P checked its pulls)"),
     BenchConfig(name="kvagent_always_pd_reuse_block512", kind="bundle", reuse=True,
                 skip_prefill_max_tokens=0, block_size=512,
                 description="kvagent_always_pd_reuse with 512-token KV blocks: a pull moves "

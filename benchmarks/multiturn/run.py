@@ -25,7 +25,7 @@ from pathlib import Path
 
 import httpx
 
-from . import budget, stats
+from . import budget, node_trace, stats
 from . import report as report_mod
 from .driver import run_workload
 from .nodes import (
@@ -92,6 +92,11 @@ def parser() -> argparse.ArgumentParser:
                    "ones are recorded as such. Start-up waits are capped to what is left. "
                    "0: no budget")
     p.add_argument("--dump-workload", type=Path, help="write the workload JSON and exit")
+    p.add_argument("--node-trace", action="store_true",
+                   help="time each request's stages inside the vLLM nodes (render, queue, "
+                   "NIXL pull, first token) into work/<config>/node_trace/; summarise with "
+                   "python -m benchmarks.multiturn.node_trace. Pairs P and D legs by time: "
+                   "use with --concurrency 1")
     return p
 
 
@@ -164,10 +169,11 @@ def run_config(config: BenchConfig, workload: Workload, work_dir: Path, *, run_i
 
     try:
         _log(f"{config.name}: starting ({config.description})")
-        with serve(config, cdir, kv_cache_gib=args.kv_cache_gib,
-                   startup_timeout_s=startup_timeout_s or args.startup_timeout,
-                   model=args.model, device=args.device,
-                   engine_args=args.engine_args) as ep:
+        trace_dir = cdir / "node_trace" if args.node_trace else None
+        with node_trace.tracing(trace_dir), serve(
+                config, cdir, kv_cache_gib=args.kv_cache_gib,
+                startup_timeout_s=startup_timeout_s or args.startup_timeout,
+                model=args.model, device=args.device, engine_args=args.engine_args) as ep:
             startup = time.perf_counter() - t0
             _log(f"{config.name}: up in {startup:.0f} s at {ep.base_url}")
             if not args.no_warmup:

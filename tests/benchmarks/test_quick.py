@@ -11,6 +11,7 @@ import importlib.util
 
 import pytest
 
+from benchmarks.multiturn.node_trace import timeline
 from benchmarks.multiturn.nodes import CONFIGS
 from benchmarks.multiturn.report import BUDGET_PLOT_NAME, JSON_NAME, PLOT_NAME, SUMMARY_NAME
 from benchmarks.multiturn.results import BenchmarkReport
@@ -33,7 +34,7 @@ pytestmark = [
 
 def test_quick_mode_runs_every_configuration(tmp_path) -> None:
     out = tmp_path / "results"
-    rc = main(["--quick", "--out", str(out)])
+    rc = main(["--quick", "--out", str(out), "--node-trace"])
 
     rep = BenchmarkReport.model_validate_json((out / JSON_NAME).read_text())
     failed = {c.name: (c.error, c.logs) for c in rep.configs if c.status != "ok"}
@@ -71,3 +72,12 @@ def test_quick_mode_runs_every_configuration(tmp_path) -> None:
     # Greedy decoding: reusing KV must not change a single answer.
     assert rep.reference_config == "pd_noreuse_pcache_off"
     assert kva.answers_compared == 8 and kva.answers_matching_reference == 8
+
+    # The node trace's hooks ran in the real nodes: every P/D turn of the no-reuse
+    # configuration shows both legs, D's pull of P's KV and both first tokens.
+    trace = out / "work" / "pd_noreuse_pcache_off" / "node_trace"
+    rows = timeline.turns(timeline.requests(timeline.read_events(trace)))
+    pd = [r for r in rows if r["path"] == "pd"]
+    assert len(pd) >= 8, rows
+    assert all(r["d_pull"] is not None and r["p_compute"] > 0 and r["total"] > 0
+               for r in pd), pd

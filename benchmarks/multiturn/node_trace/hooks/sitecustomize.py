@@ -1,0 +1,143 @@
+"""Node-side hooks of the node trace (`benchmarks.multiturn.node_trace`), loaded by
+Python's `site` in every process of a node started with this folder on `PYTHONPATH`.
+
+They time a request's stages inside a vLLM 0.32 node, where the router cannot see: the
+API server's parse and render (arrival -> `rendered`), the engine core's queue and schedule, the
+NIXL pull (`read_start`, `remote_kv_done`) and the first token. Each event is one JSON
+line, appended to `$KVAGENT_NODE_TRACE_DIR/<process>-<pid>.jsonl`, with the wall clock
+(`time.time()`, comparable across processes). Inert unless the kvagent plugin is on
+(`KVAGENT_PLUGIN=1`) and the directory is set; a hook that fails to apply is skipped.
+Benchmark instrumentation: it patches vLLM internals by name and may need updating with
+vLLM.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from typing import Any
+
+_DIR = os.environ.get("KVAGENT_NODE_TRACE_DIR", "")
+_NODE = os.environ.get("KVAGENT_PROCESS", "node")
+
+
+def _emit(ev: str, req: str, **extra: Any) -> None:
+    line = json.dumps({"t": time.time(), "node": _NODE, "pid": os.getpid(), "ev": ev,
+                       "req": req, **extra})
+    try:
+        with open(os.path.join(_DIR, f"{_NODE}-{os.getpid()}.jsonl"), "a") as f:
+            f.write(line + "\n")
+    except OSError:
+        pass
+
+
+def _serving(module: Any) -> None:
+    cls = module.OpenAIServingChat
+    original = cls.create_chat_completion
+
+    @functools.wraps(original)
+    async def create_chat_completion(self: Any, request: Any, raw_request: Any = None,
+                                     *args: Any, **kwargs: Any) -> Any:
+        if raw_request is not None:  # read back when the request id is made
+            raw_request.state.kvagent_arrived = time.time()
+        return await original(self, request, raw_request, *args, **kwargs)
+
+    cls.create_chat_completion = create_chat_completion
+
+
+def _base_serving(module: Any) -> None:
+    cls = module.BaseServing
+    original = cls._base_request_id
+
+    @functools.wraps(original)
+    def base_request_id(raw_request: Any, default: str | None = None) -> Any:
+        out = original(raw_request, default)
+        # The chat endpoint makes its id once the prompt is rendered.
+        arrived = getattr(getattr(raw_request, "state", None), "kvagent_arrived", None)
+        if arrived is not None:
+            _emit("rendered", f"chatcmpl-{out}", arrived=arrived)
+        return out
+
+    cls._base_request_id = staticmethod(base_request_id)
+
+
+def _scheduler(module: Any) -> None:
+    cls = module.Scheduler
+    add, schedule, remote, update = (cls.add_request, cls.schedule,
+                                     cls._update_waiting_for_remote_kv, cls.update_from_output)
+    first_seen: set[str] = set()
+
+    @functools.wraps(add)
+    def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        _emit("sched_add", request.request_id, prompt=request.num_prompt_tokens)
+        return add(self, request, *args, **kwargs)
+
+    @functools.wraps(schedule)
+    def schedule_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = schedule(self, *args, **kwargs)
+        for r in out.scheduled_new_reqs:
+            _emit("sched_new", r.req_id, tokens=out.num_scheduled_tokens.get(r.req_id),
+                  computed=r.num_computed_tokens)
+        return out
+
+    @functools.wraps(remote)
+    def update_waiting(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
+        _emit("remote_kv_done", request.request_id)
+        return remote(self, request, *args, **kwargs)
+
+    @functools.wraps(update)
+    def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+        res = update(self, *args, **kwargs)
+        for outputs in res.values():
+            for o in outputs.outputs:
+                if o.new_token_ids and o.request_id not in first_seen:
+                    first_seen.add(o.request_id)
+                    _emit("first_token", o.request_id)
+        if len(first_seen) > 100_000:
+            first_seen.clear()
+        return res
+
+    cls.add_request, cls.schedule = add_request, schedule_
+    cls._update_waiting_for_remote_kv, cls.update_from_output = update_waiting, update_from_output
+
+
+def _pull_worker(module: Any) -> None:
+    cls = module.NixlPullConnectorWorker
+    original = cls._read_blocks_for_req
+
+    @functools.wraps(original)
+    def read_blocks_for_req(self: Any, req_id: str, meta: Any, *args: Any, **kwargs: Any
+                            ) -> Any:
+        _emit("read_start", req_id, blocks=len(getattr(meta, "local_block_ids", ()) or ()))
+        return original(self, req_id, meta, *args, **kwargs)
+
+    cls._read_blocks_for_req = read_blocks_for_req
+
+
+_HOOKS = {
+    "vllm.entrypoints.openai.chat_completion.serving": _serving,
+    "vllm.entrypoints.serve.engine.serving": _base_serving,
+    "vllm.v1.core.sched.scheduler": _scheduler,
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker": _pull_worker,
+}
+
+
+def _install() -> None:
+    from kvagent_server.vllm_plugin.import_hooks import when_imported
+
+    for name, hook in _HOOKS.items():
+        def safe(module: Any, hook: Any = hook) -> None:
+            try:
+                hook(module)
+            except Exception as exc:  # noqa: BLE001 - a trace must never break a node
+                _emit("hook_failed", module.__name__, error=repr(exc))
+        when_imported(name, safe)
+
+
+if _DIR and os.environ.get("KVAGENT_PLUGIN") == "1":
+    try:
+        _install()
+    except ImportError:
+        pass

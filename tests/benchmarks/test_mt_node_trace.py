@@ -1,0 +1,94 @@
+"""The node trace's pure parts: events to requests, requests to turns, the summary."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from benchmarks.multiturn import node_trace
+from benchmarks.multiturn.node_trace import timeline
+
+
+def _ev(t: float, node: str, ev: str, req: str, **extra: object) -> dict[str, object]:
+    return {"t": t, "node": node, "pid": 1, "ev": ev, "req": req, **extra}
+
+
+def _pd_turn(t0: float, p: str, d: str, *, pull: bool) -> list[dict[str, object]]:
+    """A P leg (optionally pulling from D) then the D leg that reads P's blocks."""
+    out = [_ev(t0 + 0.008, "prefill-0", "rendered", p, arrived=t0),
+           _ev(t0 + 0.010, "prefill-0", "sched_add", f"{p}-0a1b2c3d", prompt=900)]
+    if pull:
+        out += [_ev(t0 + 0.011, "prefill-0", "read_start", f"{p}-0a1b2c3d"),
+                _ev(t0 + 0.014, "prefill-0", "remote_kv_done", f"{p}-0a1b2c3d")]
+    out += [_ev(t0 + 0.015, "prefill-0", "sched_new", f"{p}-0a1b2c3d", tokens=100,
+                computed=800),
+            _ev(t0 + 0.060, "prefill-0", "first_token", f"{p}-0a1b2c3d"),
+            _ev(t0 + 0.080, "decode-0", "rendered", d, arrived=t0 + 0.067),
+            _ev(t0 + 0.082, "decode-0", "sched_add", f"{d}-ffff0000", prompt=900),
+            _ev(t0 + 0.083, "decode-0", "read_start", f"{d}-ffff0000"),
+            _ev(t0 + 0.086, "decode-0", "remote_kv_done", f"{d}-ffff0000"),
+            _ev(t0 + 0.087, "decode-0", "sched_new", f"{d}-ffff0000", tokens=1, computed=899),
+            _ev(t0 + 0.094, "decode-0", "first_token", f"{d}-ffff0000")]
+    return out
+
+
+def test_api_id_strips_only_the_engine_suffix() -> None:
+    assert timeline.api_id("chatcmpl-abc-0a1b2c3d") == "chatcmpl-abc"
+    assert timeline.api_id("chatcmpl-abc") == "chatcmpl-abc"
+    assert timeline.api_id("chatcmpl-abc-notahex") == "chatcmpl-abc-notahex"
+
+
+def test_a_pd_turn_and_a_d_direct_turn() -> None:
+    events = _pd_turn(100.0, "chatcmpl-p1", "chatcmpl-d1", pull=True) + [
+        _ev(200.010, "decode-0", "rendered", "chatcmpl-d2", arrived=200.0),
+        _ev(200.012, "decode-0", "sched_add", "chatcmpl-d2-12345678", prompt=950),
+        _ev(200.013, "decode-0", "sched_new", "chatcmpl-d2-12345678", tokens=50,
+            computed=900),
+        _ev(200.050, "decode-0", "first_token", "chatcmpl-d2-12345678")]
+    rows = timeline.turns(timeline.requests(sorted(events, key=lambda e: e["t"])))
+    assert [r["path"] for r in rows] == ["pd", "d_direct"]
+    pd, dd = rows
+    assert pd["p_render"] == pytest.approx(8) and pd["p_pull"] == pytest.approx(4)
+    assert pd["p_compute"] == pytest.approx(46) and pd["hop"] == pytest.approx(7)
+    assert pd["d_render"] == pytest.approx(13) and pd["d_pull"] == pytest.approx(4)
+    assert pd["d_first_token"] == pytest.approx(8) and pd["total"] == pytest.approx(94)
+    assert (pd["p_tokens"], pd["p_computed"]) == (100, 800)
+    assert dd["d_render"] == pytest.approx(10) and dd["d_compute"] == pytest.approx(37)
+    summ = timeline.summary(rows)
+    assert summ["pd"]["n"] == 1 and summ["d_direct"]["total"]["p50"] == pytest.approx(50)
+    table = timeline.markdown(summ)
+    assert "| pd (n=1) | hop |" in table and "| d_direct (n=1) | d_compute |" in table
+
+
+def test_a_p_leg_without_a_pull_and_the_latest_p_leg_pairs() -> None:
+    events = (_pd_turn(100.0, "chatcmpl-p1", "chatcmpl-d1", pull=False)
+              + _pd_turn(101.0, "chatcmpl-p2", "chatcmpl-d2", pull=True))
+    rows = timeline.turns(timeline.requests(sorted(events, key=lambda e: e["t"])))
+    assert [r["p_pull"] for r in rows] == [0.0, pytest.approx(4)]
+    assert rows[0]["p_compute"] == pytest.approx(45)  # from its scheduling, no pull
+    assert all(r["total"] == pytest.approx(94) for r in rows)
+
+
+def test_events_are_read_from_every_file_and_a_torn_line_is_skipped(tmp_path: Path) -> None:
+    evs = _pd_turn(100.0, "chatcmpl-p1", "chatcmpl-d1", pull=True)
+    (tmp_path / "prefill-0-1.jsonl").write_text(
+        "".join(json.dumps(e) + "\n" for e in evs if e["node"] == "prefill-0"))
+    (tmp_path / "decode-0-2.jsonl").write_text(
+        "".join(json.dumps(e) + "\n" for e in evs if e["node"] == "decode-0") + '{"t": 1')
+    got = timeline.read_events(tmp_path)
+    assert len(got) == len(evs) and [e["t"] for e in got] == sorted(e["t"] for e in evs)
+
+
+def test_tracing_sets_and_restores_the_node_env(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PYTHONPATH", "/x")
+    monkeypatch.delenv(node_trace.DIR_ENV, raising=False)
+    with node_trace.tracing(tmp_path / "t"):
+        assert os.environ["PYTHONPATH"].split(os.pathsep) == [str(node_trace.HOOKS_DIR), "/x"]
+        assert os.environ[node_trace.DIR_ENV] == str(tmp_path / "t")
+        assert (tmp_path / "t").is_dir()
+    assert os.environ["PYTHONPATH"] == "/x" and node_trace.DIR_ENV not in os.environ
+    assert (node_trace.HOOKS_DIR / "sitecustomize.py").is_file()
