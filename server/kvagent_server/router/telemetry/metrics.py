@@ -36,8 +36,9 @@ class RouterMetrics:
                              registry=r)
         self.tokenize_skipped = Counter(
             "kvagent_router_tokenize_skipped",
-            "Reused turns sent d_direct without the router's /tokenize (their messages "
-            "extend the held turn's).", registry=r)
+            "Reused turns sent d_direct, or pd_reuse to a P node that checks its pulls, "
+            "without the router's /tokenize (their messages extend the held turn's).",
+            registry=r)
         self.leg_latency = Histogram("kvagent_router_leg_seconds",
                                      "Leg latency (P: whole leg; D: to response headers).",
                                      ["leg"], buckets=_LATENCY_BUCKETS, registry=r)

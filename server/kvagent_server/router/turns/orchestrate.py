@@ -506,8 +506,15 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
         p_params = planner.release_transfer_params(c.handle)  # P tells D to free them
     else:
         p_params = transfer.fresh()
-    p_nodes = r.registry.ranked("prefill", c.p_first if c.p_first and c.p_first.healthy
-                                else None)
+    ranked = r.registry.ranked("prefill", c.p_first if c.p_first and c.p_first.healthy
+                               else None)
+    p_nodes = prefill_candidates(ranked, c.plan, c.path)
+    if ranked and not p_nodes:  # no P node left that checks an unverified offer
+        assert c.handle is not None  # only a pd_reuse plan is ever unverified
+        c.path = "recompute"
+        c.plan = planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.NODE_UNHEALTHY,
+                                   detail="prefill")
+        p_params, p_nodes = planner.release_transfer_params(c.handle), ranked
     queued = c.p_work is not None and bool(p_nodes)
     chars = 0
     if not queued:
@@ -576,6 +583,16 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
         turn.d_ticket = r.work.begin(start.node.name, prefill_tokens=0, stream=True,
                                      now=time.monotonic())
     return turn
+
+
+def prefill_candidates(ranked: list[Node], plan: planner.ReusePlan,
+                       path: planner.Path) -> list[Node]:
+    """The P nodes, in rank order, that a turn's P leg may try: an offer the router did
+    not verify (a `pd_reuse` plan made without `/tokenize`) goes only to nodes seen
+    checking what they pull (`Node.checks_pulls`), also on a retry."""
+    if path != "pd_reuse" or plan.tokenized:
+        return ranked
+    return [n for n in ranked if n.checks_pulls]
 
 
 async def _whole_on_decode(r: Router, req: TurnRequest, started: float) -> Turn:
