@@ -16,7 +16,8 @@ def _ev(t: float, node: str, ev: str, req: str, **extra: object) -> dict[str, ob
     return {"t": t, "node": node, "pid": 1, "ev": ev, "req": req, **extra}
 
 
-def _pd_turn(t0: float, p: str, d: str, *, pull: bool) -> list[dict[str, object]]:
+def _pd_turn(t0: float, p: str, d: str, *, pull: bool, computed: int = 800
+             ) -> list[dict[str, object]]:
     """A P leg (optionally pulling from D) then the D leg that reads P's blocks."""
     out = [_ev(t0 + 0.008, "prefill-0", "rendered", p, arrived=t0),
            _ev(t0 + 0.010, "prefill-0", "sched_add", f"{p}-0a1b2c3d", prompt=900)]
@@ -24,7 +25,7 @@ def _pd_turn(t0: float, p: str, d: str, *, pull: bool) -> list[dict[str, object]
         out += [_ev(t0 + 0.011, "prefill-0", "read_start", f"{p}-0a1b2c3d"),
                 _ev(t0 + 0.014, "prefill-0", "remote_kv_done", f"{p}-0a1b2c3d")]
     out += [_ev(t0 + 0.015, "prefill-0", "sched_new", f"{p}-0a1b2c3d", tokens=100,
-                computed=800),
+                computed=computed),
             _ev(t0 + 0.060, "prefill-0", "first_token", f"{p}-0a1b2c3d"),
             _ev(t0 + 0.080, "decode-0", "rendered", d, arrived=t0 + 0.067),
             _ev(t0 + 0.082, "decode-0", "sched_add", f"{d}-ffff0000", prompt=900),
@@ -49,7 +50,7 @@ def test_a_pd_turn_and_a_d_direct_turn() -> None:
             computed=900),
         _ev(200.050, "decode-0", "first_token", "chatcmpl-d2-12345678")]
     rows = timeline.turns(timeline.requests(sorted(events, key=lambda e: e["t"])))
-    assert [r["path"] for r in rows] == ["pd", "d_direct"]
+    assert [r["path"] for r in rows] == ["pd_reuse", "d_direct"]
     pd, dd = rows
     assert pd["p_render"] == pytest.approx(8) and pd["p_pull"] == pytest.approx(4)
     assert pd["p_compute"] == pytest.approx(46) and pd["hop"] == pytest.approx(7)
@@ -58,15 +59,16 @@ def test_a_pd_turn_and_a_d_direct_turn() -> None:
     assert (pd["p_tokens"], pd["p_computed"]) == (100, 800)
     assert dd["d_render"] == pytest.approx(10) and dd["d_compute"] == pytest.approx(37)
     summ = timeline.summary(rows)
-    assert summ["pd"]["n"] == 1 and summ["d_direct"]["total"]["p50"] == pytest.approx(50)
+    assert summ["pd_reuse"]["n"] == 1 and summ["d_direct"]["total"]["p50"] == pytest.approx(50)
     table = timeline.markdown(summ)
-    assert "| pd (n=1) | hop |" in table and "| d_direct (n=1) | d_compute |" in table
+    assert "| pd_reuse (n=1) | hop |" in table and "| d_direct (n=1) | d_compute |" in table
 
 
 def test_a_p_leg_without_a_pull_and_the_latest_p_leg_pairs() -> None:
-    events = (_pd_turn(100.0, "chatcmpl-p1", "chatcmpl-d1", pull=False)
+    events = (_pd_turn(100.0, "chatcmpl-p1", "chatcmpl-d1", pull=False, computed=0)
               + _pd_turn(101.0, "chatcmpl-p2", "chatcmpl-d2", pull=True))
     rows = timeline.turns(timeline.requests(sorted(events, key=lambda e: e["t"])))
+    assert [r["path"] for r in rows] == ["pd_fresh", "pd_reuse"]
     assert [r["p_pull"] for r in rows] == [0.0, pytest.approx(4)]
     assert rows[0]["p_compute"] == pytest.approx(45)  # from its scheduling, no pull
     assert all(r["total"] == pytest.approx(94) for r in rows)

@@ -3,7 +3,8 @@
 A request is known on a node by its API id (`chatcmpl-…`, once `rendered`) and inside the
 engine by that id plus a suffix (`chatcmpl-…-1a2b3c4d`). A D request that read P's blocks
 (`read_start` on a decode node) closes a P/D turn whose P leg is the latest P request
-that finished before D's began; a D request that read nothing is a `d_direct` turn.
+that finished before D's began: `pd_reuse` when P started from cached or pulled tokens,
+else `pd_fresh`. A D request that read nothing is a `d_direct` turn.
 """
 
 from __future__ import annotations
@@ -91,7 +92,8 @@ def _ms(a: float | None, b: float | None) -> float | None:
 
 
 def turns(reqs: list[NodeRequest]) -> list[dict[str, Any]]:
-    """One row per turn: its path (`pd` or `d_direct`) and its stages in ms."""
+    """One row per turn: its path (`pd_reuse`, `pd_fresh` or `d_direct`) and its
+    stages in ms."""
     rows: list[dict[str, Any]] = []
     prefills = [r for r in reqs if not r.decode and r.at("first_token") is not None]
     for d in (r for r in reqs if r.decode and r.at("first_token") is not None):
@@ -109,7 +111,7 @@ def turns(reqs: list[NodeRequest]) -> list[dict[str, Any]]:
         p = before[-1]
         pulled = p.at("remote_kv_done")
         rows.append({
-            "path": "pd",
+            "path": "pd_reuse" if p.computed else "pd_fresh",
             "p_render": _ms(p.at("arrived"), p.at("rendered")),
             "p_to_engine": _ms(p.at("rendered"), p.at("sched_add")),
             "p_pull": _ms(p.at("sched_add"), pulled) if pulled is not None else 0.0,
@@ -129,7 +131,8 @@ def turns(reqs: list[NodeRequest]) -> list[dict[str, Any]]:
 def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per path: n, and per stage (and `total`) the mean and median in ms."""
     out: dict[str, dict[str, Any]] = {}
-    for path, stages in (("pd", PD_STAGES), ("d_direct", D_DIRECT_STAGES)):
+    for path, stages in (("pd_reuse", PD_STAGES), ("pd_fresh", PD_STAGES),
+                         ("d_direct", D_DIRECT_STAGES)):
         mine = [r for r in rows if r["path"] == path]
         if not mine:
             continue
