@@ -93,4 +93,5 @@ def test_tracing_sets_and_restores_the_node_env(tmp_path: Path,
         assert os.environ[node_trace.DIR_ENV] == str(tmp_path / "t")
         assert (tmp_path / "t").is_dir()
     assert os.environ["PYTHONPATH"] == "/x" and node_trace.DIR_ENV not in os.environ
-    assert (node_trace.HOOKS_DIR / "sitecustomize.py").is_file()
+    hooks = (node_trace.HOOKS_DIR / "sitecustomize.py").read_text()
+    assert f'os.environ.get("{node_trace.DIR_ENV}"' in hooks  # the same variable

@@ -17,18 +17,26 @@ import functools
 import json
 import os
 import time
-from typing import Any
+from typing import Any, TextIO
 
+#: `node_trace.DIR_ENV`, spelled out: nodes cannot import the benchmarks package.
 _DIR = os.environ.get("KVAGENT_NODE_TRACE_DIR", "")
-_NODE = os.environ.get("KVAGENT_PROCESS", "node")
+_NODE = "node"
+#: This process's trace file, opened on its first event (line-buffered: a line per event
+#: reaches the file at once, without an open per event on the scheduler's path).
+_out: tuple[int, TextIO] | None = None
 
 
 def _emit(ev: str, req: str, **extra: Any) -> None:
-    line = json.dumps({"t": time.time(), "node": _NODE, "pid": os.getpid(), "ev": ev,
-                       "req": req, **extra})
+    global _out
+    pid = os.getpid()
+    line = json.dumps({"t": time.time(), "node": _NODE, "pid": pid, "ev": ev, "req": req,
+                       **extra})
     try:
-        with open(os.path.join(_DIR, f"{_NODE}-{os.getpid()}.jsonl"), "a") as f:
-            f.write(line + "\n")
+        if _out is None or _out[0] != pid:  # first event, or a forked child
+            _out = (pid, open(os.path.join(_DIR, f"{_NODE}-{pid}.jsonl"), "a",  # noqa: SIM115 - kept open for the process's life
+                              buffering=1))
+        _out[1].write(line + "\n")
     except OSError:
         pass
 
@@ -125,7 +133,11 @@ _HOOKS = {
 
 
 def _install() -> None:
+    global _NODE
+    from kvagent_server.processes import PROCESS_ENV
     from kvagent_server.vllm_plugin.import_hooks import when_imported
+
+    _NODE = os.environ.get(PROCESS_ENV, _NODE)
 
     for name, hook in _HOOKS.items():
         def safe(module: Any, hook: Any = hook) -> None:
@@ -136,8 +148,11 @@ def _install() -> None:
         when_imported(name, safe)
 
 
-if _DIR and os.environ.get("KVAGENT_PLUGIN") == "1":
+if _DIR:
     try:
-        _install()
+        from kvagent_server.vllm_plugin import enabled
+
+        if enabled():
+            _install()
     except ImportError:
         pass
