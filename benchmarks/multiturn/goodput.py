@@ -21,6 +21,7 @@ from .results import (
     LoadConfigResult,
     LoadReport,
     LoadTargets,
+    PairedSessions,
     RequestRecord,
     Slo,
 )
@@ -29,6 +30,8 @@ from .stats import AGGREGATED, KVAGENT, PD_NOREUSE, distribution, percentile
 #: Baselines the goodput goal compares against (those that ran).
 BASELINES = (*PD_NOREUSE, AGGREGATED, "pd_noreuse_pcache_on_2p")
 FIXED_POLICIES = ("kvagent_always_d_direct", "kvagent_always_pd_reuse")
+#: Configurations whose path per turn comes from a cost model (those that ran).
+COST_MODELS = (KVAGENT, "kvagent_queue_aware", "kvagent_ttft_lines")
 GOODPUT_GOAL = 1.5
 THINK_CAP_FACTOR = 4.0  # think times above this many means are cut: a level stays bounded
 
@@ -194,17 +197,23 @@ def summarize_level(level: int, records: Sequence[RequestRecord], *, sessions: S
         paths=dict(sorted(Counter(r.path for r in ok if r.path).items())),
         slo_met_level=level_ok, broken=reason is not None, broken_reason=reason,
         missed_by=missed_by(records, [k for k, v in by_session.items() if v == "missed"], slo),
-        records=list(records))
+        session_outcome=by_session, records=list(records))
 
 
 def rescore_level(lv: LevelResult, slo: Slo, *, turns: int, max_error_rate: float
                   ) -> LevelResult:
-    """The level judged against another SLO, from its records. Sessions that left no
-    record (cancelled before their first answer) count as cancelled, as they did."""
-    ids = sorted({r.conversation for r in lv.records})
-    silent = [f"(no record {i})" for i in range(lv.sessions - len(ids))]
-    out = summarize_level(lv.level, lv.records, sessions=ids + silent, turns=turns,
-                          cancelled=silent, window_s=lv.window_s, wall_s=lv.wall_s, slo=slo,
+    """The level judged against another SLO, from its records. Sessions cancelled at
+    the drain cap stay cancelled; in runs recorded before outcomes were kept per session,
+    those that left no record (cancelled before their first answer) count as cancelled."""
+    if lv.session_outcome:
+        ids = list(lv.session_outcome)
+        gone = [s for s, o in lv.session_outcome.items() if o == "cancelled"]
+    else:
+        seen = sorted({r.conversation for r in lv.records})
+        gone = [f"(no record {i})" for i in range(lv.sessions - len(seen))]
+        ids = seen + gone
+    out = summarize_level(lv.level, lv.records, sessions=ids, turns=turns, cancelled=gone,
+                          window_s=lv.window_s, wall_s=lv.wall_s, slo=slo,
                           max_error_rate=max_error_rate)
     return out.model_copy(update={"foreign_vllm_max": lv.foreign_vllm_max,
                                   "load_avg_max": lv.load_avg_max,
@@ -270,10 +279,38 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
+def sign_test_p(k: int, n: int) -> float:
+    """Two-sided exact binomial test of k successes in n trials at p = 1/2."""
+    if not 0 <= k <= n:
+        raise ValueError(f"need 0 <= k <= n, got k={k}, n={n}")
+    tail = sum(math.comb(n, i) for i in range(min(k, n - k) + 1)) / 2 ** n
+    return min(1.0, 2 * tail)
+
+
+def paired_sessions(a: LoadConfigResult, b: LoadConfigResult) -> PairedSessions | None:
+    """`a` against `b` on the sessions of the levels both ran; None without any
+    (runs recorded before outcomes were kept per session have none until rescored)."""
+    la = {lv.level: lv.session_outcome for lv in a.levels if lv.session_outcome}
+    lb = {lv.level: lv.session_outcome for lv in b.levels if lv.session_outcome}
+    levels = sorted(set(la) & set(lb))
+    pairs: Counter[tuple[bool, bool]] = Counter()
+    for level in levels:
+        for sid in la[level].keys() & lb[level].keys():
+            pairs[la[level][sid] == "met", lb[level][sid] == "met"] += 1
+    if not pairs:
+        return None
+    only_a, only_b = pairs[True, False], pairs[False, True]
+    return PairedSessions(a=a.name, b=b.name, levels=levels, sessions=sum(pairs.values()),
+                          both=pairs[True, True], only_a=only_a, only_b=only_b,
+                          neither=pairs[False, False],
+                          p_value=sign_test_p(only_a, only_a + only_b))
+
+
 def load_targets(configs: Sequence[LoadConfigResult]) -> LoadTargets:
     """kvagent's peak goodput against the best baseline's (goal >= 1.5x), its ITL p99
-    against the aggregated node's at the highest level both ran, and the cost model's
-    peak goodput against each fixed policy's."""
+    against the aggregated node's at the highest level both ran, the cost model's peak
+    goodput against each fixed policy's, and each cost model against each fixed policy
+    (and kvagent against the best baseline) session by session."""
     peaks = {c.name: p for c in configs if (p := peak_goodput(c)) is not None}
     t = LoadTargets(peak_goodput=peaks)
     kva = peaks.get(KVAGENT)
@@ -300,4 +337,9 @@ def load_targets(configs: Sequence[LoadConfigResult]) -> LoadTargets:
             t.cost_model_over[policy] = _ratio(kva, peaks[policy])
             t.met[f"cost model peak goodput >= {policy}"] = (
                 None if kva is None else kva >= peaks[policy])
+    named = {c.name: c for c in configs}
+    versus = [(m, p) for m in COST_MODELS for p in FIXED_POLICIES if m in named and p in named]
+    if t.best_baseline is not None and KVAGENT in named:
+        versus.append((KVAGENT, t.best_baseline))
+    t.paired = [p for a, b in versus if (p := paired_sessions(named[a], named[b])) is not None]
     return t

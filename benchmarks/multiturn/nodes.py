@@ -51,8 +51,8 @@ class BenchConfig(BaseModel):
     #: choose between `d_direct` and `pd_reuse`; 0 never skips P; a huge value always does.
     skip_prefill_max_tokens: int | None = None
     #: Router setting `queue_aware_paths` (bundle only): the cost model also prices the
-    #: work in flight on each node.
-    queue_aware_paths: bool = False
+    #: work in flight on each node; None: the router's default.
+    queue_aware_paths: bool | None = None
     #: Router setting `skip_tokenize_extensions` (bundle only): False tokenizes every
     #: reused turn, as the router did before turns could skip it.
     skip_tokenize_extensions: bool = True
@@ -81,6 +81,9 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig(name="kvagent_queue_aware", kind="bundle", reuse=True, queue_aware_paths=True,
                 description="kvagent whose cost model also prices the work in flight on "
                 "P and D (router.queue_aware_paths)"),
+    BenchConfig(name="kvagent_ttft_lines", kind="bundle", reuse=True, queue_aware_paths=False,
+                description="kvagent whose cost model compares each path's learned TTFT "
+                "line alone, blind to the work in flight (router.queue_aware_paths off)"),
     BenchConfig(name="kvagent_tokenize_always", kind="bundle", reuse=True,
                 skip_tokenize_extensions=False,
                 description="kvagent that tokenizes every reused turn, even one whose "
@@ -246,8 +249,8 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
     router: dict = {"port": ports[-1], "reuse": config.reuse, "server_timing": True}
     if config.skip_prefill_max_tokens is not None:
         router["skip_prefill_max_tokens"] = config.skip_prefill_max_tokens
-    if config.queue_aware_paths:
-        router["queue_aware_paths"] = True
+    if config.queue_aware_paths is not None:
+        router["queue_aware_paths"] = config.queue_aware_paths
     if not config.skip_tokenize_extensions:
         router["skip_tokenize_extensions"] = False
     return {

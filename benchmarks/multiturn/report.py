@@ -360,6 +360,17 @@ def load_markdown(report: LoadReport) -> str:
               + (", ".join(f"{k} {_num(v)}" for k, v in tg.cost_model_over.items()) or "–")
               + "; met: " + ", ".join(f"{k}: {'–' if v is None else ('yes' if v else 'no')}"
                                       for k, v in tg.met.items()), ""]
+    if tg.paired:
+        lines += [
+            ("Session by session (the same sessions in both, levels both ran): sessions "
+             "that met the SLO in one configuration only, and the two-sided exact sign test "
+             "on them: p is how often a split at least this uneven comes from two equally "
+             "good configurations."), "",
+            "| a | b | levels | sessions | met in both | a only | b only | neither | p |",
+            "|---|---|---|---|---|---|---|---|---|",
+            *(f"| {p.a} | {p.b} | {', '.join(map(str, p.levels))} | {p.sessions} | {p.both} | "
+              f"{p.only_a} | {p.only_b} | {p.neither} | {p.p_value:.3f} |" for p in tg.paired),
+            ""]
     busy = [f"{c.name} level {lv.level} ({lv.foreign_vllm_max})" for c in report.configs
             for lv in c.levels if lv.foreign_vllm_max]
     if busy:

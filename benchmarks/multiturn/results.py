@@ -232,6 +232,9 @@ class LevelResult(BaseModel):
     #: The router's P and D placement choices during the level, by reason
     #: (`prefill:tier_hit`, `decode:affinity`, ...); empty without a router.
     placements: dict[str, float] = Field(default_factory=dict)
+    #: Per session id: `met`, `missed`, `failed` or `cancelled`. Every configuration runs
+    #: the same sessions, so two configurations can be compared session by session.
+    session_outcome: dict[str, str] = Field(default_factory=dict)
     records: list[RequestRecord] = Field(default_factory=list)
 
 
@@ -247,6 +250,24 @@ class LoadConfigResult(BaseModel):
     logs: str | None = None
 
 
+class PairedSessions(BaseModel):
+    """Two configurations judged on the same sessions (same arrivals, same prompts) over
+    the levels both ran: which sessions met the SLO in one and not in the other. Goodput
+    of two configurations that choose alike moves by a few sessions per level from timing
+    alone; the exact sign test on the discordant sessions (McNemar's test) says how often
+    a split at least this uneven happens when neither configuration is better."""
+
+    a: str
+    b: str
+    levels: list[int]
+    sessions: int  # paired: run in both
+    both: int  # met the SLO in both
+    only_a: int
+    only_b: int
+    neither: int
+    p_value: float  # two-sided exact sign test on only_a vs only_b
+
+
 class LoadTargets(BaseModel):
     """The load mode's goals, measured (never asserted)."""
 
@@ -259,6 +280,9 @@ class LoadTargets(BaseModel):
     aggregated_itl_p99_s: float | None = None
     #: Peak goodput of the cost model over each fixed policy (> 1: the cost model wins).
     cost_model_over: dict[str, float | None] = Field(default_factory=dict)
+    #: Each cost model against each fixed policy, and kvagent against the best baseline,
+    #: session by session.
+    paired: list[PairedSessions] = Field(default_factory=list)
     met: dict[str, bool | None] = Field(default_factory=dict)
 
 

@@ -223,6 +223,60 @@ def test_load_targets_partial_runs() -> None:
     assert empty.best_baseline is None and empty.itl_p99_level is None and empty.met == {}
 
 
+def test_sign_test_p() -> None:
+    assert goodput.sign_test_p(0, 5) == goodput.sign_test_p(5, 5) == pytest.approx(1 / 16)
+    assert goodput.sign_test_p(1, 10) == pytest.approx(2 * 11 / 1024)
+    assert goodput.sign_test_p(2, 4) == goodput.sign_test_p(0, 0) == 1.0
+    assert goodput.sign_test_p(3, 7) == goodput.sign_test_p(4, 7) == 1.0
+    with pytest.raises(ValueError):
+        goodput.sign_test_p(3, 2)
+
+
+def judged(n: int, met: str, *others: str) -> LevelResult:
+    """A level whose sessions `met` (letters) met the SLO and `others` did not."""
+    records = ([rec(s, 0) for s in met] + [rec(s, 0, 5.0) for s in others[0:1] for s in s]
+               + [rec(s, 0, error="x") for s in others[1:2] for s in s])
+    ids = list(met) + [s for group in others for s in group]
+    return goodput.summarize_level(n, records, sessions=ids, turns=1,
+                                   cancelled=[s for g in others[2:3] for s in g],
+                                   window_s=60.0, wall_s=1.0, slo=SLO, max_error_rate=1.0)
+
+
+def test_paired_sessions() -> None:
+    # level 1: both meet a; only x meets b and d; neither meets c; level 2 only x ran
+    x = cfg("kvagent", judged(1, "abd", "c"), judged(2, "ab"))
+    y = cfg("kvagent_always_d_direct", judged(1, "a", "c", "b", "d"))
+    assert y.levels[0].session_outcome == {"a": "met", "c": "missed", "b": "failed",
+                                           "d": "cancelled"}
+    p = goodput.paired_sessions(x, y)
+    assert p is not None and p.levels == [1]
+    assert (p.sessions, p.both, p.only_a, p.only_b, p.neither) == (4, 1, 2, 0, 1)
+    assert p.p_value == pytest.approx(0.5)
+    back = goodput.paired_sessions(y, x)
+    assert back is not None and (back.only_a, back.only_b) == (0, 2)
+    assert goodput.paired_sessions(x, cfg("kvagent_always_pd_reuse", judged(4, "a"))) is None
+    old = y.model_copy(update={"levels": [y.levels[0].model_copy(
+        update={"session_outcome": {}})]})
+    assert goodput.paired_sessions(x, old) is None  # recorded before outcomes were kept
+
+
+def test_load_targets_pair_each_cost_model_with_each_fixed_policy() -> None:
+    configs = [cfg("aggregated", judged(1, "a", "bc")),
+               cfg("kvagent", judged(1, "abc")),
+               cfg("kvagent_queue_aware", judged(1, "ab", "c")),
+               cfg("kvagent_always_d_direct", judged(1, "a", "bc")),
+               cfg("kvagent_always_pd_reuse", judged(1, "", "abc"))]
+    t = goodput.load_targets(configs)
+    assert [(p.a, p.b, p.only_a, p.only_b) for p in t.paired] == [
+        ("kvagent", "kvagent_always_d_direct", 2, 0),
+        ("kvagent", "kvagent_always_pd_reuse", 3, 0),
+        ("kvagent_queue_aware", "kvagent_always_d_direct", 1, 0),
+        ("kvagent_queue_aware", "kvagent_always_pd_reuse", 2, 0),
+        ("kvagent", "aggregated", 2, 0)]
+    assert goodput.load_targets(configs[:2]).paired[0].b == "aggregated"
+    assert goodput.load_targets(configs[1:3]).paired == []
+
+
 # ---------------------------------------------------------------------------- report
 
 def test_load_report_files(tmp_path) -> None:
@@ -250,6 +304,7 @@ def test_load_report_files(tmp_path) -> None:
     assert "kvagent / best baseline (aggregated) peak goodput = 2.00" in md
     assert "foreign_vllm_max = 0 in every level." in md
     assert "- kvagent level 2: prefill:tier_hit 2" in md
+    assert "| kvagent | aggregated | 1, 2 | 2 | 2 | 0 | 0 | 0 | 1.000 |" in md
 
 
 METRICS = """\
@@ -319,6 +374,18 @@ def test_rescore_rejudges_the_recorded_requests() -> None:
     assert same.configs[0].levels[0].model_dump() == lv.model_dump()
     with pytest.raises(ValueError):
         goodput.rescore(rep.model_copy(update={"slo": None}), ttft_factor=1, itl_factor=1)
+
+
+def test_rescore_a_run_recorded_before_outcomes_were_kept() -> None:
+    rep = _recorded_run()
+    old = rep.model_copy(update={"configs": [c.model_copy(update={"levels": [
+        lv.model_copy(update={"session_outcome": {}}) for lv in c.levels]})
+        for c in rep.configs]})
+    lv = goodput.rescore(old, ttft_factor=4.0, itl_factor=3.0).configs[0].levels[0]
+    # d left no record: it keeps its place as a cancelled session under another name
+    assert (lv.sessions, lv.sessions_met, lv.sessions_cancelled) == (4, 2, 2)
+    assert lv.session_outcome == {"a": "met", "b": "met", "c": "cancelled",
+                                  "(no record 0)": "cancelled"}
 
 
 def test_rescore_cli(tmp_path) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from kvagent_server.config import validate_config
+from kvagent_server.router.settings import RouterSettings
 
 from benchmarks.multiturn import load
 from benchmarks.multiturn.driver import ScheduledSession, run_sessions
@@ -112,7 +113,9 @@ def test_bundle_settings_validate(name: str, tmp_path: Path) -> None:
                                           startup_timeout_s=60))
     assert cfg.prefill.count == c.prefill_count and cfg.router.reuse == c.reuse
     assert cfg.router.skip_prefill_max_tokens == c.skip_prefill_max_tokens
-    assert cfg.router.queue_aware_paths == c.queue_aware_paths
+    assert cfg.router.queue_aware_paths == (
+        RouterSettings().queue_aware_paths if c.queue_aware_paths is None
+        else c.queue_aware_paths)
     assert cfg.router.server_timing and cfg.router.port == 9000 + n - 1
     assert cfg.prefill.prefix_caching == c.prefill_prefix_caching
     assert cfg.block_size == c.block_size

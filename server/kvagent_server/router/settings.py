@@ -55,11 +55,11 @@ class RouterSettings(BaseModel):
     skip_prefill_max_tokens: int | None = Field(default=None,
         description="Skip the P leg when the uncached delta is at most this many tokens (0: "
         "never skip, None: decide from measured costs).")
-    queue_aware_paths: bool = Field(default=False,
+    queue_aware_paths: bool = Field(default=True,
         description="With `skip_prefill_max_tokens` None: price each path with the work in "
         "flight on its node (prompt tokens queued on P, D's queued deltas and decode streams) "
         "and the stall a `d_direct` delta puts on D's streams. False: each path's learned "
-        "TTFT line alone (off: not shown better under load, docs/benchmarks.md run 5).")
+        "TTFT line alone, blind to the queues (docs/benchmarks.md runs 5 and 9).")
     skip_tokenize_extensions: bool = Field(default=True,
         description="A chat turn whose messages repeat the held turn's exactly (same "
         "rendering inputs) and add new ones goes `d_direct` without the router's `/tokenize` "
