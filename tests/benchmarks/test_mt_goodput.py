@@ -232,14 +232,15 @@ def test_sign_test_p() -> None:
         goodput.sign_test_p(3, 2)
 
 
-def judged(n: int, met: str, *others: str) -> LevelResult:
-    """A level whose sessions `met` (letters) met the SLO and `others` did not."""
-    records = ([rec(s, 0) for s in met] + [rec(s, 0, 5.0) for s in others[0:1] for s in s]
-               + [rec(s, 0, error="x") for s in others[1:2] for s in s])
-    ids = list(met) + [s for group in others for s in group]
-    return goodput.summarize_level(n, records, sessions=ids, turns=1,
-                                   cancelled=[s for g in others[2:3] for s in g],
-                                   window_s=60.0, wall_s=1.0, slo=SLO, max_error_rate=1.0)
+def judged(n: int, met: str, missed: str = "", failed: str = "", cancelled: str = ""
+           ) -> LevelResult:
+    """Level `n` of one-turn sessions named by letters: those in `met` met the SLO, those
+    in `missed` answered too late, `failed` errored, `cancelled` left no answer."""
+    records = ([rec(s, 0) for s in met] + [rec(s, 0, 5.0) for s in missed]
+               + [rec(s, 0, error="x") for s in failed])
+    return goodput.summarize_level(n, records, sessions=list(met + missed + failed + cancelled),
+                                   turns=1, cancelled=list(cancelled), window_s=60.0,
+                                   wall_s=1.0, slo=SLO, max_error_rate=1.0)
 
 
 def test_paired_sessions() -> None:

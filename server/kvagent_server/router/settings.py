@@ -59,7 +59,7 @@ class RouterSettings(BaseModel):
         description="With `skip_prefill_max_tokens` None: price each path with the work in "
         "flight on its node (prompt tokens queued on P, D's queued deltas and decode streams) "
         "and the stall a `d_direct` delta puts on D's streams. False: each path's learned "
-        "TTFT line alone, blind to the queues (docs/benchmarks.md runs 5 and 9).")
+        "TTFT line alone, blind to the queues (docs/benchmarks.md runs 5 and 9-11).")
     skip_tokenize_extensions: bool = Field(default=True,
         description="A chat turn whose messages repeat the held turn's exactly (same "
         "rendering inputs) and add new ones goes `d_direct` without the router's `/tokenize` "
