@@ -238,6 +238,20 @@ def test_orphaned_prefill_leg_is_released(e2e: E2E) -> None:
     assert r.tool_calls
 
 
+def test_a_prompt_over_the_context_length_gets_vllms_own_message(e2e: E2E) -> None:
+    """The node's reason reaches the client through the router (its wording names nothing
+    internal), not the router's generic 'rejected' message."""
+    words = " ".join(f"w{i}" for i in range(20_000))  # well over the bundle's 16,384
+    body = {"model": e2e.model, "max_tokens": 4,
+            "messages": [{"role": "user", "content": words}]}
+    resp = httpx.post(f"{e2e.base_url}/chat/completions", json=body, timeout=600,
+                      headers={"Authorization": f"Bearer {ALPHA_KEY}",
+                               "X-Session-ID": "too-long"})
+    assert resp.status_code == 400, resp.text
+    message = resp.json()["error"]["message"]
+    assert message.startswith("This model's maximum context length is 16384 tokens"), message
+
+
 def test_blocks_expired_on_decode_recompute(e2e: E2E) -> None:
     """The router believes a handle is live but D already dropped its blocks (a TTL
     misconfigured, a clock jump): P's read is declined, P recomputes, the answer is right.

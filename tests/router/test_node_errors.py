@@ -35,3 +35,27 @@ def test_a_streamed_error_event_keeps_only_safe_parts() -> None:
                                          "type": "InternalServerError", "param": None,
                                          "code": 500}
     assert client_error_event({"choices": [], "usage": {}}) is None
+
+
+@pytest.mark.parametrize("message", [
+    # vLLM 0.32's wording (recorded from a real node: a prompt one token too long)
+    "This model's maximum context length is 16384 tokens. However, your prompt contains at "
+    "least 16385 input tokens, which exceeds this limit even without any output tokens. "
+    "Please reduce the length of the input prompt. (parameter=input_tokens, value=16385)",
+    # the older wording
+    "This model's maximum context length is 2048 tokens. However, you requested 4000 tokens "
+    "(3000 in the messages, 1000 in the completion). Please reduce the length of the "
+    "messages or completion.",
+])
+def test_context_length_messages_reach_the_client(message: str) -> None:
+    from kvagent_server.router.common.node_errors import client_message
+
+    assert client_message(message) == message
+
+
+def test_an_internal_value_still_hides_the_message() -> None:
+    from kvagent_server.router.common.node_errors import GENERIC, client_message
+
+    leaky = ("This model's maximum context length is 16384 tokens. (parameter=input_tokens, "
+             "value=10.0.0.5)")
+    assert client_message(leaky) == GENERIC

@@ -20,7 +20,8 @@ MAX_LEN = 400
 #: vLLM's messages about the client's request that name nothing internal. Each matches the
 #: whole message, and only from a narrow alphabet (no `/`, no `@`, no quotes but `'`).
 _ALLOWED = tuple(re.compile(p, re.ASCII) for p in (
-    r"This model's maximum context length is \d+ tokens\.[\w ,.()'-]*",
+    # vLLM 0.32 ends it with "(parameter=input_tokens, value=16385)": hence `=`.
+    r"This model's maximum context length is \d+ tokens\.[\w ,.()'=-]*",
     r"'?(max_tokens|max_completion_tokens)'? [\w ,.()'<>=-]*",
     r"[A-Za-z_]{1,40} must be [\w ,.()'<>=+-]{1,120}",
     r"[A-Za-z_]{1,40} is not (supported|allowed)[\w ,.()'-]*",
