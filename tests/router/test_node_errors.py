@@ -39,13 +39,13 @@ def test_a_streamed_error_event_keeps_only_safe_parts() -> None:
 
 @pytest.mark.parametrize("message", [
     # vLLM 0.32's wording (recorded from a real node: a prompt one token too long)
-    "This model's maximum context length is 16384 tokens. However, your prompt contains at "
-    "least 16385 input tokens, which exceeds this limit even without any output tokens. "
-    "Please reduce the length of the input prompt. (parameter=input_tokens, value=16385)",
+    ("This model's maximum context length is 16384 tokens. However, your prompt contains at "
+     "least 16385 input tokens, which exceeds this limit even without any output tokens. "
+     "Please reduce the length of the input prompt. (parameter=input_tokens, value=16385)"),
     # the older wording
-    "This model's maximum context length is 2048 tokens. However, you requested 4000 tokens "
-    "(3000 in the messages, 1000 in the completion). Please reduce the length of the "
-    "messages or completion.",
+    ("This model's maximum context length is 2048 tokens. However, you requested 4000 tokens "
+     "(3000 in the messages, 1000 in the completion). Please reduce the length of the "
+     "messages or completion."),
 ])
 def test_context_length_messages_reach_the_client(message: str) -> None:
     from kvagent_server.router.common.node_errors import client_message
