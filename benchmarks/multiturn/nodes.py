@@ -53,8 +53,6 @@ class BenchConfig(BaseModel):
     #: Router setting `queue_aware_paths` (bundle only): the cost model also prices the
     #: work in flight on each node; None: the router's default.
     queue_aware_paths: bool | None = None
-    #: Router setting `d_direct_stall_max_ms` (bundle only): None, the router's default.
-    d_direct_stall_max_ms: float | None = None
     #: Router setting `skip_tokenize_extensions` (bundle only): False tokenizes every
     #: reused turn, as the router did before turns could skip it.
     skip_tokenize_extensions: bool = True
@@ -86,10 +84,6 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig(name="kvagent_ttft_lines", kind="bundle", reuse=True, queue_aware_paths=False,
                 description="kvagent whose cost model compares each path's learned TTFT "
                 "line alone, blind to the work in flight (router.queue_aware_paths off)"),
-    BenchConfig(name="kvagent_stall_cap", kind="bundle", reuse=True,
-                d_direct_stall_max_ms=40,
-                description="kvagent whose cost model sends a delta to P while streams decode "
-                "on D if D would compute it for over 40 ms (router.d_direct_stall_max_ms)"),
     BenchConfig(name="kvagent_tokenize_always", kind="bundle", reuse=True,
                 skip_tokenize_extensions=False,
                 description="kvagent that tokenizes every reused turn, even one whose "
@@ -257,8 +251,6 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
         router["skip_prefill_max_tokens"] = config.skip_prefill_max_tokens
     if config.queue_aware_paths is not None:
         router["queue_aware_paths"] = config.queue_aware_paths
-    if config.d_direct_stall_max_ms is not None:
-        router["d_direct_stall_max_ms"] = config.d_direct_stall_max_ms
     if not config.skip_tokenize_extensions:
         router["skip_tokenize_extensions"] = False
     return {
