@@ -19,6 +19,10 @@ on (the benchmark's aggregated node):
         [--config kvagent] [--per-path 6] [--out floor.json]
 
 Bounded: at most `--per-path` samples per path, one node, stopped on exit.
+
+Measured minutes after the run, a floor carries the host's drift (the same turns' floor p50
+moved 26 % between two such measurements four minutes apart). `PairedFloor` takes it turn
+by turn instead, beside the run (`python -m benchmarks.multiturn.run --paired-floor 1`).
 """
 
 from __future__ import annotations
@@ -31,17 +35,21 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
 from .client import chat_body, stream_chat
-from .results import BenchmarkReport, RequestRecord
+from .results import BenchmarkReport, FloorSample, RequestRecord
 from .stats import percentile
 from .workload import Workload, WorkloadSpec, assistant_message, generate
 
 REUSE_PATHS = ("pd_reuse", "d_direct")
+
+T = TypeVar("T")
 
 
 def requests_by_turn(workload: Workload, records: list[RequestRecord], model: str, *,
@@ -63,12 +71,17 @@ def requests_by_turn(workload: Workload, records: list[RequestRecord], model: st
     return out
 
 
+def is_reused_turn(r: RequestRecord) -> bool:
+    """A later turn that reused KV on one of the reuse paths and has a TTFT."""
+    return (r.path in REUSE_PATHS and r.turn > 0 and r.error is None
+            and (r.reused_tokens or 0) > 0 and r.ttft_s is not None)
+
+
 def pick(records: list[RequestRecord], per_path: int) -> list[RequestRecord]:
     """Up to `per_path` reused later turns per path, spread evenly over the run."""
     out = []
     for path in REUSE_PATHS:
-        rows = [r for r in records if r.path == path and r.turn > 0 and r.error is None
-                and (r.reused_tokens or 0) > 0 and r.ttft_s is not None]
+        rows = [r for r in records if r.path == path and is_reused_turn(r)]
         if len(rows) > per_path:
             step = len(rows) / per_path
             rows = [rows[int(k * step)] for k in range(per_path)]
@@ -122,20 +135,98 @@ async def engine_ttft(client: httpx.AsyncClient, root: str, body: dict[str, Any]
             "engine_cached_tokens": res.meter.cached_tokens()}
 
 
-def summarise(samples: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def floor_sample(rec: RequestRecord, got: dict[str, Any], *, kv_bytes_per_token: int,
+                 bandwidth: float) -> FloorSample:
+    """`rec` (a reused turn) against what `engine_ttft` measured for its request."""
+    reused = rec.reused_tokens or 0
+    transfer = reused * kv_bytes_per_token / bandwidth if rec.path == "pd_reuse" else 0.0
+    assert rec.path is not None and rec.ttft_s is not None
+    return FloorSample(conversation=rec.conversation, turn=rec.turn, path=rec.path,
+                       reused_tokens=reused, prompt_tokens=got["prompt_tokens"],
+                       engine_ttft_s=got["engine_ttft_s"],
+                       engine_cached_tokens=got["engine_cached_tokens"], transfer_s=transfer,
+                       floor_s=got["engine_ttft_s"] + transfer, measured_ttft_s=rec.ttft_s)
+
+
+#: New-token ranges the summary splits each path by: the path's fixed costs weigh most
+#: against a small delta's floor.
+DELTA_BINS = ((0, 500), (500, 1500), (1500, None))
+
+
+def summarise(samples: list[FloorSample]) -> dict[str, dict[str, Any]]:
+    """Per path: measured ÷ floor (p50, mean), the p50s it comes from, and the p50 ratio and
+    p50 excess over the floor per range of new tokens (`DELTA_BINS`)."""
     out = {}
     for path in REUSE_PATHS:
-        rows = [s for s in samples if s["path"] == path]
+        rows = [s for s in samples if s.path == path]
         if not rows:
             continue
-        ratios = [s["measured_ttft_s"] / s["floor_s"] for s in rows]
-        out[path] = {"n": len(rows), "ratio_p50": percentile(ratios, 50),
-                     "ratio_mean": statistics.fmean(ratios),
-                     "measured_ttft_p50_s": percentile([s["measured_ttft_s"] for s in rows], 50),
-                     "floor_p50_s": percentile([s["floor_s"] for s in rows], 50),
-                     "engine_ttft_p50_s": percentile([s["engine_ttft_s"] for s in rows], 50),
-                     "transfer_p50_s": percentile([s["transfer_s"] for s in rows], 50)}
+        bins = {}
+        for lo, hi in DELTA_BINS:
+            part = [s for s in rows if s.new_tokens >= lo and (hi is None or s.new_tokens < hi)]
+            if part:
+                bins[f"{lo}-{hi or ''}"] = {
+                    "n": len(part), "ratio_p50": percentile([s.ratio for s in part], 50),
+                    "excess_p50_s": percentile([s.measured_ttft_s - s.floor_s for s in part],
+                                               50)}
+        out[path] = {"n": len(rows), "ratio_p50": percentile([s.ratio for s in rows], 50),
+                     "ratio_mean": statistics.fmean(s.ratio for s in rows),
+                     "measured_ttft_p50_s": percentile([s.measured_ttft_s for s in rows], 50),
+                     "floor_p50_s": percentile([s.floor_s for s in rows], 50),
+                     "engine_ttft_p50_s": percentile([s.engine_ttft_s for s in rows], 50),
+                     "transfer_p50_s": percentile([s.transfer_s for s in rows], 50),
+                     "by_new_tokens": bins}
     return out
+
+
+def _blocking(coro: Coroutine[Any, Any, T]) -> T:
+    """Run `coro` to completion from synchronous code, even inside a running event loop."""
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+class PairedFloor:
+    """The floor of each reused turn, taken right after the turn itself.
+
+    `on_record` is the driver's per-turn callback. With one conversation at a time the next
+    turn waits for it, so the floor node and the configuration's nodes never compute at the
+    same time, and the host's drift between a turn and its floor is seconds, not the
+    minutes an after-the-fact floor run is away. `settle_s` after each floor request lets
+    a stock vLLM worker's post-request busy loop (up to 1 s) end before the next turn.
+    """
+
+    def __init__(self, root: str, model: str, workload: Workload, *, kv_bytes_per_token: int,
+                 bandwidth: float, keep: bool = False, settle_s: float = 1.2,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.root, self.model, self.workload, self.keep = root, model, workload, keep
+        self.kv_bytes_per_token, self.bandwidth, self.settle_s = (kv_bytes_per_token,
+                                                                  bandwidth, settle_s)
+        self.transport = transport  # the test seam (httpx.MockTransport)
+        self.records: list[RequestRecord] = []
+        self.samples: list[FloorSample] = []
+        self._first = True
+
+    def on_record(self, rec: RequestRecord) -> FloorSample | None:
+        """Record `rec`; if it is a reused turn, measure and return its floor sample."""
+        self.records.append(rec)
+        if not is_reused_turn(rec):
+            return None
+        body = requests_by_turn(self.workload, self.records, self.model,
+                                keep=self.keep)[(rec.conversation, rec.turn)]
+        got = _blocking(self._measure(body, rec.reused_tokens or 0))
+        sample = floor_sample(rec, got, kv_bytes_per_token=self.kv_bytes_per_token,
+                              bandwidth=self.bandwidth)
+        self.samples.append(sample)
+        time.sleep(self.settle_s)
+        return sample
+
+    async def _measure(self, body: dict[str, Any], reused: int) -> dict[str, Any]:
+        async with httpx.AsyncClient(timeout=600, transport=self.transport) as client:
+            if self._first:  # a fresh engine's one-off costs are not part of any floor
+                self._first = False
+                for _ in range(2):
+                    await engine_ttft(client, self.root, body, reused)
+            return await engine_ttft(client, self.root, body, reused)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     per_token = kv_bytes_per_token(model_dir)
     bandwidth = copy_bandwidth(args.copy_mib)
     foreign = len(foreign_vllm())
-    samples: list[dict[str, Any]] = []
+    samples: list[FloorSample] = []
 
     async def measure(root: str, model: str) -> None:
         bodies = requests_by_turn(workload, config.records, model, keep=keep)
@@ -186,21 +277,13 @@ def main(argv: list[str] | None = None) -> int:
             for rec in chosen:
                 got = await engine_ttft(client, root, bodies[(rec.conversation, rec.turn)],
                                         rec.reused_tokens or 0)
-                transfer = ((rec.reused_tokens or 0) * per_token / bandwidth
-                            if rec.path == "pd_reuse" else 0.0)
-                floor = got["engine_ttft_s"] + transfer
-                samples.append({"conversation": rec.conversation, "turn": rec.turn,
-                                "path": rec.path, "reused_tokens": rec.reused_tokens,
-                                "recorded_prompt_tokens": rec.prompt_tokens, **got,
-                                "transfer_s": transfer, "floor_s": floor,
-                                "measured_ttft_s": rec.ttft_s,
-                                "ratio": rec.ttft_s / floor if rec.ttft_s else None})
-                s = samples[-1]
-                print(f"{rec.conversation} t{rec.turn} {rec.path:<9} reused {rec.reused_tokens}"
-                      f"/{got['prompt_tokens']} (engine cached {got['engine_cached_tokens']})"
-                      f"  engine {got['engine_ttft_s'] * 1000:6.1f} ms + transfer "
-                      f"{transfer * 1000:5.1f} ms = floor {floor * 1000:6.1f} ms;"
-                      f" measured {rec.ttft_s * 1000:6.1f} ms  ratio {s['ratio']:.2f}",
+                s = floor_sample(rec, got, kv_bytes_per_token=per_token, bandwidth=bandwidth)
+                samples.append(s)
+                print(f"{rec.conversation} t{rec.turn} {rec.path:<9} reused {s.reused_tokens}"
+                      f"/{s.prompt_tokens} (engine cached {s.engine_cached_tokens})"
+                      f"  engine {s.engine_ttft_s * 1000:6.1f} ms + transfer "
+                      f"{s.transfer_s * 1000:5.1f} ms = floor {s.floor_s * 1000:6.1f} ms;"
+                      f" measured {s.measured_ttft_s * 1000:6.1f} ms  ratio {s.ratio:.2f}",
                       flush=True)
 
     with (tempfile.TemporaryDirectory(prefix="kva-floor-") as tmp,
@@ -212,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
            "results_file": str(args.results), "results_created_at": report.created_at,
            "config": args.config, "cpu_bind": args.cpu_bind, "kv_bytes_per_token": per_token,
            "copy_bandwidth_bytes_per_s": bandwidth, "foreign_vllm_at_start": foreign,
-           "summary": summarise(samples), "samples": samples}
+           "summary": summarise(samples),
+           "samples": [{**s.model_dump(mode="json"), "ratio": s.ratio} for s in samples]}
     print(f"copy bandwidth {bandwidth / 1e9:.2f} GB/s, KV {per_token} bytes/token")
     for path, s in out["summary"].items():
         print(f"{path:<9} n={s['n']}  measured ÷ floor p50 {s['ratio_p50']:.2f} "

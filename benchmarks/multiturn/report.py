@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .budget import LABELS, SEGMENTS, markdown_table
+from .floor import DELTA_BINS, summarise
 from .results import (
     BenchmarkReport,
     ConfigResult,
@@ -179,6 +180,7 @@ def markdown_summary(report: BenchmarkReport) -> str:
         lines += [("Time to first token by stage, mean ms, turns after the first "
                    "(`time_budget.png`; segments add up to the mean TTFT):"), "",
                   *markdown_table(report.time_budget), ""]
+    lines += floor_lines(report)
     busy = [f"{c.name} ({c.foreign_vllm_max})" for c in report.configs if c.foreign_vllm_max]
     if busy:
         lines += ["Contention: vLLM processes not started by the benchmark ran during "
@@ -187,6 +189,27 @@ def markdown_summary(report: BenchmarkReport) -> str:
         if c.error:
             lines += [f"**{c.name}** {c.status}: {c.error}", ""]
     return "\n".join(lines)
+
+
+def floor_lines(report: BenchmarkReport) -> list[str]:
+    """The paired floor (`--paired-floor`): measured ÷ floor per path, also by new tokens."""
+    rows = []
+    for c in report.configs:
+        for path, s in summarise(c.floor).items():
+            bins = s["by_new_tokens"]
+            rows.append(f"| {c.name} | {path} | {s['n']} | {_ms(s['measured_ttft_p50_s'])} | "
+                        f"{_ms(s['floor_p50_s'])} | **{s['ratio_p50']:.2f}** | "
+                        f"{s['ratio_mean']:.2f} | " + " | ".join(
+                            (f"{b['ratio_p50']:.2f} (n={b['n']}, "
+                             f"+{_ms(b['excess_p50_s'])})") if (b := bins.get(key)) else "–"
+                            for key in (f"{lo}-{hi or ''}" for lo, hi in DELTA_BINS)) + " |")
+    if not rows:
+        return []
+    heads = " | ".join(f"{lo}–{hi} new" if hi else f"≥ {lo} new" for lo, hi in DELTA_BINS)
+    return [("Measured ÷ floor, each reused turn against its floor taken right after it "
+             "(`--paired-floor`; per range of new tokens: p50 ratio, n, p50 ms over the floor):"),
+            "", f"| config | path | n | TTFT p50 | floor p50 | ratio p50 | mean | {heads} |",
+            "|---|---|---|---|---|---|---|" + "---|" * len(DELTA_BINS), *rows, ""]
 
 
 def _row(c: ConfigResult) -> str:

