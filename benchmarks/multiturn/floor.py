@@ -145,12 +145,17 @@ def floor_sample(rec: RequestRecord, got: dict[str, Any], *, kv_bytes_per_token:
                        reused_tokens=reused, prompt_tokens=got["prompt_tokens"],
                        engine_ttft_s=got["engine_ttft_s"],
                        engine_cached_tokens=got["engine_cached_tokens"], transfer_s=transfer,
-                       floor_s=got["engine_ttft_s"] + transfer, measured_ttft_s=rec.ttft_s)
+                       measured_ttft_s=rec.ttft_s)
 
 
 #: New-token ranges the summary splits each path by: the path's fixed costs weigh most
 #: against a small delta's floor.
 DELTA_BINS = ((0, 500), (500, 1500), (1500, None))
+
+
+def bin_key(lo: int, hi: int | None) -> str:
+    """How `summarise` names the new-token range [lo, hi) under `by_new_tokens`."""
+    return f"{lo}-{hi or ''}"
 
 
 def summarise(samples: list[FloorSample]) -> dict[str, dict[str, Any]]:
@@ -165,7 +170,7 @@ def summarise(samples: list[FloorSample]) -> dict[str, dict[str, Any]]:
         for lo, hi in DELTA_BINS:
             part = [s for s in rows if s.new_tokens >= lo and (hi is None or s.new_tokens < hi)]
             if part:
-                bins[f"{lo}-{hi or ''}"] = {
+                bins[bin_key(lo, hi)] = {
                     "n": len(part), "ratio_p50": percentile([s.ratio for s in part], 50),
                     "excess_p50_s": percentile([s.measured_ttft_s - s.floor_s for s in part],
                                                50)}
@@ -296,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
            "config": args.config, "cpu_bind": args.cpu_bind, "kv_bytes_per_token": per_token,
            "copy_bandwidth_bytes_per_s": bandwidth, "foreign_vllm_at_start": foreign,
            "summary": summarise(samples),
-           "samples": [{**s.model_dump(mode="json"), "ratio": s.ratio} for s in samples]}
+           "samples": [s.model_dump(mode="json") for s in samples]}
     print(f"copy bandwidth {bandwidth / 1e9:.2f} GB/s, KV {per_token} bytes/token")
     for path, s in out["summary"].items():
         print(f"{path:<9} n={s['n']}  measured ÷ floor p50 {s['ratio_p50']:.2f} "

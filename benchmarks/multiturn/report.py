@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .budget import LABELS, SEGMENTS, markdown_table
-from .floor import DELTA_BINS, summarise
+from .floor import DELTA_BINS, bin_key, summarise
 from .results import (
     BenchmarkReport,
     ConfigResult,
@@ -202,7 +202,7 @@ def floor_lines(report: BenchmarkReport) -> list[str]:
                         f"{s['ratio_mean']:.2f} | " + " | ".join(
                             (f"{b['ratio_p50']:.2f} (n={b['n']}, "
                              f"+{_ms(b['excess_p50_s'])})") if (b := bins.get(key)) else "–"
-                            for key in (f"{lo}-{hi or ''}" for lo, hi in DELTA_BINS)) + " |")
+                            for key in (bin_key(lo, hi) for lo, hi in DELTA_BINS)) + " |")
     if not rows:
         return []
     heads = " | ".join(f"{lo}–{hi} new" if hi else f"≥ {lo} new" for lo, hi in DELTA_BINS)

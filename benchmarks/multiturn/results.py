@@ -115,13 +115,18 @@ class FloorSample(BaseModel):
     engine_ttft_s: float
     engine_cached_tokens: int | None = None
     transfer_s: float
-    floor_s: float
     measured_ttft_s: float
 
     @property
     def new_tokens(self) -> int:
         return self.prompt_tokens - self.reused_tokens
 
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def floor_s(self) -> float:
+        return self.engine_ttft_s + self.transfer_s
+
+    @computed_field  # type: ignore[prop-decorator]
     @property
     def ratio(self) -> float:
         return self.measured_ttft_s / self.floor_s

