@@ -10,19 +10,13 @@ different answer. The fake-node tests of the rule are tests/router/test_skip_tok
 
 from __future__ import annotations
 
-import contextlib
-import json
-import subprocess
-import sys
-import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from support import free_port, metric_sum
+from support import metric_sum, second_router
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -38,34 +32,6 @@ def _chat(url: str, model: str, messages: list[dict[str, Any]],
                    json={"model": model, "messages": messages, **GREEDY, **extra})
     assert r.status_code == 200, r.text
     return r.json()
-
-
-@contextlib.contextmanager
-def _router(b: Any, tmp_path: Path, **settings: Any) -> Iterator[str]:
-    """A second router (`python -m kvagent_server.router`) in front of the bundle's nodes,
-    with its own settings and store."""
-    cfg = tmp_path / "router.json"
-    cfg.write_text(json.dumps({"router": settings}))
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvagent_server.router", "--port", str(port),
-         "--prefill", *b.prefill_urls, "--decode", *b.decode_urls, "--settings", str(cfg),
-         "--log-level", "warning"])
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline and proc.poll() is None, "router did not start"
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(15)
 
 
 @pytest.mark.parametrize(("path", "skip_prefill_max_tokens"),
@@ -84,7 +50,7 @@ def test_turns_that_skip_tokenize_answer_as_a_recompute(kvagent_bundle: Any, tmp
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
                                       {"role": "user", "content": "Checkout is slow."}]
     turns = []
-    with _router(b, tmp_path, skip_prefill_max_tokens=skip_prefill_max_tokens) as url:
+    with second_router(b, tmp_path, skip_prefill_max_tokens=skip_prefill_max_tokens) as url:
         for i in range(6):
             out = _chat(url, b.model, messages, {"X-Session-ID": session})
             text = out["choices"][0]["message"]["content"] or ""

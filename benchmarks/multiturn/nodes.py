@@ -56,6 +56,9 @@ class BenchConfig(BaseModel):
     #: Router setting `skip_tokenize_extensions` (bundle only): False tokenizes every
     #: reused turn, as the router did before turns could skip it.
     skip_tokenize_extensions: bool = True
+    #: Router setting `forward_prompt_ids` (bundle only): False lets D render the chat
+    #: again instead of taking P's prompt token ids.
+    forward_prompt_ids: bool = True
     prefill_count: int = Field(default=1, ge=1, le=4)  # P nodes (bundle only)
     #: KV block size in tokens (bundle only); None: the bundle's default (128 on CPU).
     block_size: int | None = None
@@ -101,6 +104,10 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 description="kvagent_always_pd_reuse that tokenizes every reused turn "
                 "(router.skip_tokenize_extensions off: the router verifies every offer "
                 "itself, as it did before P checked its pulls)"),
+    BenchConfig(name="kvagent_always_pd_reuse_render", kind="bundle", reuse=True,
+                skip_prefill_max_tokens=0, forward_prompt_ids=False,
+                description="kvagent_always_pd_reuse whose D renders the chat again "
+                "(router.forward_prompt_ids off), as before D took P's prompt token ids"),
     BenchConfig(name="kvagent_always_pd_reuse_block512", kind="bundle", reuse=True,
                 skip_prefill_max_tokens=0, block_size=512,
                 description="kvagent_always_pd_reuse with 512-token KV blocks: a pull moves "
@@ -253,6 +260,8 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
         router["queue_aware_paths"] = config.queue_aware_paths
     if not config.skip_tokenize_extensions:
         router["skip_tokenize_extensions"] = False
+    if not config.forward_prompt_ids:
+        router["forward_prompt_ids"] = False
     return {
         **({"block_size": config.block_size} if config.block_size else {}),
         **({"device": "cuda", "cpu_pinning": False} if device == "cuda" else {}),

@@ -127,6 +127,21 @@ def _template_args(body: dict[str, Any]) -> dict[str, Any]:
             "chat_template_kwargs": body.get("chat_template_kwargs")}
 
 
+def _forwarded_prompt_ids(body: dict[str, Any]) -> list[int] | None:
+    """vLLM's decode-side reuse: `kv_transfer_params.prompt_token_ids` (popped) replace
+    the rendered chat, except with `echo` or non-text content, where vLLM renders."""
+    params = body.get("kv_transfer_params")
+    if not isinstance(params, dict) or "prompt_token_ids" not in params:
+        return None
+    ids = params.pop("prompt_token_ids")
+    media = any(isinstance(m, dict) and isinstance(m.get("content"), list)
+                and any(isinstance(p, dict) and p.get("type") != "text" for p in m["content"])
+                for m in body.get("messages") or [])
+    if body.get("echo") or media:
+        return None
+    return list(ids)
+
+
 def render_prompt(prompt: Any) -> list[int]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
         return list(prompt)
@@ -268,6 +283,8 @@ class FakeNode:
         self.fail_message = "injected failure"
         self.requests: list[dict[str, Any]] = []
         self.tokenize_requests: list[dict[str, Any]] = []
+        #: Chat requests that came with forwarded prompt ids: (those ids, the render).
+        self.forwarded_prompts: list[tuple[list[int], list[int]]] = []
         self.aborted: list[str] = []
         self.in_flight = 0
         self.start_time = time.time()
@@ -346,6 +363,10 @@ class FakeNode:
             kwargs.setdefault("enable_thinking", body["reasoning_effort"] != "none")
         prompt = render_chat(body.get("messages", []),
                              **_template_args({**body, "chat_template_kwargs": kwargs}))
+        forwarded = _forwarded_prompt_ids(body)
+        if forwarded is not None:
+            self.forwarded_prompts.append((forwarded, prompt))
+            prompt = forwarded  # as vLLM: the forwarded ids, not the rendered messages
         return await self._generate(request, body, prompt, chat=True)
 
     async def _completions(self, request: Request) -> Response:

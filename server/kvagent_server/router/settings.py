@@ -66,6 +66,12 @@ class RouterSettings(BaseModel):
         "when the path would be `d_direct` for any delta near the one its new messages' size "
         "suggests: D's prefix cache matches the tokens itself. False: tokenize every "
         "reused turn.")
+    forward_prompt_ids: bool = Field(default=True,
+        description="A chat turn's D leg after a P leg takes the prompt token ids P computed "
+        "(vLLM's `kv_transfer_params.prompt_token_ids`) instead of rendering and tokenizing "
+        "the messages again: D computes from exactly the tokens whose KV it reads, a few ms "
+        "sooner. Not for messages with media or `echo` (vLLM renders those). False: D "
+        "renders the messages itself.")
     reuse: bool = Field(default=True,
         description="Reuse is disabled entirely (for A/B comparisons and benchmarks).")
     server_timing: bool = Field(default=False,

@@ -30,6 +30,12 @@ REMOTE_NUM_TOKENS: Final = "remote_num_tokens"
 #: itself (kvagent's vLLM plugin, `load_failure.read_too_late`).
 READ_BY_KEY: Final = "kvagent_read_by"
 
+#: In a D leg's params (vLLM's own key, chat requests): the prompt token ids P computed.
+#: D feeds them to its engine instead of rendering and tokenizing the messages again, so
+#: it computes from exactly the tokens whose KV it reads, a few ms sooner. vLLM ignores
+#: them, and renders, for messages with media and for `echo`.
+PROMPT_IDS_KEY: Final = "prompt_token_ids"
+
 #: Request ids of retained decode-side sequences to free now (kvagent's vLLM plugin).
 RELEASE_KEY: Final = "kvagent_release"
 #: The plugin honours at most this many ids per request: a bound on what one body can do.
@@ -101,6 +107,11 @@ def d_direct() -> dict[str, Any]:
 def with_read_by(params: dict[str, Any], read_by: float) -> dict[str, Any]:
     """D leg params (a copy) that D may act on only until `read_by` (P's lease)."""
     return {**params, READ_BY_KEY: read_by}
+
+
+def with_prompt_ids(params: dict[str, Any], ids: Sequence[int]) -> dict[str, Any]:
+    """D leg params (a copy) that give D P's prompt token ids (`PROMPT_IDS_KEY`)."""
+    return {**params, PROMPT_IDS_KEY: list(ids)}
 
 
 def offers_remote_blocks(params: dict[str, Any]) -> bool:

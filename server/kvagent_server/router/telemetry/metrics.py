@@ -39,6 +39,10 @@ class RouterMetrics:
             "Reused turns sent d_direct, or pd_reuse to a P node that checks its pulls, "
             "without the router's /tokenize (their messages extend the held turn's).",
             registry=r)
+        self.prompt_ids_forwarded = Counter(
+            "kvagent_router_prompt_ids_forwarded",
+            "D legs that took the prompt token ids P computed instead of rendering the chat "
+            "again (router.forward_prompt_ids).", registry=r)
         self.leg_latency = Histogram("kvagent_router_leg_seconds",
                                      "Leg latency (P: whole leg; D: to response headers).",
                                      ["leg"], buckets=_LATENCY_BUCKETS, registry=r)

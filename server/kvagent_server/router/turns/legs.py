@@ -68,6 +68,8 @@ class PrefillResult:
     prompt_tokens: int
     pull_failed: bool
     elapsed_s: float
+    #: The prompt's token ids as P computed them (asked for with `return_token_ids`).
+    prompt_token_ids: list[int] | None = None
 
 
 @dataclass
@@ -79,11 +81,23 @@ class DecodeStart:
     elapsed_s: float  # time to response headers
 
 
-def prefill_body(body: dict[str, Any], kv_params: dict[str, Any]) -> dict[str, Any]:
-    """The P leg's body: one token, not streamed, with the transfer params."""
+def prefill_body(body: dict[str, Any], kv_params: dict[str, Any], *,
+                 prompt_ids: bool = False) -> dict[str, Any]:
+    """The P leg's body: one token, not streamed, with the transfer params; `prompt_ids`
+    asks P for the prompt's token ids too."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
     out.update(stream=False, max_tokens=1, kv_transfer_params=kv_params)
+    if prompt_ids:
+        out["return_token_ids"] = True
     return out
+
+
+def token_ids(value: object) -> list[int] | None:
+    """`value` if it is a non-empty list of token ids (ints, not bools), else None."""
+    if (isinstance(value, list) and value
+            and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value)):
+        return value
+    return None
 
 
 def decode_body(body: dict[str, Any], kv_params: dict[str, Any] | None) -> dict[str, Any]:
@@ -192,8 +206,10 @@ class Legs:
             node.in_flight -= 1
 
     async def prefill(self, candidates: Sequence[Node], path: str, body: dict[str, Any],
-                      kv_params: dict[str, Any]) -> PrefillResult:
-        """Run the P leg on the first candidate that answers; a failed pull re-runs fresh."""
+                      kv_params: dict[str, Any], *, prompt_ids: bool = False
+                      ) -> PrefillResult:
+        """Run the P leg on the first candidate that answers; a failed pull re-runs fresh.
+        `prompt_ids`: also return the prompt's token ids as P computed them."""
         reuse = transfer.offers_remote_blocks(kv_params)
         pull_failed = False
         last: LegError | None = None
@@ -201,7 +217,8 @@ class Legs:
             started = time.perf_counter()
             params = transfer.fresh() if pull_failed else kv_params
             try:
-                resp = await self._post(node, path, prefill_body(body, params),
+                resp = await self._post(node, path,
+                                        prefill_body(body, params, prompt_ids=prompt_ids),
                                         stream=False)
             except UpstreamError as exc:
                 last = _unreachable("prefill", exc)
@@ -214,7 +231,9 @@ class Legs:
                 log.info("reuse pull failed on %s (%d); recomputing", node.name,
                          resp.status_code)
                 try:
-                    resp = await self._post(node, path, prefill_body(body, transfer.fresh()),
+                    resp = await self._post(node, path,
+                                            prefill_body(body, transfer.fresh(),
+                                                         prompt_ids=prompt_ids),
                                             stream=False)
                 except UpstreamError as exc:
                     last = _unreachable("prefill", exc)
@@ -235,7 +254,9 @@ class Legs:
                                  cached_tokens=usage_cached(usage),
                                  prompt_tokens=int(usage.get("prompt_tokens") or 0),
                                  pull_failed=pull_failed,
-                                 elapsed_s=time.perf_counter() - started)
+                                 elapsed_s=time.perf_counter() - started,
+                                 prompt_token_ids=(token_ids(data.get("prompt_token_ids"))
+                                                   if prompt_ids else None))
         raise last or LegError("no healthy prefill node", status=503, leg="prefill")
 
     async def decode(self, candidates: Sequence[Node], path: str, body: dict[str, Any],

@@ -528,10 +528,12 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
         p_tokens = r.chars.tokens(chars)
     p_ticket = (r.work.begin(p_nodes[0].name, prefill_tokens=p_tokens, stream=False,
                              now=time.monotonic()) if queued else None)
+    forward_ids = forwards_prompt_ids(r.settings, req)
     with leg_span(req.span, "prefill") as span:
         t0 = time.perf_counter()
         try:
-            prefill = await r.legs.prefill(p_nodes, req.endpoint, req.body, p_params)
+            prefill = await r.legs.prefill(p_nodes, req.endpoint, req.body, p_params,
+                                           prompt_ids=forward_ids)
         finally:
             req.budget.add("prefill", time.perf_counter() - t0)
             if p_ticket is not None:
@@ -555,6 +557,9 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
     # P's lease on its blocks started about now: a D that sees the leg later recomputes.
     read_by = time.time() + r.settings.prefill_lease_s - r.settings.prefill_lease_margin_s
     d_params = transfer.with_read_by(prefill.kv_params, read_by)
+    if prefill.prompt_token_ids is not None:
+        d_params = transfer.with_prompt_ids(d_params, prefill.prompt_token_ids)
+        r.metrics.prompt_ids_forwarded.inc()
     try:
         with leg_span(req.span, "decode") as span:
             t0 = time.perf_counter()
@@ -583,6 +588,27 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
         turn.d_ticket = r.work.begin(start.node.name, prefill_tokens=0, stream=True,
                                      now=time.monotonic())
     return turn
+
+
+#: Bytes of JSON per prompt token id in P's answer, at most ("151935," is 7).
+_ID_JSON_BYTES = 8
+#: Tokens a chat template may add beyond the text of the body it renders.
+_TEMPLATE_TOKENS = 4096
+
+
+def forwards_prompt_ids(settings: RouterSettings, req: TurnRequest) -> bool:
+    """Whether a turn's D leg takes P's prompt token ids (`forward_prompt_ids`): chat
+    requests only, and not where vLLM renders the messages anyway (media, `echo`).
+
+    The ids make P's answer larger, and an answer over `max_upstream_body_bytes` would
+    leave P's blocks leased with nobody told where they are; so they are asked for only
+    when even one token per byte of the body (a bound: a token covers at least one byte
+    of the text it encodes) keeps them within half the cap."""
+    if not (settings.forward_prompt_ids and req.chat and not req.body.get("echo")
+            and not identity.media_parts(req.body)):
+        return False
+    tokens_at_most = len(fastjson.dumps(req.body)) + _TEMPLATE_TOKENS
+    return tokens_at_most * _ID_JSON_BYTES <= settings.max_upstream_body_bytes // 2
 
 
 def prefill_candidates(ranked: list[Node], plan: planner.ReusePlan,

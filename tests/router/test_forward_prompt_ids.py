@@ -1,0 +1,86 @@
+"""D takes P's prompt token ids instead of rendering the chat again (router setting
+`forward_prompt_ids`, vLLM's `kv_transfer_params.prompt_token_ids`).
+
+Against fake nodes that honour the key as vLLM 0.32 does (the forwarded ids replace the
+rendered chat, except with `echo` or media). The same on real vLLM, answers equal to a
+recompute: tests/test_forward_prompt_ids_live.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from fakes import router_stack
+from kvagent_server.router.auth.tenancy import Tenant
+from kvagent_server.router.settings import RouterSettings
+from kvagent_server.router.turns.orchestrate import TurnRequest, forwards_prompt_ids
+from router_client import FIRST, no_wrong_kv, turn
+
+CHAT = "/v1/chat/completions"
+
+
+def _request(body: dict[str, Any], endpoint: str = CHAT) -> TurnRequest:
+    tenant = Tenant(name="t", cache_salt="salt", max_concurrent_streams=4)
+    return TurnRequest(endpoint=endpoint, body=body, tenant=tenant, session="s",
+                       token=None, stream=True)
+
+
+async def _conversation(st: Any, turns: int) -> list[dict[str, Any]]:
+    messages, token, out = list(FIRST), None, []
+    for i in range(turns):
+        kva, answer, _ = await turn(st, messages, token=token)
+        out.append(kva)
+        token = kva["cache_token"]
+        messages = [*messages, {"role": "assistant", "content": answer},
+                    {"role": "user", "content": f"step {i} done, what next?"}]
+    return out
+
+
+async def test_each_decode_leg_after_a_prefill_leg_takes_ps_prompt_ids() -> None:
+    async with router_stack(skip_prefill_max_tokens=0) as st:
+        kvas = await _conversation(st, 4)
+        assert [k["path"] for k in kvas] == ["pd_fresh"] + ["pd_reuse"] * 3
+        p, d = st.prefill[0], st.decode[0]
+        assert all(b.get("return_token_ids") for b in p.requests)
+        # One forwarded prompt per turn, and each is exactly what D would have rendered.
+        assert len(d.forwarded_prompts) == 4
+        assert all(ids == rendered for ids, rendered in d.forwarded_prompts)
+        no_wrong_kv(st)
+
+
+async def test_setting_off_lets_d_render() -> None:
+    async with router_stack(skip_prefill_max_tokens=0, forward_prompt_ids=False) as st:
+        kvas = await _conversation(st, 3)
+        assert kvas[-1]["path"] == "pd_reuse"
+        assert not any(b.get("return_token_ids") for b in st.prefill[0].requests)
+        assert st.decode[0].forwarded_prompts == []
+        no_wrong_kv(st)
+
+
+async def test_d_direct_turns_have_no_prefill_leg_to_forward_from() -> None:
+    async with router_stack(skip_prefill_max_tokens=1_000_000) as st:
+        kvas = await _conversation(st, 3)
+        assert [k["path"] for k in kvas[1:]] == ["d_direct"] * 2
+        assert len(st.decode[0].forwarded_prompts) == 1  # the first turn's P/D recompute
+        no_wrong_kv(st)
+
+
+@pytest.mark.parametrize(("body", "endpoint", "settings", "want"), [
+    ({"messages": FIRST}, CHAT, {}, True),
+    ({"messages": FIRST}, CHAT, {"forward_prompt_ids": False}, False),
+    ({"prompt": "hello"}, "/v1/completions", {}, False),  # vLLM forwards chat ids only
+    ({"messages": FIRST, "echo": True}, CHAT, {}, False),  # vLLM renders for echo
+    ({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     CHAT, {}, False),  # and for media
+    # P's answer must stay within the cap: one id per body byte would not.
+    ({"messages": [{"role": "user", "content": "x" * 4000}]}, CHAT,
+     {"max_upstream_body_bytes": 64 * 1024}, False),
+    ({"messages": [{"role": "user", "content": "x" * 100}]}, CHAT,
+     {"max_upstream_body_bytes": 128 * 1024}, True),
+])
+def test_which_turns_forward(body: dict[str, Any], endpoint: str, settings: dict[str, Any],
+                             want: bool) -> None:
+    assert forwards_prompt_ids(RouterSettings(**settings), _request(body, endpoint)) is want
