@@ -91,6 +91,9 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 skip_tokenize_extensions=False,
                 description="kvagent that tokenizes every reused turn, even one whose "
                 "messages extend the held turn's (router.skip_tokenize_extensions off)"),
+    BenchConfig(name="kvagent_render", kind="bundle", reuse=True, forward_prompt_ids=False,
+                description="kvagent whose D renders the chat again after a P leg instead "
+                "of taking P's prompt token ids (router.forward_prompt_ids off)"),
     BenchConfig(name="kvagent_always_d_direct", kind="bundle", reuse=True,
                 skip_prefill_max_tokens=ALWAYS_SKIP_P,
                 description="kvagent with a fixed policy: every reused turn skips P "
