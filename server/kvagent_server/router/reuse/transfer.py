@@ -4,9 +4,10 @@ vLLM's NIXL connector reads these keys on both legs. A P leg with `do_remote_dec
 keeps P's blocks for D; with D's `remote_*` fields as well, P first pulls
 `remote_num_tokens` tokens of KV from D (bidirectional transfer). A D leg with
 `do_remote_prefill=True` pulls P's blocks; with both flags False, D computes the prompt
-itself from its own prefix cache (`d_direct`). `kvagent_release` is kvagent's own key,
-honoured by the vLLM plugin (`vllm_plugin.retention`): the decode node frees the retained
-sequences it names. `kvagent_expect` (also the plugin's) names, per offered block, a
+itself from its own prefix cache (`d_direct`); with `prompt_token_ids` (vLLM's key, chat
+only), D takes P's prompt ids instead of rendering the messages again. `kvagent_release`
+is kvagent's own key, honoured by the vLLM plugin (`vllm_plugin.retention`): the decode
+node frees the retained sequences it names. `kvagent_expect` (also the plugin's) names, per offered block, a
 digest of its tokens: P pulls only the leading blocks its own prompt repeats.
 """
 
