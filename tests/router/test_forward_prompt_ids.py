@@ -84,3 +84,12 @@ async def test_d_direct_turns_have_no_prefill_leg_to_forward_from() -> None:
 def test_which_turns_forward(body: dict[str, Any], endpoint: str, settings: dict[str, Any],
                              want: bool) -> None:
     assert forwards_prompt_ids(RouterSettings(**settings), _request(body, endpoint)) is want
+
+
+@pytest.mark.parametrize(("value", "want"), [
+    ([1, 0, 151935], [1, 0, 151935]), ([], None), (None, None), ([1, True], None),
+    ([1, -1], None), ([1, "2"], None), ([1.0], None), ("1,2", None),
+])
+def test_only_a_list_of_token_ids_is_taken_from_ps_answer(value: object, want: object) -> None:
+    from kvagent_server.router.turns.legs import token_ids
+    assert token_ids(value) == want
