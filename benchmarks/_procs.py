@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import signal
 import subprocess
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
 
 import httpx
-from kvagent_server.ports import free_ports  # noqa: F401 - re-exported for the benchmarks
+from kvagent_server.ports import free_port, free_ports  # noqa: F401 - re-exported
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -57,3 +62,37 @@ async def wait_ready(url: str, timeout: float = 60, interval: float = 0.1) -> No
                 pass
             await asyncio.sleep(interval)
     raise RuntimeError(f"{url} not ready")
+
+
+@contextlib.contextmanager
+def router_over(prefill: Sequence[str], decode: Sequence[str], settings: dict[str, Any],
+                config_path: Path, *, timeout_s: float = 60) -> Iterator[str]:
+    """A router (`python -m kvagent_server.router`) in front of running nodes, with its own
+    `settings` (written to `config_path`) and store; yields its URL once it is ready, and
+    stops it on exit."""
+    config_path.write_text(json.dumps({"router": settings}))
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvagent_server.router", "--port", str(port),
+         "--prefill", *prefill, "--decode", *decode, "--settings", str(config_path),
+         "--log-level", "warning"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"the router on {url} did not start")
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)

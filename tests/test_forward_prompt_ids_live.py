@@ -1,6 +1,7 @@
 """On real vLLM: a P/D turn's D leg takes the prompt token ids P computed
 (router.forward_prompt_ids, vLLM's `kv_transfer_params.prompt_token_ids`) and answers
-exactly as a recompute does, with tool calls and tool results in the history.
+exactly as a recompute does, with tool calls and tool results in the history; the D leg
+also takes the token P sampled (router.forward_first_token, the plugin's `first_token`).
 
 First, that the pinned vLLM really feeds forwarded ids to the engine instead of the
 messages (so the router's forwarding changes what D computes); then, a tool-using
@@ -100,7 +101,11 @@ def test_pd_reuse_turns_with_forwarded_ids_answer_as_a_recompute(kvagent_bundle:
                                                  range(8)]})},
             ]
         forwarded = metric_sum(url, "kvagent_router_prompt_ids_forwarded_total")
-    print("turns (path, equal to the recompute):", turns, "forwarded:", forwarded)
+        first_tokens = metric_sum(url, "kvagent_router_first_tokens_forwarded_total")
+    print("turns (path, equal to the recompute):", turns, "forwarded:", forwarded,
+          "first tokens:", first_tokens)
     assert all(equal for _, equal in turns), turns
     assert [path for path, _ in turns[1:]] == ["pd_reuse"] * 3, turns
     assert forwarded == len(turns)  # every turn had a P leg, and every D leg took its ids
+    # ...and P's token, which D emitted and computed from (vllm_plugin.first_token).
+    assert first_tokens == len(turns)

@@ -59,6 +59,9 @@ class BenchConfig(BaseModel):
     #: Router setting `forward_prompt_ids` (bundle only): False lets D render the chat
     #: again instead of taking P's prompt token ids.
     forward_prompt_ids: bool = True
+    #: Router setting `forward_first_token` (bundle only): False lets D sample its own
+    #: first token (one more step) instead of emitting and computing from P's.
+    forward_first_token: bool = True
     prefill_count: int = Field(default=1, ge=1, le=4)  # P nodes (bundle only)
     #: KV block size in tokens (bundle only); None: the bundle's default (128 on CPU).
     block_size: int | None = None
@@ -111,6 +114,15 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 skip_prefill_max_tokens=0, forward_prompt_ids=False,
                 description="kvagent_always_pd_reuse whose D renders the chat again "
                 "(router.forward_prompt_ids off), as before D took P's prompt token ids"),
+    BenchConfig(name="kvagent_always_pd_reuse_own_token", kind="bundle", reuse=True,
+                skip_prefill_max_tokens=0, forward_first_token=False,
+                description="kvagent_always_pd_reuse whose D recomputes the prompt's last "
+                "token to sample a first token of its own (router.forward_first_token off), "
+                "as before D took P's"),
+    BenchConfig(name="kvagent_own_token", kind="bundle", reuse=True,
+                forward_first_token=False,
+                description="kvagent whose D samples its own first token after a P leg "
+                "(router.forward_first_token off)"),
     BenchConfig(name="kvagent_always_pd_reuse_block512", kind="bundle", reuse=True,
                 skip_prefill_max_tokens=0, block_size=512,
                 description="kvagent_always_pd_reuse with 512-token KV blocks: a pull moves "
@@ -133,6 +145,9 @@ class Endpoint:
     base_url: str  # ends in /v1
     model: str
     log_dir: Path
+    #: The bundle's vLLM nodes (empty for an aggregated node).
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
 
 
 def foreign_vllm() -> list[str]:
@@ -265,6 +280,8 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
         router["skip_tokenize_extensions"] = False
     if not config.forward_prompt_ids:
         router["forward_prompt_ids"] = False
+    if not config.forward_first_token:
+        router["forward_first_token"] = False
     return {
         **({"block_size": config.block_size} if config.block_size else {}),
         **({"device": "cuda", "cpu_pinning": False} if device == "cuda" else {}),
@@ -297,7 +314,9 @@ def bundle(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int,
         b.start(wait=True)
         assert b.router_url is not None
         yield Endpoint(base_url=b.router_url.rstrip("/") + "/v1", model=b.state.model,
-                       log_dir=b.run_dir / "logs")
+                       log_dir=b.run_dir / "logs",
+                       prefill_urls=tuple(b.node_urls("prefill")),
+                       decode_urls=tuple(b.node_urls("decode")))
     finally:
         survivors = b.stop()
         if survivors:

@@ -23,6 +23,8 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
 
 psutil = pytest.importorskip("psutil")
 
+from kvagent_server.router.reuse.transfer import FIRST_TOKEN_KEY
+
 from . import flow
 from .pd import PDPair
 
@@ -149,6 +151,46 @@ def test_turn2_greedy_output_is_the_same_with_pulled_kv(pair: PDPair) -> None:
     recomputed = flow.d_leg(pair.d.url, prompt2, p_re["kv_transfer_params"], 24, extra=salt)
     assert reused.token_ids == recomputed.token_ids
     assert len(reused.token_ids) == 24
+
+
+def _p_token(pair: PDPair, prompt: list[int], salt: dict[str, str]) -> tuple[dict, int]:
+    """A fresh P leg: its params for D and the token P sampled."""
+    p = flow.p_leg(pair.p.url, prompt, extra={**salt, "return_token_ids": True})
+    assert p["choices"][0]["finish_reason"] == "length"
+    return p["kv_transfer_params"], p["choices"][0]["token_ids"][0]
+
+
+def test_d_emits_the_token_it_is_given_and_computes_from_it(pair: PDPair) -> None:
+    """`kvagent_first_token` (plugin: first_token): D's first token is the one given, not
+    one it samples, and what follows is what one node computes from the prompt plus it.
+    A token greedy would not pick shows both (P's own is the next test)."""
+    prompt, salt = _prompt(11, 700), _salt()
+    params, sampled = _p_token(pair, prompt, salt)
+    given = next(t for t in reversed(prompt) if t != sampled)
+    d = flow.d_leg(pair.d.url, prompt, {**params, FIRST_TOKEN_KEY: given}, 8, extra=salt)
+    ref = flow.plain(pair.d.url, [*prompt, given], 7, extra=_salt())
+    assert d.token_ids[0] == given
+    assert d.token_ids[1:] == ref.token_ids
+    assert d.usage is not None and d.usage["completion_tokens"] == 8
+    assert d.usage["prompt_tokens"] == len(prompt)
+
+
+def test_d_given_p_token_answers_as_one_node_and_declines_what_it_cannot_take(
+        pair: PDPair) -> None:
+    """Given P's own token, greedy, D answers exactly as one node computing the prompt
+    does. A request asking for logprobs (D would have no logprobs for a token it did not
+    sample) ignores the given token: D samples its own, and still answers the same."""
+    prompt, salt = _prompt(12, 900), _salt()
+    ref = flow.plain(pair.d.url, prompt, 8, extra=_salt())
+    params, sampled = _p_token(pair, prompt, salt)
+    taken = flow.d_leg(pair.d.url, prompt, {**params, FIRST_TOKEN_KEY: sampled}, 8,
+                       extra=salt)
+    assert taken.token_ids == ref.token_ids
+    params, sampled = _p_token(pair, prompt, salt)
+    other = next(t for t in reversed(prompt) if t != sampled)
+    declined = flow.d_leg(pair.d.url, prompt, {**params, FIRST_TOKEN_KEY: other}, 8,
+                          extra={**salt, "logprobs": 1})
+    assert declined.token_ids == ref.token_ids
 
 
 def test_block_aligned_prefix_reuse(pair: PDPair) -> None:

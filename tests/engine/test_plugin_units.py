@@ -643,3 +643,130 @@ def test_block_digests_chain_and_ignore_a_partial_block() -> None:
     with pytest.raises(ValueError):
         block_digests([1], 0)
     assert verified_tokens(list(range(10)), {"block_size": 4, "digests": a}) == 8
+
+
+# --- first token (D emits P's token and computes from it) ---------------------------------
+
+def _d_request(**over: Any) -> Any:
+    """A decode-side request whose KV load from P just finished (vLLM `Request` shape)."""
+    from kvagent_server.router.reuse.transfer import FIRST_TOKEN_KEY
+
+    sp = types.SimpleNamespace(n=1, logprobs=None, prompt_logprobs=None, min_tokens=0,
+                               max_tokens=16, seed=None, temperature=0.0, eos_token_id=2,
+                               stop_token_ids=[7])
+    fields: dict[str, Any] = {
+        "kv_transfer_params": {"do_remote_prefill": True, FIRST_TOKEN_KEY: 42},
+        "sampling_params": sp, "pooling_params": None, "num_output_tokens": 0,
+        "num_computed_tokens": 100, "num_prompt_tokens": 100, "prompt_embeds": None,
+        "mm_features": [], "use_structured_output": False}
+    for key, value in over.items():
+        if hasattr(sp, key):
+            setattr(sp, key, value)
+        else:
+            fields[key] = value
+    return types.SimpleNamespace(**fields)
+
+
+def test_first_token_taken_only_where_d_would_sample_it_the_same_way() -> None:
+    from kvagent_server.vllm_plugin.first_token import takes_first_token
+
+    def takes(**over: Any) -> int | None:
+        return takes_first_token(_d_request(**over), max_model_len=4096, vocab_size=1000)
+
+    assert takes() == 42
+    assert takes(temperature=0.7) == 42  # unseeded sampling: P drew from the same law
+    declined = [
+        {"kv_transfer_params": {"do_remote_prefill": True}},
+        {"kv_transfer_params": {"do_remote_prefill": True, "kvagent_first_token": True}},
+        {"kv_transfer_params": {"do_remote_prefill": True, "kvagent_first_token": -1}},
+        {"kv_transfer_params": {"do_remote_prefill": True, "kvagent_first_token": 1000}},
+        {"kv_transfer_params": None},
+        {"num_computed_tokens": 99},  # the load did not bring the whole prompt
+        {"num_output_tokens": 1},  # already took it
+        {"num_prompt_tokens": 4095, "num_computed_tokens": 4095},  # no room for a second
+        {"mm_features": ["image"]}, {"use_structured_output": True},
+        {"logprobs": 1}, {"prompt_logprobs": 0}, {"n": 2}, {"min_tokens": 3},
+        {"max_tokens": 1}, {"seed": 7, "temperature": 0.7},
+        {"eos_token_id": 42}, {"stop_token_ids": [42]},
+    ]
+    for over in declined:
+        assert takes(**over) is None, over
+    assert takes(seed=7) == 42  # greedy: the seed draws nothing
+
+
+def test_first_token_patches_emit_the_token_and_seed_the_worker_state() -> None:
+    from kvagent_server.router.reuse.transfer import FIRST_TOKEN_KEY
+    from kvagent_server.vllm_plugin import first_token
+
+    class Outs:
+        def __init__(self, outputs: list[Any]) -> None:
+            self.outputs = outputs
+
+    engine = types.ModuleType("vllm.v1.engine")
+    engine.EngineCoreOutput = lambda **kw: types.SimpleNamespace(**kw)  # type: ignore[attr-defined]
+    engine.EngineCoreOutputs = Outs  # type: ignore[attr-defined]
+    sched_mod = types.ModuleType("scheduler")
+
+    class Scheduler:
+        max_model_len = 4096
+        vllm_config = types.SimpleNamespace(
+            scheduler_config=types.SimpleNamespace(async_scheduling=False),
+            speculative_config=None, use_v2_model_runner=False,
+            parallel_config=types.SimpleNamespace(pipeline_parallel_size=1),
+            model_config=types.SimpleNamespace(get_vocab_size=lambda: 1000))
+        kv_cache_manager = types.SimpleNamespace(estimate_cached_tokens=lambda r: 100)
+
+        def __init__(self) -> None:
+            self.finished_recving_kv_req_ids: set[str] = set()
+            self.failed_recving_kv_req_ids: set[str] = set()
+            self.requests: dict[str, Any] = {}
+
+        def update_from_output(self, so: Any, mro: Any) -> dict[int, Any]:
+            return {}
+
+    sched_mod.Scheduler = Scheduler  # type: ignore[attr-defined]
+    sys.modules["vllm.v1.engine"], saved = engine, sys.modules.get("vllm.v1.engine")
+    try:
+        assert first_token.patch_scheduler_module(sched_mod)
+    finally:
+        if saved is None:
+            del sys.modules["vllm.v1.engine"]
+        else:
+            sys.modules["vllm.v1.engine"] = saved
+    assert not first_token.patch_scheduler_module(sched_mod)
+    s = Scheduler()
+    tokens: list[int] = []
+    stats = types.SimpleNamespace(finalize=lambda n: tokens.append(-n))
+    ok = _d_request(request_id="a", client_index=0, trace_headers=None,
+                    append_output_token_ids=tokens.append, take_prefill_stats=lambda: stats,
+                    take_events=lambda: None)
+    failed = _d_request(request_id="b", client_index=0)
+    s.requests = {"a": ok, "b": failed}
+    s.finished_recving_kv_req_ids = {"a", "b"}
+    s.failed_recving_kv_req_ids = {"b"}
+    out = s.update_from_output(None, None)
+    assert tokens == [42, -100]  # appended, then the prefill stats finalized
+    assert [(o.request_id, o.new_token_ids, o.prefill_stats) for o in out[0].outputs] == [
+        ("a", [42], stats)]
+    s.requests["a"] = _d_request(request_id="a", client_index=0)
+    s.vllm_config = types.SimpleNamespace(**{**vars(Scheduler.vllm_config),
+                                            "use_v2_model_runner": True})
+    assert s.update_from_output(None, None) == {}  # bookkeeping it does not follow
+
+    batch_mod = types.ModuleType("gpu_input_batch")
+
+    class InputBatch:
+        def add_request(self, request: Any) -> list[int]:
+            return list(request.output_token_ids)
+
+    batch_mod.InputBatch = InputBatch  # type: ignore[attr-defined]
+    assert first_token.patch_input_batch_module(batch_mod)
+    params = {"do_remote_prefill": True, FIRST_TOKEN_KEY: 42}
+
+    def state(computed: int) -> Any:
+        return types.SimpleNamespace(
+            output_token_ids=[], prompt_token_ids=[5] * 10, num_computed_tokens=computed,
+            sampling_params=types.SimpleNamespace(extra_args={"kv_transfer_params": params}))
+
+    assert InputBatch().add_request(state(10)) == [42]  # the scheduler took the token
+    assert InputBatch().add_request(state(9)) == []  # D recomputes the last prompt token

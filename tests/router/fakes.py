@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvagent_server.ports import free_port
-from kvagent_server.router.reuse.transfer import EXPECT_KEY, VERIFIED_KEY
+from kvagent_server.router.reuse.transfer import EXPECT_KEY, FIRST_TOKEN_KEY, VERIFIED_KEY
 from kvagent_server.vllm_plugin.pull_check import check_offer
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -285,6 +285,9 @@ class FakeNode:
         self.tokenize_requests: list[dict[str, Any]] = []
         #: Chat requests that came with forwarded prompt ids: (those ids, the render).
         self.forwarded_prompts: list[tuple[list[int], list[int]]] = []
+        #: D legs that came with P's token (`kvagent_first_token`): (that token, the one
+        #: this node samples first for the prompt). The fake answers the same either way.
+        self.first_tokens: list[tuple[int, int]] = []
         self.aborted: list[str] = []
         self.in_flight = 0
         self.start_time = time.time()
@@ -367,6 +370,9 @@ class FakeNode:
         if forwarded is not None:
             self.forwarded_prompts.append((forwarded, prompt))
             prompt = forwarded  # as vLLM: the forwarded ids, not the rendered messages
+        given = (body.get("kv_transfer_params") or {}).get(FIRST_TOKEN_KEY)
+        if given is not None:
+            self.first_tokens.append((given, self.cluster.reply(prompt).generated_ids()[0]))
         return await self._generate(request, body, prompt, chat=True)
 
     async def _completions(self, request: Request) -> Response:

@@ -14,7 +14,12 @@ import pytest
 from fakes import router_stack
 from kvagent_server.router.auth.tenancy import Tenant
 from kvagent_server.router.settings import RouterSettings
-from kvagent_server.router.turns.orchestrate import TurnRequest, forwards_prompt_ids
+from kvagent_server.router.turns.legs import sampled_token
+from kvagent_server.router.turns.orchestrate import (
+    TurnRequest,
+    forwards_first_token,
+    forwards_prompt_ids,
+)
 from router_client import FIRST, no_wrong_kv, turn
 
 CHAT = "/v1/chat/completions"
@@ -46,6 +51,9 @@ async def test_each_decode_leg_after_a_prefill_leg_takes_ps_prompt_ids() -> None
         # One forwarded prompt per turn, and each is exactly what D would have rendered.
         assert len(d.forwarded_prompts) == 4
         assert all(ids == rendered for ids, rendered in d.forwarded_prompts)
+        # And the token P sampled, which is the one D samples first for that prompt.
+        assert len(d.first_tokens) == 4
+        assert all(given == own for given, own in d.first_tokens)
         no_wrong_kv(st)
 
 
@@ -55,6 +63,15 @@ async def test_setting_off_lets_d_render() -> None:
         assert kvas[-1]["path"] == "pd_reuse"
         assert not any(b.get("return_token_ids") for b in st.prefill[0].requests)
         assert st.decode[0].forwarded_prompts == []
+        assert st.decode[0].first_tokens == []  # it rides on the same `return_token_ids`
+        no_wrong_kv(st)
+
+
+async def test_first_token_setting_off_keeps_the_ids() -> None:
+    async with router_stack(skip_prefill_max_tokens=0, forward_first_token=False) as st:
+        await _conversation(st, 2)
+        assert len(st.decode[0].forwarded_prompts) == 2
+        assert st.decode[0].first_tokens == []
         no_wrong_kv(st)
 
 
@@ -93,3 +110,29 @@ def test_which_turns_forward(body: dict[str, Any], endpoint: str, settings: dict
 def test_only_a_list_of_token_ids_is_taken_from_ps_answer(value: object, want: object) -> None:
     from kvagent_server.router.turns.legs import token_ids
     assert token_ids(value) == want
+
+
+@pytest.mark.parametrize(("answer", "want"), [
+    ({"choices": [{"finish_reason": "length", "token_ids": [17]}]}, 17),
+    ({"choices": [{"finish_reason": "stop", "token_ids": [2]}]}, None),  # EOS: nothing after
+    ({"choices": [{"finish_reason": "length"}]}, None),
+    ({"choices": [{"finish_reason": "length", "token_ids": [17, 18]}]}, None),
+    ({"choices": [{"finish_reason": "length", "token_ids": [True]}]}, None),
+    ({"choices": [{"finish_reason": "length", "token_ids": [1]},
+                  {"finish_reason": "length", "token_ids": [2]}]}, None),
+    ({"choices": "x"}, None), ({}, None),
+])
+def test_the_sampled_token_is_read_only_from_a_one_token_answer(answer: dict[str, Any],
+                                                                 want: int | None) -> None:
+    assert sampled_token(answer) == want
+
+
+@pytest.mark.parametrize(("body", "settings", "want"), [
+    ({"messages": FIRST}, {}, True),
+    ({"messages": FIRST, "n": 1}, {}, True),
+    ({"messages": FIRST, "n": 3, "temperature": 0.8}, {}, False),  # each sample its own
+    ({"messages": FIRST}, {"forward_first_token": False}, False),
+])
+def test_which_turns_forward_ps_token(body: dict[str, Any], settings: dict[str, Any],
+                                      want: bool) -> None:
+    assert forwards_first_token(RouterSettings(**settings), _request(body)) is want

@@ -72,6 +72,14 @@ class RouterSettings(BaseModel):
         "the messages again: D computes from exactly the tokens whose KV it reads, a few ms "
         "sooner. Not for messages with media or `echo` (vLLM renders those). False: D "
         "renders the messages itself.")
+    forward_first_token: bool = Field(default=True,
+        description="Where the prompt ids are forwarded, D's leg also takes the token P "
+        "sampled (`kv_transfer_params.kvagent_first_token`, kvagent's vLLM plugin): D emits "
+        "it as soon as P's KV has arrived and computes from it, instead of recomputing the "
+        "prompt's last token to sample its own, one model step less per answer. D ignores "
+        "it where its request could not have sampled that token the same way (logprobs, "
+        "seeds, grammars, `min_tokens`); not sent for `n` > 1. False: D samples its own "
+        "first token.")
     reuse: bool = Field(default=True,
         description="Reuse is disabled entirely (for A/B comparisons and benchmarks).")
     server_timing: bool = Field(default=False,

@@ -11,6 +11,8 @@ Inert unless `KVAGENT_PLUGIN=1` (the bundle sets it on the nodes it starts). Whe
 - keeps the worker's compute thread on the node's cores (`affinity`);
 - makes every block a decode node retains expire, and lets the router release retained
   blocks early (`retention`);
+- makes a decode node emit the token P sampled as its first, and compute from it,
+  instead of recomputing the prompt's last token (`first_token`);
 - lets an engine that only holds KV blocks for a remote reader wait for input instead of
   stepping every millisecond (`idle_wait`);
 - makes `/tokenize` prepare a Mistral-tokenizer chat as the chat endpoint does, so the
@@ -56,6 +58,7 @@ def register() -> None:
 
     from kvagent_server.vllm_plugin import (
         affinity,
+        first_token,
         idle_wait,
         load_failure,
         nixl_delay,
@@ -92,6 +95,9 @@ def register() -> None:
         when_imported(load_failure.PULL_SCHEDULER_MODULE, load_failure.patch_pull_scheduler)
     if os.environ.get(env.RETENTION_ENV, "1") == "1":
         when_imported(retention.TARGET_MODULE, retention.patch_module)
+    if os.environ.get(env.FIRST_TOKEN_ENV, "1") == "1":
+        when_imported(first_token.SCHEDULER_MODULE, first_token.patch_scheduler_module)
+        when_imported(first_token.INPUT_BATCH_MODULE, first_token.patch_input_batch_module)
     when_imported(pull_check.TARGET_MODULE, pull_check.patch_module)
     when_imported(tokenize_render.TARGET_MODULE, tokenize_render.patch_module)
     if spin_ms > 0:

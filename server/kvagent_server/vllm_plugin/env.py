@@ -29,6 +29,8 @@ RECOMPUTE_ENV = "KVAGENT_RECOMPUTE_ON_LOAD_FAILURE"
 #: "1": every sequence a decode node retains expires, and the router may release one early
 #: (see retention.py; "0" only to reproduce vLLM's leak).
 RETENTION_ENV = "KVAGENT_FIX_RETENTION"
+#: "1": a decode node emits the token P sampled and computes from it (see first_token.py).
+FIRST_TOKEN_ENV = "KVAGENT_FIRST_TOKEN"
 
 
 def _check_role(role: str) -> None:
@@ -47,6 +49,7 @@ def node_env(role: str) -> dict[str, str]:
         KEEP_AFFINITY_ENV: "1",
         RECOMPUTE_ENV: "1",
         RETENTION_ENV: "1",
+        FIRST_TOKEN_ENV: "1",
         # vLLM sets this itself only if NIXL is not imported yet; the plugin may import it
         # earlier, so set it explicitly (works around a rare UCX registration-cache leak).
         "UCX_RCACHE_MAX_UNRELEASED": "1024",

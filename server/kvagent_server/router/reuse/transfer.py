@@ -5,7 +5,9 @@ keeps P's blocks for D; with D's `remote_*` fields as well, P first pulls
 `remote_num_tokens` tokens of KV from D (bidirectional transfer). A D leg with
 `do_remote_prefill=True` pulls P's blocks; with both flags False, D computes the prompt
 itself from its own prefix cache (`d_direct`); with `prompt_token_ids` (vLLM's key, chat
-only), D takes P's prompt ids instead of rendering the messages again. `kvagent_release`
+only), D takes P's prompt ids instead of rendering the messages again; with
+`kvagent_first_token` (the plugin's), D emits the token P sampled as its first and
+continues from it. `kvagent_release`
 is kvagent's own key, honoured by the vLLM plugin (`vllm_plugin.retention`): the decode
 node frees the retained sequences it names. `kvagent_expect` (also the plugin's) names, per offered block, a
 digest of its tokens: P pulls only the leading blocks its own prompt repeats.
@@ -36,6 +38,13 @@ READ_BY_KEY: Final = "kvagent_read_by"
 #: it computes from exactly the tokens whose KV it reads, a few ms sooner. vLLM ignores
 #: them, and renders, for messages with media and for `echo`.
 PROMPT_IDS_KEY: Final = "prompt_token_ids"
+
+#: In a D leg's params: the one token P sampled (kvagent's vLLM plugin,
+#: `vllm_plugin.first_token`). D emits it as soon as P's KV has arrived and computes from
+#: it, instead of recomputing the prompt's last token to sample a first token of its own:
+#: one step less before the first token and per answer. D ignores it where its own
+#: request could not have sampled that token the same way (logprobs, seeds, grammars...).
+FIRST_TOKEN_KEY: Final = "kvagent_first_token"
 
 #: Request ids of retained decode-side sequences to free now (kvagent's vLLM plugin).
 RELEASE_KEY: Final = "kvagent_release"
@@ -113,6 +122,11 @@ def with_read_by(params: dict[str, Any], read_by: float) -> dict[str, Any]:
 def with_prompt_ids(params: dict[str, Any], ids: Sequence[int]) -> dict[str, Any]:
     """D leg params (a copy) that give D P's prompt token ids (`PROMPT_IDS_KEY`)."""
     return {**params, PROMPT_IDS_KEY: list(ids)}
+
+
+def with_first_token(params: dict[str, Any], token: int) -> dict[str, Any]:
+    """D leg params (a copy) that give D the token P sampled (`FIRST_TOKEN_KEY`)."""
+    return {**params, FIRST_TOKEN_KEY: token}
 
 
 def offers_remote_blocks(params: dict[str, Any]) -> bool:

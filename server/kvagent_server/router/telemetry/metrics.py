@@ -43,6 +43,10 @@ class RouterMetrics:
             "kvagent_router_prompt_ids_forwarded",
             "D legs that took the prompt token ids P computed instead of rendering the chat "
             "again (router.forward_prompt_ids).", registry=r)
+        self.first_tokens_forwarded = Counter(
+            "kvagent_router_first_tokens_forwarded",
+            "D legs given the token P sampled, to emit and compute from "
+            "(router.forward_first_token).", registry=r)
         self.leg_latency = Histogram("kvagent_router_leg_seconds",
                                      "Leg latency (P: whole leg; D: to response headers).",
                                      ["leg"], buckets=_LATENCY_BUCKETS, registry=r)

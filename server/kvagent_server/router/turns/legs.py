@@ -70,6 +70,8 @@ class PrefillResult:
     elapsed_s: float
     #: The prompt's token ids as P computed them (asked for with `return_token_ids`).
     prompt_token_ids: list[int] | None = None
+    #: The token P sampled, when the answer did not stop at it (asked for with the ids).
+    first_token: int | None = None
 
 
 @dataclass
@@ -99,6 +101,20 @@ def token_ids(value: object) -> list[int] | None:
             and min(value) >= 0):
         return value
     return None
+
+
+def sampled_token(answer: dict[str, Any]) -> int | None:
+    """The one token a P leg's answer sampled, if the answer ended only because of its
+    one-token limit (`finish_reason` "length"): a token that stopped it (EOS, a stop token
+    or string) is not one D may continue from."""
+    choices = answer.get("choices")
+    if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+        return None
+    choice = choices[0]
+    ids = token_ids(choice.get("token_ids"))
+    if choice.get("finish_reason") != "length" or ids is None or len(ids) != 1:
+        return None
+    return ids[0]
 
 
 def decode_body(body: dict[str, Any], kv_params: dict[str, Any] | None) -> dict[str, Any]:
@@ -257,7 +273,8 @@ class Legs:
                                  pull_failed=pull_failed,
                                  elapsed_s=time.perf_counter() - started,
                                  prompt_token_ids=(token_ids(data.get("prompt_token_ids"))
-                                                   if prompt_ids else None))
+                                                   if prompt_ids else None),
+                                 first_token=sampled_token(data) if prompt_ids else None)
         raise last or LegError("no healthy prefill node", status=503, leg="prefill")
 
     async def decode(self, candidates: Sequence[Node], path: str, body: dict[str, Any],

@@ -560,6 +560,9 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
     if prefill.prompt_token_ids is not None:
         d_params = transfer.with_prompt_ids(d_params, prefill.prompt_token_ids)
         r.metrics.prompt_ids_forwarded.inc()
+        if prefill.first_token is not None and forwards_first_token(r.settings, req):
+            d_params = transfer.with_first_token(d_params, prefill.first_token)
+            r.metrics.first_tokens_forwarded.inc()
     try:
         with leg_span(req.span, "decode") as span:
             t0 = time.perf_counter()
@@ -609,6 +612,12 @@ def forwards_prompt_ids(settings: RouterSettings, req: TurnRequest) -> bool:
         return False
     tokens_at_most = len(fastjson.dumps(req.body)) + _TEMPLATE_TOKENS
     return tokens_at_most * _ID_JSON_BYTES <= settings.max_upstream_body_bytes // 2
+
+
+def forwards_first_token(settings: RouterSettings, req: TurnRequest) -> bool:
+    """Whether a turn's D leg may take P's token (`forward_first_token`): not for `n` > 1,
+    whose samples vLLM draws as separate requests that would all start with it."""
+    return settings.forward_first_token and req.body.get("n") in (None, 1)
 
 
 def prefill_candidates(ranked: list[Node], plan: planner.ReusePlan,
