@@ -7,6 +7,7 @@ folder is on sys.path); the fixtures built on them live in `tests/conftest.py`.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -21,8 +22,6 @@ from typing import Any
 
 import httpx
 from kvagent_server.ports import free_port, free_ports  # noqa: F401 - the tests' port pickers
-
-from benchmarks._procs import router_over
 
 #: Set by `.ci/run`: a test that needs real vLLM or Redis may not skip there, because a
 #: skipped real-engine test is a check that silently did not happen.
@@ -259,5 +258,25 @@ def metric_sum(url: str, name: str) -> float:
 def second_router(b: KVAgentBundle, tmp_path: Path, **settings: Any) -> Iterator[str]:
     """A second router (`python -m kvagent_server.router`) in front of the bundle's nodes,
     with its own settings and store; yields its URL."""
-    with router_over(b.prefill_urls, b.decode_urls, settings, tmp_path / "router.json") as url:
+    cfg = tmp_path / "router.json"
+    cfg.write_text(json.dumps({"router": settings}))
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvagent_server.router", "--port", str(port),
+         "--prefill", *b.prefill_urls, "--decode", *b.decode_urls, "--settings", str(cfg),
+         "--log-level", "warning"])
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline and proc.poll() is None, "router did not start"
+            time.sleep(0.2)
         yield url
+    finally:
+        proc.terminate()
+        proc.wait(15)
