@@ -27,12 +27,15 @@ def _pd_turn(t0: float, p: str, d: str, *, pull: bool, computed: int = 800
     out += [_ev(t0 + 0.015, "prefill-0", "sched_new", f"{p}-0a1b2c3d", tokens=100,
                 computed=computed),
             _ev(t0 + 0.060, "prefill-0", "first_token", f"{p}-0a1b2c3d"),
+            _ev(t0 + 0.061, "prefill-0", "api_output", f"{p}-0a1b2c3d"),
+            _ev(t0 + 0.062, "prefill-0", "responded", p),
             _ev(t0 + 0.080, "decode-0", "rendered", d, arrived=t0 + 0.067),
             _ev(t0 + 0.082, "decode-0", "sched_add", f"{d}-ffff0000", prompt=900),
             _ev(t0 + 0.083, "decode-0", "read_start", f"{d}-ffff0000"),
             _ev(t0 + 0.086, "decode-0", "remote_kv_done", f"{d}-ffff0000"),
             _ev(t0 + 0.087, "decode-0", "sched_new", f"{d}-ffff0000", tokens=1, computed=899),
-            _ev(t0 + 0.094, "decode-0", "first_token", f"{d}-ffff0000")]
+            _ev(t0 + 0.094, "decode-0", "first_token", f"{d}-ffff0000"),
+            _ev(t0 + 0.0955, "decode-0", "api_output", f"{d}-ffff0000")]
     return out
 
 
@@ -53,9 +56,12 @@ def test_a_pd_turn_and_a_d_direct_turn() -> None:
     assert [r["path"] for r in rows] == ["pd_reuse", "d_direct"]
     pd, dd = rows
     assert pd["p_render"] == pytest.approx(8) and pd["p_pull"] == pytest.approx(4)
-    assert pd["p_compute"] == pytest.approx(46) and pd["hop"] == pytest.approx(7)
+    assert pd["p_compute"] == pytest.approx(46) and pd["p_to_api"] == pytest.approx(1)
+    assert pd["p_answer"] == pytest.approx(1)
+    assert pd["hop"] == pytest.approx(5)
     assert pd["d_render"] == pytest.approx(13) and pd["d_pull"] == pytest.approx(4)
     assert pd["d_first_token"] == pytest.approx(8) and pd["total"] == pytest.approx(94)
+    assert pd["d_to_api"] == pytest.approx(1.5) and dd["d_to_api"] is None
     assert (pd["p_tokens"], pd["p_computed"]) == (100, 800)
     assert dd["d_render"] == pytest.approx(10) and dd["d_compute"] == pytest.approx(37)
     summ = timeline.summary(rows)
@@ -72,6 +78,21 @@ def test_a_p_leg_without_a_pull_and_the_latest_p_leg_pairs() -> None:
     assert [r["p_pull"] for r in rows] == [0.0, pytest.approx(4)]
     assert rows[0]["p_compute"] == pytest.approx(45)  # from its scheduling, no pull
     assert all(r["total"] == pytest.approx(94) for r in rows)
+
+
+def test_a_d_leg_that_emits_ps_token_counts_from_the_step_that_received_the_kv() -> None:
+    # D emits P's token in the step that reports the load done, before the next schedule
+    # takes the request back (`remote_kv_done`).
+    events = [e for e in _pd_turn(100.0, "chatcmpl-p1", "chatcmpl-d1", pull=False)
+              if e["ev"] not in ("responded", "api_output")  # traces before those events
+              and not (e["node"] == "decode-0" and e["ev"] == "first_token")]
+    events += [_ev(100.0855, "decode-0", "kv_received", "chatcmpl-d1-ffff0000"),
+               _ev(100.0856, "decode-0", "first_token", "chatcmpl-d1-ffff0000")]
+    rows = timeline.turns(timeline.requests(sorted(events, key=lambda e: e["t"])))
+    assert len(rows) == 1
+    assert rows[0]["d_pull"] == pytest.approx(3.5)
+    assert rows[0]["d_first_token"] == pytest.approx(0.1)
+    assert rows[0]["p_answer"] is None and rows[0]["hop"] == pytest.approx(7)
 
 
 def test_events_are_read_from_every_file_and_a_torn_line_is_skipped(tmp_path: Path) -> None:

@@ -80,4 +80,10 @@ def test_quick_mode_runs_every_configuration(tmp_path) -> None:
     pd = [r for r in rows if r["path"] in ("pd_fresh", "pd_reuse")]
     assert len(pd) >= 8, rows
     assert all(r["d_pull"] is not None and r["p_compute"] > 0 and r["total"] > 0
+               and r["p_answer"] is not None and r["d_to_api"] is not None
                for r in pd), pd
+    # D emits P's token in the step that reports P's KV arrived, before the next schedule
+    # takes the request back: the trace sees that token, not D's second one.
+    d_legs = [q for q in timeline.requests(timeline.read_events(trace))
+              if q.decode and q.at("read_start") is not None]
+    assert any(q.at("first_token") <= q.at("remote_kv_done") for q in d_legs), d_legs

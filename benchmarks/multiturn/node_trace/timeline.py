@@ -17,20 +17,26 @@ from pathlib import Path
 from typing import Any
 
 #: Stages of a P/D turn, in order; each is the time between two events (ms).
-PD_STAGES = ("p_render", "p_to_engine", "p_pull", "p_compute", "hop", "d_render",
-             "d_to_engine", "d_pull", "d_first_token")
-D_DIRECT_STAGES = ("d_render", "d_to_engine", "d_compute")
+PD_STAGES = ("p_render", "p_to_engine", "p_pull", "p_compute", "p_to_api", "p_answer", "hop", "d_render",
+             "d_to_engine", "d_pull", "d_first_token", "d_to_api")
+D_DIRECT_STAGES = ("d_render", "d_to_engine", "d_compute", "d_to_api")
 DESCRIPTIONS = {
     "p_render": "P: request arrival to its prompt rendered (parse, template, tokenize)",
     "p_to_engine": "P: rendered to the scheduler's add (input processing, IPC)",
     "p_pull": "P: scheduler add to the pulled KV's arrival (0 without a pull)",
     "p_compute": "P: scheduled to its one token (the delta's compute)",
-    "hop": "P's token to D's request arrival (P's answer, the router, D's body parse)",
+    "p_to_api": "P: its token in the engine core to the API server's output processing",
+    "p_answer": ("P: the API server's output processing to the handler's whole answer "
+                 "(traces without `api_output`: from P's token)"),
+    "hop": ("P's answer to D's request arrival (P's serialization and HTTP, the router, "
+            "D's body parse; older traces: from P's token)"),
     "d_render": "D: request arrival to its prompt rendered",
     "d_to_engine": "D: rendered to the scheduler's add",
-    "d_pull": "D: scheduler add to P's KV arrival",
-    "d_first_token": "D: P's KV arrived to its first token (one step)",
+    "d_pull": "D: scheduler add to the step that reports P's KV arrived",
+    "d_first_token": ("D: P's KV arrived to its first token (P's token: the same step; "
+                      "else the next schedule and one step)"),
     "d_compute": "D: scheduled to its first token (the delta's compute)",
+    "d_to_api": "D: its first token in the engine core to the API server's output processing",
 }
 
 
@@ -102,6 +108,7 @@ def turns(reqs: list[NodeRequest]) -> list[dict[str, Any]]:
             rows.append({"path": "d_direct", "d_render": _ms(arrived, d.at("rendered")),
                          "d_to_engine": _ms(d.at("rendered"), d.at("sched_add")),
                          "d_compute": _ms(d.at("sched_new"), d.at("first_token")),
+                         "d_to_api": _ms(d.at("first_token"), d.at("api_output")),
                          "total": _ms(arrived, d.at("first_token"))})
             continue
         before = [p for p in prefills if arrived is not None
@@ -110,6 +117,8 @@ def turns(reqs: list[NodeRequest]) -> list[dict[str, Any]]:
             continue
         p = before[-1]
         pulled = p.at("remote_kv_done")
+        # The step that reported D's load done (older traces: the schedule after it).
+        d_kv = d.at("kv_received") or d.at("remote_kv_done")
         rows.append({
             "path": "pd_reuse" if p.computed else "pd_fresh",
             "p_render": _ms(p.at("arrived"), p.at("rendered")),
@@ -117,11 +126,14 @@ def turns(reqs: list[NodeRequest]) -> list[dict[str, Any]]:
             "p_pull": _ms(p.at("sched_add"), pulled) if pulled is not None else 0.0,
             "p_compute": _ms(pulled if pulled is not None else p.at("sched_new"),
                              p.at("first_token")),
-            "hop": _ms(p.at("first_token"), arrived),
+            "p_to_api": _ms(p.at("first_token"), p.at("api_output")),
+            "p_answer": _ms(p.at("api_output") or p.at("first_token"), p.at("responded")),
+            "hop": _ms(p.at("responded") or p.at("first_token"), arrived),
             "d_render": _ms(arrived, d.at("rendered")),
             "d_to_engine": _ms(d.at("rendered"), d.at("sched_add")),
-            "d_pull": _ms(d.at("sched_add"), d.at("remote_kv_done")),
-            "d_first_token": _ms(d.at("remote_kv_done"), d.at("first_token")),
+            "d_pull": _ms(d.at("sched_add"), d_kv),
+            "d_first_token": _ms(d_kv, d.at("first_token")),
+            "d_to_api": _ms(d.at("first_token"), d.at("api_output")),
             "total": _ms(p.at("arrived"), d.at("first_token")),
             "p_tokens": p.tokens, "p_computed": p.computed,
         })

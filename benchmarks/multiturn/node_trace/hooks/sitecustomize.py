@@ -2,10 +2,13 @@
 Python's `site` in every process of a node started with this folder on `PYTHONPATH`.
 
 They time a request's stages inside a vLLM 0.32 node, where the router cannot see: the
-API server's parse and render (arrival -> `rendered`), the engine core's queue and schedule, the
-NIXL pull (`read_start`, `remote_kv_done`) and the first token. Each event is one JSON
-line, appended to `$KVAGENT_NODE_TRACE_DIR/<process>-<pid>.jsonl`, with the wall clock
-(`time.time()`, comparable across processes). Inert unless the kvagent plugin is on
+API server's parse and render (arrival -> `rendered`), the engine core's queue and
+schedule, the NIXL pull (`read_start`; `kv_received`, the step that reports it done;
+`remote_kv_done`, the next schedule that takes the request back), the first token (in
+the engine core, then `api_output` in the API server), and a whole answer returned by
+the chat handler (`responded`, before it is serialized).
+Each event is one JSON line, appended to `$KVAGENT_NODE_TRACE_DIR/<process>-<pid>.jsonl`,
+with the wall clock (`time.time()`, comparable across processes). Inert unless the kvagent plugin is on
 (`KVAGENT_PLUGIN=1`) and the directory is set; a hook that fails to apply is skipped.
 Benchmark instrumentation: it patches vLLM internals by name and may need updating with
 vLLM.
@@ -50,7 +53,11 @@ def _serving(module: Any) -> None:
                                      *args: Any, **kwargs: Any) -> Any:
         if raw_request is not None:  # read back when the request id is made
             raw_request.state.kvagent_arrived = time.time()
-        return await original(self, request, raw_request, *args, **kwargs)
+        out = await original(self, request, raw_request, *args, **kwargs)
+        answer_id = getattr(out, "id", None)  # a whole answer (a P leg), not a stream
+        if isinstance(answer_id, str):
+            _emit("responded", answer_id)
+        return out
 
     cls.create_chat_completion = create_chat_completion
 
@@ -73,17 +80,42 @@ def _base_serving(module: Any) -> None:
 
 def _scheduler(module: Any) -> None:
     cls = module.Scheduler
-    add, schedule, remote, update = (cls.add_request, cls.schedule,
-                                     cls._update_waiting_for_remote_kv, cls.update_from_output)
+    add, schedule, remote = cls.add_request, cls.schedule, cls._update_waiting_for_remote_kv
     first_seen: set[str] = set()
+    received: set[str] = set()
 
     @functools.wraps(add)
     def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
         _emit("sched_add", request.request_id, prompt=request.num_prompt_tokens)
         return add(self, request, *args, **kwargs)
 
+    def wrap_update(update: Any) -> Any:
+        @functools.wraps(update)
+        def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+            res = update(self, *args, **kwargs)
+            # The step that reports a KV load done (D may emit P's token in that step).
+            for req_id in self.finished_recving_kv_req_ids - received:
+                received.add(req_id)
+                _emit("kv_received", req_id)
+            for outputs in res.values():
+                for o in outputs.outputs:
+                    if o.new_token_ids and o.request_id not in first_seen:
+                        first_seen.add(o.request_id)
+                        _emit("first_token", o.request_id)
+            for seen in (first_seen, received):
+                if len(seen) > 100_000:
+                    seen.clear()
+            return res
+        return update_from_output
+
     @functools.wraps(schedule)
     def schedule_(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # Wrap `update_from_output` on the first step, not at import: the kvagent plugin
+        # patches it later (D emitting P's token), and this wrapper must see what the
+        # patched method returns.
+        if not getattr(cls, "_kvagent_trace_update", False):
+            cls.update_from_output = wrap_update(cls.update_from_output)
+            cls._kvagent_trace_update = True
         out = schedule(self, *args, **kwargs)
         for r in out.scheduled_new_reqs:
             _emit("sched_new", r.req_id, tokens=out.num_scheduled_tokens.get(r.req_id),
@@ -95,20 +127,27 @@ def _scheduler(module: Any) -> None:
         _emit("remote_kv_done", request.request_id)
         return remote(self, request, *args, **kwargs)
 
-    @functools.wraps(update)
-    def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
-        res = update(self, *args, **kwargs)
-        for outputs in res.values():
-            for o in outputs.outputs:
-                if o.new_token_ids and o.request_id not in first_seen:
-                    first_seen.add(o.request_id)
-                    _emit("first_token", o.request_id)
-        if len(first_seen) > 100_000:
-            first_seen.clear()
-        return res
-
     cls.add_request, cls.schedule = add_request, schedule_
-    cls._update_waiting_for_remote_kv, cls.update_from_output = update_waiting, update_from_output
+    cls._update_waiting_for_remote_kv = update_waiting
+
+
+def _output_processor(module: Any) -> None:
+    cls = module.OutputProcessor
+    original = cls.process_outputs
+    seen: set[str] = set()
+
+    @functools.wraps(original)
+    def process_outputs(self: Any, engine_core_outputs: Any, *args: Any, **kwargs: Any
+                        ) -> Any:
+        for o in engine_core_outputs:  # the API server got a request's first token
+            if o.new_token_ids and o.request_id not in seen:
+                seen.add(o.request_id)
+                _emit("api_output", o.request_id)
+        if len(seen) > 100_000:
+            seen.clear()
+        return original(self, engine_core_outputs, *args, **kwargs)
+
+    cls.process_outputs = process_outputs
 
 
 def _pull_worker(module: Any) -> None:
@@ -128,6 +167,7 @@ _HOOKS = {
     "vllm.entrypoints.openai.chat_completion.serving": _serving,
     "vllm.entrypoints.serve.engine.serving": _base_serving,
     "vllm.v1.core.sched.scheduler": _scheduler,
+    "vllm.v1.engine.output_processor": _output_processor,
     "vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker": _pull_worker,
 }
 
