@@ -70,6 +70,8 @@ def router_over(prefill: Sequence[str], decode: Sequence[str], settings: dict[st
     """A router (`python -m kvagent_server.router`) in front of running nodes, with its own
     `settings` (written to `config_path`) and store; yields its URL once it is ready, and
     stops it on exit."""
+    from kvagent_server.supervisor import probe
+
     config_path.write_text(json.dumps({"router": settings}))
     port = free_port()
     proc = subprocess.Popen(
@@ -79,12 +81,7 @@ def router_over(prefill: Sequence[str], decode: Sequence[str], settings: dict[st
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+        while not probe(f"{url}/ready"):
             if time.monotonic() > deadline or proc.poll() is not None:
                 raise RuntimeError(f"the router on {url} did not start")
             time.sleep(0.2)

@@ -258,6 +258,8 @@ def metric_sum(url: str, name: str) -> float:
 def second_router(b: KVAgentBundle, tmp_path: Path, **settings: Any) -> Iterator[str]:
     """A second router (`python -m kvagent_server.router`) in front of the bundle's nodes,
     with its own settings and store; yields its URL."""
+    from kvagent_server.supervisor import probe
+
     cfg = tmp_path / "router.json"
     cfg.write_text(json.dumps({"router": settings}))
     port = free_port()
@@ -268,12 +270,7 @@ def second_router(b: KVAgentBundle, tmp_path: Path, **settings: Any) -> Iterator
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
+        while not probe(f"{url}/ready"):
             assert time.monotonic() < deadline and proc.poll() is None, "router did not start"
             time.sleep(0.2)
         yield url

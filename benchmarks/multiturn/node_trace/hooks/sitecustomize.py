@@ -6,9 +6,9 @@ API server's parse and render (arrival -> `rendered`), the engine core's queue a
 schedule, the NIXL pull (`read_start`; `kv_received`, the step that reports it done;
 `remote_kv_done`, the next schedule that takes the request back), the first token (in
 the engine core, then `api_output` in the API server), and a whole answer returned by
-the chat handler (`responded`, before it is serialized).
-Each event is one JSON line, appended to `$KVAGENT_NODE_TRACE_DIR/<process>-<pid>.jsonl`,
-with the wall clock (`time.time()`, comparable across processes). Inert unless the kvagent plugin is on
+the chat handler (`responded`, before it is serialized). Each event is one JSON line,
+appended to `$KVAGENT_NODE_TRACE_DIR/<process>-<pid>.jsonl`, with the wall clock
+(`time.time()`, comparable across processes). Inert unless the kvagent plugin is on
 (`KVAGENT_PLUGIN=1`) and the directory is set; a hook that fails to apply is skipped.
 Benchmark instrumentation: it patches vLLM internals by name and may need updating with
 vLLM.
@@ -28,6 +28,8 @@ _NODE = "node"
 #: This process's trace file, opened on its first event (line-buffered: a line per event
 #: reaches the file at once, without an open per event on the scheduler's path).
 _out: tuple[int, TextIO] | None = None
+#: Per event, the requests it was emitted for (`_emit_once`).
+_seen: dict[str, set[str]] = {}
 
 
 def _emit(ev: str, req: str, **extra: Any) -> None:
@@ -42,6 +44,17 @@ def _emit(ev: str, req: str, **extra: Any) -> None:
         _out[1].write(line + "\n")
     except OSError:
         pass
+
+
+def _emit_once(ev: str, req: str) -> None:
+    """`ev` for `req`, the first time only (this process's memory of it is bounded)."""
+    seen = _seen.setdefault(ev, set())
+    if req in seen:
+        return
+    if len(seen) > 100_000:
+        seen.clear()
+    seen.add(req)
+    _emit(ev, req)
 
 
 def _serving(module: Any) -> None:
@@ -81,8 +94,7 @@ def _base_serving(module: Any) -> None:
 def _scheduler(module: Any) -> None:
     cls = module.Scheduler
     add, schedule, remote = cls.add_request, cls.schedule, cls._update_waiting_for_remote_kv
-    first_seen: set[str] = set()
-    received: set[str] = set()
+    update_wrapped = False
 
     @functools.wraps(add)
     def add_request(self: Any, request: Any, *args: Any, **kwargs: Any) -> Any:
@@ -94,17 +106,12 @@ def _scheduler(module: Any) -> None:
         def update_from_output(self: Any, *args: Any, **kwargs: Any) -> Any:
             res = update(self, *args, **kwargs)
             # The step that reports a KV load done (D may emit P's token in that step).
-            for req_id in self.finished_recving_kv_req_ids - received:
-                received.add(req_id)
-                _emit("kv_received", req_id)
+            for req_id in self.finished_recving_kv_req_ids:
+                _emit_once("kv_received", req_id)
             for outputs in res.values():
                 for o in outputs.outputs:
-                    if o.new_token_ids and o.request_id not in first_seen:
-                        first_seen.add(o.request_id)
-                        _emit("first_token", o.request_id)
-            for seen in (first_seen, received):
-                if len(seen) > 100_000:
-                    seen.clear()
+                    if o.new_token_ids:
+                        _emit_once("first_token", o.request_id)
             return res
         return update_from_output
 
@@ -113,9 +120,10 @@ def _scheduler(module: Any) -> None:
         # Wrap `update_from_output` on the first step, not at import: the kvagent plugin
         # patches it later (D emitting P's token), and this wrapper must see what the
         # patched method returns.
-        if not getattr(cls, "_kvagent_trace_update", False):
+        nonlocal update_wrapped
+        if not update_wrapped:
             cls.update_from_output = wrap_update(cls.update_from_output)
-            cls._kvagent_trace_update = True
+            update_wrapped = True
         out = schedule(self, *args, **kwargs)
         for r in out.scheduled_new_reqs:
             _emit("sched_new", r.req_id, tokens=out.num_scheduled_tokens.get(r.req_id),
@@ -134,17 +142,13 @@ def _scheduler(module: Any) -> None:
 def _output_processor(module: Any) -> None:
     cls = module.OutputProcessor
     original = cls.process_outputs
-    seen: set[str] = set()
 
     @functools.wraps(original)
     def process_outputs(self: Any, engine_core_outputs: Any, *args: Any, **kwargs: Any
                         ) -> Any:
         for o in engine_core_outputs:  # the API server got a request's first token
-            if o.new_token_ids and o.request_id not in seen:
-                seen.add(o.request_id)
-                _emit("api_output", o.request_id)
-        if len(seen) > 100_000:
-            seen.clear()
+            if o.new_token_ids:
+                _emit_once("api_output", o.request_id)
         return original(self, engine_core_outputs, *args, **kwargs)
 
     cls.process_outputs = process_outputs
