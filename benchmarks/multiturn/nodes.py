@@ -18,6 +18,7 @@ from typing import Literal, Self
 
 import httpx
 import psutil
+from kvagent_server.vllm_plugin.env import SPIN_ENV
 from pydantic import BaseModel, ConfigDict, Field
 
 from benchmarks._procs import free_ports
@@ -65,6 +66,8 @@ class BenchConfig(BaseModel):
     prefill_count: int = Field(default=1, ge=1, le=4)  # P nodes (bundle only)
     #: KV block size in tokens (bundle only); None: the bundle's default (128 on CPU).
     block_size: int | None = None
+    #: Environment for every P and D node (bundle only), over the plugin's defaults.
+    node_env: dict[str, str] = Field(default_factory=dict)
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
@@ -119,6 +122,18 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 description="kvagent_always_pd_reuse whose D recomputes the prompt's last "
                 "token to sample a first token of its own (router.forward_first_token off), "
                 "as before D took P's"),
+    BenchConfig(name="kvagent_always_pd_reuse_again", kind="bundle", reuse=True,
+                skip_prefill_max_tokens=0,
+                description="kvagent_always_pd_reuse once more: an A/A control for what "
+                "the order of configurations in one run moves"),
+    BenchConfig(name="kvagent_always_pd_reuse_spin1", kind="bundle", reuse=True,
+                skip_prefill_max_tokens=0, node_env={SPIN_ENV: "1"},
+                description="kvagent_always_pd_reuse whose nodes' shared-memory readers "
+                "busy-wait 1 ms after a message before sleeping (plugin spin_ms 1, "
+                "default 20)"),
+    BenchConfig(name="kvagent_spin1", kind="bundle", reuse=True, node_env={SPIN_ENV: "1"},
+                description="kvagent whose nodes' shared-memory readers busy-wait 1 ms "
+                "after a message before sleeping (plugin spin_ms 1, default 20)"),
     BenchConfig(name="kvagent_own_token", kind="bundle", reuse=True,
                 forward_first_token=False,
                 description="kvagent whose D samples its own first token after a P leg "
@@ -270,6 +285,8 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
             prefill["cpu_binds"], decode["cpu_binds"] = p_binds, [d_bind]
         if engine_args:
             prefill["extra_args"], decode["extra_args"] = list(engine_args), list(engine_args)
+    if config.node_env:
+        prefill["extra_env"], decode["extra_env"] = dict(config.node_env), dict(config.node_env)
     # server_timing: the per-stage budget of each turn reaches the records
     router: dict = {"port": ports[-1], "reuse": config.reuse, "server_timing": True}
     if config.skip_prefill_max_tokens is not None:

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from kvagent_server.config import validate_config
 from kvagent_server.router.settings import RouterSettings
+from kvagent_server.vllm_plugin.env import DEFAULT_SPIN_MS
 
 from benchmarks.multiturn import load
 from benchmarks.multiturn.driver import ScheduledSession, run_sessions
@@ -119,11 +120,23 @@ def test_bundle_settings_validate(name: str, tmp_path: Path) -> None:
     assert cfg.router.server_timing and cfg.router.port == 9000 + n - 1
     assert cfg.prefill.prefix_caching == c.prefill_prefix_caching
     assert cfg.block_size == c.block_size
+    assert cfg.prefill.extra_env == c.node_env and cfg.decode.extra_env == c.node_env
     if c.prefill_count > 1:  # P nodes share core 0; D keeps core 1 as in 1P+1D
         assert cfg.prefill.cpu_binds == ["0", "0"] and cfg.decode.cpu_binds == ["1"]
     with pytest.raises(ValueError):
         bundle_settings(c, tmp_path, [1, 2], cores=[0, 1], kv_cache_gib=1,
                         startup_timeout_s=60)
+
+
+def test_a_configurations_node_env_overrides_the_plugins_default(tmp_path: Path) -> None:
+    """`node_env` reaches every node's environment over the plugin's own setting."""
+    from benchmarks.multiturn import cuda_plan
+
+    spin = "KVAGENT_SPIN_MS"
+    for name, want in (("kvagent_spin1", "1"), ("kvagent", str(DEFAULT_SPIN_MS))):
+        nodes = cuda_plan.render_config(ALL_CONFIGS[name], tmp_path / name)["nodes"]
+        assert [n["env"][spin] for n in nodes] == [want, want]
+    assert DEFAULT_SPIN_MS != 1
 
 
 def test_cli_config_order_and_levels() -> None:
