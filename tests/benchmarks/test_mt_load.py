@@ -14,9 +14,9 @@ import httpx
 import pytest
 from kvagent_server.config import validate_config
 from kvagent_server.router.settings import RouterSettings
-from kvagent_server.vllm_plugin.env import DEFAULT_SPIN_MS
+from kvagent_server.vllm_plugin.env import DEFAULT_SPIN_MS, SPIN_ENV
 
-from benchmarks.multiturn import load
+from benchmarks.multiturn import cuda_plan, load
 from benchmarks.multiturn.driver import ScheduledSession, run_sessions
 from benchmarks.multiturn.nodes import (
     ALL_CONFIGS,
@@ -130,12 +130,9 @@ def test_bundle_settings_validate(name: str, tmp_path: Path) -> None:
 
 def test_a_configurations_node_env_overrides_the_plugins_default(tmp_path: Path) -> None:
     """`node_env` reaches every node's environment over the plugin's own setting."""
-    from benchmarks.multiturn import cuda_plan
-
-    spin = "KVAGENT_SPIN_MS"
     for name, want in (("kvagent_spin1", "1"), ("kvagent", str(DEFAULT_SPIN_MS))):
         nodes = cuda_plan.render_config(ALL_CONFIGS[name], tmp_path / name)["nodes"]
-        assert [n["env"][spin] for n in nodes] == [want, want]
+        assert [n["env"][SPIN_ENV] for n in nodes] == [want, want]
     assert DEFAULT_SPIN_MS != 1
 
 
