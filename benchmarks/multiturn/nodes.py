@@ -18,7 +18,7 @@ from typing import Literal, Self
 
 import httpx
 import psutil
-from kvagent_server.vllm_plugin.env import SPIN_ENV
+from kvagent_server.vllm_plugin.env import DEFAULT_SPIN_MS, SPIN_ENV
 from pydantic import BaseModel, ConfigDict, Field
 
 from benchmarks._procs import free_ports
@@ -129,11 +129,12 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig(name="kvagent_always_pd_reuse_spin1", kind="bundle", reuse=True,
                 skip_prefill_max_tokens=0, node_env={SPIN_ENV: "1"},
                 description="kvagent_always_pd_reuse whose nodes' shared-memory readers "
-                "busy-wait 1 ms after a message before sleeping (plugin spin_ms 1, "
-                "default 20)"),
+                f"busy-wait 1 ms after a message before sleeping (plugin spin_ms 1, "
+                f"default {DEFAULT_SPIN_MS})"),
     BenchConfig(name="kvagent_spin1", kind="bundle", reuse=True, node_env={SPIN_ENV: "1"},
                 description="kvagent whose nodes' shared-memory readers busy-wait 1 ms "
-                "after a message before sleeping (plugin spin_ms 1, default 20)"),
+                f"after a message before sleeping (plugin spin_ms 1, default "
+                f"{DEFAULT_SPIN_MS})"),
     BenchConfig(name="kvagent_own_token", kind="bundle", reuse=True,
                 forward_first_token=False,
                 description="kvagent whose D samples its own first token after a P leg "
