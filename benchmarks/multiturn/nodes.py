@@ -68,6 +68,8 @@ class BenchConfig(BaseModel):
     block_size: int | None = None
     #: Environment for every P and D node (bundle only), over the plugin's defaults.
     node_env: dict[str, str] = Field(default_factory=dict)
+    #: Environment for the P nodes only (bundle only), over `node_env`.
+    prefill_env: dict[str, str] = Field(default_factory=dict)
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
@@ -135,6 +137,15 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 description="kvagent whose nodes' shared-memory readers busy-wait 1 ms "
                 f"after a message before sleeping (plugin spin_ms 1, default "
                 f"{DEFAULT_SPIN_MS})"),
+    BenchConfig(name="kvagent_always_pd_reuse_pspin1", kind="bundle", reuse=True,
+                skip_prefill_max_tokens=0, prefill_env={SPIN_ENV: "1"},
+                description="kvagent_always_pd_reuse whose P node's shared-memory readers "
+                "busy-wait 1 ms after a message before sleeping, D's the default "
+                f"{DEFAULT_SPIN_MS} ms"),
+    BenchConfig(name="kvagent_pspin1", kind="bundle", reuse=True,
+                prefill_env={SPIN_ENV: "1"},
+                description="kvagent whose P node's shared-memory readers busy-wait 1 ms "
+                f"after a message before sleeping, D's the default {DEFAULT_SPIN_MS} ms"),
     BenchConfig(name="kvagent_own_token", kind="bundle", reuse=True,
                 forward_first_token=False,
                 description="kvagent whose D samples its own first token after a P leg "
@@ -286,8 +297,9 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
             prefill["cpu_binds"], decode["cpu_binds"] = p_binds, [d_bind]
         if engine_args:
             prefill["extra_args"], decode["extra_args"] = list(engine_args), list(engine_args)
-    if config.node_env:
-        prefill["extra_env"], decode["extra_env"] = dict(config.node_env), dict(config.node_env)
+    if config.node_env or config.prefill_env:
+        prefill["extra_env"] = {**config.node_env, **config.prefill_env}
+        decode["extra_env"] = dict(config.node_env)
     # server_timing: the per-stage budget of each turn reaches the records
     router: dict = {"port": ports[-1], "reuse": config.reuse, "server_timing": True}
     if config.skip_prefill_max_tokens is not None:

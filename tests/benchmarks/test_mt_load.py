@@ -120,7 +120,8 @@ def test_bundle_settings_validate(name: str, tmp_path: Path) -> None:
     assert cfg.router.server_timing and cfg.router.port == 9000 + n - 1
     assert cfg.prefill.prefix_caching == c.prefill_prefix_caching
     assert cfg.block_size == c.block_size
-    assert cfg.prefill.extra_env == c.node_env and cfg.decode.extra_env == c.node_env
+    assert cfg.prefill.extra_env == {**c.node_env, **c.prefill_env}
+    assert cfg.decode.extra_env == c.node_env
     if c.prefill_count > 1:  # P nodes share core 0; D keeps core 1 as in 1P+1D
         assert cfg.prefill.cpu_binds == ["0", "0"] and cfg.decode.cpu_binds == ["1"]
     with pytest.raises(ValueError):
@@ -133,6 +134,9 @@ def test_a_configurations_node_env_overrides_the_plugins_default(tmp_path: Path)
     for name, want in (("kvagent_spin1", "1"), ("kvagent", str(DEFAULT_SPIN_MS))):
         nodes = cuda_plan.render_config(ALL_CONFIGS[name], tmp_path / name)["nodes"]
         assert [n["env"][SPIN_ENV] for n in nodes] == [want, want]
+    nodes = cuda_plan.render_config(ALL_CONFIGS["kvagent_pspin1"], tmp_path / "p")["nodes"]
+    assert {n["name"]: n["env"][SPIN_ENV] for n in nodes} == {
+        "prefill-0": "1", "decode-0": str(DEFAULT_SPIN_MS)}
     assert DEFAULT_SPIN_MS != 1
 
 
