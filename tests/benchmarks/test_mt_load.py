@@ -130,7 +130,8 @@ def test_bundle_settings_validate(name: str, tmp_path: Path) -> None:
 
 
 def test_a_configurations_node_env_overrides_the_plugins_default(tmp_path: Path) -> None:
-    """`node_env` reaches every node's environment over the plugin's own setting."""
+    """`node_env` reaches every node's environment over the plugin's own setting, and
+    `prefill_env` only the P node's."""
     for name, want in (("kvagent_spin1", "1"), ("kvagent", str(DEFAULT_SPIN_MS))):
         nodes = cuda_plan.render_config(ALL_CONFIGS[name], tmp_path / name)["nodes"]
         assert [n["env"][SPIN_ENV] for n in nodes] == [want, want]
