@@ -18,7 +18,12 @@ from typing import Literal, Self
 
 import httpx
 import psutil
-from kvagent_server.vllm_plugin.env import DEFAULT_SPIN_MS, SPIN_ENV
+from kvagent_server.vllm_plugin.env import (
+    CPU_SPIN_NAP_US,
+    DEFAULT_SPIN_MS,
+    SPIN_ENV,
+    SPIN_NAP_ENV,
+)
 from pydantic import BaseModel, ConfigDict, Field
 
 from benchmarks._procs import free_ports
@@ -146,6 +151,15 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 prefill_env={SPIN_ENV: "1"},
                 description="kvagent whose P node's shared-memory readers busy-wait 1 ms "
                 f"after a message before sleeping, D's the default {DEFAULT_SPIN_MS} ms"),
+    BenchConfig(name="kvagent_always_pd_reuse_yield", kind="bundle", reuse=True,
+                skip_prefill_max_tokens=0, node_env={SPIN_NAP_ENV: "0"},
+                description="kvagent_always_pd_reuse whose nodes' shared-memory readers "
+                "yield between checks inside their busy-wait window, as vLLM's do, instead "
+                f"of napping (plugin nap_us 0, CPU default {CPU_SPIN_NAP_US})"),
+    BenchConfig(name="kvagent_yield", kind="bundle", reuse=True, node_env={SPIN_NAP_ENV: "0"},
+                description="kvagent whose nodes' shared-memory readers yield between "
+                "checks inside their busy-wait window, as vLLM's do, instead of napping "
+                f"(plugin nap_us 0, CPU default {CPU_SPIN_NAP_US})"),
     BenchConfig(name="kvagent_own_token", kind="bundle", reuse=True,
                 forward_first_token=False,
                 description="kvagent whose D samples its own first token after a P leg "

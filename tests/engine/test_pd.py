@@ -24,6 +24,7 @@ if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("nixl") 
 psutil = pytest.importorskip("psutil")
 
 from kvagent_server.router.reuse.transfer import FIRST_TOKEN_KEY
+from kvagent_server.vllm_plugin import env
 
 from . import flow
 from .pd import PDPair
@@ -294,6 +295,13 @@ async def test_watermark_guard_evicts_and_releases_on_a_real_decode_node(pair: P
         assert time.monotonic() < deadline, "the evicted handle's blocks were not released"
         await asyncio.sleep(0.5)
     assert await store.claim("t", "h0") is None  # evicted: no turn can present it
+
+
+def test_cpu_nodes_readers_nap(pair: PDPair) -> None:
+    """The plugin's CPU default: both nodes' shared-memory readers nap between checks."""
+    for node in (pair.p, pair.d):
+        assert (f"shared-memory readers nap {env.CPU_SPIN_NAP_US} us between checks"
+                in node.log_path.read_text(errors="replace")), node.log_tail()
 
 
 def test_idle_bundle_uses_under_a_fifth_of_a_core(pair: PDPair) -> None:

@@ -258,6 +258,54 @@ def test_spin_window_is_capped_for_readers_only() -> None:
     assert SpinCondition(True, 0.005).busy_loop_s == 0.005
 
 
+def test_readers_nap_inside_the_spin_window_and_poll_after_it() -> None:
+    mod = types.ModuleType("shm")
+    polled: list[int | None] = []
+
+    class SpinCondition:
+        def __init__(self, is_reader: bool, busy_loop_s: float = 1) -> None:
+            self.is_reader, self.busy_loop_s = is_reader, busy_loop_s
+            self.last_read = time.monotonic()
+
+        def wait(self, timeout_ms: int | None = None) -> None:
+            polled.append(timeout_ms)
+
+    mod.SpinCondition = SpinCondition  # type: ignore[attr-defined]
+    assert idle_wait.patch_spin_module(mod, 20, nap_us=2000)
+    reader = SpinCondition(True)
+    t = time.monotonic()
+    reader.wait(50)
+    assert time.monotonic() - t >= 0.0019 and polled == []  # napped, did not poll
+    reader.last_read -= 1.0  # the window has passed
+    reader.wait(50)
+    assert polled == [50]
+
+
+@pytest.mark.parametrize("cpu, want", [(True, env.CPU_SPIN_NAP_US), (False, 0)])
+def test_readers_nap_by_default_on_cpu_only(monkeypatch: pytest.MonkeyPatch, cpu: bool,
+                                            want: int) -> None:
+    platforms = types.ModuleType("vllm.platforms")
+    platforms.current_platform = types.SimpleNamespace(  # type: ignore[attr-defined]
+        is_cpu=lambda: cpu)
+    monkeypatch.setitem(sys.modules, "vllm.platforms", platforms)
+    assert idle_wait.default_nap_us() == want
+
+
+def test_no_nap_keeps_vllms_wait() -> None:
+    mod = types.ModuleType("shm")
+
+    class SpinCondition:
+        def __init__(self, is_reader: bool, busy_loop_s: float = 1) -> None:
+            self.is_reader, self.busy_loop_s = is_reader, busy_loop_s
+
+        def wait(self, timeout_ms: int | None = None) -> None: ...
+
+    mod.SpinCondition = SpinCondition  # type: ignore[attr-defined]
+    original = SpinCondition.wait
+    assert idle_wait.patch_spin_module(mod, 20)
+    assert SpinCondition.wait is original
+
+
 # --- NIXL delay ---------------------------------------------------------------------------
 
 def test_nixl_agent_gets_the_delay() -> None:

@@ -80,6 +80,7 @@ def register() -> None:
     delay_us = _int_env(env.NIXL_DELAY_ENV, env.DEFAULT_NIXL_DELAY_US)
     idle_ms = _int_env(env.IDLE_POLL_ENV, env.DEFAULT_IDLE_POLL_MS)
     spin_ms = _int_env(env.SPIN_ENV, env.DEFAULT_SPIN_MS)
+    nap_us = _int_env(env.SPIN_NAP_ENV, -1)  # -1: unset, the platform's default
 
     for name in stream_params.target_modules():
         when_imported(name, stream_params.patch_module)
@@ -101,4 +102,5 @@ def register() -> None:
     when_imported(pull_check.TARGET_MODULE, pull_check.patch_module)
     when_imported(tokenize_render.TARGET_MODULE, tokenize_render.patch_module)
     if spin_ms > 0:
-        when_imported(idle_wait.SPIN_MODULE, lambda m: idle_wait.patch_spin_module(m, spin_ms))
+        when_imported(idle_wait.SPIN_MODULE, lambda m: idle_wait.patch_spin_module(
+            m, spin_ms, nap_us if nap_us >= 0 else idle_wait.default_nap_us()))

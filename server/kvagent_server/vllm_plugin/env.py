@@ -22,6 +22,11 @@ DEFAULT_IDLE_POLL_MS = 500
 #: How long (ms) a worker busy-loops for the next message before sleeping (vLLM: 1000).
 SPIN_ENV = "KVAGENT_SPIN_MS"
 DEFAULT_SPIN_MS = 20
+#: Microseconds such a reader sleeps between checks inside that window; 0: vLLM's
+#: `sched_yield` (see idle_wait.py). Unset: `CPU_SPIN_NAP_US` on CPU engines, whose few
+#: cores the readers would share with the threads that compute; 0 on GPUs.
+SPIN_NAP_ENV = "KVAGENT_SPIN_NAP_US"
+CPU_SPIN_NAP_US = 100
 #: "1": undo the NIXL worker's move of the compute thread onto the last core (see affinity.py).
 KEEP_AFFINITY_ENV = "KVAGENT_KEEP_AFFINITY"
 #: "1": a failed/declined KV load (e.g. an expired D handle) recomputes instead of HTTP 500.

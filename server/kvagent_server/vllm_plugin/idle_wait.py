@@ -16,6 +16,11 @@ Two patches, both bounded and with no effect on a busy engine:
   frees and lease expiries are noticed up to `idle_poll_ms` later.
 - `SpinCondition.__init__`: readers busy-loop for at most `spin_ms` after a message (vLLM:
   1 s) before sleeping in zmq poll, so the spacing above actually lets workers sleep.
+
+With `nap_us` > 0 (CPU engines' default), a reader inside that window sleeps `nap_us`
+between its checks (`SpinCondition.wait`) instead of calling `sched_yield`: it still sees
+a message within about `nap_us`, woken by its own timer rather than by zmq, but leaves its
+core to the threads that share it (the worker that computes, the API server, NIXL's).
 """
 
 from __future__ import annotations
@@ -23,9 +28,11 @@ from __future__ import annotations
 import functools
 import logging
 import queue
+import time
 from types import ModuleType
 from typing import Any
 
+from kvagent_server.vllm_plugin.env import CPU_SPIN_NAP_US
 from kvagent_server.vllm_plugin.wrapped import is_wrapped, mark_wrapped
 
 logger = logging.getLogger("vllm.kvagent")
@@ -73,13 +80,17 @@ def patch_module(module: ModuleType, idle_poll_ms: int) -> bool:
     return True
 
 
-def patch_spin_module(module: ModuleType, spin_ms: int) -> bool:
-    """Cap `SpinCondition`'s reader busy-loop window at `spin_ms`."""
+def patch_spin_module(module: ModuleType, spin_ms: int, nap_us: int = 0) -> bool:
+    """Cap `SpinCondition`'s reader busy-loop window at `spin_ms`; nap `nap_us` inside it."""
     cls = module.SpinCondition
     original = cls.__init__
     if is_wrapped(original):
         return False
     cap_s = spin_ms / 1000.0
+    if nap_us > 0:
+        cls.wait = napping_wait(cls.wait, nap_us / 1_000_000)
+        logger.info("kvagent: shared-memory readers nap %d us between checks for %d ms "
+                    "after a message", nap_us, spin_ms)
 
     @functools.wraps(original)
     def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
@@ -90,3 +101,25 @@ def patch_spin_module(module: ModuleType, spin_ms: int) -> bool:
     mark_wrapped(__init__)
     cls.__init__ = __init__
     return True
+
+
+def default_nap_us() -> int:
+    """`CPU_SPIN_NAP_US` on a CPU engine, else 0 (vLLM's `sched_yield`): measured on CPU
+    only, where the readers share a core or two with everything else."""
+    from vllm.platforms import current_platform
+
+    return CPU_SPIN_NAP_US if current_platform.is_cpu() else 0
+
+
+def napping_wait(original: Any, nap_s: float) -> Any:
+    """`SpinCondition.wait` that sleeps `nap_s` instead of yielding inside the busy window."""
+
+    @functools.wraps(original)
+    def wait(self: Any, timeout_ms: int | None = None) -> None:
+        if time.monotonic() <= self.last_read + self.busy_loop_s:
+            time.sleep(nap_s)
+        else:
+            original(self, timeout_ms)
+
+    mark_wrapped(wait)
+    return wait
