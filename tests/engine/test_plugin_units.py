@@ -244,23 +244,9 @@ def test_engine_step_waits_only_when_just_holding_blocks() -> None:
     assert time.monotonic() - t < 30.0  # no 60 s wait
 
 
-def test_spin_window_is_capped_for_readers_only() -> None:
+def _spin_module(polled: list[int | None]) -> tuple[types.ModuleType, type]:
+    """A stand-in for `shm_broadcast` whose `SpinCondition.wait` records its polls."""
     mod = types.ModuleType("shm")
-
-    class SpinCondition:
-        def __init__(self, is_reader: bool, busy_loop_s: float = 1) -> None:
-            self.is_reader, self.busy_loop_s = is_reader, busy_loop_s
-
-    mod.SpinCondition = SpinCondition  # type: ignore[attr-defined]
-    assert idle_wait.patch_spin_module(mod, 20)
-    assert SpinCondition(True).busy_loop_s == pytest.approx(0.02)
-    assert SpinCondition(False, 0).busy_loop_s == 0
-    assert SpinCondition(True, 0.005).busy_loop_s == 0.005
-
-
-def test_readers_nap_inside_the_spin_window_and_poll_after_it() -> None:
-    mod = types.ModuleType("shm")
-    polled: list[int | None] = []
 
     class SpinCondition:
         def __init__(self, is_reader: bool, busy_loop_s: float = 1) -> None:
@@ -271,6 +257,20 @@ def test_readers_nap_inside_the_spin_window_and_poll_after_it() -> None:
             polled.append(timeout_ms)
 
     mod.SpinCondition = SpinCondition  # type: ignore[attr-defined]
+    return mod, SpinCondition
+
+
+def test_spin_window_is_capped_for_readers_only() -> None:
+    mod, SpinCondition = _spin_module([])
+    assert idle_wait.patch_spin_module(mod, 20)
+    assert SpinCondition(True).busy_loop_s == pytest.approx(0.02)
+    assert SpinCondition(False, 0).busy_loop_s == 0
+    assert SpinCondition(True, 0.005).busy_loop_s == 0.005
+
+
+def test_readers_nap_inside_the_spin_window_and_poll_after_it() -> None:
+    polled: list[int | None] = []
+    mod, SpinCondition = _spin_module(polled)
     assert idle_wait.patch_spin_module(mod, 20, nap_us=2000)
     reader = SpinCondition(True)
     t = time.monotonic()
@@ -292,15 +292,7 @@ def test_readers_nap_by_default_on_cpu_only(monkeypatch: pytest.MonkeyPatch, cpu
 
 
 def test_no_nap_keeps_vllms_wait() -> None:
-    mod = types.ModuleType("shm")
-
-    class SpinCondition:
-        def __init__(self, is_reader: bool, busy_loop_s: float = 1) -> None:
-            self.is_reader, self.busy_loop_s = is_reader, busy_loop_s
-
-        def wait(self, timeout_ms: int | None = None) -> None: ...
-
-    mod.SpinCondition = SpinCondition  # type: ignore[attr-defined]
+    mod, SpinCondition = _spin_module([])
     original = SpinCondition.wait
     assert idle_wait.patch_spin_module(mod, 20)
     assert SpinCondition.wait is original
