@@ -41,6 +41,10 @@ from kvagent_server.router.kv.hashing import BlockHasher
 from kvagent_server.router.turns.prompt_ids import tokenize_request
 from tier_events import EventListener, a_in_cpu, event_source, judge, snapshot, synthetic_check
 
+# Run as a script: the repo root is not on sys.path, and vLLM's parser lives in benchmarks/.
+sys.path.insert(1, str(Path(__file__).resolve().parents[2]))
+from benchmarks._vllm_cli import parse_node_argv
+
 BLOCK = 16
 
 
@@ -68,13 +72,7 @@ def render_bundle(work: Path, model: str | None, gpu_blocks: int, port: int) -> 
 
 
 def vllm_parse(node: ProcessSpec) -> dict[str, Any]:
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    argv = list(node.argv)
-    ns = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[argv.index("--model"):])
-    engine = EngineArgs.from_cli_args(ns)
+    ns, engine = parse_node_argv(node.argv)
     ktc, kec = engine.kv_transfer_config, engine.kv_events_config
     return {"kv_connector": ktc.kv_connector,
             "children": [c["kv_connector"] for c in

@@ -110,15 +110,11 @@ def check(rendered: dict[str, Any]) -> list[str]:
 
 def vllm_parse(rendered: dict[str, Any]) -> dict[str, Any]:
     """vLLM's own parser on each node's arguments (needs vllm importable; any platform)."""
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
+    from benchmarks._vllm_cli import parse_node_argv
 
     out = {}
     for node in rendered["nodes"]:
-        argv = node["argv"]
-        ns = make_arg_parser(FlexibleArgumentParser()).parse_args(argv[argv.index("--model"):])
-        engine = EngineArgs.from_cli_args(ns)
+        _, engine = parse_node_argv(node["argv"])
         ktc = engine.kv_transfer_config
         out[node["name"]] = {
             "gpu_memory_utilization": engine.gpu_memory_utilization,

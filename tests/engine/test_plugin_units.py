@@ -45,6 +45,18 @@ def test_unsupported_versions_refuse_loudly(v: str) -> None:
         version.check(v)
 
 
+def test_a_release_with_known_gaps_runs_only_when_named() -> None:
+    with pytest.raises(version.UnsupportedVLLMVersion, match="KVAGENT_ALLOW_VLLM: 0.26"):
+        version.check("0.26.0")
+    with pytest.raises(version.UnsupportedVLLMVersion):
+        version.check("0.26.0", "0.25,0.27")
+    gap = version.check("0.26.0", " 0.25 , 0.26")
+    assert gap is not None and "early release" in gap
+    assert version.check("0.33.0", "0.26") is None  # supported: nothing to warn about
+    with pytest.raises(version.UnsupportedVLLMVersion):
+        version.check("0.31.0", "0.31")  # not a release with known gaps
+
+
 # --- node env -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("role", ["prefill", "decode"])

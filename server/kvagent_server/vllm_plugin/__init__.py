@@ -71,10 +71,13 @@ def register() -> None:
     from kvagent_server.vllm_plugin.import_hooks import when_imported
 
     try:
-        version.check(vllm.__version__)
+        gap = version.check(vllm.__version__, os.environ.get(env.ALLOW_VLLM_ENV, ""))
     except version.UnsupportedVLLMVersion as exc:
         logger.error("%s", exc)
         raise
+    if gap:
+        logger.warning("kvagent: running on vLLM %s (allowed by %s): %s",
+                       vllm.__version__, env.ALLOW_VLLM_ENV, gap)
 
     os.environ.setdefault("UCX_RCACHE_MAX_UNRELEASED", "1024")
     delay_us = _int_env(env.NIXL_DELAY_ENV, env.DEFAULT_NIXL_DELAY_US)

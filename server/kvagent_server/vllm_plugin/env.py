@@ -11,6 +11,8 @@ ROLES = ("prefill", "decode")
 
 #: Enables the plugin (`kvagent_server.vllm_plugin:register`); without it the plugin is inert.
 PLUGIN_ENV = "KVAGENT_PLUGIN"
+#: vLLM series with a known gap (`version.KNOWN_GAPS`) the operator accepts, e.g. "0.26".
+ALLOW_VLLM_ENV = "KVAGENT_ALLOW_VLLM"
 #: NIXL UCX progress-thread poll timeout in microseconds (NIXL's Python API hard-codes 0,
 #: i.e. a busy loop). NIXL rounds it up to whole milliseconds.
 NIXL_DELAY_ENV = "KVAGENT_NIXL_PTHR_DELAY_US"
