@@ -84,13 +84,16 @@ class DecodeStart:
 
 
 def prefill_body(body: dict[str, Any], kv_params: dict[str, Any], *,
-                 prompt_ids: bool = False) -> dict[str, Any]:
+                 prompt_ids: bool = False, priority: int = 0) -> dict[str, Any]:
     """The P leg's body: one token, not streamed, with the transfer params; `prompt_ids`
-    asks P for the prompt's token ids too."""
+    asks P for the prompt's token ids too; a nonzero `priority` (vLLM's request priority)
+    replaces the request's own on P."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
     out.update(stream=False, max_tokens=1, kv_transfer_params=kv_params)
     if prompt_ids:
         out["return_token_ids"] = True
+    if priority:
+        out["priority"] = priority
     return out
 
 
@@ -223,10 +226,11 @@ class Legs:
             node.in_flight -= 1
 
     async def prefill(self, candidates: Sequence[Node], path: str, body: dict[str, Any],
-                      kv_params: dict[str, Any], *, prompt_ids: bool = False
-                      ) -> PrefillResult:
+                      kv_params: dict[str, Any], *, prompt_ids: bool = False,
+                      priority: int = 0) -> PrefillResult:
         """Run the P leg on the first candidate that answers; a failed pull re-runs fresh.
-        `prompt_ids`: also return the prompt's token ids as P computed them."""
+        `prompt_ids`: also return the prompt's token ids as P computed them; `priority`:
+        see `prefill_body`."""
         reuse = transfer.offers_remote_blocks(kv_params)
         pull_failed = False
         last: LegError | None = None
@@ -235,7 +239,8 @@ class Legs:
             params = transfer.fresh() if pull_failed else kv_params
             try:
                 resp = await self._post(node, path,
-                                        prefill_body(body, params, prompt_ids=prompt_ids),
+                                        prefill_body(body, params, prompt_ids=prompt_ids,
+                                                     priority=priority),
                                         stream=False)
             except UpstreamError as exc:
                 last = _unreachable("prefill", exc)
@@ -250,7 +255,8 @@ class Legs:
                 try:
                     resp = await self._post(node, path,
                                             prefill_body(body, transfer.fresh(),
-                                                         prompt_ids=prompt_ids),
+                                                         prompt_ids=prompt_ids,
+                                                         priority=priority),
                                             stream=False)
                 except UpstreamError as exc:
                     last = _unreachable("prefill", exc)
