@@ -68,9 +68,6 @@ class BenchConfig(BaseModel):
     #: Router setting `forward_first_token` (bundle only): False lets D sample its own
     #: first token (one more step) instead of emitting and computing from P's.
     forward_first_token: bool = True
-    #: Router setting `first_turn_priority` (bundle only); nonzero also starts the P nodes
-    #: with vLLM's priority scheduling, which the setting needs.
-    first_turn_priority: int = 0
     prefill_count: int = Field(default=1, ge=1, le=4)  # P nodes (bundle only)
     #: KV block size in tokens (bundle only); None: the bundle's default (128 on CPU).
     block_size: int | None = None
@@ -96,8 +93,6 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
 #: More configurations for the load mode (`load.py`): the cost model against each fixed
 #: policy, and two P nodes. Not in `CONFIGS`, whose four are the multi-turn run's.
 ALWAYS_SKIP_P = 1_000_000
-#: vLLM's flag for the priority scheduling that `first_turn_priority` needs on P.
-PRIORITY_SCHEDULING = ("--scheduling-policy", "priority")
 LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig(name="kvagent_queue_aware", kind="bundle", reuse=True, queue_aware_paths=True,
                 description="kvagent whose cost model also prices the work in flight on "
@@ -165,15 +160,6 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 description="kvagent whose nodes' shared-memory readers yield between "
                 "checks inside their busy-wait window, as vLLM's do, instead of napping "
                 f"(plugin nap_us 0, CPU default {CPU_SPIN_NAP_US})"),
-    BenchConfig(name="kvagent_first_priority", kind="bundle", reuse=True,
-                first_turn_priority=-1,
-                description="kvagent whose P runs a session's first turn ahead of queued "
-                "later turns (router.first_turn_priority -1, P with vLLM's priority "
-                "scheduling)"),
-    BenchConfig(name="kvagent_always_pd_reuse_first_priority", kind="bundle", reuse=True,
-                skip_prefill_max_tokens=0, first_turn_priority=-1,
-                description="kvagent_always_pd_reuse whose P runs a session's first turn "
-                "ahead of queued later turns (router.first_turn_priority -1)"),
     BenchConfig(name="kvagent_own_token", kind="bundle", reuse=True,
                 forward_first_token=False,
                 description="kvagent whose D samples its own first token after a P leg "
@@ -325,8 +311,6 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
             prefill["cpu_binds"], decode["cpu_binds"] = p_binds, [d_bind]
         if engine_args:
             prefill["extra_args"], decode["extra_args"] = list(engine_args), list(engine_args)
-    if config.first_turn_priority:
-        prefill["extra_args"] = [*prefill.get("extra_args", []), *PRIORITY_SCHEDULING]
     if config.node_env or config.prefill_env:
         prefill["extra_env"] = {**config.node_env, **config.prefill_env}
         decode["extra_env"] = dict(config.node_env)
@@ -342,8 +326,6 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
         router["forward_prompt_ids"] = False
     if not config.forward_first_token:
         router["forward_first_token"] = False
-    if config.first_turn_priority:
-        router["first_turn_priority"] = config.first_turn_priority
     return {
         **({"block_size": config.block_size} if config.block_size else {}),
         **({"device": "cuda", "cpu_pinning": False} if device == "cuda" else {}),

@@ -72,11 +72,6 @@ class RouterSettings(BaseModel):
         "the messages again: D computes from exactly the tokens whose KV it reads, a few ms "
         "sooner. Not for messages with media or `echo` (vLLM renders those). False: D "
         "renders the messages itself.")
-    first_turn_priority: int = Field(default=0,
-        description="vLLM request priority of a session's first turn on P (`pd_fresh`; lower "
-        "runs sooner). First turns have the tighter latency bound and otherwise queue on P "
-        "behind later turns' deltas. Takes effect only on P nodes started with "
-        "`--scheduling-policy priority`; 0 sends none.")
     forward_first_token: bool = Field(default=True,
         description="Where the prompt ids are forwarded, D's leg also takes the token P "
         "sampled (`kv_transfer_params.kvagent_first_token`, kvagent's vLLM plugin): D emits "

@@ -84,16 +84,13 @@ class DecodeStart:
 
 
 def prefill_body(body: dict[str, Any], kv_params: dict[str, Any], *,
-                 prompt_ids: bool = False, priority: int = 0) -> dict[str, Any]:
+                 prompt_ids: bool = False) -> dict[str, Any]:
     """The P leg's body: one token, not streamed, with the transfer params; `prompt_ids`
-    asks P for the prompt's token ids too; a nonzero `priority` (vLLM's request priority)
-    replaces the request's own on P."""
+    asks P for the prompt's token ids too."""
     out = {k: v for k, v in body.items() if k not in _PREFILL_DROP}
     out.update(stream=False, max_tokens=1, kv_transfer_params=kv_params)
     if prompt_ids:
         out["return_token_ids"] = True
-    if priority:
-        out["priority"] = priority
     return out
 
 
@@ -226,11 +223,10 @@ class Legs:
             node.in_flight -= 1
 
     async def prefill(self, candidates: Sequence[Node], path: str, body: dict[str, Any],
-                      kv_params: dict[str, Any], *, prompt_ids: bool = False,
-                      priority: int = 0) -> PrefillResult:
+                      kv_params: dict[str, Any], *, prompt_ids: bool = False
+                      ) -> PrefillResult:
         """Run the P leg on the first candidate that answers; a failed pull re-runs fresh.
-        `prompt_ids`: also return the prompt's token ids as P computed them; `priority`:
-        see `prefill_body`."""
+        `prompt_ids`: also return the prompt's token ids as P computed them."""
         reuse = transfer.offers_remote_blocks(kv_params)
         pull_failed = False
         last: LegError | None = None
@@ -239,8 +235,7 @@ class Legs:
             params = transfer.fresh() if pull_failed else kv_params
             try:
                 resp = await self._post(node, path,
-                                        prefill_body(body, params, prompt_ids=prompt_ids,
-                                                     priority=priority),
+                                        prefill_body(body, params, prompt_ids=prompt_ids),
                                         stream=False)
             except UpstreamError as exc:
                 last = _unreachable("prefill", exc)
@@ -255,8 +250,7 @@ class Legs:
                 try:
                     resp = await self._post(node, path,
                                             prefill_body(body, transfer.fresh(),
-                                                         prompt_ids=prompt_ids,
-                                                         priority=priority),
+                                                         prompt_ids=prompt_ids),
                                             stream=False)
                 except UpstreamError as exc:
                     last = _unreachable("prefill", exc)

@@ -532,9 +532,8 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
     with leg_span(req.span, "prefill") as span:
         t0 = time.perf_counter()
         try:
-            prefill = await r.legs.prefill(
-                p_nodes, req.endpoint, req.body, p_params, prompt_ids=forward_ids,
-                priority=r.settings.first_turn_priority if c.path == "pd_fresh" else 0)
+            prefill = await r.legs.prefill(p_nodes, req.endpoint, req.body, p_params,
+                                           prompt_ids=forward_ids)
         finally:
             req.budget.add("prefill", time.perf_counter() - t0)
             if p_ticket is not None:
