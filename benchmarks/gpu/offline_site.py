@@ -212,7 +212,7 @@ def build(args: argparse.Namespace) -> int:
         image = read_image_packages(args.image_packages)
         carry = to_carry(resolved, image, args.cuda)
         _run(_pip(["download", "-q", "--no-deps", "-d", str(wheels),
-                   *(f"{n}=={v}" for n, v in carry if normalize(n) != "vllm")], py))
+                   *(f"{n}=={v}" for n, v in carry)], py))
         _run(_pip(["install", "-q", "--no-deps", "--no-compile", "--no-index",
                    "--target", str(site), *map(str, sorted(wheels.glob("*.whl")))], py))
     dropped = drop_unneeded(site, py)
@@ -222,7 +222,9 @@ def build(args: argparse.Namespace) -> int:
         "cuda": args.cuda, "python": py, "allow_vllm": ".".join(args.vllm.split(".")[:2]),
         "carried": [f"{n}=={v}" for n, v in carry],
         "left_to_image": sorted(f"{n}=={v}" for n, v in resolved
-                                if (n, v) not in carry and "+standin" not in v),
+                                if normalize(n) in image and "+standin" not in v),
+        "left_out": sorted(f"{n}=={v}" for n, v in resolved
+                           if (n, v) not in carry and normalize(n) not in image),
         "dropped": dropped,
     }
     chunk_mib = args.chunk_mib or chunk_size_mib(checkout_mib())
