@@ -24,8 +24,9 @@ done
 [[ ${1:-} == -- ]] && shift
 (( ${#DIRS[@]} )) || { sed -n '2,11p' "$0"; exit 2; }
 
-# The manifest names the chunks in order with their digests; find each in any DIR.
-"$PY" - "$SITE" "${DIRS[@]}" <<'EOF' || exit 3
+# The manifest names the chunks in order with their digests; find each in any DIR. The
+# last line printed is the manifest's vLLM series.
+JOINED=$("$PY" - "$SITE" "${DIRS[@]}" <<'EOF'
 import hashlib, json, sys
 from pathlib import Path
 site, dirs = Path(sys.argv[1]), [Path(d) for d in sys.argv[2:]]
@@ -46,16 +47,18 @@ with open(site.parent / "kvagent-site.tar.xz", "wb") as out:
         out.write(data)
 if manifest["chunks"] and whole.hexdigest() != manifest["chunks"][0]["archive_sha256"]:
     sys.exit("the joined archive does not match its digest")
-(site.parent / "kvagent-site.allow").write_text(manifest["allow_vllm"])
 print(f"joined {len(manifest['chunks'])} chunks: vllm {manifest['vllm']}, "
       f"nixl {manifest['nixl']}, {len(manifest['carried'])} packages")
+print(manifest["allow_vllm"])
 EOF
+) || exit 3
+echo "${JOINED%$'\n'*}"
 rm -rf "$SITE" && mkdir -p "$SITE"
 xz -dc -T0 "$(dirname "$SITE")/kvagent-site.tar.xz" | tar -x -C "$SITE" || { echo "unpack failed"; exit 4; }
 rm -f "$(dirname "$SITE")/kvagent-site.tar.xz"
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 # The manifest's vLLM series may be one the plugin runs on only when named (known gap).
-KVAGENT_ALLOW_VLLM=${KVAGENT_ALLOW_VLLM:-$(cat "$(dirname "$SITE")/kvagent-site.allow")}
+KVAGENT_ALLOW_VLLM=${KVAGENT_ALLOW_VLLM:-${JOINED##*$'\n'}}
 export KVAGENT_ALLOW_VLLM PYTHONUNBUFFERED=1
 "$PY" -c "import torch, vllm, nixl; print('vllm', vllm.__version__, 'torch', torch.__version__)" \
   || exit 5

@@ -279,17 +279,18 @@ def pack(site: Path, out: Path, chunk_mib: int) -> list[dict[str, object]]:
         subprocess.run(["xz", "-6", "-T0", "-c"], stdin=tar.stdout, stdout=f, check=True)
         if tar.wait() != 0:
             raise RuntimeError("tar failed")
-    whole = hashlib.sha256(archive.read_bytes()).hexdigest()
-    chunks, size = [], chunk_mib * 2**20
+    whole = hashlib.sha256()
+    chunks: list[dict[str, object]] = []
     with archive.open("rb") as f:
-        for i, data in enumerate(iter(lambda: f.read(size), b"")):
+        for i, data in enumerate(iter(lambda: f.read(chunk_mib * 2**20), b"")):
             name = f"site.tar.xz.{i:02d}"
             (out / f"part-{i:02d}").mkdir()
             (out / f"part-{i:02d}" / name).write_bytes(data)
+            whole.update(data)
             chunks.append({"name": name, "bytes": len(data),
-                           "sha256": hashlib.sha256(data).hexdigest(), "archive_sha256": whole})
+                           "sha256": hashlib.sha256(data).hexdigest()})
     archive.unlink()
-    return chunks
+    return [{**c, "archive_sha256": whole.hexdigest()} for c in chunks]
 
 
 CHECK_SNIPPET = """

@@ -101,7 +101,7 @@ def _packed(tmp_path: Path) -> Path:
 
 def _assemble(out: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "KVAGENT_SITE": str(tmp_path / "unpacked" / "site"),
-           "PYTHON": sys.executable, "PATH": os.environ["PATH"]}
+           "PYTHON": sys.executable}
     (tmp_path / "unpacked").mkdir(exist_ok=True)
     return subprocess.run([str(ROOT / "benchmarks" / "gpu" / "assemble_site.sh"), str(out),
                            "--", "--budget", "60", "--out", str(tmp_path / "dc")],
