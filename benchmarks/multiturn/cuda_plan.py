@@ -52,7 +52,7 @@ def render_config(config: BenchConfig, work: Path, *, kv_cache_gib: int = 2,
         argv = [python or sys.executable, "-m", VLLM_MODULE,
                 *aggregated_args(str(builtin.path()), _PORT0,
                                  builtin.serve_args(builtin.max_model_len)),
-                *device_args, *(engine_args or [])]
+                *device_args, *(engine_args or []), *config.node_args]
         return {"name": config.name, "kind": config.kind, "device": "cuda",
                 "nodes": [{"name": "aggregated", "argv": argv, "env": env,
                            "cuda_device": env.get("CUDA_VISIBLE_DEVICES")}]}

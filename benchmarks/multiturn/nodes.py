@@ -75,6 +75,15 @@ class BenchConfig(BaseModel):
     node_env: dict[str, str] = Field(default_factory=dict)
     #: Environment for the P nodes only (bundle only), over `node_env`.
     prefill_env: dict[str, str] = Field(default_factory=dict)
+    #: More vLLM arguments for every vLLM node of the configuration (the aggregated node,
+    #: or every P and D node), after the run's own `engine_args`.
+    node_args: tuple[str, ...] = ()
+    #: More vLLM arguments for the D nodes only (bundle only), after `node_args`.
+    decode_args: tuple[str, ...] = ()
+    #: Once the bundle is up, move every thread of each node's processes (its HTTP
+    #: server, the engine's other threads) onto the node's cores, not only the threads
+    #: that compute (bundle only; the router and the load client still float).
+    pin_node_processes: bool = False
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
@@ -93,6 +102,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
 #: More configurations for the load mode (`load.py`): the cost model against each fixed
 #: policy, and two P nodes. Not in `CONFIGS`, whose four are the multi-turn run's.
 ALWAYS_SKIP_P = 1_000_000
+#: vLLM's token budget per engine step: chunked prefill splits a prompt into such steps.
+STEP_BUDGET_ARG = "--max-num-batched-tokens"
 LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig(name="kvagent_queue_aware", kind="bundle", reuse=True, queue_aware_paths=True,
                 description="kvagent whose cost model also prices the work in flight on "
@@ -168,6 +179,40 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 skip_prefill_max_tokens=0, block_size=512,
                 description="kvagent_always_pd_reuse with 512-token KV blocks: a pull moves "
                 "4x fewer, 4x larger NIXL descriptors (reuse aligns to 512 tokens)"),
+    BenchConfig(name="kvagent_d_chunk128", kind="bundle", reuse=True,
+                decode_args=(STEP_BUDGET_ARG, "128"),
+                description="kvagent whose D computes at most 128 tokens per step (vLLM "
+                "--max-num-batched-tokens; the default on CPU is 2048): a delta on D is "
+                "split into short steps, so D's streams wait less between tokens"),
+    BenchConfig(name="kvagent_d_chunk256", kind="bundle", reuse=True,
+                decode_args=(STEP_BUDGET_ARG, "256"),
+                description="kvagent whose D computes at most 256 tokens per step"),
+    BenchConfig(name="aggregated_chunk256", kind="aggregated",
+                node_args=(STEP_BUDGET_ARG, "256"),
+                description="the aggregated node computing at most 256 tokens per step, "
+                "as kvagent_d_chunk256's D: shorter gaps between tokens, slower prompts"),
+    BenchConfig(name="kvagent_pinned", kind="bundle", reuse=True, pin_node_processes=True,
+                description="kvagent whose nodes run every thread on their own core (HTTP "
+                "server, tokenizer, detokenizer), not only the threads that compute: P's "
+                "chat rendering no longer lands on D's core"),
+    BenchConfig(name="kvagent_pinned_d_chunk128", kind="bundle", reuse=True,
+                pin_node_processes=True, decode_args=(STEP_BUDGET_ARG, "128"),
+                description="kvagent_pinned whose D computes at most 128 tokens per step"),
+    BenchConfig(name="kvagent_pinned_d_chunk128_always_pd_reuse", kind="bundle", reuse=True,
+                pin_node_processes=True, decode_args=(STEP_BUDGET_ARG, "128"),
+                skip_prefill_max_tokens=0,
+                description="kvagent_pinned_d_chunk128 with a fixed policy: every reused "
+                "turn takes P (pd_reuse)"),
+    BenchConfig(name="kvagent_pinned_d_chunk128_always_d_direct", kind="bundle", reuse=True,
+                pin_node_processes=True, decode_args=(STEP_BUDGET_ARG, "128"),
+                skip_prefill_max_tokens=ALWAYS_SKIP_P,
+                description="kvagent_pinned_d_chunk128 with a fixed policy: every reused "
+                "turn skips P (d_direct)"),
+    BenchConfig(name="kvagent_pinned_d_chunk64", kind="bundle", reuse=True,
+                pin_node_processes=True,
+                decode_args=(STEP_BUDGET_ARG, "64", "--max-num-seqs", "64"),
+                description="kvagent_pinned whose D computes at most 64 tokens per step "
+                "(and runs at most 64 requests: vLLM wants the budget to cover them)"),
     BenchConfig(name="kvagent_2p", kind="bundle", reuse=True, prefill_count=2,
                 description="kvagent with two P nodes sharing P's cores, one D"),
     BenchConfig(name="pd_noreuse_pcache_on_2p", kind="bundle", reuse=False,
@@ -267,7 +312,8 @@ def serve(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int = 2,
     if config.kind == "aggregated":
         with aggregated_node(work_dir, kv_cache_gib=kv_cache_gib,
                              startup_timeout_s=startup_timeout_s, model=model,
-                             device=device, engine_args=engine_args) as ep:
+                             device=device,
+                             engine_args=[*(engine_args or []), *config.node_args]) as ep:
             yield ep
     else:
         with bundle(config, work_dir, kv_cache_gib=kv_cache_gib,
@@ -295,6 +341,7 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
     `device="cuda"`: every node on GPU 0 (`cuda_devices`), each with a share of its memory
     (`gpu_memory_fraction`), no CPU pinning; `cores` is then unused."""
     n_p = config.prefill_count
+    engine_args = [*(engine_args or []), *config.node_args]
     if len(ports) != 2 * n_p + 3:
         raise ValueError(f"{config.name}: need {2 * n_p + 3} ports, got {len(ports)}")
     prefill: dict = {"count": n_p, "ports": ports[:n_p], "side_channel_ports": ports[n_p:2 * n_p],
@@ -303,14 +350,16 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
     if device == "cuda":
         share = ["--gpu-memory-utilization", f"{gpu_memory_fraction(n_p + 1):g}"]
         prefill["cuda_devices"], decode["cuda_devices"] = [GPU] * n_p, [GPU]
-        prefill["extra_args"] = [*share, *(engine_args or [])]
-        decode["extra_args"] = [*share, *(engine_args or [])]
+        prefill["extra_args"] = [*share, *engine_args]
+        decode["extra_args"] = [*share, *engine_args]
     else:
         if n_p > 1:
             p_binds, d_bind = shared_prefill_binds(cores, n_p)
             prefill["cpu_binds"], decode["cpu_binds"] = p_binds, [d_bind]
         if engine_args:
             prefill["extra_args"], decode["extra_args"] = list(engine_args), list(engine_args)
+    if config.decode_args:
+        decode["extra_args"] = [*decode.get("extra_args", []), *config.decode_args]
     if config.node_env or config.prefill_env:
         prefill["extra_env"] = {**config.node_env, **config.prefill_env}
         decode["extra_env"] = dict(config.node_env)
@@ -357,6 +406,11 @@ def bundle(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int,
     try:
         b.start(wait=True)
         assert b.router_url is not None
+        if config.pin_node_processes:
+            for proc in b.snapshot().processes:
+                if proc.pid is not None and proc.cpu_bind:
+                    moved = pin_process_tree(proc.pid, parse_cpu_list(proc.cpu_bind))
+                    print(f"{proc.name}: {moved} threads on cores {proc.cpu_bind}")
         yield Endpoint(base_url=b.router_url.rstrip("/") + "/v1", model=b.state.model,
                        log_dir=b.run_dir / "logs",
                        prefill_urls=tuple(b.node_urls("prefill")),
@@ -365,6 +419,34 @@ def bundle(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int,
         survivors = b.stop()
         if survivors:
             print(f"warning: bundle processes survived stop: {survivors}", file=sys.stderr)
+
+
+def parse_cpu_list(text: str) -> set[int]:
+    """`"0-2,5"` -> `{0, 1, 2, 5}` (the syntax of VLLM_CPU_OMP_THREADS_BIND)."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cores.update(range(int(low), int(high or low) + 1))
+    return cores
+
+
+def pin_process_tree(pid: int, cores: set[int]) -> int:
+    """Every thread of `pid` and its descendants onto `cores`; threads and processes made
+    later inherit it from their parent thread. Returns how many threads were moved."""
+    moved = 0
+    root = psutil.Process(pid)
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            tids = [t.id for t in proc.threads()]
+        except psutil.Error:
+            continue
+        for tid in tids:
+            try:
+                os.sched_setaffinity(tid, cores)
+                moved += 1
+            except OSError:  # the thread ended meanwhile
+                pass
+    return moved
 
 
 def shared_prefill_binds(cores: list[int], prefill_count: int) -> tuple[list[str], str]:

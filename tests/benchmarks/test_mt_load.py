@@ -22,6 +22,7 @@ from benchmarks.multiturn.nodes import (
     ALL_CONFIGS,
     ALWAYS_SKIP_P,
     CONFIGS,
+    STEP_BUDGET_ARG,
     bundle_settings,
     shared_prefill_binds,
 )
@@ -139,6 +140,25 @@ def test_a_configurations_node_env_overrides_the_plugins_default(tmp_path: Path)
     assert {n["name"]: n["env"][SPIN_ENV] for n in nodes} == {
         "prefill-0": "1", "decode-0": str(DEFAULT_SPIN_MS)}
     assert DEFAULT_SPIN_MS != 1
+
+
+def test_a_configurations_vllm_args_reach_its_nodes(tmp_path: Path) -> None:
+    """`decode_args` reach D's command line only; `node_args` every node's, the
+    aggregated node's too, after the run's own engine arguments."""
+    def argv(name: str) -> dict[str, list[str]]:
+        rendered = cuda_plan.render_config(ALL_CONFIGS[name], tmp_path / name,
+                                           engine_args=["-O0"])
+        return {n["name"]: n["argv"] for n in rendered["nodes"]}
+
+    def budget(args: list[str]) -> str | None:
+        return args[args.index(STEP_BUDGET_ARG) + 1] if STEP_BUDGET_ARG in args else None
+
+    nodes = argv("kvagent_d_chunk128")
+    assert budget(nodes["decode-0"]) == "128" and budget(nodes["prefill-0"]) is None
+    assert "-O0" in nodes["decode-0"] and "-O0" in nodes["prefill-0"]
+    (agg,) = argv("aggregated_chunk256").values()
+    assert budget(agg) == "256" and agg.index("-O0") < agg.index(STEP_BUDGET_ARG)
+    assert all(budget(a) is None for a in argv("kvagent").values())
 
 
 def test_cli_config_order_and_levels() -> None:
