@@ -31,7 +31,7 @@ from .stats import AGGREGATED, KVAGENT, PD_NOREUSE, distribution, percentile
 BASELINES = (*PD_NOREUSE, AGGREGATED, "pd_noreuse_pcache_on_2p")
 FIXED_POLICIES = ("kvagent_always_d_direct", "kvagent_always_pd_reuse")
 #: Configurations whose path per turn comes from a cost model (those that ran).
-COST_MODELS = (KVAGENT, "kvagent_queue_aware", "kvagent_ttft_lines")
+COST_MODELS = (KVAGENT, "kvagent_queue_aware", "kvagent_ttft_lines", "kvagent_stall_cap")
 GOODPUT_GOAL = 1.5
 THINK_CAP_FACTOR = 4.0  # think times above this many means are cut: a level stays bounded
 

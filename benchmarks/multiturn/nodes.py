@@ -59,6 +59,8 @@ class BenchConfig(BaseModel):
     #: Router setting `queue_aware_paths` (bundle only): the cost model also prices the
     #: work in flight on each node; None: the router's default.
     queue_aware_paths: bool | None = None
+    #: Router setting `d_direct_stall_max_ms` (bundle only): None, the router's default.
+    d_direct_stall_max_ms: float | None = None
     #: Router setting `skip_tokenize_extensions` (bundle only): False tokenizes every
     #: reused turn, as the router did before turns could skip it.
     skip_tokenize_extensions: bool = True
@@ -78,12 +80,12 @@ class BenchConfig(BaseModel):
     #: More vLLM arguments for every vLLM node of the configuration (the aggregated node,
     #: or every P and D node), after the run's own `engine_args`.
     node_args: tuple[str, ...] = ()
-    #: More vLLM arguments for the D nodes only (bundle only), after `node_args`.
-    decode_args: tuple[str, ...] = ()
-    #: Once the bundle is up, move every thread of each node's processes (its HTTP
-    #: server, the engine's other threads) onto the node's cores, not only the threads
-    #: that compute (bundle only; the router and the load client still float).
-    pin_node_processes: bool = False
+    #: Bundle setting `pin_processes` (bundle only): False pins only the threads that
+    #: compute, as the bundle did before; the HTTP server and the rest float.
+    pin_processes: bool = True
+    #: D's vLLM token budget per step (bundle setting `decode.max_num_batched_tokens`);
+    #: None: the bundle's default (128 on CPU).
+    decode_step_tokens: int | None = None
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
@@ -104,6 +106,8 @@ CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
 ALWAYS_SKIP_P = 1_000_000
 #: vLLM's token budget per engine step: chunked prefill splits a prompt into such steps.
 STEP_BUDGET_ARG = "--max-num-batched-tokens"
+#: vLLM's budget on CPU for its API server (the bundle gives D 128).
+CPU_VLLM_STEP_TOKENS = 2048
 LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig(name="kvagent_queue_aware", kind="bundle", reuse=True, queue_aware_paths=True,
                 description="kvagent whose cost model also prices the work in flight on "
@@ -111,6 +115,10 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig(name="kvagent_ttft_lines", kind="bundle", reuse=True, queue_aware_paths=False,
                 description="kvagent whose cost model compares each path's learned TTFT "
                 "line alone, blind to the work in flight (router.queue_aware_paths off)"),
+    BenchConfig(name="kvagent_stall_cap", kind="bundle", reuse=True,
+                d_direct_stall_max_ms=40,
+                description="kvagent whose cost model sends a delta to P while streams decode "
+                "on D if D would compute it for over 40 ms (router.d_direct_stall_max_ms)"),
     BenchConfig(name="kvagent_tokenize_always", kind="bundle", reuse=True,
                 skip_tokenize_extensions=False,
                 description="kvagent that tokenizes every reused turn, even one whose "
@@ -179,40 +187,23 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 skip_prefill_max_tokens=0, block_size=512,
                 description="kvagent_always_pd_reuse with 512-token KV blocks: a pull moves "
                 "4x fewer, 4x larger NIXL descriptors (reuse aligns to 512 tokens)"),
-    BenchConfig(name="kvagent_d_chunk128", kind="bundle", reuse=True,
-                decode_args=(STEP_BUDGET_ARG, "128"),
-                description="kvagent whose D computes at most 128 tokens per step (vLLM "
-                "--max-num-batched-tokens; the default on CPU is 2048): a delta on D is "
-                "split into short steps, so D's streams wait less between tokens"),
-    BenchConfig(name="kvagent_d_chunk256", kind="bundle", reuse=True,
-                decode_args=(STEP_BUDGET_ARG, "256"),
-                description="kvagent whose D computes at most 256 tokens per step"),
+    BenchConfig(name="kvagent_pin_off", kind="bundle", reuse=True, pin_processes=False,
+                description="kvagent whose nodes pin only the threads that compute "
+                "(bundle pin_processes off): their HTTP servers and other threads float "
+                "over both cores"),
+    BenchConfig(name="kvagent_d_steps_2048", kind="bundle", reuse=True,
+                decode_step_tokens=CPU_VLLM_STEP_TOKENS,
+                description="kvagent whose D computes up to vLLM's CPU default of "
+                f"{CPU_VLLM_STEP_TOKENS} tokens per step instead of the bundle's 128"),
+    BenchConfig(name="kvagent_pin_off_d_steps_2048", kind="bundle", reuse=True,
+                pin_processes=False, decode_step_tokens=CPU_VLLM_STEP_TOKENS,
+                description="kvagent as the bundle was before 2026-12-04: only the "
+                "compute threads pinned, D's steps up to vLLM's CPU default of "
+                f"{CPU_VLLM_STEP_TOKENS} tokens"),
     BenchConfig(name="aggregated_chunk256", kind="aggregated",
                 node_args=(STEP_BUDGET_ARG, "256"),
-                description="the aggregated node computing at most 256 tokens per step, "
-                "as kvagent_d_chunk256's D: shorter gaps between tokens, slower prompts"),
-    BenchConfig(name="kvagent_pinned", kind="bundle", reuse=True, pin_node_processes=True,
-                description="kvagent whose nodes run every thread on their own core (HTTP "
-                "server, tokenizer, detokenizer), not only the threads that compute: P's "
-                "chat rendering no longer lands on D's core"),
-    BenchConfig(name="kvagent_pinned_d_chunk128", kind="bundle", reuse=True,
-                pin_node_processes=True, decode_args=(STEP_BUDGET_ARG, "128"),
-                description="kvagent_pinned whose D computes at most 128 tokens per step"),
-    BenchConfig(name="kvagent_pinned_d_chunk128_always_pd_reuse", kind="bundle", reuse=True,
-                pin_node_processes=True, decode_args=(STEP_BUDGET_ARG, "128"),
-                skip_prefill_max_tokens=0,
-                description="kvagent_pinned_d_chunk128 with a fixed policy: every reused "
-                "turn takes P (pd_reuse)"),
-    BenchConfig(name="kvagent_pinned_d_chunk128_always_d_direct", kind="bundle", reuse=True,
-                pin_node_processes=True, decode_args=(STEP_BUDGET_ARG, "128"),
-                skip_prefill_max_tokens=ALWAYS_SKIP_P,
-                description="kvagent_pinned_d_chunk128 with a fixed policy: every reused "
-                "turn skips P (d_direct)"),
-    BenchConfig(name="kvagent_pinned_d_chunk64", kind="bundle", reuse=True,
-                pin_node_processes=True,
-                decode_args=(STEP_BUDGET_ARG, "64", "--max-num-seqs", "64"),
-                description="kvagent_pinned whose D computes at most 64 tokens per step "
-                "(and runs at most 64 requests: vLLM wants the budget to cover them)"),
+                description="the aggregated node computing at most 256 tokens per step: "
+                "shorter gaps between tokens, slower prompts"),
     BenchConfig(name="kvagent_2p", kind="bundle", reuse=True, prefill_count=2,
                 description="kvagent with two P nodes sharing P's cores, one D"),
     BenchConfig(name="pd_noreuse_pcache_on_2p", kind="bundle", reuse=False,
@@ -358,8 +349,8 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
             prefill["cpu_binds"], decode["cpu_binds"] = p_binds, [d_bind]
         if engine_args:
             prefill["extra_args"], decode["extra_args"] = list(engine_args), list(engine_args)
-    if config.decode_args:
-        decode["extra_args"] = [*decode.get("extra_args", []), *config.decode_args]
+    if config.decode_step_tokens is not None:
+        decode["max_num_batched_tokens"] = config.decode_step_tokens
     if config.node_env or config.prefill_env:
         prefill["extra_env"] = {**config.node_env, **config.prefill_env}
         decode["extra_env"] = dict(config.node_env)
@@ -369,6 +360,8 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
         router["skip_prefill_max_tokens"] = config.skip_prefill_max_tokens
     if config.queue_aware_paths is not None:
         router["queue_aware_paths"] = config.queue_aware_paths
+    if config.d_direct_stall_max_ms is not None:
+        router["d_direct_stall_max_ms"] = config.d_direct_stall_max_ms
     if not config.skip_tokenize_extensions:
         router["skip_tokenize_extensions"] = False
     if not config.forward_prompt_ids:
@@ -378,6 +371,7 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
     return {
         **({"block_size": config.block_size} if config.block_size else {}),
         **({"device": "cuda", "cpu_pinning": False} if device == "cuda" else {}),
+        **({} if config.pin_processes else {"pin_processes": False}),
         "name": f"mtbench-{config.name}".replace("_", "-"),
         "model": model,
         "run_dir": str(run_dir),
@@ -406,11 +400,6 @@ def bundle(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int,
     try:
         b.start(wait=True)
         assert b.router_url is not None
-        if config.pin_node_processes:
-            for proc in b.snapshot().processes:
-                if proc.pid is not None and proc.cpu_bind:
-                    moved = pin_process_tree(proc.pid, parse_cpu_list(proc.cpu_bind))
-                    print(f"{proc.name}: {moved} threads on cores {proc.cpu_bind}")
         yield Endpoint(base_url=b.router_url.rstrip("/") + "/v1", model=b.state.model,
                        log_dir=b.run_dir / "logs",
                        prefill_urls=tuple(b.node_urls("prefill")),
@@ -419,34 +408,6 @@ def bundle(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int,
         survivors = b.stop()
         if survivors:
             print(f"warning: bundle processes survived stop: {survivors}", file=sys.stderr)
-
-
-def parse_cpu_list(text: str) -> set[int]:
-    """`"0-2,5"` -> `{0, 1, 2, 5}` (the syntax of VLLM_CPU_OMP_THREADS_BIND)."""
-    cores: set[int] = set()
-    for part in text.split(","):
-        low, _, high = part.partition("-")
-        cores.update(range(int(low), int(high or low) + 1))
-    return cores
-
-
-def pin_process_tree(pid: int, cores: set[int]) -> int:
-    """Every thread of `pid` and its descendants onto `cores`; threads and processes made
-    later inherit it from their parent thread. Returns how many threads were moved."""
-    moved = 0
-    root = psutil.Process(pid)
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            tids = [t.id for t in proc.threads()]
-        except psutil.Error:
-            continue
-        for tid in tids:
-            try:
-                os.sched_setaffinity(tid, cores)
-                moved += 1
-            except OSError:  # the thread ended meanwhile
-                pass
-    return moved
 
 
 def shared_prefill_binds(cores: list[int], prefill_count: int) -> tuple[list[str], str]:

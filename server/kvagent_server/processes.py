@@ -9,12 +9,13 @@ group.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import signal
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
 
 import psutil
@@ -23,9 +24,10 @@ RUN_DIR_ENV = "KVAGENT_RUN_DIR"
 PROCESS_ENV = "KVAGENT_PROCESS"
 
 
-def launch(argv: list[str], *, env: dict[str, str], log_path: Path, run_dir: Path, name: str
-           ) -> subprocess.Popen[bytes]:
-    """Start `argv` in a new session, stdout+stderr appended to `log_path`."""
+def launch(argv: list[str], *, env: dict[str, str], log_path: Path, run_dir: Path, name: str,
+           cpu_affinity: Collection[int] | None = None) -> subprocess.Popen[bytes]:
+    """Start `argv` in a new session, stdout+stderr appended to `log_path`; with
+    `cpu_affinity`, every thread it and its children start runs on those cores."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = {**os.environ, **env, RUN_DIR_ENV: str(run_dir), PROCESS_ENV: name,
                 "PYTHONUNBUFFERED": "1"}
@@ -33,10 +35,26 @@ def launch(argv: list[str], *, env: dict[str, str], log_path: Path, run_dir: Pat
         log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} starting {name}: "
                   f"{shlex.join(argv)}\n".encode())
         log.flush()
-        return subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-            env=full_env, start_new_session=True, close_fds=True,
-        )
+        with _affinity(cpu_affinity):
+            return subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=full_env, start_new_session=True, close_fds=True,
+            )
+
+
+@contextlib.contextmanager
+def _affinity(cores: Collection[int] | None) -> Iterator[None]:
+    """The calling thread on `cores` for the block: a child forked there inherits them.
+    (Setting them in the child instead needs `preexec_fn`, unsafe beside threads.)"""
+    if not cores:
+        yield
+        return
+    saved = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved)
 
 
 def create_time(pid: int) -> float | None:

@@ -29,6 +29,11 @@ _WILDCARDS = ("0.0.0.0", "::", "")
 #: vLLM's default KV block size per device, passed explicitly so the router's block
 #: alignment always matches the nodes.
 DEFAULT_BLOCK_SIZE = {"cpu": 128, "cuda": 16}
+#: A decode node's vLLM token budget per step, per device, when the config sets none.
+#: On CPU a step's time grows with its tokens: at 128, a delta computed on D (`d_direct`)
+#: holds each stream D decodes for tens of milliseconds per step, not for the whole delta
+#: (docs/benchmarks.md, "Run 17"). GPUs: vLLM's own default.
+DEFAULT_DECODE_STEP_TOKENS: dict[str, int] = {"cpu": 128}
 
 Device = Literal["cpu", "cuda"]
 ProcessRole = Literal["prefill", "decode", "router"]
@@ -85,6 +90,8 @@ class ProcessSpec:
     side_channel_port: int | None = None
     engine_id: str | None = None
     cpu_bind: str | None = None
+    #: The cores every thread of the process runs on (`pin_processes`); None: any.
+    cpu_affinity: tuple[int, ...] | None = None
     cuda_device: str | None = None
 
 
@@ -167,6 +174,10 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
         args += ["--block-size", str(block_size)]
         args.append("--enable-prefix-caching" if rc.prefix_caching
                     else "--no-enable-prefix-caching")
+        step_tokens = rc.max_num_batched_tokens or (
+            DEFAULT_DECODE_STEP_TOKENS.get(device) if role == "decode" else None)
+        if step_tokens is not None:
+            args += ["--max-num-batched-tokens", str(step_tokens)]
         try:  # KV tiers: a MultiConnector around NIXL, hash flags (see tiers.py)
             tiers = render_tiers(cfg.kv_tiers, role=role, device=device,
                                  base_kv_transfer_config=kv_cfg, block_size=block_size,
@@ -207,13 +218,16 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
                 "hash_algo": last_flag(args, "--prefix-caching-hash-algo") or "sha256",
                 "hash_seed": env.get("PYTHONHASHSEED")}
         engine = cfg.engine_command or [inputs.python, "-m", VLLM_MODULE]
+        bind = env.get("VLLM_CPU_OMP_THREADS_BIND")
+        affinity = parse_cpu_list(bind) if (device == "cpu" and cfg.cpu_pinning
+                                            and cfg.pin_processes and bind) else None
         nodes.append(ProcessSpec(
             name=f"{role}-{i}", role=role, index=i, argv=(*engine, *args), env=env,
             host=host, bind_host=cfg.bind_host, port=port, url=http_url(host, port),
             health_url=http_url(_connect_host(cfg.bind_host, cfg.advertise_host), port)
             + "/health",
             side_channel_port=side_port, engine_id=engine_id,
-            cpu_bind=env.get("VLLM_CPU_OMP_THREADS_BIND"), cuda_device=gpus.get((role, i)),
+            cpu_bind=bind, cpu_affinity=affinity, cuda_device=gpus.get((role, i)),
         ))
 
     if event_sources:
@@ -423,6 +437,18 @@ def partition_cores(cores: list[int], parts: int) -> list[list[int]]:
     return out
 
 
+def parse_cpu_list(text: str) -> tuple[int, ...] | None:
+    """`"0-2,5"` -> `(0, 1, 2, 5)`; a VLLM_CPU_OMP_THREADS_BIND with one list per rank
+    (`"0-1|2-3"`) gives their union. None for what names no cores (`auto`, `nobind`)."""
+    cores: set[int] = set()
+    for part in text.replace("|", ",").split(","):
+        low, dash, high = part.strip().partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()):
+            return None
+        cores.update(range(int(low), int(high if dash else low) + 1))
+    return tuple(sorted(cores)) or None
+
+
 def format_cpu_list(cores: list[int] | tuple[int, ...]) -> str:
     """`[0, 1, 2, 5]` -> `"0-2,5"` (the syntax VLLM_CPU_OMP_THREADS_BIND and taskset use)."""
     out: list[str] = []
@@ -497,6 +523,8 @@ def _shell_command(spec: ProcessSpec) -> str:
     parts = [f"{k}={shlex.quote(v)}" for k, v in spec.env.items()]
     head = ("env \\\n  " + " \\\n  ".join(parts) + " \\\n  ") if parts else ""
     argv = list(spec.argv)
+    if spec.cpu_affinity:  # what the supervisor does at launch: every thread on the cores
+        argv = ["taskset", "-c", format_cpu_list(spec.cpu_affinity), *argv]
     # The program first, then one "--flag [value]" per line for readability.
     first = next((i for i, t in enumerate(argv) if t.startswith("--")), len(argv))
     chunks = [" ".join(shlex.quote(t) for t in argv[:first])]

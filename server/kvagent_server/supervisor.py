@@ -266,7 +266,8 @@ class Bundle:
             argv = with_engine_id(argv, ps.engine_id)
         try:
             popen = processes.launch(argv, env=spec.env, log_path=Path(ps.log),
-                                     run_dir=self.run_dir, name=spec.name)
+                                     run_dir=self.run_dir, name=spec.name,
+                                     cpu_affinity=spec.cpu_affinity)
         except OSError as exc:  # e.g. engine_command not found
             raise LaunchError(spec.name, f"cannot run {spec.argv[0]!r}: "
                                          f"{exc.strerror or exc}") from None

@@ -142,23 +142,27 @@ def test_a_configurations_node_env_overrides_the_plugins_default(tmp_path: Path)
     assert DEFAULT_SPIN_MS != 1
 
 
-def test_a_configurations_vllm_args_reach_its_nodes(tmp_path: Path) -> None:
-    """`decode_args` reach D's command line only; `node_args` every node's, the
-    aggregated node's too, after the run's own engine arguments."""
-    def argv(name: str) -> dict[str, list[str]]:
-        rendered = cuda_plan.render_config(ALL_CONFIGS[name], tmp_path / name,
-                                           engine_args=["-O0"])
-        return {n["name"]: n["argv"] for n in rendered["nodes"]}
-
+def test_a_configurations_step_budget_and_pinning_reach_its_nodes(tmp_path: Path) -> None:
+    """D's step budget and the pinning reach the bundle's settings and D's command line
+    only; `node_args` the aggregated node's, after the run's own engine arguments."""
     def budget(args: list[str]) -> str | None:
         return args[args.index(STEP_BUDGET_ARG) + 1] if STEP_BUDGET_ARG in args else None
 
-    nodes = argv("kvagent_d_chunk128")
-    assert budget(nodes["decode-0"]) == "128" and budget(nodes["prefill-0"]) is None
-    assert "-O0" in nodes["decode-0"] and "-O0" in nodes["prefill-0"]
-    (agg,) = argv("aggregated_chunk256").values()
+    def settings(name: str) -> dict:
+        return bundle_settings(ALL_CONFIGS[name], tmp_path, list(range(9000, 9005)),
+                               cores=[0, 1], kv_cache_gib=1, startup_timeout_s=60)
+
+    old = validate_config(settings("kvagent_pin_off_d_steps_2048"))
+    assert old.pin_processes is False and old.decode.max_num_batched_tokens == 2048
+    assert old.prefill.max_num_batched_tokens is None
+    new = validate_config(settings("kvagent"))  # the bundle's defaults
+    assert new.pin_processes is True and new.decode.max_num_batched_tokens is None
+    rendered = cuda_plan.render_config(ALL_CONFIGS["kvagent_d_steps_2048"], tmp_path / "c")
+    nodes = {n["name"]: n["argv"] for n in rendered["nodes"]}
+    assert budget(nodes["decode-0"]) == "2048" and budget(nodes["prefill-0"]) is None
+    agg = cuda_plan.render_config(ALL_CONFIGS["aggregated_chunk256"], tmp_path / "a",
+                                  engine_args=["-O0"])["nodes"][0]["argv"]
     assert budget(agg) == "256" and agg.index("-O0") < agg.index(STEP_BUDGET_ARG)
-    assert all(budget(a) is None for a in argv("kvagent").values())
 
 
 def test_cli_config_order_and_levels() -> None:

@@ -381,9 +381,15 @@ def test_worker_affinity_is_restored() -> None:
     before = os.sched_getaffinity(0)
     target = {max(before)}
 
+    done = threading.Event()
+    started: list[threading.Thread] = []
+
     class NixlBaseConnectorWorker:
         def __init__(self) -> None:
             os.sched_setaffinity(0, target)
+            # a thread of the connector's (a progress thread): it inherits `target`
+            started.append(threading.Thread(target=done.wait))
+            started[0].start()
 
     mod.NixlBaseConnectorWorker = NixlBaseConnectorWorker  # type: ignore[attr-defined]
 
@@ -391,12 +397,21 @@ def test_worker_affinity_is_restored() -> None:
         assert affinity.patch_module(mod)
         NixlBaseConnectorWorker()
         result.append(os.sched_getaffinity(0))
+        assert started[0].native_id is not None
+        result.append(os.sched_getaffinity(started[0].native_id))
+        result.append(os.sched_getaffinity(bystander.native_id))
 
+    ready = threading.Event()
+    bystander = threading.Thread(target=lambda: (os.sched_setaffinity(0, target),
+                                                 ready.set(), done.wait()))
+    bystander.start()  # a thread of before the connector: left as it is
+    assert ready.wait(10) and bystander.native_id is not None
     result: list[set[int]] = []
     th = threading.Thread(target=body)  # a thread of its own: affinity is per thread
     th.start()
     th.join()
-    assert result == [before]
+    done.set()
+    assert result == [before, before, target]
 
 
 # --- import hooks and registration --------------------------------------------------------

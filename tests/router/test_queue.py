@@ -11,6 +11,7 @@ from kvagent_server.router.reuse.planner import (
     ReusePlan,
     choose_path,
     tokens_ahead,
+    untokenized_path,
 )
 from kvagent_server.router.reuse.queue import IDLE, CharsPerToken, NodeWork, WorkLedger
 
@@ -82,6 +83,35 @@ def test_stall_on_d_counts_every_stream() -> None:
     # a P leg stalls no stream: streams on P do not change its cost
     assert COSTS.queued_cost("pd_reuse", PROMPT, 2048, NodeWork(streams=5)) == (
         COSTS.queued_ttft("pd_reuse", PROMPT, 2048, IDLE))
+
+
+def test_a_stall_past_the_cap_takes_p_while_d_has_streams() -> None:
+    """The summed stall of one stream is small beside P's leg, so the sums pick `d_direct`;
+    the cap sends the delta to P when D's compute of it (0.095 s here) is longer."""
+    one = NodeWork(streams=1)
+    assert choose_path(REUSE, PROMPT, COSTS, p_work=IDLE, d_work=one, **KW) == "d_direct"
+    assert choose_path(REUSE, PROMPT, COSTS, p_work=IDLE, d_work=one, d_stall_max_s=0.05,
+                       **KW) == "pd_reuse"
+    assert choose_path(REUSE, PROMPT, COSTS, p_work=IDLE, d_work=one, d_stall_max_s=0.2,
+                       **KW) == "d_direct"
+    # no stream on D: nothing to stall, the cap does not apply
+    assert choose_path(REUSE, PROMPT, COSTS, p_work=IDLE, d_work=IDLE, d_stall_max_s=0.05,
+                       **KW) == "d_direct"
+    # the fixed policies are fixed
+    assert choose_path(REUSE, PROMPT, COSTS, skip_prefill_max_tokens=10**6, d_healthy=True,
+                       p_work=IDLE, d_work=one, d_stall_max_s=0.05) == "d_direct"
+
+
+def test_an_untokenized_turn_respects_the_cap() -> None:
+    def path(cap: float | None, checks: bool = True) -> str | None:
+        return untokenized_path(REUSE, (100, 200), COSTS, 0.01, skip_prefill_max_tokens=None,
+                                prefill_checks_pulls=checks, p_work=IDLE,
+                                d_work=NodeWork(streams=1), d_stall_max_s=cap)
+
+    assert path(None) == "d_direct"
+    assert path(0.05) == "pd_reuse"
+    # without P's own check the unverified turn must be tokenized to go to P
+    assert path(0.05, checks=False) is None
 
 
 def test_tokens_ahead() -> None:

@@ -6,6 +6,7 @@ leaves no process behind: not the API servers, not their engine-core children.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +15,8 @@ import httpx
 import psutil
 import pytest
 import yaml
-from kvagent_server.processes import RUN_DIR_ENV
+from kvagent_server.processes import PROCESS_ENV, RUN_DIR_ENV
+from kvagent_server.render import parse_cpu_list
 from kvagent_server.runstate import load_state
 from support import TEST_ENGINE_ARGS, free_ports
 
@@ -93,6 +95,22 @@ def test_up_detach_status_down_with_real_vllm(tmp_path: Path) -> None:
         # API server + engine core (at least) per node, all ours, all marked.
         assert len(ours) >= 4, [p.cmdline() for p in ours]
         vllm_pids = [p.pid for p in ours]
+        # Every thread of a node runs on its cores (pin_processes): the API server's, the
+        # engine core's, the worker's and the threads the NIXL connector started.
+        cores = {x.name: set(parse_cpu_list(x.cpu_bind or "") or ()) for x in state.processes}
+        assert cores["prefill-0"] and cores["decode-0"] and not (
+            cores["prefill-0"] & cores["decode-0"])
+        nodes = [(p, p.environ().get(PROCESS_ENV)) for p in ours]
+        assert {name for _, name in nodes} >= set(cores)
+        for proc, name in nodes:
+            if name not in cores:  # the detached supervisor
+                continue
+            for thread in proc.threads():
+                try:
+                    on = os.sched_getaffinity(thread.id)
+                except OSError:  # the thread ended meanwhile
+                    continue
+                assert on <= cores[name], (name, proc.cmdline()[:3], thread.id, on)
 
         down = cli("down", "--run-dir", str(run_dir), timeout=300)
         assert down.returncode == 0, down.stdout + down.stderr

@@ -9,12 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvagent_server.config import validate_config
+from kvagent_server.config import ConfigError, validate_config
 from kvagent_server.render import (
     HostFacts,
     ModelSource,
     PlanInputs,
     format_cpu_list,
+    parse_cpu_list,
     partition_cores,
     plan,
     plan_to_dict,
@@ -49,6 +50,9 @@ def test_default_plan_golden() -> None:
         "VLLM_CPU_KVCACHE_SPACE": "2",
         "VLLM_CPU_OMP_THREADS_BIND": "0",
     }
+    assert p.cpu_affinity == (0,) and d.cpu_affinity == (1,)  # every thread, not only OMP's
+    # D computes at most 128 tokens a step on CPU; P keeps vLLM's default
+    assert d.argv[d.argv.index("--max-num-batched-tokens") + 1] == "128"
     kv_d = json.loads(d.argv[d.argv.index("--kv-transfer-config") + 1])
     assert kv_d["kv_role"] == "kv_consumer" and kv_d["engine_id"] == "default-decode-0"
     assert d.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5700"
@@ -208,6 +212,45 @@ def test_format_cpu_list() -> None:
     assert format_cpu_list([3, 0, 1, 2, 7, 9, 10]) == "0-3,7,9-10"
 
 
+def test_parse_cpu_list() -> None:
+    assert parse_cpu_list("0-3,7,9-10") == (0, 1, 2, 3, 7, 9, 10)
+    assert parse_cpu_list(format_cpu_list([5, 1, 2])) == (1, 2, 5)
+    assert parse_cpu_list("0-1|2-3") == (0, 1, 2, 3)  # one list per rank: their union
+    for names_no_cores in ("auto", "nobind", "", "1-", "a-b"):
+        assert parse_cpu_list(names_no_cores) is None
+
+
+def test_process_pinning_follows_the_settings() -> None:
+    def affinities(settings: dict[str, Any], **kw: Any) -> list[Any]:
+        return [n.cpu_affinity for n in plan(validate_config(settings),
+                                             fake_inputs(**kw)).nodes]
+
+    assert affinities({"cpu_cores": [2, 3, 4, 5]}, cores=tuple(range(6))) == [
+        (2, 3), (4, 5)]
+    assert affinities({"pin_processes": False}) == [None, None]
+    assert affinities({"cpu_pinning": False}) == [None, None]
+    assert affinities({"device": "cuda"}, gpus=2) == [None, None]
+    # A bind the user set through the environment: pinned to it, unless it names no cores
+    assert affinities({"decode": {"extra_env": {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}}}) == [
+        (0,), (0, 1)]
+    assert affinities({"decode": {"extra_env": {"VLLM_CPU_OMP_THREADS_BIND": "auto"}}}) == [
+        (0,), None]
+
+
+def test_step_token_budget() -> None:
+    def budgets(settings: dict[str, Any], **kw: Any) -> list[str | None]:
+        nodes = plan(validate_config(settings), fake_inputs(**kw)).nodes
+        return [n.argv[n.argv.index("--max-num-batched-tokens") + 1]
+                if "--max-num-batched-tokens" in n.argv else None for n in nodes]
+
+    assert budgets({}) == [None, "128"]
+    assert budgets({"device": "cuda"}, gpus=2) == [None, None]
+    assert budgets({"prefill": {"max_num_batched_tokens": 4096},
+                    "decode": {"max_num_batched_tokens": 256}}) == ["4096", "256"]
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        validate_config({"decode": {"max_num_batched_tokens": 0}})
+
+
 def test_no_router() -> None:
     bp = plan(validate_config({"router_enabled": False}), fake_inputs())
     assert bp.router is None and len(bp.processes) == 2
@@ -243,6 +286,9 @@ def test_shell_output_is_the_plan_copy_pasteable() -> None:
             n = len(spec.env)
             assert dict(a.split("=", 1) for a in cmd[1:1 + n]) == spec.env
             cmd = cmd[1 + n:]
+        if spec.cpu_affinity:  # the shell pins what the supervisor pins at launch
+            assert cmd[:3] == ["taskset", "-c", format_cpu_list(spec.cpu_affinity)]
+            cmd = cmd[3:]
         assert tuple(cmd) == spec.argv
     assert "topsecretvalue" not in text and '"k": "***"' in text
     assert "topsecretvalue-0123456789" in render_shell(bp, reveal_secrets=True)

@@ -57,6 +57,7 @@ def alive(pid: int) -> bool:
 def test_start_healthy_state_logs_and_clean_stop(fake_config: dict, tmp_path: Path) -> None:
     fake_config["prefill"]["extra_env"].update(
         {"FAKE_SPAWN_CHILD": "1", "FAKE_CHILD_IGNORES_TERM": "1", "FAKE_HEALTH_DELAY_S": "1"})
+    mine = os.sched_getaffinity(0)
     with bundle_of(fake_config) as bundle:
         state = load_state(Path(fake_config["run_dir"]))
         assert state is not None and state.phase == "running"
@@ -83,6 +84,11 @@ def test_start_healthy_state_logs_and_clean_stop(fake_config: dict, tmp_path: Pa
         assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(pre.side_channel_port)
         child = record(tmp_path, "prefill-0")["child_pid"]
         assert alive(child)
+        # Each node runs wholly on its cores, its children too; the router and the
+        # supervisor are not pinned.
+        assert os.sched_getaffinity(pre.pid) == os.sched_getaffinity(child) == {0}
+        assert os.sched_getaffinity(dec.pid) == {1}
+        assert os.sched_getaffinity(router.pid) == os.sched_getaffinity(0) == mine
     # The child ignored SIGTERM: it took the SIGKILL after the grace period.
     assert not alive(child)
     assert load_state(Path(fake_config["run_dir"])).phase == "stopped"

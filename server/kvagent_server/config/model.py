@@ -61,6 +61,14 @@ class RoleConfig(BaseModel):
     prefix_caching: bool = Field(
         default=True, description="vLLM automatic prefix caching on this role's nodes.",
     )
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1,
+        description="vLLM --max-num-batched-tokens: the tokens one engine step computes "
+        "across its requests (chunked prefill splits a longer prompt into steps). null: "
+        "128 on decode nodes on CPU, so a delta D computes itself (`d_direct`) runs in "
+        "short steps and the answers D streams keep their pace; vLLM's default otherwise. "
+        "vLLM wants it at least --max-num-seqs (128 on CPU; lower that in extra_args).",
+    )
     extra_args: list[str] = Field(
         default_factory=list, description="Extra vLLM arguments appended to every node.",
     )
@@ -217,6 +225,13 @@ class BundleConfig(BaseModel):
         default=True,
         description="On CPU, give every node its own cores (VLLM_CPU_OMP_THREADS_BIND). "
         "Off: vLLM's `auto` binding (nodes then contend).",
+    )
+    pin_processes: bool = Field(
+        default=True,
+        description="With cpu_pinning, every thread of a node runs on its cores (its HTTP "
+        "server, tokenizer, detokenizer), not only the threads that compute: one node's "
+        "request handling then never preempts another node's steps. Off: those threads "
+        "float over all cores.",
     )
     cpu_cores: list[int] | None = Field(
         default=None,

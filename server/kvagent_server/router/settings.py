@@ -60,6 +60,11 @@ class RouterSettings(BaseModel):
         "flight on its node (prompt tokens queued on P, D's queued deltas and decode streams) "
         "and the stall a `d_direct` delta puts on D's streams. False: each path's learned "
         "TTFT line alone, blind to the queues (docs/benchmarks.md runs 5 and 9-11).")
+    d_direct_stall_max_ms: float | None = Field(default=None, gt=0,
+        description="With `queue_aware_paths`: while streams decode on the holding D node, a "
+        "reused turn whose delta D would compute for longer than this (its learned `d_direct` "
+        "cost) takes P instead, so no turn's prefill stalls D's streams past this gap. None: "
+        "the summed costs alone decide (docs/benchmarks.md run 14).")
     skip_tokenize_extensions: bool = Field(default=True,
         description="A chat turn whose messages repeat the held turn's exactly (same "
         "rendering inputs) and add new ones goes `d_direct` without the router's `/tokenize` "

@@ -442,6 +442,7 @@ def choose_path(
     d_healthy: bool,
     p_work: NodeWork | None = None,
     d_work: NodeWork | None = None,
+    d_stall_max_s: float | None = None,
 ) -> Path:
     """How to serve the turn.
 
@@ -453,7 +454,9 @@ def choose_path(
     The costs: with the work in flight on the P node and on the holding D node
     (`p_work`, `d_work`), `PathCosts.queued_cost` (the wait for that work, the turn's own
     compute, and the stall a `d_direct` delta puts on D's streams); without them, each
-    path's learned TTFT line alone.
+    path's learned TTFT line alone. With `d_stall_max_s` and streams decoding on D, a
+    delta whose compute on D (its `d_direct` line) is longer goes to P whatever the sums
+    say: the sums weigh seconds of delay, while one long stall is a stream's worst gap.
     """
     if not plan.reuses:
         return "pd_fresh" if plan.reason in FRESH_REASONS else "recompute"
@@ -464,14 +467,15 @@ def choose_path(
     delta = prompt_len - plan.reuse_tokens
     if skip_prefill_max_tokens is not None:
         return "d_direct" if 0 < delta <= skip_prefill_max_tokens else "pd_reuse"
-    d_cost, p_cost = _path_costs(plan, prompt_len, costs, p_work, d_work)
+    d_cost, p_cost = _path_costs(plan, prompt_len, costs, p_work, d_work, d_stall_max_s)
     return "d_direct" if d_cost < p_cost else "pd_reuse"
 
 
 def skip_tokenize_pays(plan: ReusePlan, deltas: tuple[int, int], costs: PathCosts,
                        tokenize_s: float, *, skip_prefill_max_tokens: int | None,
                        p_work: NodeWork | None = None,
-                       d_work: NodeWork | None = None) -> bool:
+                       d_work: NodeWork | None = None,
+                       d_stall_max_s: float | None = None) -> bool:
     """May a turn whose uncached delta is only known to lie in `deltas` (from..to tokens)
     go `d_direct` without the router's `/tokenize` (which takes `tokenize_s`)?
 
@@ -485,7 +489,8 @@ def skip_tokenize_pays(plan: ReusePlan, deltas: tuple[int, int], costs: PathCost
     if skip_prefill_max_tokens is not None:
         return high <= skip_prefill_max_tokens
     for delta in (low, high):
-        d_cost, p_cost = _path_costs(plan, plan.reuse_tokens + delta, costs, p_work, d_work)
+        d_cost, p_cost = _path_costs(plan, plan.reuse_tokens + delta, costs, p_work, d_work,
+                                     d_stall_max_s)
         if d_cost - p_cost > tokenize_s:
             return False
     return True
@@ -494,7 +499,8 @@ def skip_tokenize_pays(plan: ReusePlan, deltas: tuple[int, int], costs: PathCost
 def untokenized_path(plan: ReusePlan, deltas: tuple[int, int], costs: PathCosts,
                      tokenize_s: float, *, skip_prefill_max_tokens: int | None,
                      prefill_checks_pulls: bool, p_work: NodeWork | None = None,
-                     d_work: NodeWork | None = None) -> Path | None:
+                     d_work: NodeWork | None = None,
+                     d_stall_max_s: float | None = None) -> Path | None:
     """The path of a turn whose uncached delta is only known to lie in `deltas`, when it
     may skip the router's `/tokenize`; None when it must tokenize to choose.
 
@@ -504,22 +510,29 @@ def untokenized_path(plan: ReusePlan, deltas: tuple[int, int], costs: PathCosts,
     unverified plan cannot become wrong KV)."""
     if skip_tokenize_pays(plan, deltas, costs, tokenize_s,
                           skip_prefill_max_tokens=skip_prefill_max_tokens,
-                          p_work=p_work, d_work=d_work):
+                          p_work=p_work, d_work=d_work, d_stall_max_s=d_stall_max_s):
         return "d_direct"
     if not prefill_checks_pulls:
         return None
     low, high = deltas
     paths = {choose_path(plan, plan.reuse_tokens + delta, costs,
                          skip_prefill_max_tokens=skip_prefill_max_tokens, d_healthy=True,
-                         p_work=p_work, d_work=d_work) for delta in (low, high)}
+                         p_work=p_work, d_work=d_work, d_stall_max_s=d_stall_max_s)
+             for delta in (low, high)}
     return "pd_reuse" if paths == {"pd_reuse"} else None
 
 
 def _path_costs(plan: ReusePlan, prompt_len: int, costs: PathCosts,
-                p_work: NodeWork | None, d_work: NodeWork | None) -> tuple[float, float]:
-    """(`d_direct`, `pd_reuse`) costs of the turn, as `choose_path` compares them."""
+                p_work: NodeWork | None, d_work: NodeWork | None,
+                d_stall_max_s: float | None = None) -> tuple[float, float]:
+    """(`d_direct`, `pd_reuse`) costs of the turn, as `choose_path` compares them;
+    `d_direct` is infinite when it would stall D's streams past `d_stall_max_s`."""
     if p_work is not None or d_work is not None:
-        return (costs.queued_cost("d_direct", prompt_len, plan.reuse_tokens, d_work or IDLE),
+        d_cost = costs.queued_cost("d_direct", prompt_len, plan.reuse_tokens, d_work or IDLE)
+        if (d_stall_max_s is not None and (d_work or IDLE).streams
+                and costs.d_direct(prompt_len - plan.reuse_tokens) > d_stall_max_s):
+            d_cost = math.inf
+        return (d_cost,
                 costs.queued_cost("pd_reuse", prompt_len, plan.reuse_tokens, p_work or IDLE))
     return (costs.estimate("d_direct", prompt_len, plan.reuse_tokens),
             costs.estimate("pd_reuse", prompt_len, plan.reuse_tokens))

@@ -385,7 +385,8 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
     path = planner.choose_path(
         plan, len(prompt_ids), costs,
         skip_prefill_max_tokens=r.settings.skip_prefill_max_tokens,
-        d_healthy=d_healthy, p_work=p_work, d_work=d_work)
+        d_healthy=d_healthy, p_work=p_work, d_work=d_work,
+        d_stall_max_s=_stall_max_s(r.settings))
     return _Choice(handle, plan, path, holder, p_first, d_first, len(prompt_ids), p_work,
                    d_work)
 
@@ -426,10 +427,15 @@ def _extension(r: Router, req: TurnRequest, handle: Handle,
         plan, (tail + max(1, new // 2), tail + 2 * new), costs, r.tokenize_s,
         skip_prefill_max_tokens=s.skip_prefill_max_tokens,
         prefill_checks_pulls=p_first is not None and p_first.checks_pulls,
-        p_work=p_work, d_work=d_work)
+        p_work=p_work, d_work=d_work, d_stall_max_s=_stall_max_s(s))
     if path is None:
         return None
     return plan, plan.reuse_tokens + tail + new, path
+
+
+def _stall_max_s(settings: RouterSettings) -> float | None:
+    ms = settings.d_direct_stall_max_ms
+    return None if ms is None else ms / 1000
 
 
 def _identity_of(r: Router, req: TurnRequest, prompt_ids: list[int], *,
