@@ -50,7 +50,11 @@ def _affinity(cores: Collection[int] | None) -> Iterator[None]:
         yield
         return
     saved = os.sched_getaffinity(0)
-    os.sched_setaffinity(0, cores)
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError as exc:  # a core this machine lacks (an explicit cpu_binds)
+        raise OSError(exc.errno, f"cannot run on cores {sorted(cores)}: {exc.strerror}"
+                      ) from None
     try:
         yield
     finally:

@@ -370,6 +370,14 @@ def test_missing_engine_command_is_a_clear_error(fake_config: dict) -> None:
         "prefill-0 cannot run '/nonexistent/vllm-wrapper': No such file or directory")
 
 
+def test_a_core_the_machine_lacks_is_a_clear_error(fake_config: dict) -> None:
+    fake_config["decode"]["cpu_binds"] = ["4000"]
+    mine = os.sched_getaffinity(0)
+    with pytest.raises(BundleError, match=r"decode-0 cannot run .*cores \[4000\]"):
+        bundle_of(fake_config).start()
+    assert os.sched_getaffinity(0) == mine
+
+
 def test_missing_router_command_fails_the_start(fake_config: dict) -> None:
     fake_config["router_command"] = ["/nonexistent/router"]
     with pytest.raises(BundleError, match=r"^router cannot run '/nonexistent/router'"):

@@ -64,7 +64,7 @@ class RouterSettings(BaseModel):
         description="With `queue_aware_paths`: while streams decode on the holding D node, a "
         "reused turn whose delta D would compute for longer than this (its learned `d_direct` "
         "cost) takes P instead, so no turn's prefill stalls D's streams past this gap. None: "
-        "the summed costs alone decide (docs/benchmarks.md run 14).")
+        "the summed costs alone decide (docs/benchmarks.md runs 15 and 17).")
     skip_tokenize_extensions: bool = Field(default=True,
         description="A chat turn whose messages repeat the held turn's exactly (same "
         "rendering inputs) and add new ones goes `d_direct` without the router's `/tokenize` "
