@@ -191,6 +191,10 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 description="kvagent whose nodes pin only the threads that compute "
                 "(bundle pin_processes off): their HTTP servers and other threads float "
                 "over both cores"),
+    BenchConfig(name="kvagent_always_pd_reuse_pin_off", kind="bundle", reuse=True,
+                skip_prefill_max_tokens=0, pin_processes=False,
+                description="kvagent_always_pd_reuse whose nodes pin only the threads that "
+                "compute (bundle pin_processes off)"),
     BenchConfig(name="kvagent_d_steps_2048", kind="bundle", reuse=True,
                 decode_step_tokens=CPU_VLLM_STEP_TOKENS,
                 description="kvagent whose D computes up to vLLM's CPU default of "
