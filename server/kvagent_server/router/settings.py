@@ -65,6 +65,12 @@ class RouterSettings(BaseModel):
         "reused turn whose delta D would compute for longer than this (its learned `d_direct` "
         "cost) takes P instead, so no turn's prefill stalls D's streams past this gap. None: "
         "the summed costs alone decide (docs/benchmarks.md runs 15 and 17).")
+    fresh_on_decode: bool = Field(default=True,
+        description="With `queue_aware_paths`: a turn with nothing to reuse (a first turn) "
+        "is computed on the decode node itself (`d_fresh`, which keeps its KV for the next "
+        "turn like any other) when the work queued on P would make it slower there than on "
+        "D, the stall on D's streams included: conditional disaggregation. False: P "
+        "computes every such prompt (`pd_fresh`).")
     skip_tokenize_extensions: bool = Field(default=True,
         description="A chat turn whose messages repeat the held turn's exactly (same "
         "rendering inputs) and add new ones goes `d_direct` without the router's `/tokenize` "

@@ -40,7 +40,11 @@ from kvagent_server.router.store.handle import Handle
 
 #: How a turn was served (`kvagent.path` on the wire; the same names as
 #: `kvagent.protocol.PATHS` and the path table in docs/router.md).
-Path = Literal["pd_fresh", "pd_reuse", "d_direct", "recompute", "decode_only"]
+Path = Literal["pd_fresh", "pd_reuse", "d_direct", "d_fresh", "recompute", "decode_only"]
+
+#: The paths whose prompt the decode node computes itself (no P leg): they are priced,
+#: learned and stall D's streams alike.
+ON_DECODE: frozenset[str] = frozenset({"d_direct", "d_fresh"})
 
 
 class Reason(StrEnum):
@@ -380,7 +384,7 @@ class PathCosts(BaseModel):
 
     - pd_fresh / recompute: `prefill(prompt_tokens)`
     - pd_reuse: `prefill(computed_tokens) + pull(reused_tokens)`
-    - d_direct: `d_direct(computed_tokens)`
+    - d_direct: `d_direct(computed_tokens)`; d_fresh (no reuse) likewise: D computes
 
     With the nodes' work in flight (`queued_*`), the prefill and d_direct lines are
     evaluated at the tokens ahead on the node plus the turn's own: the lines are then
@@ -398,18 +402,18 @@ class PathCosts(BaseModel):
         computed = prompt_len - reuse_tokens
         if path == "pd_reuse":
             return self.prefill(computed) + self.pull(reuse_tokens)
-        if path == "d_direct":
+        if path in ON_DECODE:
             return self.d_direct(computed)
         return self.prefill(prompt_len)
 
     def queued_ttft(self, path: Path, prompt_len: int, reuse_tokens: int,
                     work: NodeWork) -> float:
         """TTFT on `path` behind `work`, the node's work in flight (P's for the P/D paths,
-        D's for `d_direct`): the wait for the tokens ahead, then the turn's own compute
-        (and the pull on `pd_reuse`); see `tokens_ahead`."""
+        D's for `d_direct` and `d_fresh`): the wait for the tokens ahead, then the turn's
+        own compute (and the pull on `pd_reuse`); see `tokens_ahead`."""
         computed = prompt_len - reuse_tokens
         ahead = tokens_ahead(path, work)
-        if path == "d_direct":
+        if path in ON_DECODE:
             return self.d_direct(ahead + computed)
         if path == "pd_reuse":
             return self.prefill(ahead + computed) + self.pull(reuse_tokens)
@@ -418,19 +422,20 @@ class PathCosts(BaseModel):
     def queued_cost(self, path: Path, prompt_len: int, reuse_tokens: int,
                     work: NodeWork) -> float:
         """`queued_ttft` plus the stall its compute puts on the streams decoding on the
-        same node: on `d_direct` each of D's streams waits for the delta (their
-        inter-token gap); a P leg stalls no stream. Seconds of delay added, summed over
-        every request affected."""
+        same node: on `d_direct` and `d_fresh` each of D's streams waits for the prompt
+        (their inter-token gap); a P leg stalls no stream. Seconds of delay added, summed
+        over every request affected."""
         ttft = self.queued_ttft(path, prompt_len, reuse_tokens, work)
-        if path != "d_direct":
+        if path not in ON_DECODE:
             return ttft
         return ttft + work.streams * self.d_direct.per_token_s * (prompt_len - reuse_tokens)
 
 
 def tokens_ahead(path: Path, work: NodeWork) -> float:
     """The tokens of `work` a turn on `path` waits for: the prompt tokens queued on the
-    node, and on `d_direct` one per stream decoding on D (each adds one to every step)."""
-    return work.prefill_tokens + (work.streams if path == "d_direct" else 0)
+    node, and on D (`d_direct`, `d_fresh`) one per stream decoding there (each adds one to
+    every step)."""
+    return work.prefill_tokens + (work.streams if path in ON_DECODE else 0)
 
 
 def choose_path(
@@ -469,6 +474,34 @@ def choose_path(
         return "d_direct" if 0 < delta <= skip_prefill_max_tokens else "pd_reuse"
     d_cost, p_cost = _path_costs(plan, prompt_len, costs, p_work, d_work, d_stall_max_s)
     return "d_direct" if d_cost < p_cost else "pd_reuse"
+
+
+def fresh_path(prompt_tokens: float, costs: PathCosts, *, p_work: NodeWork,
+               d_work: NodeWork, d_healthy: bool,
+               d_stall_max_s: float | None = None) -> Path:
+    """Where a turn with nothing to reuse computes its prompt: `pd_fresh` (P computes, D
+    pulls and decodes) or `d_fresh` (the decode node computes it itself, as an aggregated
+    node would, and keeps the KV for the next turn).
+
+    Conditional disaggregation: P exists so that long prompts do not stall D's streams,
+    but a prompt queued behind seconds of other work on P waits longer than it would take
+    D to compute it beside its streams. So only while P has prompt work queued is D
+    considered, priced as `choose_path` prices `d_direct` against `pd_reuse`
+    (`PathCosts.queued_cost`: each node's work in flight, the prompt's own compute, the
+    stall on D's streams; `d_stall_max_s` caps a stall as there). An idle P computes every
+    fresh prompt: the few ms a short one might save on D do not pay for the stall it would
+    put on streams that start meanwhile, which no line prices.
+    `prompt_tokens`: the estimated tokens to compute (the router does not tokenize a first
+    turn)."""
+    if not d_healthy or p_work.prefill_tokens <= 0:
+        return "pd_fresh"
+    if prompt_tokens < 0:
+        raise ValueError("prompt_tokens must be non-negative")
+    n = math.ceil(prompt_tokens)
+    if d_stall_max_s is not None and d_work.streams and costs.d_direct(n) > d_stall_max_s:
+        return "pd_fresh"
+    d_cost = costs.queued_cost("d_fresh", n, 0, d_work)
+    return "d_fresh" if d_cost < costs.queued_cost("pd_fresh", n, 0, p_work) else "pd_fresh"
 
 
 def skip_tokenize_pays(plan: ReusePlan, deltas: tuple[int, int], costs: PathCosts,
@@ -605,7 +638,7 @@ class CostModel:
         elif path == "pd_reuse":
             prefill = self._prefill.fit(self._prior.prefill, self._min)
             self._pull.add(reused_tokens, max(0.0, seconds - prefill(work)))
-        elif path == "d_direct":
+        elif path in ON_DECODE:
             self._d.add(work, seconds)
         else:
             raise ValueError(f"unknown path {path!r}")

@@ -116,6 +116,8 @@ class Turn:
     ahead: float = 0.0
     #: The D leg in the router's `WorkLedger` (None: not counted).
     d_ticket: int | None = None
+    #: A `d_fresh` prompt's body size: with D's usage it teaches `Router.chars`.
+    body_chars: int = 0
 
     def mark_first_byte(self) -> float:
         """The client's first byte: D's prompt work is done, it decodes from now on."""
@@ -174,6 +176,8 @@ class Turn:
             m.miss("node_recomputed")  # planned, but the node reports nothing cached
         elif self.plan.reason not in planner.FRESH_REASONS:
             m.miss(self.plan.reason.value)
+        if self.body_chars and prompt_tokens:
+            self.router.chars.observe(self.body_chars, max(0, prompt_tokens - cached))
         if (self.first_byte_at is not None and prompt_tokens
                 and self.path != "decode_only"):
             ttft = self.first_byte_at - self.started
@@ -301,6 +305,10 @@ class _Choice:
     #: choice does not use it).
     p_work: NodeWork | None = None
     d_work: NodeWork | None = None
+    #: A prompt the router did not tokenize: its body's JSON size and the tokens to
+    #: compute estimated from it (0: not estimated).
+    body_chars: int = 0
+    est_tokens: int = 0
 
 
 async def _choose(r: Router, req: TurnRequest) -> _Choice:
@@ -387,8 +395,18 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
         skip_prefill_max_tokens=r.settings.skip_prefill_max_tokens,
         d_healthy=d_healthy, p_work=p_work, d_work=d_work,
         d_stall_max_s=_stall_max_s(r.settings))
-    return _Choice(handle, plan, path, holder, p_first, d_first, len(prompt_ids), p_work,
-                   d_work)
+    choice = _Choice(handle, plan, path, holder, p_first, d_first, len(prompt_ids), p_work,
+                     d_work)
+    if (path == "pd_fresh" and r.settings.fresh_on_decode and p_work is not None
+            and d_work is not None and p_first is not None):
+        # Not tokenized: the tokens to compute are estimated from the body's size.
+        choice.body_chars = len(fastjson.dumps(req.body))
+        choice.est_tokens = r.chars.tokens(choice.body_chars)
+        choice.path = planner.fresh_path(
+            choice.est_tokens, costs, p_work=p_work, d_work=d_work,
+            d_healthy=d_first is not None and d_first.healthy,
+            d_stall_max_s=_stall_max_s(r.settings))
+    return choice
 
 
 def _extension(r: Router, req: TurnRequest, handle: Handle,
@@ -465,37 +483,56 @@ async def plan_turn(r: Router, req: TurnRequest) -> Turn:
     c = await _choose(r, req)
     # planning is what `_choose` spent besides the node's /tokenize
     budget.add("plan", time.perf_counter() - started - budget.stages.get("tokenize", 0.0))
-    if c.path == "d_direct":
-        assert c.holder is not None
+    if c.path in planner.ON_DECODE:
         try:
-            with leg_span(req.span, "decode") as span:
-                span.set_attribute("kvagent.node", c.holder.name)
-                # The superseded handle is released when this request finishes (the
-                # kvagent plugin): never offered again, it must not pin D until its TTL.
-                rid = remote_request_id(c.handle) if c.handle is not None else None
-                params = transfer.with_release(transfer.d_direct(), [rid] if rid else [])
-                t0 = time.perf_counter()
-                try:
-                    start = await r.legs.decode([c.holder], req.endpoint,
-                                                decode_body(req.body, params),
-                                                stream=req.stream)
-                finally:
-                    req.budget.add("decode", time.perf_counter() - t0)
-            r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
-            turn = Turn(r, req, c.path, c.plan, None, start, started)
-            if c.d_work is not None:
-                turn.ahead = planner.tokens_ahead("d_direct", c.d_work)
-                turn.d_ticket = r.work.begin(
-                    start.node.name, prefill_tokens=c.prompt_len - c.plan.reuse_tokens,
-                    stream=True, now=time.monotonic())
-            return turn
+            return await _run_on_decode(r, req, c, started)
         except LegError as exc:
             if exc.status < 500:
                 raise
-            log.info("d_direct on %s failed; recomputing", c.holder.name)
-            c.plan = planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.DECODE_FAILED)
-            c.path, c.holder, c.d_first = "recompute", None, None
+            if c.path == "d_fresh":
+                log.info("d_fresh on %s failed; P computes the prompt",
+                         c.d_first.name if c.d_first else "no decode node")
+                c.path = "pd_fresh"
+            else:
+                log.info("d_direct on %s failed; recomputing",
+                         c.holder.name if c.holder else "its node")
+                c.plan = planner.ReusePlan(reuse_tokens=0,
+                                           reason=planner.Reason.DECODE_FAILED)
+                c.path, c.holder, c.d_first = "recompute", None, None
     return await _run_pd(r, req, c, started)
+
+
+async def _run_on_decode(r: Router, req: TurnRequest, c: _Choice, started: float) -> Turn:
+    """The one leg of a turn whose prompt D computes: `d_direct` on the node holding the
+    handle (D's prefix cache has the reused prefix), `d_fresh` on the chosen decode node
+    (any healthy one on a retry). D keeps the finished sequence for the next turn."""
+    if c.path == "d_direct":
+        assert c.holder is not None
+        nodes = [c.holder]
+        # The superseded handle is released when this request finishes (the kvagent
+        # plugin): never offered again, it must not pin D until its TTL.
+        rid = remote_request_id(c.handle) if c.handle is not None else None
+        params = transfer.with_release(transfer.d_direct(), [rid] if rid else [])
+        tokens = c.prompt_len - c.plan.reuse_tokens
+    else:
+        nodes = r.registry.ranked("decode", c.d_first if c.d_first and c.d_first.healthy
+                                  else None)
+        params, tokens = transfer.d_direct(), c.est_tokens
+    with leg_span(req.span, "decode") as span:
+        t0 = time.perf_counter()
+        try:
+            start = await r.legs.decode(nodes, req.endpoint, decode_body(req.body, params),
+                                        stream=req.stream)
+        finally:
+            req.budget.add("decode", time.perf_counter() - t0)
+        span.set_attribute("kvagent.node", start.node.name)
+    r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
+    turn = Turn(r, req, c.path, c.plan, None, start, started, body_chars=c.body_chars)
+    if c.d_work is not None:
+        turn.ahead = planner.tokens_ahead(c.path, c.d_work)
+        turn.d_ticket = r.work.begin(start.node.name, prefill_tokens=tokens, stream=True,
+                                     now=time.monotonic())
+    return turn
 
 
 async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Turn:
@@ -530,7 +567,7 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
     elif c.prompt_len:
         p_tokens = c.prompt_len
     else:  # not tokenized: estimated from the body's size
-        chars = len(fastjson.dumps(req.body))
+        chars = c.body_chars or len(fastjson.dumps(req.body))
         p_tokens = r.chars.tokens(chars)
     p_ticket = (r.work.begin(p_nodes[0].name, prefill_tokens=p_tokens, stream=False,
                              now=time.monotonic()) if queued else None)
