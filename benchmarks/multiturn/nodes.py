@@ -62,9 +62,9 @@ class BenchConfig(BaseModel):
     #: Router setting `d_direct_stall_max_ms` (bundle only): None, the router's default.
     d_direct_stall_max_ms: float | None = None
     #: Router setting `fresh_on_decode` (bundle only). None: the router's default with the
-    #: cost model, False with a fixed `skip_prefill_max_tokens` (a fixed policy is P/D as
+    #: cost model, `never` with a fixed `skip_prefill_max_tokens` (a fixed policy is P/D as
     #: designed: P computes every prompt it does not skip).
-    fresh_on_decode: bool | None = None
+    fresh_on_decode: Literal["auto", "never", "always"] | None = None
     #: Router setting `skip_tokenize_extensions` (bundle only): False tokenizes every
     #: reused turn, as the router did before turns could skip it.
     skip_tokenize_extensions: bool = True
@@ -123,13 +123,13 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 d_direct_stall_max_ms=40,
                 description="kvagent whose cost model sends a delta to P while streams decode "
                 "on D if D would compute it for over 40 ms (router.d_direct_stall_max_ms)"),
-    BenchConfig(name="kvagent_fresh_on_p", kind="bundle", reuse=True, fresh_on_decode=False,
+    BenchConfig(name="kvagent_fresh_on_p", kind="bundle", reuse=True, fresh_on_decode="never",
                 description="kvagent whose P computes every first turn, however much work "
-                "is queued on it (router.fresh_on_decode off), as before 2026-12-04"),
+                "is queued on it (router.fresh_on_decode never), as before 2026-12-04"),
     BenchConfig(name="kvagent_always_pd_reuse_fresh_auto", kind="bundle", reuse=True,
-                skip_prefill_max_tokens=0, fresh_on_decode=True,
+                skip_prefill_max_tokens=0, fresh_on_decode="auto",
                 description="kvagent_always_pd_reuse whose first turns D computes itself "
-                "while P is busier (router.fresh_on_decode)"),
+                "while P is busier (router.fresh_on_decode auto)"),
     BenchConfig(name="kvagent_tokenize_always", kind="bundle", reuse=True,
                 skip_tokenize_extensions=False,
                 description="kvagent that tokenizes every reused turn, even one whose "
@@ -377,10 +377,10 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
         router["queue_aware_paths"] = config.queue_aware_paths
     if config.d_direct_stall_max_ms is not None:
         router["d_direct_stall_max_ms"] = config.d_direct_stall_max_ms
-    fresh_on_decode = (config.skip_prefill_max_tokens is None
-                       if config.fresh_on_decode is None else config.fresh_on_decode)
-    if not fresh_on_decode:
-        router["fresh_on_decode"] = False
+    if config.fresh_on_decode is not None:
+        router["fresh_on_decode"] = config.fresh_on_decode
+    elif config.skip_prefill_max_tokens is not None:
+        router["fresh_on_decode"] = "never"
     if not config.skip_tokenize_extensions:
         router["skip_tokenize_extensions"] = False
     if not config.forward_prompt_ids:

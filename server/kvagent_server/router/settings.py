@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from kvagent_server.router.kv.index import KVEventSource
 
 _SALT_CONTEXT = b"kvagent/cache_salt/v1"
+
+#: Where a turn with nothing to reuse computes its prompt (`fresh_on_decode`).
+FreshPolicy = Literal["auto", "never", "always"]
 
 
 def derive_cache_salt(tenant_name: str) -> str:
@@ -65,12 +69,13 @@ class RouterSettings(BaseModel):
         "reused turn whose delta D would compute for longer than this (its learned `d_direct` "
         "cost) takes P instead, so no turn's prefill stalls D's streams past this gap. None: "
         "the summed costs alone decide (docs/benchmarks.md runs 15 and 17).")
-    fresh_on_decode: bool = Field(default=True,
-        description="With `queue_aware_paths`: a turn with nothing to reuse (a first turn) "
-        "is computed on the decode node itself (`d_fresh`, which keeps its KV for the next "
-        "turn like any other) when the work queued on P would make it slower there than on "
-        "D, the stall on D's streams included: conditional disaggregation. False: P "
-        "computes every such prompt (`pd_fresh`).")
+    fresh_on_decode: FreshPolicy = Field(default="auto",
+        description="Where a turn with nothing to reuse (a first turn) computes its prompt. "
+        "`auto`, with `queue_aware_paths`: on the decode node itself (`d_fresh`, which keeps "
+        "its KV for the next turn like any other) while work is queued on P and the costs "
+        "say D, the stall on its streams included, answers sooner: conditional "
+        "disaggregation. `never`: P computes every such prompt (`pd_fresh`). `always`: D "
+        "does (an aggregated node's first turns, P kept for reused turns).")
     skip_tokenize_extensions: bool = Field(default=True,
         description="A chat turn whose messages repeat the held turn's exactly (same "
         "rendering inputs) and add new ones goes `d_direct` without the router's `/tokenize` "

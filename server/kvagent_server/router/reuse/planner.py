@@ -36,6 +36,7 @@ from kvagent_server.router.reuse.transfer import (
     REMOTE_NUM_TOKENS,
     expect,
 )
+from kvagent_server.router.settings import FreshPolicy
 from kvagent_server.router.store.handle import Handle
 
 #: How a turn was served (`kvagent.path` on the wire; the same names as
@@ -476,16 +477,18 @@ def choose_path(
     return "d_direct" if d_cost < p_cost else "pd_reuse"
 
 
-def fresh_path(prompt_tokens: float, costs: PathCosts, *, p_work: NodeWork,
-               d_work: NodeWork, d_healthy: bool,
+def fresh_path(prompt_tokens: float, costs: PathCosts, *, policy: FreshPolicy,
+               d_healthy: bool, p_work: NodeWork | None = None,
+               d_work: NodeWork | None = None,
                d_stall_max_s: float | None = None) -> Path:
     """Where a turn with nothing to reuse computes its prompt: `pd_fresh` (P computes, D
     pulls and decodes) or `d_fresh` (the decode node computes it itself, as an aggregated
     node would, and keeps the KV for the next turn).
 
-    Conditional disaggregation: P exists so that long prompts do not stall D's streams,
-    but a prompt queued behind seconds of other work on P waits longer than it would take
-    D to compute it beside its streams. So only while P has prompt work queued is D
+    `never`/`always` are fixed policies. `auto` is conditional disaggregation: P exists so
+    that long prompts do not stall D's streams, but a prompt queued behind seconds of
+    other work on P waits longer than it would take D to compute it beside its streams.
+    So only while P has prompt work queued (`p_work`; None: not counted, so never) is D
     considered, priced as `choose_path` prices `d_direct` against `pd_reuse`
     (`PathCosts.queued_cost`: each node's work in flight, the prompt's own compute, the
     stall on D's streams; `d_stall_max_s` caps a stall as there). An idle P computes every
@@ -493,10 +496,15 @@ def fresh_path(prompt_tokens: float, costs: PathCosts, *, p_work: NodeWork,
     put on streams that start meanwhile, which no line prices.
     `prompt_tokens`: the estimated tokens to compute (the router does not tokenize a first
     turn)."""
-    if not d_healthy or p_work.prefill_tokens <= 0:
-        return "pd_fresh"
     if prompt_tokens < 0:
         raise ValueError("prompt_tokens must be non-negative")
+    if not d_healthy or policy == "never":
+        return "pd_fresh"
+    if policy == "always":
+        return "d_fresh"
+    if p_work is None or p_work.prefill_tokens <= 0:
+        return "pd_fresh"
+    d_work = d_work or IDLE
     n = math.ceil(prompt_tokens)
     if d_stall_max_s is not None and d_work.streams and costs.d_direct(n) > d_stall_max_s:
         return "pd_fresh"

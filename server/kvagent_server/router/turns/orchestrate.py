@@ -397,14 +397,14 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
         d_stall_max_s=_stall_max_s(r.settings))
     choice = _Choice(handle, plan, path, holder, p_first, d_first, len(prompt_ids), p_work,
                      d_work)
-    if (path == "pd_fresh" and r.settings.fresh_on_decode and p_work is not None
-            and d_work is not None and p_first is not None):
+    if path == "pd_fresh" and r.settings.fresh_on_decode != "never":
         # Not tokenized: the tokens to compute are estimated from the body's size.
         choice.body_chars = len(fastjson.dumps(req.body))
         choice.est_tokens = r.chars.tokens(choice.body_chars)
         choice.path = planner.fresh_path(
-            choice.est_tokens, costs, p_work=p_work, d_work=d_work,
+            choice.est_tokens, costs, policy=r.settings.fresh_on_decode,
             d_healthy=d_first is not None and d_first.healthy,
+            p_work=p_work if p_first is not None else None, d_work=d_work,
             d_stall_max_s=_stall_max_s(r.settings))
     return choice
 
