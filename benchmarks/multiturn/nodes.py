@@ -61,6 +61,8 @@ class BenchConfig(BaseModel):
     queue_aware_paths: bool | None = None
     #: Router setting `d_direct_stall_max_ms` (bundle only): None, the router's default.
     d_direct_stall_max_ms: float | None = None
+    #: True: no such cap (the router's setting null), the cost model's sums alone decide.
+    stall_cap_off: bool = False
     #: Router setting `fresh_on_decode` (bundle only). None: the router's default with the
     #: cost model, `never` with a fixed `skip_prefill_max_tokens` (a fixed policy is P/D as
     #: designed: P computes every prompt it does not skip).
@@ -123,9 +125,13 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 d_direct_stall_max_ms=40,
                 description="kvagent whose cost model sends a delta to P while streams decode "
                 "on D if D would compute it for over 40 ms (router.d_direct_stall_max_ms)"),
+    BenchConfig(name="kvagent_stall_cap_off", kind="bundle", reuse=True, stall_cap_off=True,
+                description="kvagent whose cost model's summed costs alone choose between "
+                "d_direct and pd_reuse, however long a delta stalls D's streams "
+                "(router.d_direct_stall_max_ms null), as before 2026-12-04 evening"),
     BenchConfig(name="kvagent_fresh_on_p", kind="bundle", reuse=True, fresh_on_decode="never",
                 description="kvagent whose P computes every first turn, however much work "
-                "is queued on it (router.fresh_on_decode never), as before 2026-12-04"),
+                "is queued on it (router.fresh_on_decode never)"),
     BenchConfig(name="kvagent_always_pd_reuse_fresh_auto", kind="bundle", reuse=True,
                 skip_prefill_max_tokens=0, fresh_on_decode="auto",
                 description="kvagent_always_pd_reuse whose first turns D computes itself "
@@ -375,7 +381,9 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
         router["skip_prefill_max_tokens"] = config.skip_prefill_max_tokens
     if config.queue_aware_paths is not None:
         router["queue_aware_paths"] = config.queue_aware_paths
-    if config.d_direct_stall_max_ms is not None:
+    if config.stall_cap_off:
+        router["d_direct_stall_max_ms"] = None
+    elif config.d_direct_stall_max_ms is not None:
         router["d_direct_stall_max_ms"] = config.d_direct_stall_max_ms
     if config.fresh_on_decode is not None:
         router["fresh_on_decode"] = config.fresh_on_decode

@@ -75,7 +75,7 @@ def test_d_fresh_is_priced_and_learned_as_d_computing() -> None:
 async def test_always_computes_the_first_turn_on_d_and_the_next_turn_reuses_it() -> None:
     async with router_stack(skip_prefill_max_tokens=0, fresh_on_decode="always") as st:
         p, d = st.prefill[0], st.decode[0]
-        kva, answer, evs = await turn(st, FIRST)
+        kva, answer, _ = await turn(st, FIRST)
         assert kva["path"] == "d_fresh" and kva["reused_tokens"] == 0
         assert kva["reason"] == "no_handle"
         assert kva["cache_token"].startswith("kva1.")

@@ -64,11 +64,13 @@ class RouterSettings(BaseModel):
         "flight on its node (prompt tokens queued on P, D's queued deltas and decode streams) "
         "and the stall a `d_direct` delta puts on D's streams. False: each path's learned "
         "TTFT line alone, blind to the queues (docs/benchmarks.md runs 5 and 9-11).")
-    d_direct_stall_max_ms: float | None = Field(default=None, gt=0,
-        description="With `queue_aware_paths`: while streams decode on the holding D node, a "
-        "reused turn whose delta D would compute for longer than this (its learned `d_direct` "
-        "cost) takes P instead, so no turn's prefill stalls D's streams past this gap. None: "
-        "the summed costs alone decide (docs/benchmarks.md runs 15 and 17).")
+    d_direct_stall_max_ms: float | None = Field(default=40.0, gt=0,
+        description="With `queue_aware_paths`: while streams decode on the D node, a turn "
+        "whose prompt work D would compute for longer than this (its learned `d_direct` "
+        "cost: a reused turn's delta, or a `d_fresh` prompt) goes to P instead, so no other "
+        "turn's prefill stalls D's streams past this gap; the summed costs alone would "
+        "trade one stream's long gap for seconds saved elsewhere. None: the sums alone "
+        "decide (docs/benchmarks.md runs 15, 17 and 18).")
     fresh_on_decode: FreshPolicy = Field(default="auto",
         description="Where a turn with nothing to reuse (a first turn) computes its prompt. "
         "`auto`, with `queue_aware_paths`: on the decode node itself (`d_fresh`, which keeps "
