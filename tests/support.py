@@ -253,6 +253,16 @@ def metric_sum(url: str, name: str) -> float:
             total += float(line.rsplit(" ", 1)[1])
     return total
 
+def greedy_chat(url: str, model: str, messages: list[dict[str, Any]],
+                headers: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
+    """One non-streamed chat completion, greedy and 16 tokens long; asserts a 200."""
+    r = httpx.post(f"{url}/v1/chat/completions", headers=headers or {}, timeout=300,
+                   json={"model": model, "messages": messages, "temperature": 0.0,
+                         "max_tokens": 16, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
 
 @contextlib.contextmanager
 def second_router(b: KVAgentBundle, tmp_path: Path, **settings: Any) -> Iterator[str]:

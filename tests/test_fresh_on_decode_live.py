@@ -13,23 +13,13 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from support import second_router
+from support import greedy_chat, second_router
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-GREEDY = {"temperature": 0.0, "max_tokens": 16}
 SYSTEM = ("You are a release assistant. Answer briefly. Checklist: "
           + " ".join(f"item {i}: confirm the build, tag it, and post the notes." for i in range(40)))
-
-
-def _chat(url: str, model: str, messages: list[dict[str, Any]],
-          headers: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
-    r = httpx.post(f"{url}/v1/chat/completions", headers=headers or {}, timeout=300,
-                   json={"model": model, "messages": messages, **GREEDY, **extra})
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def test_a_first_turn_on_d_answers_as_a_recompute_and_p_pulls_it_next(kvagent_bundle: Any,
@@ -45,9 +35,9 @@ def test_a_first_turn_on_d_answers_as_a_recompute_and_p_pulls_it_next(kvagent_bu
     with second_router(b, tmp_path, fresh_on_decode="always", skip_prefill_max_tokens=0,
                        skip_tokenize_extensions=False) as url:
         for i in range(3):
-            out = _chat(url, b.model, messages, {"X-Session-ID": session})
+            out = greedy_chat(url, b.model, messages, {"X-Session-ID": session})
             text = out["choices"][0]["message"]["content"] or ""
-            ref = _chat(b.prefill_urls[0], b.model, messages, cache_salt=uuid.uuid4().hex)
+            ref = greedy_chat(b.prefill_urls[0], b.model, messages, cache_salt=uuid.uuid4().hex)
             cached = (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
             turns.append((out["kvagent"]["path"], out["kvagent"]["reused_tokens"], cached,
                           text == (ref["choices"][0]["message"]["content"] or "")))

@@ -14,24 +14,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
-from support import metric_sum, second_router
+from support import greedy_chat, metric_sum, second_router
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-GREEDY = {"temperature": 0.0, "max_tokens": 16}
 SYSTEM = ("You are an on-call assistant. Answer briefly and cite the runbook section. "
           "Runbook: " + " ".join(f"section {i}: restart the worker pool, check queue depth "
                                  f"and compare p99 latency before and after." for i in range(30)))
-
-
-def _chat(url: str, model: str, messages: list[dict[str, Any]],
-          headers: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
-    r = httpx.post(f"{url}/v1/chat/completions", headers=headers or {}, timeout=300,
-                   json={"model": model, "messages": messages, **GREEDY, **extra})
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 @pytest.mark.parametrize(("path", "skip_prefill_max_tokens"),
@@ -52,9 +42,9 @@ def test_turns_that_skip_tokenize_answer_as_a_recompute(kvagent_bundle: Any, tmp
     turns = []
     with second_router(b, tmp_path, skip_prefill_max_tokens=skip_prefill_max_tokens) as url:
         for i in range(6):
-            out = _chat(url, b.model, messages, {"X-Session-ID": session})
+            out = greedy_chat(url, b.model, messages, {"X-Session-ID": session})
             text = out["choices"][0]["message"]["content"] or ""
-            ref = _chat(b.prefill_urls[0], b.model, messages, cache_salt=uuid.uuid4().hex)
+            ref = greedy_chat(b.prefill_urls[0], b.model, messages, cache_salt=uuid.uuid4().hex)
             turns.append((out["kvagent"]["path"], out["kvagent"]["reused_tokens"],
                           text == (ref["choices"][0]["message"]["content"] or "")))
             messages = [*messages, {"role": "assistant", "content": text},
