@@ -124,7 +124,8 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig(name="kvagent_stall_cap", kind="bundle", reuse=True,
                 d_direct_stall_max_ms=40,
                 description="kvagent whose cost model sends a delta to P while streams decode "
-                "on D if D would compute it for over 40 ms (router.d_direct_stall_max_ms)"),
+                "on D if D would compute it for over 40 ms (router.d_direct_stall_max_ms; "
+                "set explicitly, the router's default since 2026-12-04 evening)"),
     BenchConfig(name="kvagent_stall_cap_off", kind="bundle", reuse=True, stall_cap_off=True,
                 description="kvagent whose cost model's summed costs alone choose between "
                 "d_direct and pd_reuse, however long a delta stalls D's streams "
