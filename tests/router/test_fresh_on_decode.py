@@ -127,3 +127,13 @@ async def test_a_failing_d_leg_falls_back_to_p() -> None:
         assert kva["path"] == "pd_fresh" and kva["cache_token"]
         assert st.prefill[0].requests  # P computed it after both D nodes failed
         no_wrong_kv(st)
+
+
+async def test_reuse_off_keeps_every_turn_p_d() -> None:
+    """`reuse: false` is the P/D-without-reuse baseline: D's prefix cache must not serve
+    its turns, so none goes to D alone."""
+    async with router_stack(fresh_on_decode="always", reuse=False) as st:
+        kva, answer, _ = await turn(st, FIRST)
+        kva2, _, _ = await turn(st, second(answer))
+        assert kva["path"] == kva2["path"] == "pd_fresh"
+        assert len(st.prefill[0].requests) == 2

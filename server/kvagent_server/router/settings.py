@@ -77,7 +77,8 @@ class RouterSettings(BaseModel):
         "its KV for the next turn like any other) while work is queued on P and the costs "
         "say D, the stall on its streams included, answers sooner: conditional "
         "disaggregation. `never`: P computes every such prompt (`pd_fresh`). `always`: D "
-        "does (an aggregated node's first turns, P kept for reused turns).")
+        "does (an aggregated node's first turns, P kept for reused turns). Not with `reuse` "
+        "off, whose turns all stay P/D.")
     skip_tokenize_extensions: bool = Field(default=True,
         description="A chat turn whose messages repeat the held turn's exactly (same "
         "rendering inputs) and add new ones goes `d_direct` without the router's `/tokenize` "

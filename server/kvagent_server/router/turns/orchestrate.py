@@ -397,7 +397,10 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
         d_stall_max_s=_stall_max_s(r.settings))
     choice = _Choice(handle, plan, path, holder, p_first, d_first, len(prompt_ids), p_work,
                      d_work)
-    if path == "pd_fresh" and r.settings.fresh_on_decode != "never":
+    # Not with reuse switched off: D's prefix cache would then reuse earlier turns' KV
+    # by the back door, and `reuse: false` is the P/D-without-reuse baseline.
+    if (path == "pd_fresh" and plan.reason == planner.Reason.NO_HANDLE
+            and r.settings.fresh_on_decode != "never"):
         # Not tokenized: the tokens to compute are estimated from the body's size.
         choice.body_chars = len(fastjson.dumps(req.body))
         choice.est_tokens = r.chars.tokens(choice.body_chars)
