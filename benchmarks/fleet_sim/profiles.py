@@ -129,7 +129,7 @@ def fit_machine_profile(results: Path | list[Path], *, name: str = "cpu-demo") -
                 t = (r["e2e_s"] - r["ttft_s"]) / (n - 1)
             if t is not None:
                 tpot.append(t)
-        if r.get("path") == "d_direct":
+        if r.get("path") in ("d_direct", "d_fresh"):  # D computes, nothing is pulled
             dd_rows.append([1.0, prompt - cached])
             dd_y.append(r["ttft_s"])
         else:
