@@ -104,7 +104,8 @@ def test_cpu_settings_unchanged(tmp_path: Path) -> None:
         "prefill": {"count": 1, "ports": [9000], "side_channel_ports": [9001],
                     "prefix_caching": True},
         "decode": {"ports": [9002], "side_channel_ports": [9003]},
-        "router": _router(9004, skip_prefill_max_tokens=0)}
+        # A fixed policy keeps every first turn on P, as P/D is designed.
+        "router": _router(9004, skip_prefill_max_tokens=0, fresh_on_decode="never")}
     for c in ALL_CONFIGS.values():
         if c.kind != "bundle":
             continue
