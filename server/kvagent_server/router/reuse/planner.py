@@ -506,7 +506,7 @@ def fresh_path(prompt_tokens: float, costs: PathCosts, *, policy: FreshPolicy,
         return "pd_fresh"
     d_work = d_work or IDLE
     n = math.ceil(prompt_tokens)
-    if d_stall_max_s is not None and d_work.streams and costs.d_direct(n) > d_stall_max_s:
+    if _past_stall_cap(costs, n, d_work, d_stall_max_s):
         return "pd_fresh"
     d_cost = costs.queued_cost("d_fresh", n, 0, d_work)
     return "d_fresh" if d_cost < costs.queued_cost("pd_fresh", n, 0, p_work) else "pd_fresh"
@@ -570,13 +570,20 @@ def _path_costs(plan: ReusePlan, prompt_len: int, costs: PathCosts,
     `d_direct` is infinite when it would stall D's streams past `d_stall_max_s`."""
     if p_work is not None or d_work is not None:
         d_cost = costs.queued_cost("d_direct", prompt_len, plan.reuse_tokens, d_work or IDLE)
-        if (d_stall_max_s is not None and (d_work or IDLE).streams
-                and costs.d_direct(prompt_len - plan.reuse_tokens) > d_stall_max_s):
+        if _past_stall_cap(costs, prompt_len - plan.reuse_tokens, d_work or IDLE,
+                           d_stall_max_s):
             d_cost = math.inf
         return (d_cost,
                 costs.queued_cost("pd_reuse", prompt_len, plan.reuse_tokens, p_work or IDLE))
     return (costs.estimate("d_direct", prompt_len, plan.reuse_tokens),
             costs.estimate("pd_reuse", prompt_len, plan.reuse_tokens))
+
+
+def _past_stall_cap(costs: PathCosts, tokens: int, d_work: NodeWork,
+                    d_stall_max_s: float | None) -> bool:
+    """Would D computing `tokens` stall its streams past the cap (none without streams)?"""
+    return (d_stall_max_s is not None and d_work.streams > 0
+            and costs.d_direct(tokens) > d_stall_max_s)
 
 
 class _Ewma:
