@@ -90,8 +90,11 @@ class BenchConfig(BaseModel):
     #: compute, as the bundle did before; the HTTP server and the rest float.
     pin_processes: bool = True
     #: D's vLLM token budget per step (bundle setting `decode.max_num_batched_tokens`);
-    #: None: the bundle's default (128 on CPU).
+    #: None: the bundle's default (512 on CPU).
     decode_step_tokens: int | None = None
+    #: D's cap per prompt per step while other requests share it (bundle setting
+    #: `decode.long_prefill_token_threshold`, 0 off); None: the bundle's default (128 on CPU).
+    decode_prompt_cap: int | None = None
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
@@ -214,14 +217,24 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 description="kvagent_always_pd_reuse whose nodes pin only the threads that "
                 "compute (bundle pin_processes off)"),
     BenchConfig(name="kvagent_d_steps_2048", kind="bundle", reuse=True,
-                decode_step_tokens=CPU_VLLM_STEP_TOKENS,
+                decode_step_tokens=CPU_VLLM_STEP_TOKENS, decode_prompt_cap=0,
                 description="kvagent whose D computes up to vLLM's CPU default of "
-                f"{CPU_VLLM_STEP_TOKENS} tokens per step instead of the bundle's 128"),
+                f"{CPU_VLLM_STEP_TOKENS} tokens per step, with no cap per prompt"),
     BenchConfig(name="kvagent_pin_off_d_steps_2048", kind="bundle", reuse=True,
                 pin_processes=False, decode_step_tokens=CPU_VLLM_STEP_TOKENS,
+                decode_prompt_cap=0,
                 description="kvagent as the bundle was before 2026-12-04: only the "
                 "compute threads pinned, D's steps up to vLLM's CPU default of "
                 f"{CPU_VLLM_STEP_TOKENS} tokens"),
+    BenchConfig(name="kvagent_d_steps_128", kind="bundle", reuse=True,
+                decode_step_tokens=128, decode_prompt_cap=0,
+                description="kvagent as the bundle was before 2026-12-04 evening: D "
+                "computes at most 128 tokens per step, also when nothing else runs on it"),
+    BenchConfig(name="kvagent_d_steps_2048_cap128", kind="bundle", reuse=True,
+                decode_step_tokens=CPU_VLLM_STEP_TOKENS, decode_prompt_cap=128,
+                description="kvagent whose D computes a prompt in 128-token steps while "
+                f"other requests share it, and in steps of up to {CPU_VLLM_STEP_TOKENS} "
+                "alone"),
     BenchConfig(name="aggregated_chunk256", kind="aggregated",
                 node_args=(STEP_BUDGET_ARG, "256"),
                 description="the aggregated node computing at most 256 tokens per step: "
@@ -373,6 +386,8 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
             prefill["extra_args"], decode["extra_args"] = list(engine_args), list(engine_args)
     if config.decode_step_tokens is not None:
         decode["max_num_batched_tokens"] = config.decode_step_tokens
+    if config.decode_prompt_cap is not None:
+        decode["long_prefill_token_threshold"] = config.decode_prompt_cap
     if config.node_env or config.prefill_env:
         prefill["extra_env"] = {**config.node_env, **config.prefill_env}
         decode["extra_env"] = dict(config.node_env)

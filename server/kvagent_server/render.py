@@ -29,11 +29,14 @@ _WILDCARDS = ("0.0.0.0", "::", "")
 #: vLLM's default KV block size per device, passed explicitly so the router's block
 #: alignment always matches the nodes.
 DEFAULT_BLOCK_SIZE = {"cpu": 128, "cuda": 16}
-#: A decode node's vLLM token budget per step, per device, when the config sets none.
-#: On CPU a step's time grows with its tokens: at 128, a delta computed on D (`d_direct`)
-#: holds each stream D decodes for tens of milliseconds per step, not for the whole delta
-#: (docs/benchmarks.md, "Run 17"). GPUs: vLLM's own default.
-DEFAULT_DECODE_STEP_TOKENS: dict[str, int] = {"cpu": 128}
+#: A decode node's vLLM token budget per step, and its cap per prompt while other requests
+#: share the engine (vLLM's long-prefill threshold), per device, when the config sets
+#: none. On CPU a step's time grows with its tokens: capped at 128, a delta computed on D
+#: (`d_direct`) holds each stream D decodes for tens of milliseconds per step, not for the
+#: whole delta (docs/benchmarks.md, "Run 17"); alone on D it takes steps of 512, each
+#: step's fixed cost paid fewer times ("Run 19"). GPUs: vLLM's own defaults.
+DEFAULT_DECODE_STEP_TOKENS: dict[str, int] = {"cpu": 512}
+DEFAULT_DECODE_PROMPT_CAP: dict[str, int] = {"cpu": 128}
 
 Device = Literal["cpu", "cuda"]
 ProcessRole = Literal["prefill", "decode", "router"]
@@ -178,6 +181,11 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
             DEFAULT_DECODE_STEP_TOKENS.get(device) if role == "decode" else None)
         if step_tokens is not None:
             args += ["--max-num-batched-tokens", str(step_tokens)]
+        prompt_cap = (rc.long_prefill_token_threshold
+                      if rc.long_prefill_token_threshold is not None
+                      else DEFAULT_DECODE_PROMPT_CAP.get(device) if role == "decode" else None)
+        if prompt_cap:
+            args += ["--long-prefill-token-threshold", str(prompt_cap)]
         try:  # KV tiers: a MultiConnector around NIXL, hash flags (see tiers.py)
             tiers = render_tiers(cfg.kv_tiers, role=role, device=device,
                                  base_kv_transfer_config=kv_cfg, block_size=block_size,

@@ -154,9 +154,14 @@ def test_a_configurations_step_budget_and_pinning_reach_its_nodes(tmp_path: Path
 
     old = validate_config(settings("kvagent_pin_off_d_steps_2048"))
     assert old.pin_processes is False and old.decode.max_num_batched_tokens == 2048
+    assert old.decode.long_prefill_token_threshold == 0
     assert old.prefill.max_num_batched_tokens is None
     new = validate_config(settings("kvagent"))  # the bundle's defaults
     assert new.pin_processes is True and new.decode.max_num_batched_tokens is None
+    assert new.decode.long_prefill_token_threshold is None
+    steps_128 = validate_config(settings("kvagent_d_steps_128")).decode
+    assert (steps_128.max_num_batched_tokens, steps_128.long_prefill_token_threshold) == (
+        128, 0)
     rendered = cuda_plan.render_config(ALL_CONFIGS["kvagent_d_steps_2048"], tmp_path / "c")
     nodes = {n["name"]: n["argv"] for n in rendered["nodes"]}
     assert budget(nodes["decode-0"]) == "2048" and budget(nodes["prefill-0"]) is None

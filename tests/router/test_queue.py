@@ -102,6 +102,17 @@ def test_a_stall_past_the_cap_takes_p_while_d_has_streams() -> None:
                        p_work=IDLE, d_work=one, d_stall_max_s=0.05) == "d_direct"
 
 
+def test_p_legs_in_flight_are_streams_about_to_start_on_d() -> None:
+    """An idle D with P computing: P's legs will stream on D while D computes the delta,
+    so the cap applies though D has no stream yet."""
+    busy_p = NodeWork(prefill_tokens=4000)
+    assert choose_path(REUSE, PROMPT, COSTS, p_work=busy_p, d_work=IDLE, **KW) == "d_direct"
+    assert choose_path(REUSE, PROMPT, COSTS, p_work=busy_p, d_work=IDLE, d_stall_max_s=0.05,
+                       **KW) == "pd_reuse"
+    assert choose_path(REUSE, PROMPT, COSTS, p_work=busy_p, d_work=IDLE, d_stall_max_s=0.2,
+                       **KW) == "d_direct"
+
+
 def test_an_untokenized_turn_respects_the_cap() -> None:
     def path(cap: float | None, checks: bool = True) -> str | None:
         return untokenized_path(REUSE, (100, 200), COSTS, 0.01, skip_prefill_max_tokens=None,

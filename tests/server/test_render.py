@@ -51,8 +51,9 @@ def test_default_plan_golden() -> None:
         "VLLM_CPU_OMP_THREADS_BIND": "0",
     }
     assert p.cpu_affinity == (0,) and d.cpu_affinity == (1,)  # every thread, not only OMP's
-    # D computes at most 128 tokens a step on CPU; P keeps vLLM's default
-    assert d.argv[d.argv.index("--max-num-batched-tokens") + 1] == "128"
+    # D's steps on CPU: 512 tokens, a prompt at most 128 while others share D; P: vLLM's
+    assert d.argv[d.argv.index("--max-num-batched-tokens") + 1] == "512"
+    assert d.argv[d.argv.index("--long-prefill-token-threshold") + 1] == "128"
     kv_d = json.loads(d.argv[d.argv.index("--kv-transfer-config") + 1])
     assert kv_d["kv_role"] == "kv_consumer" and kv_d["engine_id"] == "default-decode-0"
     assert d.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5700"
@@ -243,12 +244,22 @@ def test_step_token_budget() -> None:
         return [n.argv[n.argv.index("--max-num-batched-tokens") + 1]
                 if "--max-num-batched-tokens" in n.argv else None for n in nodes]
 
-    assert budgets({}) == [None, "128"]
+    def caps(settings: dict[str, Any], **kw: Any) -> list[str | None]:
+        nodes = plan(validate_config(settings), fake_inputs(**kw)).nodes
+        flag = "--long-prefill-token-threshold"
+        return [n.argv[n.argv.index(flag) + 1] if flag in n.argv else None for n in nodes]
+
+    assert budgets({}) == [None, "512"] and caps({}) == [None, "128"]
     assert budgets({"device": "cuda"}, gpus=2) == [None, None]
+    assert caps({"device": "cuda"}, gpus=2) == [None, None]
     assert budgets({"prefill": {"max_num_batched_tokens": 4096},
                     "decode": {"max_num_batched_tokens": 256}}) == ["4096", "256"]
+    assert caps({"prefill": {"long_prefill_token_threshold": 64},
+                 "decode": {"long_prefill_token_threshold": 0}}) == ["64", None]  # 0: off
     with pytest.raises(ConfigError, match="max_num_batched_tokens"):
         validate_config({"decode": {"max_num_batched_tokens": 0}})
+    with pytest.raises(ConfigError, match="long_prefill_token_threshold"):
+        validate_config({"decode": {"long_prefill_token_threshold": -1}})
 
 
 def test_no_router() -> None:

@@ -65,9 +65,17 @@ class RoleConfig(BaseModel):
         default=None, ge=1,
         description="vLLM --max-num-batched-tokens: the tokens one engine step computes "
         "across its requests (chunked prefill splits a longer prompt into steps). null: "
-        "128 on decode nodes on CPU, so a delta D computes itself (`d_direct`) runs in "
-        "short steps and the answers D streams keep their pace; vLLM's default otherwise. "
-        "vLLM wants it at least --max-num-seqs (128 on CPU; lower that in extra_args).",
+        "512 on decode nodes on CPU (with `long_prefill_token_threshold` 128: short steps "
+        "only while D has other requests); vLLM's default otherwise. vLLM wants it at "
+        "least --max-num-seqs (128 on CPU; lower that in extra_args).",
+    )
+    long_prefill_token_threshold: int | None = Field(
+        default=None, ge=0,
+        description="vLLM --long-prefill-token-threshold: while other requests share the "
+        "engine, one prompt computes at most this many tokens per step; alone, it may use "
+        "the whole step. null: 128 on decode nodes on CPU, so a delta D computes itself "
+        "(`d_direct`) runs in short steps while D streams answers, and in few steps when D "
+        "is idle; vLLM's default (0, off) otherwise.",
     )
     extra_args: list[str] = Field(
         default_factory=list, description="Extra vLLM arguments appended to every node.",

@@ -460,9 +460,10 @@ def choose_path(
     The costs: with the work in flight on the P node and on the holding D node
     (`p_work`, `d_work`), `PathCosts.queued_cost` (the wait for that work, the turn's own
     compute, and the stall a `d_direct` delta puts on D's streams); without them, each
-    path's learned TTFT line alone. With `d_stall_max_s` and streams decoding on D, a
-    delta whose compute on D (its `d_direct` line) is longer goes to P whatever the sums
-    say: the sums weigh seconds of delay, while one long stall is a stream's worst gap.
+    path's learned TTFT line alone. With `d_stall_max_s` and streams decoding on D, or
+    about to (P legs in flight, whose D legs start while D computes), a delta whose
+    compute on D (its `d_direct` line) is longer goes to P whatever the sums say: the
+    sums weigh seconds of delay, while one long stall is a stream's worst gap.
     """
     if not plan.reuses:
         return "pd_fresh" if plan.reason in FRESH_REASONS else "recompute"
@@ -570,8 +571,11 @@ def _path_costs(plan: ReusePlan, prompt_len: int, costs: PathCosts,
     `d_direct` is infinite when it would stall D's streams past `d_stall_max_s`."""
     if p_work is not None or d_work is not None:
         d_cost = costs.queued_cost("d_direct", prompt_len, plan.reuse_tokens, d_work or IDLE)
+        # P's legs in flight are streams about to start on D: a delta D computes in
+        # short steps from now would stall them too.
+        soon = 1 if p_work is not None and p_work.prefill_tokens > 0 else 0
         if _past_stall_cap(costs, prompt_len - plan.reuse_tokens, d_work or IDLE,
-                           d_stall_max_s):
+                           d_stall_max_s, streams_soon=soon):
             d_cost = math.inf
         return (d_cost,
                 costs.queued_cost("pd_reuse", prompt_len, plan.reuse_tokens, p_work or IDLE))
@@ -580,9 +584,10 @@ def _path_costs(plan: ReusePlan, prompt_len: int, costs: PathCosts,
 
 
 def _past_stall_cap(costs: PathCosts, tokens: int, d_work: NodeWork,
-                    d_stall_max_s: float | None) -> bool:
-    """Would D computing `tokens` stall its streams past the cap (none without streams)?"""
-    return (d_stall_max_s is not None and d_work.streams > 0
+                    d_stall_max_s: float | None, *, streams_soon: int = 0) -> bool:
+    """Would D computing `tokens` stall its streams past the cap (none without streams,
+    counting `streams_soon` that will start meanwhile)?"""
+    return (d_stall_max_s is not None and d_work.streams + streams_soon > 0
             and costs.d_direct(tokens) > d_stall_max_s)
 
 
