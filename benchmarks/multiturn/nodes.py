@@ -95,6 +95,9 @@ class BenchConfig(BaseModel):
     #: D's cap per prompt per step while other requests share it (bundle setting
     #: `decode.long_prefill_token_threshold`, 0 off); None: the bundle's default (128 on CPU).
     decode_prompt_cap: int | None = None
+    #: P's cap per prompt per step while other requests share it (bundle setting
+    #: `prefill.long_prefill_token_threshold`, 0 off); None: the bundle's default (off).
+    prefill_prompt_cap: int | None = None
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
@@ -235,6 +238,10 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 description="kvagent whose D computes a prompt in 128-token steps while "
                 f"other requests share it, and in steps of up to {CPU_VLLM_STEP_TOKENS} "
                 "alone"),
+    BenchConfig(name="kvagent_p_cap512", kind="bundle", reuse=True, prefill_prompt_cap=512,
+                description="kvagent whose P computes at most 512 tokens of one prompt per "
+                "step while other requests share it, so a first turn arriving behind a "
+                "long delta shares P's steps instead of waiting for most of it"),
     BenchConfig(name="aggregated_chunk256", kind="aggregated",
                 node_args=(STEP_BUDGET_ARG, "256"),
                 description="the aggregated node computing at most 256 tokens per step: "
@@ -388,6 +395,8 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
         decode["max_num_batched_tokens"] = config.decode_step_tokens
     if config.decode_prompt_cap is not None:
         decode["long_prefill_token_threshold"] = config.decode_prompt_cap
+    if config.prefill_prompt_cap is not None:
+        prefill["long_prefill_token_threshold"] = config.prefill_prompt_cap
     if config.node_env or config.prefill_env:
         prefill["extra_env"] = {**config.node_env, **config.prefill_env}
         decode["extra_env"] = dict(config.node_env)

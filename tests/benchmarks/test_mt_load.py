@@ -162,6 +162,12 @@ def test_a_configurations_step_budget_and_pinning_reach_its_nodes(tmp_path: Path
     steps_128 = validate_config(settings("kvagent_d_steps_128")).decode
     assert (steps_128.max_num_batched_tokens, steps_128.long_prefill_token_threshold) == (
         128, 0)
+    p_cap = validate_config(settings("kvagent_p_cap512"))
+    assert p_cap.prefill.long_prefill_token_threshold == 512
+    assert p_cap.decode.long_prefill_token_threshold is None
+    p_argv = {n["name"]: n["argv"] for n in cuda_plan.render_config(
+        ALL_CONFIGS["kvagent_p_cap512"], tmp_path / "p")["nodes"]}["prefill-0"]
+    assert p_argv[p_argv.index("--long-prefill-token-threshold") + 1] == "512"
     rendered = cuda_plan.render_config(ALL_CONFIGS["kvagent_d_steps_2048"], tmp_path / "c")
     nodes = {n["name"]: n["argv"] for n in rendered["nodes"]}
     assert budget(nodes["decode-0"]) == "2048" and budget(nodes["prefill-0"]) is None
