@@ -177,14 +177,13 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
         args += ["--block-size", str(block_size)]
         args.append("--enable-prefix-caching" if rc.prefix_caching
                     else "--no-enable-prefix-caching")
-        step_tokens = rc.max_num_batched_tokens or (
-            DEFAULT_DECODE_STEP_TOKENS.get(device) if role == "decode" else None)
+        step_tokens = _step_setting(rc.max_num_batched_tokens, DEFAULT_DECODE_STEP_TOKENS,
+                                    role, device)
         if step_tokens is not None:
             args += ["--max-num-batched-tokens", str(step_tokens)]
-        prompt_cap = (rc.long_prefill_token_threshold
-                      if rc.long_prefill_token_threshold is not None
-                      else DEFAULT_DECODE_PROMPT_CAP.get(device) if role == "decode" else None)
-        if prompt_cap:
+        prompt_cap = _step_setting(rc.long_prefill_token_threshold, DEFAULT_DECODE_PROMPT_CAP,
+                                   role, device)
+        if prompt_cap:  # 0: off
             args += ["--long-prefill-token-threshold", str(prompt_cap)]
         try:  # KV tiers: a MultiConnector around NIXL, hash flags (see tiers.py)
             tiers = render_tiers(cfg.kv_tiers, role=role, device=device,
@@ -302,6 +301,15 @@ def lora_args(cfg: BundleConfig, model: ModelSource) -> list[str]:
     if cfg.max_lora_rank is not None:
         args += ["--max-lora-rank", str(cfg.max_lora_rank)]
     return args
+
+
+def _step_setting(value: int | None, decode_defaults: dict[str, int], role: str,
+                  device: str) -> int | None:
+    """A node's per-step vLLM setting: the config's, else the device's default on a
+    decode node (None: vLLM's own)."""
+    if value is not None:
+        return value
+    return decode_defaults.get(device) if role == "decode" else None
 
 
 #: Longest ipc socket path (sockaddr_un.sun_path, less the final NUL).

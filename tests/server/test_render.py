@@ -239,15 +239,15 @@ def test_process_pinning_follows_the_settings() -> None:
 
 
 def test_step_token_budget() -> None:
-    def budgets(settings: dict[str, Any], **kw: Any) -> list[str | None]:
+    def flag_values(flag: str, settings: dict[str, Any], **kw: Any) -> list[str | None]:
         nodes = plan(validate_config(settings), fake_inputs(**kw)).nodes
-        return [n.argv[n.argv.index("--max-num-batched-tokens") + 1]
-                if "--max-num-batched-tokens" in n.argv else None for n in nodes]
+        return [n.argv[n.argv.index(flag) + 1] if flag in n.argv else None for n in nodes]
+
+    def budgets(settings: dict[str, Any], **kw: Any) -> list[str | None]:
+        return flag_values("--max-num-batched-tokens", settings, **kw)
 
     def caps(settings: dict[str, Any], **kw: Any) -> list[str | None]:
-        nodes = plan(validate_config(settings), fake_inputs(**kw)).nodes
-        flag = "--long-prefill-token-threshold"
-        return [n.argv[n.argv.index(flag) + 1] if flag in n.argv else None for n in nodes]
+        return flag_values("--long-prefill-token-threshold", settings, **kw)
 
     assert budgets({}) == [None, "512"] and caps({}) == [None, "128"]
     assert budgets({"device": "cuda"}, gpus=2) == [None, None]
