@@ -105,11 +105,25 @@ def test_a_stall_past_the_cap_takes_p_while_d_has_streams() -> None:
 def test_p_legs_in_flight_are_streams_about_to_start_on_d() -> None:
     """An idle D with P computing: P's legs will stream on D while D computes the delta,
     so the cap applies though D has no stream yet."""
-    busy_p = NodeWork(prefill_tokens=4000)
+    busy_p = NodeWork(prefill_tokens=4000, prompts=1)
     assert choose_path(REUSE, PROMPT, COSTS, p_work=busy_p, d_work=IDLE, **KW) == "d_direct"
     assert choose_path(REUSE, PROMPT, COSTS, p_work=busy_p, d_work=IDLE, d_stall_max_s=0.05,
                        **KW) == "pd_reuse"
     assert choose_path(REUSE, PROMPT, COSTS, p_work=busy_p, d_work=IDLE, d_stall_max_s=0.2,
+                       **KW) == "d_direct"
+
+
+def test_p_legs_count_while_ps_estimate_reads_empty() -> None:
+    """P slower than its line: the estimate of its queue is 0 while its legs still
+    compute, and those legs still start on D (the ledger below gives this `NodeWork`)."""
+    led = WorkLedger()
+    led.begin("p0", prefill_tokens=5000, stream=False, now=0.0)
+    overdue = led.work("p0", now=2.0, per_token_s=1e-4)  # 0.5 s of work by the line
+    assert overdue == NodeWork(prefill_tokens=0, prompts=1)
+    assert choose_path(REUSE, PROMPT, COSTS, p_work=overdue, d_work=IDLE, d_stall_max_s=0.05,
+                       **KW) == "pd_reuse"
+    # P idle: nothing about to start on D, the cap does not apply
+    assert choose_path(REUSE, PROMPT, COSTS, p_work=IDLE, d_work=IDLE, d_stall_max_s=0.05,
                        **KW) == "d_direct"
 
 
@@ -138,8 +152,9 @@ def test_ledger_counts_tokens_and_streams_per_node() -> None:
     led.begin("p0", prefill_tokens=500, stream=False, now=0.0)
     d1 = led.begin("d0", prefill_tokens=150, stream=True, now=0.0)
     led.begin("d0", prefill_tokens=0, stream=True, now=0.0)
-    assert led.work("p0", now=0.0, per_token_s=1e-3) == NodeWork(prefill_tokens=2500)
-    assert led.work("d0", now=0.0, per_token_s=1e-3) == NodeWork(prefill_tokens=150, streams=2)
+    assert led.work("p0", now=0.0, per_token_s=1e-3) == NodeWork(prefill_tokens=2500, prompts=2)
+    assert led.work("d0", now=0.0, per_token_s=1e-3) == NodeWork(prefill_tokens=150, streams=2,
+                                                              prompts=1)
     assert led.work("p1", now=0.0, per_token_s=1e-3) == IDLE
     led.prefilled(d1, 0.05)  # the delta's first token: it decodes from now on
     assert led.work("d0", now=0.05, per_token_s=1e-3) == NodeWork(streams=2)
@@ -147,7 +162,8 @@ def test_ledger_counts_tokens_and_streams_per_node() -> None:
     led.end(d1, 1.0)  # idempotent
     assert led.work("d0", now=1.0, per_token_s=1e-3) == NodeWork(streams=1)
     led.end(p1, 2.0)
-    assert led.work("p0", now=2.0, per_token_s=1e-3) == NodeWork(prefill_tokens=500)
+    assert led.work("p0", now=2.0, per_token_s=1e-3) == NodeWork(prefill_tokens=500,
+                                                                      prompts=1)
 
 
 def test_ledger_counts_progress_since_the_node_last_finished() -> None:

@@ -572,8 +572,9 @@ def _path_costs(plan: ReusePlan, prompt_len: int, costs: PathCosts,
     if p_work is not None or d_work is not None:
         d_cost = costs.queued_cost("d_direct", prompt_len, plan.reuse_tokens, d_work or IDLE)
         # P's legs in flight are streams about to start on D: a delta D computes in
-        # short steps from now would stall them too.
-        soon = 1 if p_work is not None and p_work.prefill_tokens > 0 else 0
+        # short steps from now would stall them too. Counted by P's reports, not its
+        # estimated queue, which reads empty whenever P runs slower than its line.
+        soon = 1 if p_work is not None and p_work.prompts > 0 else 0
         if _past_stall_cap(costs, prompt_len - plan.reuse_tokens, d_work or IDLE,
                            d_stall_max_s, streams_soon=soon):
             d_cost = math.inf

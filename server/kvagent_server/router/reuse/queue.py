@@ -24,6 +24,10 @@ class NodeWork(BaseModel):
     prefill_tokens: float = Field(default=0.0, ge=0)
     #: Streams decoding (or about to) on the node: each takes a slot in every step.
     streams: int = Field(default=0, ge=0)
+    #: Legs whose prompt the node has not reported computed. A fact, where
+    #: `prefill_tokens` is an estimate that reads 0 once the node runs slower than its
+    #: per-token line (as it does under load) while those legs are still computing.
+    prompts: int = Field(default=0, ge=0)
 
 
 IDLE = NodeWork()
@@ -92,7 +96,8 @@ class WorkLedger:
             since = max(min(leg.started for leg in queued),
                         self._last_done.get(node, float("-inf")))
             tokens = max(0.0, tokens - max(0.0, now - since) / per_token_s)
-        return NodeWork(prefill_tokens=tokens, streams=sum(leg.stream for leg in legs))
+        return NodeWork(prefill_tokens=tokens, streams=sum(leg.stream for leg in legs),
+                        prompts=len(queued))
 
 
 class CharsPerToken:
