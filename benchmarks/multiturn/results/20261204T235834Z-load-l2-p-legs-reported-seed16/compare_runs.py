@@ -1,26 +1,29 @@
-"""Run 21 against run 20, draw by draw (same seeds), from the recorded results only.
+"""Two sets of draws of the same seeds, draw by draw, from the recorded results only.
 
     PYTHONPATH=. python \
-        benchmarks/multiturn/results/20261204T235834Z-load-l2-p-legs-reported-seed16/compare_runs.py
+        benchmarks/multiturn/results/20261204T235834Z-load-l2-p-legs-reported-seed16/compare_runs.py \
+        [run21|late-p-idle-d]
 
-For each seed: each run's goodput by its own bounds; both runs judged by run 21's bounds
-(its idle probe) and paired session by session, `kvagent` against `kvagent` and the
-aggregated node against itself (a control for the hour); and the `d_direct` turns with a
-delta of 1,000 tokens or more that started while a P leg was in flight (from the client's
-records: a P/D turn is on P from its arrival at the router to the end of its `prefill`
-stage).
+`run21` (the default): run 21 (after) against run 20 (before); `late-p-idle-d`: the
+first-turn rule tried after run 21 (after) against run 21 (before). For each seed: each
+run's goodput by its own bounds; both runs judged by the later run's bounds (its idle
+probe) and paired session by session, `kvagent` against `kvagent` and the aggregated node
+against itself (a control for the hour); and the `d_direct` turns with a delta of 1,000
+tokens or more that started while a P leg was in flight (from the client's records: a
+P/D turn is on P from its arrival at the router to the end of its `prefill` stage).
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from benchmarks.multiturn.goodput import rescore_level, sign_test_p
 from benchmarks.multiturn.results import LevelResult, LoadReport, RequestRecord
 
 RESULTS = Path(__file__).resolve().parent.parent
-#: seed -> (run 20's folder, run 21's folder)
-PAIRS = {
+#: seed -> (before, after)
+RUN21 = {
     12: ("20261204T201357Z-load-l2-d-steps-p-legs", "20261205T002757Z-load-l2-p-legs-reported-seed12"),
     13: ("20261204T202542Z-load-l2-d-steps-seed13", "20261205T003340Z-load-l2-p-legs-reported-seed13"),
     14: ("20261204T212936Z-load-l2-defaults-seed14", "20261205T000429Z-load-l2-p-legs-reported-seed14"),
@@ -31,6 +34,17 @@ PAIRS = {
     18: ("20261204T221728Z-load-l2-defaults-d-steps-seed18",
          "20261205T002206Z-load-l2-p-legs-reported-seed18"),
 }
+LATE_P_IDLE_D = {
+    13: ("20261205T003340Z-load-l2-p-legs-reported-seed13",
+         "20261205T004227Z-load-l2-late-p-idle-d-seed13"),
+    14: ("20261205T000429Z-load-l2-p-legs-reported-seed14",
+         "20261205T005405Z-load-l2-late-p-idle-d-seed14"),
+    16: ("20261204T235834Z-load-l2-p-legs-reported-seed16",
+         "20261205T004810Z-load-l2-late-p-idle-d-seed16"),
+    18: ("20261205T002206Z-load-l2-p-legs-reported-seed18",
+         "20261205T005957Z-load-l2-late-p-idle-d-seed18"),
+}
+COMPARISONS = {"run21": RUN21, "late-p-idle-d": LATE_P_IDLE_D}
 
 
 def load(folder: str) -> LoadReport:
@@ -61,11 +75,12 @@ def big_d_direct_beside_p(records: list[RequestRecord], min_delta: int = 1000) -
                and any(a < r.start_s + 0.001 < b for a, b in legs))
 
 
-def main() -> None:
+def main(which: str = "run21") -> None:
+    """`k`/`a`: `kvagent`/aggregated; `21`: the later run, `20`: the earlier one."""
     tot = dict.fromkeys(("k21", "a21", "k20", "a20", "k20_own", "a20_own", "k21_only_vs_a",
                          "a21_only_vs_k", "k21_only", "k20_only", "a21_only", "a20_only",
                          "big20", "big21"), 0)
-    for seed, (old_folder, new_folder) in sorted(PAIRS.items()):
+    for seed, (old_folder, new_folder) in sorted(COMPARISONS[which].items()):
         old, new = load(old_folder), load(new_folder)
         assert new.slo is not None
         turns, limit = int(new.load["turns"]), float(new.load["max_error_rate"])
@@ -76,15 +91,15 @@ def main() -> None:
         vs = only(k21, a21)
         kk, aa = only(k21, k20), only(a21, a20)
         big = (big_d_direct_beside_p(k20_own.records), big_d_direct_beside_p(k21.records))
-        print(f"seed {seed}: run 21 goodput aggregated {a21.goodput_sessions_per_min} "
+        print(f"seed {seed}: after: goodput aggregated {a21.goodput_sessions_per_min} "
               f"kvagent {k21.goodput_sessions_per_min} (met {a21.sessions_met} / "
               f"{k21.sessions_met} of {k21.sessions}; kvagent / aggregated only {vs[0]} / "
-              f"{vs[1]}; missed by {k21.missed_by}); run 20 by its own bounds aggregated "
+              f"{vs[1]}; missed by {k21.missed_by}); before, by its own bounds: aggregated "
               f"{a20_own.goodput_sessions_per_min} kvagent {k20_own.goodput_sessions_per_min}; "
-              f"run 20 by run 21's bounds met aggregated {a20.sessions_met} kvagent "
-              f"{k20.sessions_met}; kvagent 21 / 20 only {kk[0]} / {kk[1]}, aggregated "
-              f"21 / 20 only {aa[0]} / {aa[1]}; big d_direct beside a P leg 20: {big[0]}, "
-              f"21: {big[1]}")
+              f"before, by the after run's bounds: met aggregated {a20.sessions_met} kvagent "
+              f"{k20.sessions_met}; kvagent after / before only {kk[0]} / {kk[1]}, "
+              f"aggregated after / before only {aa[0]} / {aa[1]}; big d_direct beside a P "
+              f"leg before: {big[0]}, after: {big[1]}")
         for key, val in (("k21", k21.sessions_met), ("a21", a21.sessions_met),
                          ("k20", k20.sessions_met), ("a20", a20.sessions_met),
                          ("k20_own", k20_own.sessions_met), ("a20_own", a20_own.sessions_met),
@@ -93,11 +108,11 @@ def main() -> None:
                          ("a20_only", aa[1]), ("big20", big[0]), ("big21", big[1])):
             tot[key] += val
     print("pooled:", tot)
-    for a, b, what in (("k21_only_vs_a", "a21_only_vs_k", "run 21 kvagent vs aggregated"),
-                       ("k21_only", "k20_only", "kvagent run 21 vs run 20 (run 21's bounds)"),
-                       ("a21_only", "a20_only", "aggregated run 21 vs run 20 (control)")):
+    for a, b, what in (("k21_only_vs_a", "a21_only_vs_k", "after: kvagent vs aggregated"),
+                       ("k21_only", "k20_only", "kvagent after vs before (after's bounds)"),
+                       ("a21_only", "a20_only", "aggregated after vs before (control)")):
         print(f"{what}: {tot[a]} / {tot[b]}, p = {sign_test_p(tot[a], tot[a] + tot[b]):.4f}")
 
 
 if __name__ == "__main__":
-    main()
+    main(*sys.argv[1:2])
