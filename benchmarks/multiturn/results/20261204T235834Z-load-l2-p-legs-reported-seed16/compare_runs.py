@@ -18,8 +18,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from benchmarks.multiturn.goodput import rescore_level, sign_test_p
-from benchmarks.multiturn.results import LevelResult, LoadReport, RequestRecord
+from benchmarks.multiturn.goodput import paired_sessions, rescore_level, sign_test_p
+from benchmarks.multiturn.results import (
+    LevelResult,
+    LoadConfigResult,
+    LoadReport,
+    RequestRecord,
+)
 
 RESULTS = Path(__file__).resolve().parent.parent
 #: seed -> (before, after)
@@ -56,11 +61,11 @@ def level(report: LoadReport, config: str) -> LevelResult:
 
 
 def only(a: LevelResult, b: LevelResult) -> tuple[int, int]:
-    """Sessions met by `a` and not `b`, and the other way round."""
-    ids = a.session_outcome.keys() & b.session_outcome.keys()
-    met_a = {s for s in ids if a.session_outcome[s] == "met"}
-    met_b = {s for s in ids if b.session_outcome[s] == "met"}
-    return len(met_a - met_b), len(met_b - met_a)
+    """Sessions met by `a` and not `b`, and the other way round (`paired_sessions`)."""
+    pair = paired_sessions(*(LoadConfigResult(name=n, description="", status="ok", levels=[lv])
+                             for n, lv in (("a", a), ("b", b))))
+    assert pair is not None
+    return pair.only_a, pair.only_b
 
 
 def big_d_direct_beside_p(records: list[RequestRecord], min_delta: int = 1000) -> int:
