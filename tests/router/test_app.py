@@ -259,6 +259,20 @@ async def test_decode_lost_between_turns_recomputes_elsewhere() -> None:
         no_wrong_kv(st)
 
 
+async def test_a_failed_d_direct_recomputes_on_another_decode_node() -> None:
+    """A holder that answers 500 to its `d_direct` leg is tried last for the recompute,
+    whose D leg pulls from P and so is not retried elsewhere."""
+    async with router_stack(n_decode=2, skip_prefill_max_tokens=100_000) as st:
+        kva, answer, _ = await turn(st, FIRST)
+        holder = next(d for d in st.decode if d.requests)
+        other = next(d for d in st.decode if d is not holder)
+        holder.fail_next = [500, 500]
+        kva2, _, _ = await turn(st, second(answer), token=kva["cache_token"])
+        assert kva2["path"] == "recompute" and kva2["reason"] == "decode_failed"
+        assert other.requests, "the recompute must start on the node that did not fail"
+        no_wrong_kv(st)
+
+
 async def test_decode_restart_detected_by_epoch() -> None:
     async with router_stack(skip_prefill_max_tokens=0, health_interval_s=0.05) as st:
         kva, answer, _ = await turn(st, FIRST)

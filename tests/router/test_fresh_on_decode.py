@@ -129,6 +129,20 @@ async def test_a_failing_d_leg_falls_back_to_p() -> None:
         no_wrong_kv(st)
 
 
+async def test_the_p_d_retry_tries_the_decode_nodes_that_failed_last() -> None:
+    """With more decode nodes than a leg tries, the P/D retry of a failed `d_fresh` starts
+    on one it has not tried: the one that failed first would refuse P's KV as well, and a
+    D leg that pulls is not retried on another node."""
+    async with router_stack(fresh_on_decode="always", n_decode=4) as st:
+        for node in st.decode[:3]:
+            node.fail_next = [500] * 3
+        kva, _, _ = await turn(st, FIRST)
+        assert kva["path"] == "pd_fresh" and kva["cache_token"]
+        assert [len(n.requests) for n in st.decode] == [1, 1, 1, 1]
+        assert st.decode[3].requests[-1]["kv_transfer_params"]["do_remote_prefill"]
+        no_wrong_kv(st)
+
+
 async def test_reuse_off_keeps_every_turn_p_d() -> None:
     """`reuse: false` is the P/D-without-reuse baseline: D's prefix cache must not serve
     its turns, so none goes to D alone."""

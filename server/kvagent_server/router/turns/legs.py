@@ -46,11 +46,13 @@ class LegError(Exception):
     """A leg failed before its first byte on every node tried. `status` is for the client."""
 
     def __init__(self, message: str, *, status: int = 502, body: dict[str, Any] | None = None,
-                 leg: str = "decode") -> None:
+                 leg: str = "decode", tried: tuple[str, ...] = ()) -> None:
         super().__init__(message)
         self.status = status
         self.body = body  # the node's own error body when it is the client's fault (4xx)
         self.leg = leg
+        #: The nodes the leg was sent to, by name (a retry elsewhere ranks them last).
+        self.tried = tried
 
 
 def _unreachable(leg: str, exc: UpstreamError) -> LegError:
@@ -282,7 +284,9 @@ class Legs:
         """Open the D leg on the first candidate that answers 200 (headers only when streamed)."""
         last: LegError | None = None
         pulls = pulls_kv(body)
+        tried: list[str] = []
         for node in list(candidates)[: self.max_retries + 1]:
+            tried.append(node.name)
             started = time.perf_counter()
             try:
                 resp = await self._post(node, path, body, stream=stream)
@@ -299,8 +303,11 @@ class Legs:
                 if pulls and resp.status_code != 503:
                     break
                 continue
-            raise LegError("request rejected", status=resp.status_code, body=_error_body(resp))
-        raise last or LegError("no healthy decode node", status=503)
+            raise LegError("request rejected", status=resp.status_code, body=_error_body(resp),
+                           tried=tuple(tried))
+        failed = last or LegError("no healthy decode node", status=503)
+        failed.tried = tuple(tried)
+        raise failed
 
     async def release_prefill(self, candidates: Sequence[Node], path: str,
                               body: dict[str, Any], prefill: PrefillResult) -> bool:

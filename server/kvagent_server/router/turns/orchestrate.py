@@ -309,6 +309,9 @@ class _Choice:
     #: compute estimated from it (0: not estimated).
     body_chars: int = 0
     est_tokens: int = 0
+    #: Decode nodes a failed `d_fresh` or `d_direct` leg was sent to: the P/D retry
+    #: tries them last.
+    d_failed: tuple[str, ...] = ()
 
 
 async def _choose(r: Router, req: TurnRequest) -> _Choice:
@@ -492,6 +495,7 @@ async def plan_turn(r: Router, req: TurnRequest) -> Turn:
         except LegError as exc:
             if exc.status < 500:
                 raise
+            c.d_failed = exc.tried
             if c.path == "d_fresh":
                 log.info("d_fresh on %s failed; P computes the prompt",
                          c.d_first.name if c.d_first else "no decode node")
@@ -600,6 +604,8 @@ async def _run_pd(r: Router, req: TurnRequest, c: _Choice, started: float) -> Tu
         path, plan = "recompute", planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.PULL_FAILED)
     d_nodes = r.registry.ranked("decode", c.d_first if c.d_first and c.d_first.healthy
                                 else None)
+    # Stable: the rest keep their rank, the nodes that just failed the prompt go last.
+    d_nodes.sort(key=lambda n: n.name in c.d_failed)
     # P's lease on its blocks started about now: a D that sees the leg later recomputes.
     read_by = time.time() + r.settings.prefill_lease_s - r.settings.prefill_lease_margin_s
     d_params = transfer.with_read_by(prefill.kv_params, read_by)
