@@ -148,6 +148,7 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
     event_sources: dict[str, dict[str, Any]] = {}
 
     nodes: list[ProcessSpec] = []
+    d_prompt_caps: set[int] = set()  # each decode node's --long-prefill-token-threshold
     for role, i in roles:
         rc = cfg.role(role)
         port = cfg.node_ports(role)[i]
@@ -219,6 +220,8 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
         env.update(inputs.role_env.get(role, {}))
         env.update(rc.extra_env)
 
+        if role == "decode":
+            d_prompt_caps.add(int(last_flag(args, "--long-prefill-token-threshold") or 0))
         if events is not None:
             event_sources[http_url(host, port)] = {
                 "endpoint": events[1], "topic": cfg.kv_events.topic,
@@ -242,6 +245,7 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
             raise ConfigError([("router.kv_events: the bundle fills it from kv_events; set "
                                 "kv_events.enabled: false to list sources yourself")])
         router_settings["kv_events"] = event_sources
+    router_settings["decode_prompt_step_tokens"] = _decode_prompt_step(cfg, d_prompt_caps)
     settings_path = run_dir / ROUTER_SETTINGS_FILE
     router = None
     if cfg.router_enabled:
@@ -387,6 +391,21 @@ def _router_settings(cfg: BundleConfig, block_size: int, model: ModelSource
     dumped: dict[str, Any] = reveal_secrets(
         cfg.router.model_copy(update=update).model_dump(mode="python"))
     return dumped
+
+
+def _decode_prompt_step(cfg: BundleConfig, caps: set[int]) -> int | None:
+    """The router's `decode_prompt_step_tokens`: the decode nodes' prompt cap per shared
+    step (None when it is off, or, should they differ, not one), and a value set by hand
+    only where it agrees."""
+    value = next(iter(caps)) if len(caps) == 1 else None
+    value = value or None
+    given = cfg.router.decode_prompt_step_tokens
+    if "decode_prompt_step_tokens" in cfg.router.model_fields_set and given != value:
+        raise ConfigError([(f"router.decode_prompt_step_tokens: {given} disagrees with the "
+                            f"decode nodes' --long-prefill-token-threshold ({value}); set "
+                            "decode.long_prefill_token_threshold instead, the bundle passes "
+                            "it on")])
+    return value
 
 
 def _cpu_binds(cfg: BundleConfig, host: HostFacts, roles: list[tuple[Role, int]]

@@ -52,6 +52,20 @@ def test_the_stall_cap_keeps_a_long_prompt_off_a_decoding_d() -> None:
     assert _auto(P_BUSY, IDLE, d_stall_max_s=0.04) == "d_fresh"  # no stream to stall
 
 
+def test_with_short_steps_on_d_a_busy_p_sends_the_prompt_to_d_beside_its_streams() -> None:
+    """D computes a prompt in short steps while it streams: while P computes other legs
+    and D no prompt of its own, D takes the first turn, whatever the stall cap says of the
+    whole prompt and even once P's estimated queue reads empty (P running late)."""
+    late_p = NodeWork(prefill_tokens=0, prompts=1)
+    streams = NodeWork(streams=3)
+    kw = {"d_stall_max_s": 0.04}
+    assert _auto(late_p, streams, **kw) == "pd_fresh"  # steps unknown: the cap decides
+    assert _auto(late_p, streams, d_prompt_step_tokens=128, **kw) == "d_fresh"
+    d_computing = NodeWork(prefill_tokens=300, streams=3, prompts=1)
+    assert _auto(late_p, d_computing, d_prompt_step_tokens=128, **kw) == "pd_fresh"
+    assert _auto(IDLE, streams, d_prompt_step_tokens=128, **kw) == "pd_fresh"  # P idle
+
+
 def test_fixed_policies_health_and_blind_queues() -> None:
     for policy, want in (("never", "pd_fresh"), ("always", "d_fresh")):
         assert fresh_path(FIRST_TURN, COSTS, policy=policy, d_healthy=True, p_work=P_BUSY,
@@ -107,6 +121,24 @@ async def test_auto_moves_a_first_turn_to_d_only_while_p_is_busy() -> None:
         st.router.work.end(ticket, time.monotonic())
         kva, _, _ = await turn(st, FIRST, session="idle-again")
         assert kva["path"] == "pd_fresh"
+        no_wrong_kv(st)
+
+
+async def test_auto_with_short_steps_on_d_counts_ps_legs_not_its_estimate() -> None:
+    async with router_stack(fresh_on_decode="auto", decode_prompt_step_tokens=128) as st:
+        p_name = st.router.registry.role("prefill")[0].name
+        d_name = st.router.registry.role("decode")[0].name
+        now = time.monotonic()
+        # P's leg was due long ago by P's line (the estimate reads 0); D streams.
+        st.router.work.begin(p_name, prefill_tokens=10, stream=False, now=now - 60)
+        stream = st.router.work.begin(d_name, prefill_tokens=0, stream=True, now=now)
+        assert st.router.work.work(p_name, now=now, per_token_s=1e-3).prefill_tokens == 0
+        kva, _, _ = await turn(st, FIRST, session="late-p")
+        assert kva["path"] == "d_fresh"
+        st.router.work.begin(d_name, prefill_tokens=5_000, stream=True, now=now)
+        kva, _, _ = await turn(st, FIRST, session="d-computing")
+        assert kva["path"] == "pd_fresh"  # D's steps already carry a prompt
+        st.router.work.end(stream, time.monotonic())
         no_wrong_kv(st)
 
 

@@ -95,6 +95,25 @@ def test_router_settings_follow_the_nodes() -> None:
     assert plan(same, fake_inputs(gpus=2)).router_settings["block_size"] == 16
 
 
+def test_router_knows_the_decode_nodes_prompt_step() -> None:
+    """D's prompt cap per shared step, as the nodes will run it (extra_args win), reaches
+    the router; off or unknown: None; a hand-set value must agree."""
+    from kvagent_server.config import ConfigError
+
+    def step(raw: dict[str, Any], **kw: Any) -> Any:
+        return plan(validate_config(raw), fake_inputs(**kw)).router_settings[
+            "decode_prompt_step_tokens"]
+
+    assert step({}) == 128  # the CPU default
+    assert step({"decode": {"extra_args": ["--long-prefill-token-threshold=64"]}}) == 64
+    assert step({"decode": {"long_prefill_token_threshold": 0}}) is None  # off
+    assert step({"device": "cuda"}, gpus=2) is None  # vLLM's default: off
+    assert step({"decode": {"count": 2}, "cpu_pinning": False}) == 128
+    assert step({"router": {"decode_prompt_step_tokens": 128}}) == 128
+    with pytest.raises(ConfigError, match="decode_prompt_step_tokens: 64 disagrees"):
+        step({"router": {"decode_prompt_step_tokens": 64}})
+
+
 def test_router_gets_the_models_placeholder_tokens_unless_configured(tmp_path: Any) -> None:
     """A local model's config.json names its image/video/audio tokens: the router gets
     them, so a changed image stops reuse at its position; a configured list wins."""

@@ -75,10 +75,18 @@ class RouterSettings(BaseModel):
         description="Where a turn with nothing to reuse (a first turn) computes its prompt. "
         "`auto`, with `queue_aware_paths`: on the decode node itself (`d_fresh`, which keeps "
         "its KV for the next turn like any other) while work is queued on P and the costs "
-        "say D, the stall on its streams included, answers sooner: conditional "
-        "disaggregation. `never`: P computes every such prompt (`pd_fresh`). `always`: D "
+        "say D, the stall on its streams included, answers sooner, or, with "
+        "`decode_prompt_step_tokens`, while P computes other legs and D no prompt: "
+        "conditional disaggregation. `never`: P computes every such prompt (`pd_fresh`). `always`: D "
         "does (an aggregated node's first turns, P kept for reused turns). Not with `reuse` "
         "off, whose turns all stay P/D.")
+    decode_prompt_step_tokens: int | None = Field(default=None, ge=1,
+        description="The most tokens of a prompt a decode node computes per step while "
+        "other requests share it (vLLM's --long-prefill-token-threshold on D; the bundle "
+        "fills it in). Known, `fresh_on_decode: auto` also sends a first turn to D whenever "
+        "P is computing other legs and D no prompt of its own: D's streams then wait one "
+        "short step per chunk, not the whole prompt (docs/benchmarks.md run 22). None: "
+        "D's steps are not known to be short; the costs and the stall cap decide.")
     skip_tokenize_extensions: bool = Field(default=True,
         description="A chat turn whose messages repeat the held turn's exactly (same "
         "rendering inputs) and add new ones goes `d_direct` without the router's `/tokenize` "

@@ -481,7 +481,8 @@ def choose_path(
 def fresh_path(prompt_tokens: float, costs: PathCosts, *, policy: FreshPolicy,
                d_healthy: bool, p_work: NodeWork | None = None,
                d_work: NodeWork | None = None,
-               d_stall_max_s: float | None = None) -> Path:
+               d_stall_max_s: float | None = None,
+               d_prompt_step_tokens: int | None = None) -> Path:
     """Where a turn with nothing to reuse computes its prompt: `pd_fresh` (P computes, D
     pulls and decodes) or `d_fresh` (the decode node computes it itself, as an aggregated
     node would, and keeps the KV for the next turn).
@@ -495,6 +496,14 @@ def fresh_path(prompt_tokens: float, costs: PathCosts, *, policy: FreshPolicy,
     stall on D's streams; `d_stall_max_s` caps a stall as there). An idle P computes every
     fresh prompt: the few ms a short one might save on D do not pay for the stall it would
     put on streams that start meanwhile, which no line prices.
+
+    With `d_prompt_step_tokens` (D computes at most that many tokens of a prompt per step
+    while other requests share it), D takes the prompt whenever P is computing other legs
+    (`p_work.prompts`, a fact where P's estimated queue reads empty once P runs late) and
+    D computes no prompt of its own: its streams then wait one short step per chunk, not
+    the whole prompt, and a first turn's chunks attend to a short context. Neither the
+    sums nor the stall cap see that (the `d_direct` line is learned on deltas at long
+    contexts, whose short steps are slower).
     `prompt_tokens`: the estimated tokens to compute (the router does not tokenize a first
     turn)."""
     if prompt_tokens < 0:
@@ -503,9 +512,11 @@ def fresh_path(prompt_tokens: float, costs: PathCosts, *, policy: FreshPolicy,
         return "pd_fresh"
     if policy == "always":
         return "d_fresh"
-    if p_work is None or p_work.prefill_tokens <= 0:
+    if p_work is None or (p_work.prefill_tokens <= 0 and p_work.prompts == 0):
         return "pd_fresh"
     d_work = d_work or IDLE
+    if d_prompt_step_tokens is not None and p_work.prompts > 0 and d_work.prompts == 0:
+        return "d_fresh"
     n = math.ceil(prompt_tokens)
     if _past_stall_cap(costs, n, d_work, d_stall_max_s):
         return "pd_fresh"

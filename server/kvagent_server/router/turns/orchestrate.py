@@ -411,7 +411,8 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
             choice.est_tokens, costs, policy=r.settings.fresh_on_decode,
             d_healthy=d_first is not None and d_first.healthy,
             p_work=p_work if p_first is not None else None, d_work=d_work,
-            d_stall_max_s=_stall_max_s(r.settings))
+            d_stall_max_s=_stall_max_s(r.settings),
+            d_prompt_step_tokens=r.settings.decode_prompt_step_tokens)
     return choice
 
 
