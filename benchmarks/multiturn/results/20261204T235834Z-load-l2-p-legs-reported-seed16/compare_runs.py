@@ -2,10 +2,12 @@
 
     PYTHONPATH=. python \
         benchmarks/multiturn/results/20261204T235834Z-load-l2-p-legs-reported-seed16/compare_runs.py \
-        [run21|late-p-idle-d]
+        [run21|late-p-idle-d|run22]
 
 `run21` (the default): run 21 (after) against run 20 (before); `late-p-idle-d`: the
-first-turn rule tried after run 21 (after) against run 21 (before). For each seed: each
+first-turn rule tried after run 21 (after) against run 21 (before); `run22`: first turns
+on D in its short steps while P computes other legs (after) against run 21 (before),
+seven seeds. For each seed: each
 run's goodput by its own bounds; both runs judged by the later run's bounds (its idle
 probe) and paired session by session, `kvagent` against `kvagent` and the aggregated node
 against itself (a control for the hour); and the `d_direct` turns with a delta of 1,000
@@ -49,7 +51,11 @@ LATE_P_IDLE_D = {
     18: ("20261205T002206Z-load-l2-p-legs-reported-seed18",
          "20261205T005957Z-load-l2-late-p-idle-d-seed18"),
 }
-COMPARISONS = {"run21": RUN21, "late-p-idle-d": LATE_P_IDLE_D}
+RUN22 = {seed: (RUN21[seed][1], f"{stamp}-load-l2-d-fresh-short-steps-seed{seed}")
+         for seed, stamp in ((12, "20261205T023656Z"), (13, "20261205T021328Z"), (14, "20261205T021912Z"),
+                             (15, "20261205T024241Z"), (16, "20261205T022505Z"), (17, "20261205T024838Z"),
+                             (18, "20261205T023059Z"))}
+COMPARISONS = {"run21": RUN21, "late-p-idle-d": LATE_P_IDLE_D, "run22": RUN22}
 
 
 def load(folder: str) -> LoadReport:
