@@ -77,9 +77,9 @@ class RouterSettings(BaseModel):
         "its KV for the next turn like any other) while work is queued on P and the costs "
         "say D, the stall on its streams included, answers sooner, or, with "
         "`decode_prompt_step_tokens`, while P computes other legs and D no prompt: "
-        "conditional disaggregation. `never`: P computes every such prompt (`pd_fresh`). `always`: D "
-        "does (an aggregated node's first turns, P kept for reused turns). Not with `reuse` "
-        "off, whose turns all stay P/D.")
+        "conditional disaggregation. `never`: P computes every such prompt (`pd_fresh`). "
+        "`always`: D does (an aggregated node's first turns, P kept for reused turns). Not "
+        "with `reuse` off, whose turns all stay P/D.")
     decode_prompt_step_tokens: int | None = Field(default=None, ge=1,
         description="The most tokens of a prompt a decode node computes per step while "
         "other requests share it (vLLM's --long-prefill-token-threshold on D; the bundle "
