@@ -141,7 +141,6 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
     served = cfg.served_model_name or inputs.model.served_name
     max_len = cfg.max_model_len or inputs.model.default_max_model_len
     block_size = cfg.block_size or DEFAULT_BLOCK_SIZE[device]
-    router_settings = _router_settings(cfg, block_size, inputs.model)
     run_dir = cfg.resolved_run_dir()
     event_nodes = set(cfg.kv_event_nodes())
     event_ports = cfg.kv_event_ports()
@@ -240,12 +239,15 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
             cpu_bind=bind, cpu_affinity=affinity, cuda_device=gpus.get((role, i)),
         ))
 
+    # Every decode node gets its role's arguments: one cap (0, off: None).
+    d_prompt_cap = next(iter(d_prompt_caps)) if len(d_prompt_caps) == 1 else None
+    router_settings = _router_settings(cfg, block_size, inputs.model,
+                                       d_prompt_cap=d_prompt_cap or None)
     if event_sources:
         if cfg.router.kv_events:
             raise ConfigError([("router.kv_events: the bundle fills it from kv_events; set "
                                 "kv_events.enabled: false to list sources yourself")])
         router_settings["kv_events"] = event_sources
-    router_settings["decode_prompt_step_tokens"] = _decode_prompt_step(cfg, d_prompt_caps)
     settings_path = run_dir / ROUTER_SETTINGS_FILE
     router = None
     if cfg.router_enabled:
@@ -365,18 +367,21 @@ def last_flag(args: Sequence[str], flag: str) -> str | None:
     return value
 
 
-def _router_settings(cfg: BundleConfig, block_size: int, model: ModelSource
-                     ) -> dict[str, Any]:
-    """The router's settings with the node facts it must agree on filled in by the bundle."""
+def _router_settings(cfg: BundleConfig, block_size: int, model: ModelSource, *,
+                     d_prompt_cap: int | None) -> dict[str, Any]:
+    """The router's settings with the node facts it must agree on filled in by the bundle
+    (`d_prompt_cap`: the decode nodes' --long-prefill-token-threshold as they run it)."""
     update: dict[str, Any] = {}
     if "mm_placeholder_token_ids" not in cfg.router.model_fields_set:
         # Known placeholders let a changed image stop reuse at its position instead of
         # recomputing the whole turn; unknown ones keep the safe default.
         update["mm_placeholder_token_ids"] = list(model.mm_placeholder_token_ids)
     synced = {"block_size": block_size, "kv_recompute_threshold": cfg.kv_recompute_threshold,
-              "decode_blocks_ttl_s": cfg.decoder_kv_blocks_ttl_s}
+              "decode_blocks_ttl_s": cfg.decoder_kv_blocks_ttl_s,
+              "decode_prompt_step_tokens": d_prompt_cap}
     source = {"block_size": "block_size", "kv_recompute_threshold": "kv_recompute_threshold",
-              "decode_blocks_ttl_s": "decoder_kv_blocks_ttl_s"}
+              "decode_blocks_ttl_s": "decoder_kv_blocks_ttl_s",
+              "decode_prompt_step_tokens": "decode.long_prefill_token_threshold"}
     fields = type(cfg.router).model_fields
     problems = []
     for key, value in synced.items():
@@ -391,21 +396,6 @@ def _router_settings(cfg: BundleConfig, block_size: int, model: ModelSource
     dumped: dict[str, Any] = reveal_secrets(
         cfg.router.model_copy(update=update).model_dump(mode="python"))
     return dumped
-
-
-def _decode_prompt_step(cfg: BundleConfig, caps: set[int]) -> int | None:
-    """The router's `decode_prompt_step_tokens`: the decode nodes' prompt cap per shared
-    step (None when it is off, or, should they differ, not one), and a value set by hand
-    only where it agrees."""
-    value = next(iter(caps)) if len(caps) == 1 else None
-    value = value or None
-    given = cfg.router.decode_prompt_step_tokens
-    if "decode_prompt_step_tokens" in cfg.router.model_fields_set and given != value:
-        raise ConfigError([(f"router.decode_prompt_step_tokens: {given} disagrees with the "
-                            f"decode nodes' --long-prefill-token-threshold ({value}); set "
-                            "decode.long_prefill_token_threshold instead, the bundle passes "
-                            "it on")])
-    return value
 
 
 def _cpu_binds(cfg: BundleConfig, host: HostFacts, roles: list[tuple[Role, int]]
