@@ -217,6 +217,7 @@ def rescore_level(lv: LevelResult, slo: Slo, *, turns: int, max_error_rate: floa
                           max_error_rate=max_error_rate)
     return out.model_copy(update={"foreign_vllm_max": lv.foreign_vllm_max,
                                   "load_avg_max": lv.load_avg_max,
+                                  "steal_s": lv.steal_s, "other_cpu_s": lv.other_cpu_s,
                                   "placements": lv.placements})
 
 

@@ -194,6 +194,8 @@ def run_level(ep: Endpoint, config: BenchConfig, level: int, slo: Slo,
         max_error_rate=args.max_error_rate)
     result.foreign_vllm_max = watch.max
     result.load_avg_max = watch.load_max
+    result.steal_s = watch.steal_s
+    result.other_cpu_s = {name: round(s, 2) for name, s in watch.other_cpu.items()}
     result.placements = goodput.counter_delta(before, _placements(ep, config))
     return result
 

@@ -303,19 +303,66 @@ def wait_until_alone(timeout_s: float, *, poll_s: float = 10.0, log=print) -> No
         time.sleep(poll_s)
 
 
+def steal_ticks() -> int | None:
+    """Clock ticks the hypervisor gave this machine's cores to others since boot (the
+    `steal` column of /proc/stat); None where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    return int(fields[8]) if len(fields) > 8 and fields[0] == "cpu" else None
+
+
+#: pid -> (start time, name, user + system CPU seconds), as `process_cpu` reads them.
+ProcessCpu = dict[int, tuple[float, str, float]]
+
+
+def process_cpu() -> ProcessCpu:
+    """Every process that can be read, with its start time (a pid may be reused)."""
+    out = {}
+    for proc in psutil.process_iter(["create_time", "name", "cpu_times"]):
+        times = proc.info.get("cpu_times")
+        if times is not None:
+            out[proc.pid] = (proc.info.get("create_time") or 0.0, proc.info.get("name") or "?",
+                             times.user + times.system)
+    return out
+
+
+def cpu_outside(before: ProcessCpu, after: ProcessCpu, own: set[int]) -> dict[str, float]:
+    """CPU seconds by process name that processes not in `own` used between two
+    `process_cpu` snapshots, most first; one started meanwhile counts from zero."""
+    used: dict[str, float] = {}
+    for pid, (started, name, cpu) in after.items():
+        if pid in own:
+            continue
+        was = before.get(pid)
+        spent = cpu - was[2] if was is not None and was[0] == started else cpu
+        if spent > 0:
+            used[name] = used.get(name, 0.0) + spent
+    return dict(sorted(used.items(), key=lambda kv: -kv[1]))
+
+
 class ContentionWatch:
     """Samples `foreign_vllm()` in a thread while a workload runs; `.max` is the most seen.
-    `.load_max`: the highest 1-minute load average seen (other work on the cores that is
-    not a vLLM node: a test suite, a build)."""
+    `.load_max`: the highest 1-minute load average seen (it counts the benchmark's own
+    threads too: the engines' exceed the cores). What competed for the cores, over the
+    whole watch: `.steal_s`, CPU time the hypervisor gave to other machines (None where
+    unknown), and `.other_cpu`, CPU seconds by name of processes outside this one and its
+    children."""
 
     def __init__(self, every_s: float = 2.0) -> None:
         import threading
 
         self.max = 0
         self.load_max = 0.0
+        self.steal_s: float | None = None
+        self.other_cpu: dict[str, float] = {}
         self._every = every_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="contention-watch", daemon=True)
+        self._steal0: int | None = None
+        self._cpu0: ProcessCpu = {}
 
     def _run(self) -> None:
         while True:
@@ -325,12 +372,19 @@ class ContentionWatch:
                 return
 
     def __enter__(self) -> Self:
+        self._steal0, self._cpu0 = steal_ticks(), process_cpu()
         self._thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        me = psutil.Process()
+        own = {me.pid, *(p.pid for p in me.children(recursive=True))}
+        self.other_cpu = cpu_outside(self._cpu0, process_cpu(), own)
+        steal = steal_ticks()
+        if steal is not None and self._steal0 is not None:
+            self.steal_s = (steal - self._steal0) / os.sysconf("SC_CLK_TCK")
 
 
 @contextmanager

@@ -329,6 +329,13 @@ def _missed_text(lv: LevelResult) -> str:
                                                  "itl_p99"))
 
 
+def _outside(lv: LevelResult) -> str:
+    steal = "steal ?" if lv.steal_s is None else f"steal {lv.steal_s:.1f} s"
+    other = lv.other_cpu_s or {}
+    top = ", ".join(f"{name} {s:.1f}" for name, s in list(other.items())[:3])
+    return f"{steal}, others {sum(other.values()):.1f} s" + (f" ({top})" if top else "")
+
+
 def load_markdown(report: LoadReport) -> str:
     ld = report.load
     lines = [
@@ -406,6 +413,11 @@ def load_markdown(report: LoadReport) -> str:
     if loads:
         lines += [f"Highest 1-minute load average per level (cores: "
                   f"{report.machine.get('cores', '?')}): " + ", ".join(loads), ""]
+    outside = [f"{c.name} {lv.level}: {_outside(lv)}" for c in report.configs
+               for lv in c.levels if lv.steal_s is not None or lv.other_cpu_s is not None]
+    if outside:
+        lines += ["CPU outside the benchmark per level (stolen by the hypervisor; used by "
+                  "other processes, the busiest named): " + "; ".join(outside), ""]
     for c in report.configs:
         if c.error:
             lines += [f"**{c.name}** {c.status}: {c.error}", ""]

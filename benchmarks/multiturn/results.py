@@ -258,9 +258,15 @@ class LevelResult(BaseModel):
     #: `itl_p99` -> sessions (one session may count under several).
     missed_by: dict[str, int] = Field(default_factory=dict)
     foreign_vllm_max: int | None = None
-    #: Highest 1-minute load average during the level: above the cores the benchmark's
-    #: own nodes keep busy, something else competed for them.
+    #: Highest 1-minute load average during the level. It counts the benchmark's own
+    #: runnable threads too (the engines' outnumber the cores), so `steal_s` and
+    #: `other_cpu_s` say better whether something else competed for the cores.
     load_avg_max: float | None = None
+    #: CPU seconds the hypervisor gave to other machines during the level (all cores).
+    steal_s: float | None = None
+    #: CPU seconds used during the level by processes outside the benchmark and its
+    #: children, by name, most first (the kernel's own threads included).
+    other_cpu_s: dict[str, float] | None = None
     #: The router's P and D placement choices during the level, by reason
     #: (`prefill:tier_hit`, `decode:affinity`, ...); empty without a router.
     placements: dict[str, float] = Field(default_factory=dict)

@@ -350,8 +350,10 @@ def _recorded_run() -> LoadReport:
                                  cancelled=["c", "d"], window_s=60, wall_s=30, slo=SLO,
                                  max_error_rate=0.1)
     lv = lv.model_copy(update={"foreign_vllm_max": 0, "placements": {"prefill:x": 1.0},
-                               "load_avg_max": 2.5})
-    configs = [cfg("kvagent", lv), cfg("aggregated", lv.model_copy())]
+                               "load_avg_max": 2.5, "steal_s": 0.25,
+                               "other_cpu_s": {"cc1": 3.0, "make": 0.5}})
+    configs = [cfg("kvagent", lv),
+               cfg("aggregated", lv.model_copy(update={"steal_s": None, "other_cpu_s": {}}))]
     return LoadReport(created_at="t", command=["x"], machine={}, versions={},
                       load={"turns": 2, "max_error_rate": 0.1}, slo=SLO, configs=configs,
                       targets=goodput.load_targets(configs))
@@ -366,6 +368,7 @@ def test_rescore_rejudges_the_recorded_requests() -> None:
     assert (lv2.sessions, lv2.sessions_met, lv2.sessions_cancelled) == (4, 2, 2)
     assert lv2.goodput_sessions_per_min == 2 and lv2.placements == {"prefill:x": 1.0}
     assert lv2.foreign_vllm_max == 0 and lv2.load_avg_max == 2.5 and len(lv2.records) == 5
+    assert lv2.steal_s == 0.25 and lv2.other_cpu_s == {"cc1": 3.0, "make": 0.5}
     assert loose.slo is not None and loose.slo.ttft_later_s == pytest.approx(0.8)
     assert loose.targets.peak_goodput == {"kvagent": 2.0, "aggregated": 2.0}
     assert loose.rescored == {"ttft_factor": 4.0, "itl_factor": 3.0,
@@ -399,4 +402,6 @@ def test_rescore_cli(tmp_path) -> None:
     md = (out / "summary.md").read_text()
     assert "**Re-judged**" in md and (out / "goodput.png").exists()
     assert "Highest 1-minute load average per level (cores: ?): kvagent 2: 2.5" in md
+    assert ("kvagent 2: steal 0.2 s, others 3.5 s (cc1 3.0, make 0.5); "
+            "aggregated 2: steal ?, others 0.0 s") in md
     assert LoadReport.model_validate_json((out / "results.json").read_text()).rescored

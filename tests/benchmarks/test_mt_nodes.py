@@ -14,6 +14,7 @@ from benchmarks.multiturn.nodes import (
     VLLM_MODULE,
     ContentionWatch,
     aggregated_args,
+    cpu_outside,
     foreign_vllm,
 )
 
@@ -57,6 +58,34 @@ def test_foreign_vllm_ignores_own_children_and_sees_orphans() -> None:
             time.sleep(0.2)
         assert watch.max >= 1
         assert watch.load_max > 0  # sampled: this test itself keeps a core busy
+    finally:
+        child.kill()
+        child.wait()
+        os.kill(orphan, signal.SIGKILL)
+
+
+def test_cpu_outside_counts_other_processes_since_the_first_snapshot() -> None:
+    before = {1: (100.0, "redis-server", 4.0), 2: (100.0, "bash", 9.0), 7: (100.0, "me", 1.0)}
+    after = {1: (100.0, "redis-server", 4.5),
+             2: (250.0, "make", 0.75),  # pid 2 reused by a program started meanwhile
+             3: (260.0, "cc1", 2.0),  # started meanwhile
+             7: (100.0, "me", 30.0), 8: (270.0, "vllm", 40.0)}  # ours
+    assert cpu_outside(before, after, own={7, 8}) == {"cc1": 2.0, "make": 0.75,
+                                                       "redis-server": 0.5}
+
+
+def test_contention_watch_counts_cpu_an_orphan_uses_and_not_its_own_children() -> None:
+    spin = "while :; do :; done"
+    child = subprocess.Popen(["sh", "-c", spin])
+    out = subprocess.run(["sh", "-c", f"sh -c '{spin}' >/dev/null 2>&1 & echo $!"],
+                         capture_output=True, text=True, check=True)
+    orphan = int(out.stdout.strip())
+    try:
+        with ContentionWatch(every_s=0.5) as watch:
+            time.sleep(1.5)
+        # Two busy shells, one ours: "sh" counts the orphan's share of the cores only.
+        assert 0.1 < watch.other_cpu.get("sh", 0.0) < 1.6
+        assert watch.steal_s is None or watch.steal_s >= 0
     finally:
         child.kill()
         child.wait()
