@@ -269,22 +269,20 @@ class Endpoint:
     decode_urls: tuple[str, ...] = ()
 
 
+def own_pids() -> set[int]:
+    """This process and every process it started (its nodes, their workers)."""
+    me = psutil.Process()
+    return {me.pid, *(p.pid for p in me.children(recursive=True))}
+
+
 def foreign_vllm() -> list[str]:
     """Command lines of vLLM API servers not started by this process (another user's P/D
     pair, a leftover): benchmarking beside them measures contention, not the system."""
-    me = os.getpid()
-    out = []
-    for proc in psutil.process_iter(["pid", "cmdline"]):
-        cmd = " ".join(proc.info.get("cmdline") or [])
-        if VLLM_MODULE not in cmd or proc.pid == me:
-            continue
-        try:
-            if any(p.pid == me for p in proc.parents()):
-                continue
-        except psutil.Error:
-            continue
-        out.append(f"{proc.pid} {cmd[:160]}")
-    return out
+    seen = {proc.pid: " ".join(proc.info.get("cmdline") or [])
+            for proc in psutil.process_iter(["cmdline"])}
+    own = own_pids()  # after the scan: a node started meanwhile is still ours
+    return [f"{pid} {cmd[:160]}" for pid, cmd in seen.items()
+            if VLLM_MODULE in cmd and pid not in own]
 
 
 def wait_until_alone(timeout_s: float, *, poll_s: float = 10.0, log=print) -> None:
@@ -379,9 +377,7 @@ class ContentionWatch:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-        me = psutil.Process()
-        own = {me.pid, *(p.pid for p in me.children(recursive=True))}
-        self.other_cpu = cpu_outside(self._cpu0, process_cpu(), own)
+        self.other_cpu = cpu_outside(self._cpu0, process_cpu(), own_pids())
         steal = steal_ticks()
         if steal is not None and self._steal0 is not None:
             self.steal_s = (steal - self._steal0) / os.sysconf("SC_CLK_TCK")
