@@ -1,0 +1,214 @@
+"""Several recorded load draws taken together: sessions met per configuration, the
+pooled goodput ratio, the session-by-session sign test, and how far the ratio moves
+when other draws had come out.
+
+One draw (one seed at one hour) moves by more than the changes it is meant to judge, so
+the goal is read on draws pooled as registered before they ran. The interval resamples
+whole draws (a bootstrap): it says how much the pooled ratio depends on which draws
+happened to be taken. Draws run in the same hour share that hour's host, so they are
+not quite independent and the interval is, if anything, too narrow.
+
+`python -m benchmarks.multiturn.pool FOLDER_OR_RESULTS_JSON ...` prints the table;
+`--json` writes it as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from pydantic import BaseModel, Field
+
+from .goodput import sign_test_p
+from .results import LevelResult, LoadConfigResult, LoadReport
+from .stats import AGGREGATED, KVAGENT
+
+
+class Draw(BaseModel):
+    """Two configurations on one recorded draw, at the level both ran."""
+
+    source: str  # the results folder (or file) it came from
+    created_at: str
+    seed: int | None
+    level: int
+    offered: int  # sessions that arrived
+    met_a: int
+    met_b: int
+    only_a: int  # sessions `a` met and `b` did not
+    only_b: int
+    foreign_vllm_max: int | None
+
+
+class Pooled(BaseModel):
+    """Draws taken together: `a` (kvagent) against `b` (the baseline)."""
+
+    a: str
+    b: str
+    draws: list[Draw]
+    offered: int
+    met_a: int
+    met_b: int
+    ratio: float | None  # met_a / met_b: the pooled goodput ratio (same windows)
+    only_a: int
+    only_b: int
+    p_value: float
+    #: Percentile interval of the pooled ratio over draws resampled with replacement.
+    interval: tuple[float, float] | None
+    confidence: float
+    resamples: int
+    #: Draws whose own ratio is at least `goal`, and the goal.
+    draws_at_goal: int
+    goal: float
+    foreign_vllm_max: int | None = Field(description="highest over the draws")
+
+
+def draw_of(report: LoadReport, source: str, *, a: str = KVAGENT, b: str = AGGREGATED
+            ) -> Draw:
+    """`a` and `b` on the highest level both ran in `report`."""
+    configs = {c.name: c for c in report.configs}
+    missing = [n for n in (a, b) if n not in configs]
+    if missing:
+        raise ValueError(f"{source}: no configuration {', '.join(missing)} "
+                         f"(has {', '.join(configs) or 'none'})")
+    la = _levels(configs[a])
+    lb = _levels(configs[b])
+    common = sorted(la.keys() & lb.keys())
+    if not common:
+        raise ValueError(f"{source}: {a} and {b} ran no level in common")
+    level = common[-1]
+    x, y = la[level], lb[level]
+    outcome_a, outcome_b = x.session_outcome, y.session_outcome
+    shared = outcome_a.keys() & outcome_b.keys()
+    foreign = [v for v in (x.foreign_vllm_max, y.foreign_vllm_max) if v is not None]
+    return Draw(
+        source=source, created_at=report.created_at, seed=report.load.get("seed"),
+        level=level, offered=max(x.sessions, y.sessions),
+        met_a=x.sessions_met, met_b=y.sessions_met,
+        only_a=sum(outcome_a[s] == "met" and outcome_b[s] != "met" for s in shared),
+        only_b=sum(outcome_b[s] == "met" and outcome_a[s] != "met" for s in shared),
+        foreign_vllm_max=max(foreign) if foreign else None)
+
+
+def _levels(config: LoadConfigResult) -> dict[int, LevelResult]:
+    return {lv.level: lv for lv in config.levels}
+
+
+def _ratio(a: int, b: int) -> float | None:
+    return a / b if b else None
+
+
+def _at_goal(d: Draw, goal: float) -> bool:
+    """A draw's own ratio at `goal` or more (a baseline that met nothing: any met)."""
+    return d.met_a >= goal * d.met_b if d.met_b else d.met_a > 0
+
+
+def bootstrap_interval(draws: Sequence[Draw], *, resamples: int, confidence: float,
+                       seed: int) -> tuple[float, float] | None:
+    """Percentile interval of sum(met_a) / sum(met_b) over draws resampled with
+    replacement; None with fewer than two draws. A resample whose baseline met nothing
+    counts as an unbounded ratio (it sorts above every finite one)."""
+    if len(draws) < 2:
+        return None
+    if not 0 < confidence < 1 or resamples < 1:
+        raise ValueError("need 0 < confidence < 1 and resamples >= 1")
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(resamples):
+        pick = [rng.choice(draws) for _ in draws]
+        met_b = sum(d.met_b for d in pick)
+        ratios.append(sum(d.met_a for d in pick) / met_b if met_b else float("inf"))
+    ratios.sort()
+    tail = (1 - confidence) / 2
+    lo = ratios[int(tail * (resamples - 1))]
+    hi = ratios[round((1 - tail) * (resamples - 1))]
+    return lo, hi
+
+
+def pool(draws: Sequence[Draw], *, a: str = KVAGENT, b: str = AGGREGATED, goal: float = 1.5,
+         resamples: int = 10_000, confidence: float = 0.95, seed: int = 0) -> Pooled:
+    """The draws taken together (pure: the resampling is seeded)."""
+    if not draws:
+        raise ValueError("no draws to pool")
+    met_a = sum(d.met_a for d in draws)
+    met_b = sum(d.met_b for d in draws)
+    only_a = sum(d.only_a for d in draws)
+    only_b = sum(d.only_b for d in draws)
+    foreign = [d.foreign_vllm_max for d in draws if d.foreign_vllm_max is not None]
+    return Pooled(
+        a=a, b=b, draws=list(draws), offered=sum(d.offered for d in draws),
+        met_a=met_a, met_b=met_b, ratio=_ratio(met_a, met_b), only_a=only_a, only_b=only_b,
+        p_value=sign_test_p(only_a, only_a + only_b),
+        interval=bootstrap_interval(draws, resamples=resamples, confidence=confidence,
+                                    seed=seed),
+        confidence=confidence, resamples=resamples,
+        draws_at_goal=sum(_at_goal(d, goal) for d in draws),
+        goal=goal, foreign_vllm_max=max(foreign) if foreign else None)
+
+
+def _fmt(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}"
+
+
+def markdown(p: Pooled) -> str:
+    """One row per draw, then the pooled row and the interval."""
+    lines = [(f"| seed | results | offered | {p.b} met | {p.a} met | ratio | "
+             f"only {p.a} / only {p.b} |"), "|---|---|---|---|---|---|---|"]
+    for d in p.draws:
+        lines.append(f"| {d.seed} | {d.source} | {d.offered} | {d.met_b} | {d.met_a} | "
+                     f"{_fmt(_ratio(d.met_a, d.met_b))} | {d.only_a} / {d.only_b} |")
+    lines.append(f"| pooled ({len(p.draws)} draws) | | {p.offered} | {p.met_b} | {p.met_a} | "
+                 f"**{_fmt(p.ratio)}** | {p.only_a} / {p.only_b} (p = {p.p_value:.2g}) |")
+    if p.interval is not None:
+        lo, hi = p.interval
+        lines.append("")
+        lines.append(f"{p.confidence:.0%} interval of the pooled ratio over draws resampled "
+                     f"({p.resamples} resamples): {_fmt(lo)}–{_fmt(hi)}. Draws at "
+                     f"{p.goal:g}x or more: {p.draws_at_goal} of {len(p.draws)}. "
+                     f"foreign_vllm_max over the draws: {p.foreign_vllm_max}.")
+    return "\n".join(lines) + "\n"
+
+
+def read_report(path: Path) -> LoadReport:
+    """A results folder or its results.json."""
+    file = path / "results.json" if path.is_dir() else path
+    if not file.is_file():
+        raise FileNotFoundError(f"{path}: no results.json")
+    return LoadReport.model_validate_json(file.read_text())
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.multiturn.pool",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("results", nargs="+", type=Path,
+                   help="load results folders (or their results.json), one per draw")
+    p.add_argument("--a", default=KVAGENT, help="configuration judged (default %(default)s)")
+    p.add_argument("--b", default=AGGREGATED, help="baseline (default %(default)s)")
+    p.add_argument("--goal", type=float, default=1.5)
+    p.add_argument("--resamples", type=int, default=10_000)
+    p.add_argument("--confidence", type=float, default=0.95)
+    p.add_argument("--seed", type=int, default=0, help="the resampling's seed")
+    p.add_argument("--json", type=Path, help="also write the pooled result here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        draws = [draw_of(read_report(r), r.name if r.is_dir() else str(r), a=args.a, b=args.b)
+                 for r in args.results]
+        pooled = pool(draws, a=args.a, b=args.b, goal=args.goal, resamples=args.resamples,
+                      confidence=args.confidence, seed=args.seed)
+    except (OSError, ValueError) as e:
+        print(f"pool: {e}", file=sys.stderr)
+        return 2
+    print(markdown(pooled), end="")
+    if args.json is not None:
+        args.json.write_text(pooled.model_dump_json(indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
