@@ -51,10 +51,17 @@ def test_a_pd_turn_and_a_d_direct_turn() -> None:
         _ev(200.012, "decode-0", "sched_add", "chatcmpl-d2-12345678", prompt=950),
         _ev(200.013, "decode-0", "sched_new", "chatcmpl-d2-12345678", tokens=50,
             computed=900),
-        _ev(200.050, "decode-0", "first_token", "chatcmpl-d2-12345678")]
+        _ev(200.050, "decode-0", "first_token", "chatcmpl-d2-12345678"),
+        # a first turn D computed whole: nothing cached, nothing read
+        _ev(300.010, "decode-0", "rendered", "chatcmpl-d3", arrived=300.0),
+        _ev(300.012, "decode-0", "sched_add", "chatcmpl-d3-87654321", prompt=950),
+        _ev(300.013, "decode-0", "sched_new", "chatcmpl-d3-87654321", tokens=128,
+            computed=0),
+        _ev(300.400, "decode-0", "first_token", "chatcmpl-d3-87654321")]
     rows = timeline.turns(timeline.requests(sorted(events, key=lambda e: e["t"])))
-    assert [r["path"] for r in rows] == ["pd_reuse", "d_direct"]
-    pd, dd = rows
+    assert [r["path"] for r in rows] == ["pd_reuse", "d_direct", "d_fresh"]
+    pd, dd, df = rows
+    assert df["d_compute"] == pytest.approx(387) and df["total"] == pytest.approx(400)
     assert pd["p_render"] == pytest.approx(8) and pd["p_pull"] == pytest.approx(4)
     assert pd["p_compute"] == pytest.approx(46) and pd["p_to_api"] == pytest.approx(1)
     assert pd["p_answer"] == pytest.approx(1)
@@ -66,8 +73,10 @@ def test_a_pd_turn_and_a_d_direct_turn() -> None:
     assert dd["d_render"] == pytest.approx(10) and dd["d_compute"] == pytest.approx(37)
     summ = timeline.summary(rows)
     assert summ["pd_reuse"]["n"] == 1 and summ["d_direct"]["total"]["p50"] == pytest.approx(50)
+    assert summ["d_fresh"]["n"] == 1
     table = timeline.markdown(summ)
     assert "| pd_reuse (n=1) | hop |" in table and "| d_direct (n=1) | d_compute |" in table
+    assert "| d_fresh (n=1) | d_compute |" in table
 
 
 def test_a_p_leg_without_a_pull_and_the_latest_p_leg_pairs() -> None:

@@ -4,7 +4,9 @@ A request is known on a node by its API id (`chatcmpl-…`, once `rendered`) and
 engine by that id plus a suffix (`chatcmpl-…-1a2b3c4d`). A D request that read P's blocks
 (`read_start` on a decode node) closes a P/D turn whose P leg is the latest P request
 that finished before D's began: `pd_reuse` when P started from cached or pulled tokens,
-else `pd_fresh`. A D request that read nothing is a `d_direct` turn.
+else `pd_fresh`. A D request that read nothing computed its prompt itself: a `d_direct`
+turn when it started from cached tokens, a `d_fresh` turn when it started from none
+(traces that did not note what was cached count as `d_direct`).
 """
 
 from __future__ import annotations
@@ -98,14 +100,15 @@ def _ms(a: float | None, b: float | None) -> float | None:
 
 
 def turns(reqs: list[NodeRequest]) -> list[dict[str, Any]]:
-    """One row per turn: its path (`pd_reuse`, `pd_fresh` or `d_direct`) and its
-    stages in ms."""
+    """One row per turn: its path (`pd_reuse`, `pd_fresh`, `d_direct` or `d_fresh`)
+    and its stages in ms."""
     rows: list[dict[str, Any]] = []
     prefills = [r for r in reqs if not r.decode and r.at("first_token") is not None]
     for d in (r for r in reqs if r.decode and r.at("first_token") is not None):
         arrived = d.at("arrived")
         if d.at("read_start") is None:
-            rows.append({"path": "d_direct", "d_render": _ms(arrived, d.at("rendered")),
+            rows.append({"path": "d_fresh" if d.computed == 0 else "d_direct",
+                         "d_render": _ms(arrived, d.at("rendered")),
                          "d_to_engine": _ms(d.at("rendered"), d.at("sched_add")),
                          "d_compute": _ms(d.at("sched_new"), d.at("first_token")),
                          "d_to_api": _ms(d.at("first_token"), d.at("api_output")),
@@ -144,7 +147,7 @@ def summary(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per path: n, and per stage (and `total`) the mean and median in ms."""
     out: dict[str, dict[str, Any]] = {}
     for path, stages in (("pd_reuse", PD_STAGES), ("pd_fresh", PD_STAGES),
-                         ("d_direct", D_DIRECT_STAGES)):
+                         ("d_direct", D_DIRECT_STAGES), ("d_fresh", D_DIRECT_STAGES)):
         mine = [r for r in rows if r["path"] == path]
         if not mine:
             continue
