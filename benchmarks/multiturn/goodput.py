@@ -221,20 +221,25 @@ def rescore_level(lv: LevelResult, slo: Slo, *, turns: int, max_error_rate: floa
                                   "placements": lv.placements})
 
 
-def rescore(report: LoadReport, *, ttft_factor: float, itl_factor: float) -> LoadReport:
-    """The whole run judged against the same idle probe with other factors. Levels a
-    configuration did not reach (its sweep stopped earlier) stay unmeasured."""
-    if report.slo is None:
-        raise ValueError("the run has no SLO (its idle probe did not run)")
-    slo = report.slo.model_copy(update={"ttft_factor": ttft_factor,
-                                        "itl_factor": itl_factor})
+def rejudge(report: LoadReport, slo: Slo) -> LoadReport:
+    """The whole run's recorded requests judged against `slo`. Levels a configuration
+    did not reach (its sweep stopped earlier) stay unmeasured."""
     turns = int(report.load["turns"])
     limit = float(report.load["max_error_rate"])
     configs = [c.model_copy(update={"levels": [
         rescore_level(lv, slo, turns=turns, max_error_rate=limit) for lv in c.levels]})
         for c in report.configs]
-    return report.model_copy(update={
-        "slo": slo, "configs": configs, "targets": load_targets(configs),
+    return report.model_copy(update={"slo": slo, "configs": configs,
+                                     "targets": load_targets(configs)})
+
+
+def rescore(report: LoadReport, *, ttft_factor: float, itl_factor: float) -> LoadReport:
+    """The whole run judged against the same idle probe with other factors."""
+    if report.slo is None:
+        raise ValueError("the run has no SLO (its idle probe did not run)")
+    slo = report.slo.model_copy(update={"ttft_factor": ttft_factor,
+                                        "itl_factor": itl_factor})
+    return rejudge(report, slo).model_copy(update={
         "rescored": {"ttft_factor": ttft_factor, "itl_factor": itl_factor,
                      "original": {"ttft_factor": report.slo.ttft_factor,
                                   "itl_factor": report.slo.itl_factor}}})

@@ -8,6 +8,10 @@ whole draws (a bootstrap): it says how much the pooled ratio depends on which dr
 happened to be taken. Draws run in the same hour share that hour's host, so they are
 not quite independent and the interval is, if anything, too narrow.
 
+Each draw's bounds come from its own idle probe, whose figures depend on the seed's
+sessions; `--idle` judges every draw's recorded requests against one set of idle figures
+instead (the same factors), so draws differ only in how they were served.
+
 `python -m benchmarks.multiturn.pool FOLDER_OR_RESULTS_JSON ...` prints the table;
 `--json` writes it as well.
 """
@@ -16,15 +20,19 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from .goodput import sign_test_p
+from .goodput import rejudge, sign_test_p
 from .results import LevelResult, LoadConfigResult, LoadReport
 from .stats import AGGREGATED, KVAGENT
+
+#: The idle probe's figures an SLO's bounds are multiples of.
+IDLE_FIGURES = ("idle_ttft_first_p90_s", "idle_ttft_later_p90_s", "idle_decode_step_s")
 
 
 class Draw(BaseModel):
@@ -63,6 +71,8 @@ class Pooled(BaseModel):
     draws_at_goal: int
     goal: float
     foreign_vllm_max: int | None = Field(description="highest over the draws")
+    #: The idle figures every draw was judged against; None: each draw's own probe.
+    idle: dict[str, float] | None = None
 
 
 def draw_of(report: LoadReport, source: str, *, a: str = KVAGENT, b: str = AGGREGATED
@@ -90,6 +100,25 @@ def draw_of(report: LoadReport, source: str, *, a: str = KVAGENT, b: str = AGGRE
         only_a=sum(outcome_a[s] == "met" and outcome_b[s] != "met" for s in shared),
         only_b=sum(outcome_b[s] == "met" and outcome_a[s] != "met" for s in shared),
         foreign_vllm_max=max(foreign) if foreign else None)
+
+
+def median_idle(reports: Sequence[LoadReport]) -> dict[str, float]:
+    """Each idle figure's median over the reports' probes."""
+    slos = [r.slo for r in reports if r.slo is not None]
+    if not slos:
+        raise ValueError("no report has an SLO (an idle probe) to take figures from")
+    return {k: statistics.median(getattr(s, k) for s in slos) for k in IDLE_FIGURES}
+
+
+def with_idle(report: LoadReport, idle: dict[str, float]) -> LoadReport:
+    """`report`'s requests judged against bounds from `idle` instead of its own probe
+    (the same factors)."""
+    if report.slo is None:
+        raise ValueError("the run has no SLO (its idle probe did not run)")
+    unknown = set(idle) - set(IDLE_FIGURES)
+    if unknown or any(v <= 0 for v in idle.values()):
+        raise ValueError(f"idle figures are positive {', '.join(IDLE_FIGURES)}")
+    return rejudge(report, report.slo.model_copy(update=idle))
 
 
 def _levels(config: LoadConfigResult) -> dict[int, LevelResult]:
@@ -128,7 +157,8 @@ def bootstrap_interval(draws: Sequence[Draw], *, resamples: int, confidence: flo
 
 
 def pool(draws: Sequence[Draw], *, a: str = KVAGENT, b: str = AGGREGATED, goal: float = 1.5,
-         resamples: int = 10_000, confidence: float = 0.95, seed: int = 0) -> Pooled:
+         resamples: int = 10_000, confidence: float = 0.95, seed: int = 0,
+         idle: dict[str, float] | None = None) -> Pooled:
     """The draws taken together (pure: the resampling is seeded)."""
     if not draws:
         raise ValueError("no draws to pool")
@@ -145,7 +175,7 @@ def pool(draws: Sequence[Draw], *, a: str = KVAGENT, b: str = AGGREGATED, goal: 
                                     seed=seed),
         confidence=confidence, resamples=resamples,
         draws_at_goal=sum(_at_goal(d, goal) for d in draws),
-        goal=goal, foreign_vllm_max=max(foreign) if foreign else None)
+        goal=goal, foreign_vllm_max=max(foreign) if foreign else None, idle=idle)
 
 
 def _fmt(x: float | None) -> str:
@@ -161,6 +191,10 @@ def markdown(p: Pooled) -> str:
                      f"{_fmt(_ratio(d.met_a, d.met_b))} | {d.only_a} / {d.only_b} |")
     lines.append(f"| pooled ({len(p.draws)} draws) | | {p.offered} | {p.met_b} | {p.met_a} | "
                  f"**{_fmt(p.ratio)}** | {p.only_a} / {p.only_b} (p = {p.p_value:.2g}) |")
+    if p.idle is not None:
+        lines.append("")
+        lines.append("Every draw judged against one set of idle figures (its own factors): "
+                     + ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in p.idle.items()) + ".")
     if p.interval is not None:
         lo, hi = p.interval
         lines.append("")
@@ -190,17 +224,38 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--resamples", type=int, default=10_000)
     p.add_argument("--confidence", type=float, default=0.95)
     p.add_argument("--seed", type=int, default=0, help="the resampling's seed")
+    p.add_argument("--idle", metavar="median|FIRST_MS,LATER_MS,STEP_MS",
+                   help="judge every draw against these idle figures (first-turn and "
+                   "later-turn TTFT p90, decode step), or the medians of the draws' probes, "
+                   "instead of each draw's own probe")
     p.add_argument("--json", type=Path, help="also write the pooled result here")
     return p
+
+
+def parse_idle(text: str, reports: Sequence[LoadReport]) -> dict[str, float]:
+    if text == "median":
+        return median_idle(reports)
+    try:
+        values = [float(v) / 1000 for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) != len(IDLE_FIGURES):
+        raise ValueError(f"--idle takes 'median' or {len(IDLE_FIGURES)} numbers in ms, "
+                         f"got {text!r}")
+    return dict(zip(IDLE_FIGURES, values, strict=True))
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
-        draws = [draw_of(read_report(r), r.name if r.is_dir() else str(r), a=args.a, b=args.b)
-                 for r in args.results]
+        reports = [read_report(r) for r in args.results]
+        idle = None if args.idle is None else parse_idle(args.idle, reports)
+        if idle is not None:
+            reports = [with_idle(r, idle) for r in reports]
+        draws = [draw_of(rep, r.name if r.is_dir() else str(r), a=args.a, b=args.b)
+                 for rep, r in zip(reports, args.results, strict=True)]
         pooled = pool(draws, a=args.a, b=args.b, goal=args.goal, resamples=args.resamples,
-                      confidence=args.confidence, seed=args.seed)
+                      confidence=args.confidence, seed=args.seed, idle=idle)
     except (OSError, ValueError) as e:
         print(f"pool: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,6 @@
 """Recorded load draws pooled: per-draw counts from a report, the pooled ratio, the sign
-test and the bootstrap interval over draws, the command line."""
+test and the bootstrap interval over draws, one set of idle figures for every draw, the
+command line."""
 
 from __future__ import annotations
 
@@ -33,11 +34,13 @@ def level(n: int, met: str, missed: str, *, foreign: int | None = 0) -> LevelRes
     return lv.model_copy(update={"foreign_vllm_max": foreign})
 
 
-def load_report(seed: int, *configs: tuple[str, list[LevelResult]]) -> LoadReport:
+def load_report(seed: int, *configs: tuple[str, list[LevelResult]], slo: Slo = SLO
+                ) -> LoadReport:
     results = [LoadConfigResult(name=name, description=name, status="ok", levels=levels)
                for name, levels in configs]
     return LoadReport(created_at=f"2026-12-05T0{seed % 10}:00:00+00:00", command=["x"],
-                      machine={}, versions={}, load={"seed": seed}, slo=SLO,
+                      machine={}, versions={},
+                      load={"seed": seed, "turns": 1, "max_error_rate": 1.0}, slo=slo,
                       configs=results, targets=goodput.load_targets(results))
 
 
@@ -90,6 +93,30 @@ def test_bootstrap_interval_is_seeded_and_spans_the_draws() -> None:
         pool.bootstrap_interval(draws, resamples=100, confidence=1.0, seed=0)
 
 
+def test_every_draw_judged_against_one_set_of_idle_figures() -> None:
+    rep = load_report(1, ("aggregated", [level(2, "a", "bc")]),
+                      ("kvagent", [level(2, "ab", "c")]))
+    assert (pool.draw_of(rep, "x").met_a, pool.draw_of(rep, "x").met_b) == (2, 1)
+    loose = {"idle_ttft_first_p90_s": 3.0, "idle_ttft_later_p90_s": 3.0,
+             "idle_decode_step_s": 0.02}  # first-turn bound 6 s: the 5 s answers meet it
+    judged = pool.with_idle(rep, loose)
+    assert judged.slo is not None and judged.slo.ttft_first_s == pytest.approx(6.0)
+    assert judged.slo.ttft_factor == SLO.ttft_factor
+    d = pool.draw_of(judged, "x")
+    assert (d.met_a, d.met_b, d.only_a, d.only_b) == (3, 3, 0, 0)
+    assert rep.configs[0].levels[0].sessions_met == 1  # the recorded report is untouched
+    other = load_report(2, slo=SLO.model_copy(update={"idle_decode_step_s": 0.04,
+                                                     "idle_ttft_first_p90_s": 0.7}))
+    third = load_report(3, slo=SLO.model_copy(update={"idle_decode_step_s": 0.01}))
+    assert pool.median_idle([rep, other, third]) == pytest.approx(
+        {"idle_ttft_first_p90_s": 0.5, "idle_ttft_later_p90_s": 0.2,
+         "idle_decode_step_s": 0.02})
+    with pytest.raises(ValueError, match="idle figures"):
+        pool.with_idle(rep, {"idle_decode_step_s": 0.0})
+    with pytest.raises(ValueError, match="no report has an SLO"):
+        pool.median_idle([rep.model_copy(update={"slo": None})])
+
+
 def test_command_line_pools_recorded_folders(tmp_path, capsys) -> None:
     folders = []
     for seed, (agg, kva) in enumerate([(("ab", "cd"), ("abc", "d")),
@@ -107,3 +134,11 @@ def test_command_line_pools_recorded_folders(tmp_path, capsys) -> None:
     assert (saved["met_a"], saved["met_b"], len(saved["draws"])) == (7, 3, 2)
     assert pool.main([str(tmp_path / "missing")]) == 2
     assert "no results.json" in capsys.readouterr().err
+    assert pool.main([*map(str, folders), "--resamples", "10", "--idle", "3000,3000,20"]) == 0
+    md = capsys.readouterr().out
+    assert "| pooled (2 draws) | | 8 | 8 | 8 | **1.00** |" in md
+    assert "idle_ttft_first_p90_s 3000.0 ms" in md
+    assert pool.main([*map(str, folders), "--idle", "median"]) == 0
+    assert "idle_decode_step_s 20.0 ms" in capsys.readouterr().out
+    assert pool.main([*map(str, folders), "--idle", "1,2"]) == 2
+    assert "--idle takes 'median' or 3 numbers" in capsys.readouterr().err
