@@ -27,7 +27,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
-from .goodput import rejudge, sign_test_p
+from .goodput import paired_sessions, rejudge, sign_test_p
 from .results import LevelResult, LoadConfigResult, LoadReport
 from .stats import AGGREGATED, KVAGENT
 
@@ -90,15 +90,14 @@ def draw_of(report: LoadReport, source: str, *, a: str = KVAGENT, b: str = AGGRE
         raise ValueError(f"{source}: {a} and {b} ran no level in common")
     level = common[-1]
     x, y = la[level], lb[level]
-    outcome_a, outcome_b = x.session_outcome, y.session_outcome
-    shared = outcome_a.keys() & outcome_b.keys()
+    paired = paired_sessions(configs[a].model_copy(update={"levels": [x]}),
+                             configs[b].model_copy(update={"levels": [y]}))
     foreign = [v for v in (x.foreign_vllm_max, y.foreign_vllm_max) if v is not None]
     return Draw(
         source=source, created_at=report.created_at, seed=report.load.get("seed"),
         level=level, offered=max(x.sessions, y.sessions),
         met_a=x.sessions_met, met_b=y.sessions_met,
-        only_a=sum(outcome_a[s] == "met" and outcome_b[s] != "met" for s in shared),
-        only_b=sum(outcome_b[s] == "met" and outcome_a[s] != "met" for s in shared),
+        only_a=paired.only_a if paired else 0, only_b=paired.only_b if paired else 0,
         foreign_vllm_max=max(foreign) if foreign else None)
 
 
