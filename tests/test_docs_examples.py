@@ -1,4 +1,5 @@
-"""Every Python block in README.md and docs/*.md runs, against the router with fake nodes.
+"""Every Python block in README.md and docs/*.md runs, against the router with fake nodes;
+the pages a new user starts from (`BUNDLE_PAGES`) run against the real bundle too.
 
 A page's blocks run in order in one namespace (a later block may use what an earlier one
 defined, as a reader would), in a fresh working directory, with:
@@ -6,7 +7,10 @@ defined, as a reader would), in a fresh working directory, with:
 - `url` and `model` defined: the base URL and model name of the server under test (the
   docs use these names for "your server");
 - the docs' literal server `http://127.0.0.1:8000/v1` and model `kvagent-demo` pointed at
-  that server (tests/router/fakes.py: the real router in front of fake P/D nodes);
+  that server: the real router in front of fake P/D nodes (tests/router/fakes.py), or, for
+  `BUNDLE_PAGES`, also the suite's real bundle (`kvagent_bundle` in tests/conftest.py: vLLM
+  P and D nodes with the demo model, as `kvagent-server up` starts them), where each page's
+  `BUNDLE_CHECKS` then check what the page promises (e.g. the second turn reuses KV);
 - top-level `await` / `async with` allowed (a block is then run with `asyncio.run`).
 
 A block that cannot run here is marked on the line before its fence with
@@ -22,9 +26,10 @@ import inspect
 import os
 import re
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from fake_stack import MODEL, threaded_router_stack
@@ -98,8 +103,8 @@ def stack() -> Iterator[Stack]:
         yield st
 
 
-def _run(block: Block, namespace: dict[str, object], stack: Stack) -> None:
-    source = block.code.replace(DOC_URL, f"{stack.url}/v1").replace(DOC_MODEL, MODEL)
+def _run(block: Block, namespace: dict[str, object], url: str, model: str) -> None:
+    source = block.code.replace(DOC_URL, url).replace(DOC_MODEL, model)
     # Line numbers in tracebacks point into the page.
     tree = ast.increment_lineno(compile(source, str(block.page), "exec", flags=(
         ast.PyCF_ONLY_AST | ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)), block.line)
@@ -116,30 +121,89 @@ _PNG_1X1 = bytes.fromhex(
     "1f15c4890000000d49444154789c6360000002000154a24f5d0000000049454e44ae426082")
 
 
-@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)],
-                         ids=lambda p: str(p.relative_to(ROOT)))
-def test_page_blocks_run(page: Path, stack: Stack, tmp_path: Path,
-                         monkeypatch: pytest.MonkeyPatch) -> None:
+def _run_page(page: Path, url: str, model: str, tmp_path: Path,
+              monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
+    """Run the page's unmarked blocks in order against `url`/`model`; the namespace."""
     monkeypatch.chdir(tmp_path)
     # The media files the pages' examples open, as a reader would have them at hand.
     (tmp_path / "cat.png").write_bytes(_PNG_1X1)
     for name in ("KVAGENT_BASE_URL", "KVAGENT_MODEL", "KVAGENT_API_KEY"):
         monkeypatch.delenv(name, raising=False)
-    namespace: dict[str, object] = {"__name__": "__main__", "url": f"{stack.url}/v1",
-                                    "model": MODEL}
+    namespace: dict[str, object] = {"__name__": "__main__", "url": url, "model": model}
     ran = 0
     for block in python_blocks(page):
         if block.skip is not None:
             continue
         try:
-            _run(block, namespace, stack)
+            _run(block, namespace, url, model)
         except Exception as exc:
             raise AssertionError(
-                f"the block at {block.where()} failed: {type(exc).__name__}: {exc}\n"
+                f"the block at {block.where()} failed against {url}: "
+                f"{type(exc).__name__}: {exc}\n"
                 f"(mark it `<!-- docs-test: skip REASON -->` only if it cannot run "
                 f"standalone)\n{block.code}") from exc
         ran += 1
     if ran == 0:
         pytest.skip(f"every python block of {page.name} is marked skip")
-    assert not stack.cluster.events_of("wrong_kv")
     assert os.getcwd() == str(tmp_path)
+    return namespace
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)],
+                         ids=lambda p: str(p.relative_to(ROOT)))
+def test_page_blocks_run(page: Path, stack: Stack, tmp_path: Path,
+                         monkeypatch: pytest.MonkeyPatch) -> None:
+    _run_page(page, f"{stack.url}/v1", MODEL, tmp_path, monkeypatch)
+    assert not stack.cluster.events_of("wrong_kv")
+
+
+# ----------------------------------------------------------------- on the real bundle
+
+
+def _readme_second_turn_reuses(namespace: dict[str, Any]) -> None:
+    from kvagent_server.render import BUILTIN_DEFAULT_MAX_TOKENS
+
+    first, second = namespace["first"], namespace["second"]
+    # An answer without max_tokens is bounded (the bundle's default for the built-in model),
+    # not the rest of the 16k context, which left the second turn no room (HTTP 400).
+    assert 0 < first.usage.completion_tokens <= BUILTIN_DEFAULT_MAX_TOKENS, first.usage
+    assert first.path in ("pd_fresh", "d_fresh") and first.cache_token_received
+    assert second.path in ("pd_reuse", "d_direct"), (second.path, second.router)
+    assert second.reused_tokens and second.reused_tokens > 0
+    assert second.usage.cached_tokens > 0 and second.time_to_first_token is not None
+
+
+def _getting_started_agent_runs(namespace: dict[str, Any]) -> None:
+    from kvagent_server.render import BUILTIN_DEFAULT_MAX_TOKENS
+
+    run = namespace["run"]
+    assert run.steps and run.stop_reason in ("final", "max_steps")
+    assert all(step.usage is not None
+               and step.usage.completion_tokens <= BUILTIN_DEFAULT_MAX_TOKENS
+               for step in run.steps)
+    assert all(step.path in ("pd_reuse", "d_direct") for step in run.steps[1:])
+
+
+#: The pages a new user runs first, against `kvagent-server up`, and what each must show.
+BUNDLE_CHECKS: dict[str, Callable[[dict[str, Any]], None]] = {
+    "README.md": _readme_second_turn_reuses,
+    "docs/getting-started.md": _getting_started_agent_runs,
+}
+BUNDLE_PAGES = [ROOT / name for name in BUNDLE_CHECKS]
+
+
+def test_bundle_pages_have_blocks_to_run() -> None:
+    for page in BUNDLE_PAGES:
+        assert any(b.skip is None for b in python_blocks(page)), page
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+@pytest.mark.parametrize("page", BUNDLE_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_page_blocks_run_on_the_real_bundle(page: Path, kvagent_bundle: Any, tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    if not kvagent_bundle.available:
+        pytest.skip(kvagent_bundle.reason)
+    namespace = _run_page(page, kvagent_bundle.base_url, kvagent_bundle.model, tmp_path,
+                          monkeypatch)
+    BUNDLE_CHECKS[str(page.relative_to(ROOT))](namespace)

@@ -419,7 +419,10 @@ class SessionCore:
         return connection_error(exc, request.url)
 
     def _status_error(self, response: httpx.Response, raw: bytes) -> APIStatusError:
-        return status_error(response, raw, model=self.model, base_url=self.base_url)
+        last = next((m for m in reversed(self._history) if isinstance(m, AssistantMessage)),
+                    None)
+        return status_error(response, raw, model=self.model, base_url=self.base_url,
+                            last_answer_cut=last is not None and last.finish_reason == "length")
 
     def _check_stream_headers(self, response: httpx.Response) -> None:
         check_event_stream(response)

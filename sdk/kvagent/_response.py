@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import httpx
@@ -17,8 +18,13 @@ from ._exceptions import (
 )
 from ._retry import parse_retry_after
 
-__all__ = ["check_event_stream", "connection_error", "error_detail", "request_id",
-           "status_error"]
+__all__ = ["check_event_stream", "connection_error", "context_length", "error_detail",
+           "request_id", "status_error"]
+
+#: How vLLM ("This model's maximum context length is 16384 tokens. However, your prompt
+#: contains ...", "Input length (N) exceeds model's maximum context length (16384).") and
+#: OpenAI say that a prompt does not fit the model's context; the group is that length.
+_CONTEXT_LENGTH = re.compile(r"maximum context length (?:is |\()(\d+)")
 
 #: Where servers put the id of a request: OpenAI and vLLM (``--enable-request-id-headers``).
 _REQUEST_ID_HEADERS = ("x-request-id", "request-id")
@@ -40,11 +46,22 @@ def connection_error(exc: httpx.TransportError, url: str) -> APIConnectionError:
     return APIConnectionError(f"could not reach {url}: {exc or type(exc).__name__}")
 
 
-def status_error(response: httpx.Response, raw: bytes, *, model: str, base_url: str
-                 ) -> APIStatusError:
+def context_length(status_code: int, detail: str | None) -> int | None:
+    """The model's context length, when a 400's message says the prompt does not fit it."""
+    if status_code != 400 or not detail:
+        return None
+    m = _CONTEXT_LENGTH.search(detail)
+    return int(m[1]) if m else None
+
+
+def status_error(response: httpx.Response, raw: bytes, *, model: str, base_url: str,
+                 last_answer_cut: bool = False) -> APIStatusError:
     """The most specific ``APIStatusError`` for an error response, keeping the server's words.
 
-    A 404 almost always means a model name the server does not serve, so it says so.
+    A 404 almost always means a model name the server does not serve, so it says so. A 400
+    saying the prompt exceeds the model's context says what to do about it; with
+    ``last_answer_cut`` (the history's last answer stopped at its length limit) it names
+    that answer as the likely cause.
     """
     body: Any
     try:
@@ -59,9 +76,24 @@ def status_error(response: httpx.Response, raw: bytes, *, model: str, base_url: 
                    "and the base_url.")
     else:
         message = f"HTTP {response.status_code} from {response.request.url}: {detail}"
+        limit = context_length(response.status_code, detail)
+        if limit is not None:
+            message += context_hint(limit, last_answer_cut=last_answer_cut)
     return cls(message, response=response, body=body,
                retry_after=parse_retry_after(response.headers),
                request_id=request_id(response.headers))
+
+
+def context_hint(limit: int, *, last_answer_cut: bool) -> str:
+    """What to do when the conversation no longer fits the model's context of ``limit``."""
+    hint = (f" The conversation no longer fits the model's context of {limit} tokens (the "
+            "prompt is the whole history: system prompt, messages, answers, tool schemas).")
+    if last_answer_cut:
+        hint += (" The last answer in the history stopped at its length limit (finish_reason "
+                 "'length'): a request without max_tokens lets an answer run to the end of "
+                 "the context, leaving no room for the next turn.")
+    return hint + (" Bound answers with max_tokens= (per session or per turn) and shorten the "
+                   "history (truncate(), or a new session).")
 
 
 def check_event_stream(response: httpx.Response) -> None:

@@ -37,6 +37,13 @@ DEFAULT_BLOCK_SIZE = {"cpu": 128, "cuda": 16}
 #: step's fixed cost paid fewer times ("Run 19"). GPUs: vLLM's own defaults.
 DEFAULT_DECODE_STEP_TOKENS: dict[str, int] = {"cpu": 512}
 DEFAULT_DECODE_PROMPT_CAP: dict[str, int] = {"cpu": 128}
+#: The answer length of a request that sets no `max_tokens`, on the built-in models
+#: (`kvagent-demo` and its siblings): vLLM's `max_new_tokens` default, rendered as
+#: `--override-generation-config`. Their weights are random, so they almost never sample
+#: their end-of-turn token, and vLLM's own default is the rest of the context: a first turn
+#: of ~16k tokens (minutes on a CPU) after which the next turn's prompt exceeds the context
+#: (HTTP 400). A request's own `max_tokens` still wins; a role's `extra_args` may override.
+BUILTIN_DEFAULT_MAX_TOKENS = 256
 
 Device = Literal["cpu", "cuda"]
 ProcessRole = Literal["prefill", "decode", "router"]
@@ -201,7 +208,8 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
             args += ["--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events[0],
                 "topic": cfg.kv_events.topic}, separators=(",", ":"))]
-        args += [*inputs.model.extra_args, *lora_args(cfg, inputs.model),
+        args += [*builtin_answer_args(cfg, inputs.model), *inputs.model.extra_args,
+                 *lora_args(cfg, inputs.model),
                  *inputs.role_args.get(role, ()), *rc.extra_args]
 
         env = {
@@ -295,6 +303,19 @@ def with_engine_id(argv: list[str] | tuple[str, ...], engine_id: str) -> list[st
 def incarnation_engine_id(base: str) -> str:
     """`base` with a suffix that is new every time a node process starts."""
     return f"{base}-{secrets.token_hex(4)}"
+
+
+def builtin_answer_args(cfg: BundleConfig, model: ModelSource) -> list[str]:
+    """Every node's default answer length when `model` is the built-in model `cfg` names
+    (`BUILTIN_DEFAULT_MAX_TOKENS`); nothing for any other model, whose own generation
+    config (or vLLM's default) applies."""
+    from kvagent_server.models.builtin import builtin_model
+
+    builtin = builtin_model(cfg.model)
+    if builtin is None or model.served_name != builtin.name:
+        return []
+    return ["--override-generation-config",
+            json.dumps({"max_new_tokens": BUILTIN_DEFAULT_MAX_TOKENS}, separators=(",", ":"))]
 
 
 def lora_args(cfg: BundleConfig, model: ModelSource) -> list[str]:

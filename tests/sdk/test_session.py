@@ -11,6 +11,7 @@ import pytest
 from kvagent import (
     APIConnectionError,
     AssistantMessage,
+    BadRequestError,
     Done,
     MalformedStream,
     NotFoundError,
@@ -177,6 +178,50 @@ def test_wrong_model_name_gives_not_found_naming_the_model(server: FakeServer) -
     assert "'gpt-9'" in str(info.value) and "does not exist" in str(info.value)
     assert "/models" in str(info.value)
     assert len(server.requests) == 1  # 404 is not retried
+
+
+#: vLLM 0.32's answer (through the router, which passes it on) to a prompt over the context.
+CONTEXT_ERROR = {"error": {
+    "message": "This model's maximum context length is 16384 tokens. However, your prompt "
+               "contains at least 16385 input tokens, which exceeds this limit even without "
+               "any output tokens. Please reduce the length of the input prompt. "
+               "(parameter=input_tokens, value=16385)",
+    "type": "BadRequestError", "param": "input_tokens", "code": 400}}
+
+
+def test_a_prompt_over_the_context_says_why_and_what_to_do(server: FakeServer) -> None:
+    """The README's two-turn example against a model that never stops on its own: the first
+    answer ran to the end of the context ("length"), so the second turn cannot fit."""
+    server.queue(stream_response(sse("vllm_recorded_text.sse")),
+                 httpx.Response(400, json=CONTEXT_ERROR))
+    s = session(server)
+    assert s.send("Summarise the report.").finish_reason == "length"
+    with pytest.raises(BadRequestError) as info:
+        s.send("And the risks?")
+    message = str(info.value)
+    assert "maximum context length is 16384 tokens" in message  # the server's own words
+    assert "no longer fits the model's context of 16384 tokens" in message
+    assert "finish_reason 'length'" in message and "max_tokens=" in message
+    assert "truncate()" in message
+    assert info.value.status_code == 400 and info.value.body == CONTEXT_ERROR
+    assert len(server.requests) == 2  # a 400 is not retried
+    assert [m.role for m in s.messages] == ["system", "user", "assistant"]
+
+
+def test_a_first_prompt_over_the_context_does_not_blame_an_answer(server: FakeServer) -> None:
+    server.queue(httpx.Response(400, json=CONTEXT_ERROR))
+    with pytest.raises(BadRequestError) as info:
+        session(server).send("x " * 20000)
+    assert "no longer fits the model's context of 16384 tokens" in str(info.value)
+    assert "finish_reason" not in str(info.value)
+
+
+def test_other_bad_requests_keep_the_plain_message(server: FakeServer) -> None:
+    server.queue(error_response(400, "temperature must be non-negative"))
+    with pytest.raises(BadRequestError) as info:
+        session(server).send("hi")
+    assert str(info.value) == (f"HTTP 400 from {BASE_URL}/chat/completions: "
+                               "temperature must be non-negative")
 
 
 def test_unreachable_server_is_a_connection_error() -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from kvagent_server.config import ConfigError, validate_config
 from kvagent_server.render import (
+    BUILTIN_DEFAULT_MAX_TOKENS,
     HostFacts,
     ModelSource,
     PlanInputs,
@@ -75,6 +76,35 @@ def test_default_plan_golden() -> None:
         url: {"endpoint": f"ipc:///run/x/kv-events-{role}-0.ipc", "topic": "kvagent",
               "hash_algo": "sha256", "hash_seed": None}
         for url, role in ((p.url, "prefill"), (d.url, "decode"))}
+
+
+def test_builtin_models_answer_at_most_a_bounded_length_by_default() -> None:
+    """A random-weight built-in model almost never ends an answer; vLLM's own default for a
+    request without `max_tokens` is the rest of the context, so the README's two-turn
+    example ran its first answer to 16384 tokens and the second turn hit HTTP 400."""
+    flag = ["--override-generation-config",
+            json.dumps({"max_new_tokens": BUILTIN_DEFAULT_MAX_TOKENS}, separators=(",", ":"))]
+
+    def overrides(cfg: dict[str, Any], served: str) -> list[list[str]]:
+        inputs = PlanInputs(host=HostFacts(cpu_cores=(0, 1), gpu_count=0),
+                            model=ModelSource(model="/models/m", served_name=served),
+                            python=sys.executable)
+        out = []
+        for node in plan(validate_config(cfg), inputs).nodes:
+            at = [i for i, a in enumerate(node.argv) if a == "--override-generation-config"]
+            out.append([a for i in at for a in node.argv[i:i + 2]])
+        return out
+
+    assert BUILTIN_DEFAULT_MAX_TOKENS <= 512
+    for cfg, served in (({}, "kvagent-demo"), ({"model": "kvagent-demo"}, "kvagent-demo"),
+                        ({"model": "kvagent-demo-tekken"}, "kvagent-demo-tekken"),
+                        ({"model": "kvagent-demo-vlm"}, "kvagent-demo-vlm")):
+        assert overrides(cfg, served) == [flag, flag], cfg  # P and D alike
+    # Any other model keeps its own generation config (a real model stops by itself).
+    assert overrides({"model": "/models/m"}, "m") == [[], []]
+    # A role's own flag comes later, so it wins (vLLM takes the last one).
+    own = ["--override-generation-config", '{"max_new_tokens":2048}']
+    assert overrides({"decode": {"extra_args": own}}, "kvagent-demo") == [flag, flag + own]
 
 
 def test_router_settings_follow_the_nodes() -> None:
@@ -384,6 +414,7 @@ def test_vllm_parses_every_rendered_command(vllm_parser, device: str) -> None:
         assert args.enable_prefix_caching is (node.role == "decode")
         assert args.block_size == 32 and args.max_model_len == 4096
         assert args.served_model_name == ["kvagent-demo"]
+        assert args.override_generation_config == {"max_new_tokens": BUILTIN_DEFAULT_MAX_TOKENS}
         if device == "cuda":
             assert args.kv_cache_memory_bytes == 2 * 1024**3
 
