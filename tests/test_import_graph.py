@@ -17,7 +17,7 @@ SOURCES = {"kvagent": ROOT / "sdk" / "kvagent", "kvagent_server": ROOT / "server
 
 #: The router's subpackages, lowest first: a module may import its own layer or lower ones.
 ROUTER_LAYERS = ["common", "telemetry", "kv", "settings", "auth", "store", "reuse", "turns",
-                 "http", "__main__"]
+                 "apis", "http", "__main__"]
 
 
 def _module_name(root_pkg: str, path: Path) -> str:
@@ -108,7 +108,8 @@ def test_the_architecture_map_names_every_router_module() -> None:
         node = re.search(rf'^\s*{package}\["{package}<br/>(.*?)"\]', doc, re.MULTILINE)
         assert node, f"no {package} node in the diagram"
         drawn = {m.strip() for m in node.group(1).replace("<br/>", ",").split(",")} - {""}
-        actual = {p.stem for p in (router / package).glob("*.py") if p.stem != "__init__"}
+        actual = {p.stem for p in (router / package).glob("*.py") if p.stem != "__init__"} | {
+            d.name for d in (router / package).iterdir() if (d / "__init__.py").is_file()}
         assert drawn == actual, f"{package}: diagram {sorted(drawn)}, source {sorted(actual)}"
 
 

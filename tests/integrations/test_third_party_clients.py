@@ -12,25 +12,16 @@ chunk with `include_usage` off, as vLLM's own multi-turn benchmark client does.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import os
-import sys
-import threading
 import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
-import httpx
 import openai
 import pytest
+from client_targets import client_bundle, reuse_hits  # noqa: F401 - fixture `bundle`
 from kvagent.protocol import SESSION_HEADER
-
-_ROUTER_TESTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "router")
-if _ROUTER_TESTS not in sys.path:  # the fake P/D nodes (tests/router/fakes.py)
-    sys.path.insert(0, _ROUTER_TESTS)
 
 # A long, stable system prompt: reuse covers whole KV blocks of it and of the history.
 SYSTEM = "You are a weather assistant. Answer briefly and call tools when asked. " * 12
@@ -43,66 +34,8 @@ TOOLS = [{"type": "function", "function": {
 MAX_TOKENS = 12
 
 
-@dataclass(frozen=True)
-class Target:
-    base_url: str  # ends in /v1
-    router_url: str
-    model: str
-    real: bool
-
-
-@contextlib.contextmanager
-def fake_router() -> Iterator[Target]:
-    """The router in front of fake P/D nodes, on its own loop in a thread (so that sync
-    clients can call it)."""
-    from fakes import router_stack
-
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    box: dict[str, Any] = {}
-
-    async def main() -> None:
-        async with router_stack() as st:
-            box["url"], box["stop"] = st.url, asyncio.Event()
-            ready.set()
-            await box["stop"].wait()
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    try:
-        assert ready.wait(60), "fake router did not start"
-        yield Target(f"{box['url']}/v1", box["url"], "fake-model", real=False)
-    finally:
-        if "stop" in box:
-            loop.call_soon_threadsafe(box["stop"].set)
-        thread.join(30)
-        loop.close()
-
-
-@pytest.fixture(scope="module", params=[
-    "fake", pytest.param("real", marks=[pytest.mark.vllm, pytest.mark.slow])])
-def bundle(request: pytest.FixtureRequest) -> Iterator[Target]:
-    """The router to drive: before fake nodes, or the suite's real bundle."""
-    if request.param == "real":
-        real = request.getfixturevalue("kvagent_bundle")
-        if not real.available:
-            pytest.skip(real.reason)
-        yield Target(real.base_url, real.router_url, real.model, real=True)
-        return
-    with fake_router() as target:
-        yield target
-
-
 def session_id() -> str:
     return f"third-party-{uuid.uuid4().hex[:12]}"
-
-
-def reuse_hits(router_url: str) -> float:
-    text = httpx.get(f"{router_url}/metrics", timeout=10).text
-    for line in text.splitlines():
-        if line.startswith("kvagent_router_reuse_hits_total "):
-            return float(line.split()[1])
-    return 0.0
 
 
 def converse(bundle: Any, turn: Callable[[list[dict[str, Any]]], str],

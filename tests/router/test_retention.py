@@ -139,9 +139,9 @@ async def test_no_eviction_below_the_watermark_or_when_disabled() -> None:
 
 
 async def test_blocks_no_handle_records_are_released() -> None:
-    """A turn without a session gets no cache token, yet D retained its blocks: the
-    router has them freed instead of pinned until the TTL."""
-    async with router_stack(retention_check_interval_s=0.05) as st:
+    """A turn nobody can name again (no session, content lookup off) gets no cache token,
+    yet D retained its blocks: the router has them freed instead of pinned until the TTL."""
+    async with router_stack(retention_check_interval_s=0.05, content_reuse=False) as st:
         await turn(st, [{"role": "user", "content": LONG}], session=None)
         await _wait_for(lambda: st.cluster.events_of("release"))
         assert st.decode[0].kv_usage() == 0

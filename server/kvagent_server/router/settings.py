@@ -109,6 +109,14 @@ class RouterSettings(BaseModel):
         "first token.")
     reuse: bool = Field(default=True,
         description="Reuse is disabled entirely (for A/B comparisons and benchmarks).")
+    content_reuse: bool = Field(default=True,
+        description="A caller that names no conversation (no session id of kvagent's or of "
+        "an agent's, no `previous_response_id`) still reuses: the router tokenizes its prompt "
+        "and looks the prompt's block hashes up among the caller's held turns. Costs one "
+        "`/tokenize` round trip and a hash of the prompt per such turn.")
+    responses_ttl_s: int = Field(default=3600, ge=0,
+        description="How long a Response stored by `/v1/responses` (`store` true, the default) "
+        "can be read back and named in `previous_response_id`; 0 stores none.")
     server_timing: bool = Field(default=False,
         description="Send a `Server-Timing` response header with the turn's stages before the "
         "headers (receive, tokenize, plan, prefill, decode; ms). Off: the headers stay vLLM's "
@@ -155,6 +163,9 @@ class RouterSettings(BaseModel):
     max_handles_per_tenant: int = Field(default=5_000, ge=1,
         description="Retained handles one tenant may hold in the store; its oldest are evicted "
         "(and released on the decode node) past it, so one tenant cannot push out another's.")
+    max_records_per_tenant: int = Field(default=20_000, ge=1,
+        description="Stored Responses plus content-index entries one tenant may hold; its "
+        "oldest go first past it (in memory, all tenants' records also stay under 256 MiB).")
     max_tokens_limit: int = Field(default=1 << 20, ge=1,
         description="Largest `max_tokens` / `max_completion_tokens` accepted (400 above); vLLM "
         "further caps generation at the model's context length.")

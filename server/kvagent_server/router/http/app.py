@@ -13,11 +13,12 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import httpx
+from kvagent.protocol import BODY_FIELD, BODY_SESSION_ID, SESSION_HEADER
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.middleware import Middleware
@@ -26,9 +27,22 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from kvagent_server.router.apis import anthropic
 from kvagent_server.router.auth.cache_token import TokenCodec
-from kvagent_server.router.auth.tenancy import AuthError, TenantResolver
+from kvagent_server.router.auth.tenancy import AuthError, Tenant, TenantResolver
 from kvagent_server.router.common import fastjson, node_errors
+from kvagent_server.router.http import conversation
+from kvagent_server.router.http.fronts import (
+    COUNT_TOKENS,
+    MESSAGES,
+    RESPONSES_PATH,
+    Front,
+    MessagesFront,
+    ResponsesFront,
+    load_response,
+    messages_error,
+    not_found,
+)
 from kvagent_server.router.http.limits import GuardedStream, HeaderLimit
 from kvagent_server.router.http.request import (
     ClientGone,
@@ -51,6 +65,7 @@ from kvagent_server.router.turns import kv_placement
 from kvagent_server.router.turns.legs import LegError, Legs
 from kvagent_server.router.turns.nodes import NodeRegistry
 from kvagent_server.router.turns.orchestrate import Router, Turn, TurnRequest, plan_turn
+from kvagent_server.router.turns.prompt_ids import TokenizeError, tokenize
 from kvagent_server.router.turns.relay import Scrubber, relay_sse, rewrite_response
 from kvagent_server.router.turns.retention import RetentionGuard
 from kvagent_server.router.turns.upstream import UpstreamError
@@ -111,6 +126,10 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
     routes = [
         Route(CHAT, _completions, methods=["POST"]),
         Route(COMPLETIONS, _completions, methods=["POST"]),
+        Route(MESSAGES, _messages, methods=["POST"]),
+        Route(COUNT_TOKENS, _count_tokens, methods=["POST"]),
+        Route(RESPONSES_PATH, _responses, methods=["POST"]),
+        Route(RESPONSES_PATH + "/{response_id}", _get_response, methods=["GET"]),
         Route("/v1/models", _models, methods=["GET"]),
         Route("/health", _health, methods=["GET"]),
         Route("/livez", _health, methods=["GET"]),
@@ -198,6 +217,21 @@ async def _lifespan(parts: AppParts, app: Starlette) -> AsyncIterator[None]:
 
 
 async def _completions(request: Request) -> Response:
+    return await _turn(request, None)
+
+
+async def _messages(request: Request) -> Response:
+    return await _turn(request, MessagesFront())
+
+
+async def _responses(request: Request) -> Response:
+    parts: AppParts = request.app.state.parts
+    return await _turn(request, ResponsesFront(parts.store, parts.settings))
+
+
+async def _turn(request: Request, front: Front | None) -> Response:
+    """One turn through any front door: chat and completions as they are, the other APIs
+    translated to chat (`front`)."""
     arrived = time.perf_counter()
     endpoint = request.url.path
     parts: AppParts = request.app.state.parts
@@ -205,9 +239,10 @@ async def _completions(request: Request) -> Response:
     metrics = parts.metrics
     metrics.in_flight.inc()
     try:
-        response = await _serve(request, r, endpoint, parts.tenants, parts.streams, arrived)
+        response = await _serve(request, r, endpoint, parts.tenants, parts.streams, arrived,
+                                front)
     except HTTPError as exc:
-        response = exc.response()
+        response = exc.response() if front is None else front.error(exc)
     except ClientGone:
         metrics.client_disconnects.inc()
         response = Response(status_code=499)
@@ -290,22 +325,106 @@ async def _served_model(client: httpx.AsyncClient, registry: NodeRegistry) -> st
     return None
 
 
-async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantResolver,
-                 streams: dict[str, int], arrived: float) -> Response:
+def _tenant(request: Request, tenants: TenantResolver) -> Tenant:
+    """The caller's tenant, from `Authorization: Bearer` or, as Anthropic's clients send
+    their key, `x-api-key`."""
+    auth = request.headers.get("authorization")
+    api_key = request.headers.get("x-api-key")
+    if not auth and api_key:
+        auth = f"Bearer {api_key}"
     try:
-        tenant = tenants.resolve(request.headers.get("authorization"))
+        return tenants.resolve(auth)
     except AuthError as exc:
         raise HTTPError(401, str(exc), type_="authentication_error", code=exc.reason) from None
+
+
+async def _count_tokens(request: Request) -> Response:
+    """`POST /v1/messages/count_tokens`: the prompt's length as the nodes render it."""
+    parts: AppParts = request.app.state.parts
+    r: Router = request.app.state.router
     try:
-        body = await read_json(request, r.settings.max_body_bytes, r.settings.body_timeout_s)
+        _tenant(request, parts.tenants)
+        try:
+            raw = await read_json(request, r.settings.max_body_bytes, r.settings.body_timeout_s)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        try:
+            chat = anthropic.count_tokens_chat(raw)
+        except anthropic.ApiError as exc:
+            raise HTTPError(exc.status, exc.message, type_=exc.type) from None
+        nodes = parts.registry.healthy("prefill") + parts.registry.healthy("decode")
+        if not nodes:
+            raise HTTPError(503, "no node can count tokens now", type_="server_error",
+                            code="upstream_unavailable")
+        try:
+            ids = await tokenize(r.legs.client(nodes[0]), nodes[0].url, chat, chat=True)
+        except TokenizeError as exc:
+            raise HTTPError(502, f"could not count the prompt's tokens: {exc}",
+                            type_="server_error", code="upstream_error") from None
+    except HTTPError as exc:
+        return messages_error(exc)
+    return JSONResponse({"input_tokens": len(ids)})
+
+
+async def _get_response(request: Request) -> Response:
+    """`GET /v1/responses/{id}`: a Response stored by `/v1/responses`, its caller's only."""
+    parts: AppParts = request.app.state.parts
+    response_id = request.path_params["response_id"]
+    try:
+        tenant = _tenant(request, parts.tenants)
+        record = await load_response(parts.store, tenant, response_id)
+        if record is None or not isinstance(record.get("response"), dict):
+            raise not_found(response_id)
+    except HTTPError as exc:
+        return exc.response()
+    return JSONResponse(record["response"])
+
+
+def _own_session(headers: Any, body: dict[str, Any]) -> bool:
+    """Whether the request names its session kvagent's own way (header or body object),
+    which comes before any agent's id; `conversation_id` comes after them."""
+    extra = body.get(BODY_FIELD)
+    return bool(headers.get(SESSION_HEADER)) or (
+        isinstance(extra, dict) and extra.get(BODY_SESSION_ID) is not None)
+
+
+def _conversation(tenant: Tenant, request: Request, raw: dict[str, Any], body: dict[str, Any],
+                  api_session: str | None) -> tuple[str | None, str | None, str | None]:
+    """The turn's session as the store knows it, its source, and the cache token
+    (`http.conversation` gives the order)."""
+    own = _own_session(request.headers, body)
+    session, token = session_and_token(request.headers, body)  # validates kvagent's own
+    if session is not None and own:
+        return tenant.session_key(session), "kvagent", token
+    if api_session is not None:  # already the caller's: it was stored under their key
+        return api_session, "previous_response", token
+    agent = conversation.from_agents(request.headers, raw)
+    if agent is not None:
+        return tenant.session_key(agent.key), agent.source, token
+    if session is not None:
+        return tenant.session_key(session), "conversation_id", token
+    return None, None, token
+
+
+async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantResolver,
+                 streams: dict[str, int], arrived: float, front: Front | None) -> Response:
+    tenant = _tenant(request, tenants)
+    try:
+        raw = await read_json(request, r.settings.max_body_bytes, r.settings.body_timeout_s)
     except ClientDisconnect:
         raise ClientGone from None
+    api_session = None
+    if front is None:
+        body = raw
+    else:  # another API's request becomes the chat request every turn runs as
+        prepared = await front.prepare(raw, tenant)
+        body, api_session, endpoint = prepared.chat, prepared.session, CHAT
     chat = endpoint == CHAT
     validate(body, chat=chat, max_tokens_limit=r.settings.max_tokens_limit,
              max_messages=r.settings.max_messages, max_tools=r.settings.max_tools)
     if chat:
         check_media(body, r.settings.max_inline_media_bytes)
-    session, token = session_and_token(request.headers, body)
+    session, source, token = _conversation(tenant, request, raw, body, api_session)
     wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     keep_ids = bool(body.get("return_token_ids"))
     sanitize(body)  # only the router may steer KV transfers
@@ -313,7 +432,7 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
     stream = bool(body.get("stream"))
     # The store and the tokens know the session by the caller's key, not its id alone.
     req = TurnRequest(endpoint=endpoint, body=body, tenant=tenant,
-                      session=tenant.session_key(session), token=token, stream=stream,
+                      session=session, token=token, stream=stream, source=source,
                       shift_blocks=(r.settings.test_shift_blocks_header
                                     and SHIFT_BLOCKS_HEADER in request.headers),
                       budget=time_budget.TurnBudget(arrived=arrived))
@@ -329,7 +448,7 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
                         code="rate_limit_exceeded")
     streams[held] = streams.get(held, 0) + 1
     streams[client] = streams.get(client, 0) + 1
-    span = start_turn(endpoint=endpoint, model=body.get("model"), session=session,
+    span = start_turn(endpoint=request.url.path, model=body.get("model"), session=session,
                       tenant=tenant.name, arrived=arrived)
     req.span = span
     done = False
@@ -360,14 +479,15 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             if r.settings.server_timing:  # the stages before the headers (docs/router.md)
                 headers[time_budget.HEADER] = req.budget.server_timing()
-            return GuardedStream(_stream(turn, scrubber, cleanup, span),
+            relayed = _stream(turn, scrubber, cleanup, span)
+            return GuardedStream(relayed if front is None else front.stream(relayed, req.session),
                                  media_type="text/event-stream",
                                  headers=headers,
                                  background=BackgroundTask(cleanup, turn),
                                  write_timeout_s=r.settings.stream_write_timeout_s,
                                  on_stall=r.metrics.slow_clients.inc)
         try:
-            return await _whole(turn, scrubber, span)
+            return await _whole(turn, scrubber, span, front)
         finally:
             turn.end_work()
             await turn.decode.response.aclose()
@@ -430,7 +550,7 @@ async def _until_disconnect(request: Request, work: Awaitable[T], seconds: float
                     type_="server_error", code="upstream_timeout")
 
 
-async def _whole(turn: Turn, scrubber: Scrubber, span: Any) -> Response:
+async def _whole(turn: Turn, scrubber: Scrubber, span: Any, front: Front | None) -> Response:
     resp = turn.decode.response
     turn.router.metrics.ttft.observe(turn.mark_first_byte() - turn.started)
     assert resp.content is not None  # a non-streamed leg's body is read whole
@@ -446,13 +566,15 @@ async def _whole(turn: Turn, scrubber: Scrubber, span: Any) -> Response:
     budget.record(span)
     headers = ({time_budget.HEADER: budget.server_timing()}
                if turn.router.settings.server_timing else None)
+    if front is not None:
+        return JSONResponse(await front.whole(out, turn.req.session), headers=headers)
     if std:  # NaN/Infinity: starlette's encoder refuses them, as it always has
         return JSONResponse(out, headers=headers)
     return Response(fastjson.dumps(out), media_type="application/json", headers=headers)
 
 
 async def _stream(turn: Turn, scrubber: Scrubber, cleanup: Callable[[Turn], Awaitable[None]],
-                  span: Any) -> AsyncIterator[bytes]:
+                  span: Any) -> AsyncGenerator[bytes, None]:
     """The client's stream. An upstream failure mid-stream propagates: the stream is cut."""
     resp = turn.decode.response
     m = turn.router.metrics

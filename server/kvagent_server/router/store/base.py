@@ -10,6 +10,7 @@ from typing import Protocol, runtime_checkable
 
 from kvagent_server.router.auth.keys import KeyRing
 from kvagent_server.router.store.handle import Handle
+from kvagent_server.router.store.records import RecordStore
 
 
 class StoreUnavailable(Exception):
@@ -17,8 +18,9 @@ class StoreUnavailable(Exception):
 
 
 @runtime_checkable
-class SessionStore(Protocol):
-    """Where handles live between turns. All methods are safe under concurrent tasks."""
+class SessionStore(RecordStore, Protocol):
+    """Where handles live between turns, and the records beside them (`records`). All
+    methods are safe under concurrent tasks."""
 
     async def put(self, handle: Handle) -> list[Handle]:
         """Store `handle` and make it its session's latest (no-op if already expired).

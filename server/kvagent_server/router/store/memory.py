@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvagent_server.router.store.handle import (
     Handle,
@@ -13,6 +13,7 @@ from kvagent_server.router.store.handle import (
     pack_handle,
     unpack_handle,
 )
+from kvagent_server.router.store.records import Kind, MemoryRecords
 
 
 class MemoryStore:
@@ -28,6 +29,7 @@ class MemoryStore:
 
     def __init__(self, *, max_handles: int = 10_000, max_tokens: int = 50_000_000,
                  max_handles_per_tenant: int | None = None,
+                 max_records_per_tenant: int = 20_000, max_record_bytes: int = 256 << 20,
                  clock: Callable[[], float] = time.time) -> None:
         if max_handles < 1 or max_tokens < 1:
             raise ValueError("max_handles and max_tokens must be positive")
@@ -46,6 +48,9 @@ class MemoryStore:
         self._tokens = 0
         #: tenant -> the token ids its handles retain (for the token bound's choice)
         self._tenant_tokens: dict[str, int] = {}
+        #: Stored Responses and the content index (`RecordStore`)
+        self.records = MemoryRecords(max_per_tenant=max_records_per_tenant,
+                                     max_bytes=max_record_bytes, clock=clock)
 
     def __len__(self) -> int:
         return len(self._handles)
@@ -198,6 +203,17 @@ class MemoryStore:
                 freed += handle_blocks(handle)
         return out
 
+    async def put_records(self, tenant: str, kind: Kind, items: Sequence[tuple[str, bytes]],
+                          ttl_s: float) -> None:
+        await self.records.put_records(tenant, kind, items, ttl_s)
+
+    async def get_record(self, tenant: str, kind: Kind, key: str) -> bytes | None:
+        return await self.records.get_record(tenant, kind, key)
+
+    async def find_record(self, tenant: str, kind: Kind,
+                          keys: Sequence[str]) -> tuple[str, bytes] | None:
+        return await self.records.find_record(tenant, kind, keys)
+
     async def ping(self) -> bool:
         return True
 
@@ -207,3 +223,4 @@ class MemoryStore:
         self._by_tenant.clear()
         self._tenant_tokens.clear()
         self._tokens = 0
+        self.records.clear()

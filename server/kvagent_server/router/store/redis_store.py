@@ -8,6 +8,10 @@ Keys (tenant, session and node names are percent-encoded, so `:` in them cannot 
   so a lost node's handles can be dropped.
 - `{prefix}:{tenant}:q`: sorted set of the tenant's handle keys, scored by expiry, for
   the per-tenant quota (`max_handles_per_tenant`): a put past it evicts the oldest.
+- `{prefix}:{tenant}:r:{kind}:{key}`: a record (`store.records`: a stored Response, a
+  content-index entry); expires by itself.
+- `{prefix}:{tenant}:rq`: sorted set of the tenant's record keys, scored by expiry, for
+  its record bound (`max_records_per_tenant`, oldest expiry first).
 
 Claims are single Redis commands or Lua scripts, so they are atomic across replicas:
 of any number of concurrent claims of one handle, exactly one gets it. The scripts build
@@ -20,7 +24,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, ParamSpec, TypeVar, cast
 from urllib.parse import quote
 
@@ -36,6 +40,7 @@ from kvagent_server.router.store.handle import (
     pack_handle,
     unpack_handle,
 )
+from kvagent_server.router.store.records import Kind
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +95,27 @@ return redis.call('GET', ARGV[1] .. id)
 """
 
 
+# KEYS[1] = the tenant's record index; ARGV = ttl ms, expires_at, now, max per tenant,
+# then key/value pairs. Each record expires by itself; the index (scored by expiry) bounds
+# the tenant's count, oldest expiry first.
+_PUT_RECORDS = """
+local ttl, expires, now, cap = ARGV[1], tonumber(ARGV[2]), ARGV[3], tonumber(ARGV[4])
+for i = 5, #ARGV, 2 do
+  redis.call('SET', ARGV[i], ARGV[i + 1], 'PX', ttl)
+  redis.call('ZADD', KEYS[1], expires, ARGV[i])
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local over = redis.call('ZCARD', KEYS[1]) - cap
+if over > 0 then
+  for _, key in ipairs(redis.call('ZRANGE', KEYS[1], 0, over - 1)) do
+    redis.call('DEL', key)
+  end
+  redis.call('ZREMRANGEBYRANK', KEYS[1], 0, over - 1)
+end
+if redis.call('PTTL', KEYS[1]) < tonumber(ttl) then redis.call('PEXPIRE', KEYS[1], ttl) end
+return 0
+"""
+
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
@@ -118,17 +144,19 @@ class RedisStore:
     """Handles in Redis with TTLs; every claim is atomic (GETDEL or a Lua script)."""
 
     def __init__(self, client: aioredis.Redis, *, prefix: str = "kva",
-                 max_handles_per_tenant: int = 5_000,
+                 max_handles_per_tenant: int = 5_000, max_records_per_tenant: int = 20_000,
                  clock: Callable[[], float] = time.time) -> None:
         if max_handles_per_tenant < 1:
             raise ValueError("max_handles_per_tenant must be positive")
         self._r = client
         self._max_per_tenant = max_handles_per_tenant
+        self._max_records = max_records_per_tenant
         self._prefix = prefix
         self._clock = clock
         self._put = client.register_script(_PUT)
         self._claim_latest = client.register_script(_CLAIM_LATEST)
         self._peek_latest = client.register_script(_PEEK_LATEST)
+        self._put_records = client.register_script(_PUT_RECORDS)
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> RedisStore:
@@ -149,6 +177,12 @@ class RedisStore:
 
     def _tenant_key(self, tenant: str) -> str:
         return f"{self._prefix}:{_q(tenant)}:q"
+
+    def _record_key(self, tenant: str, kind: Kind, key: str) -> str:
+        return f"{self._prefix}:{_q(tenant)}:r:{kind}:{_q(key)}"
+
+    def _record_index(self, tenant: str) -> str:
+        return f"{self._prefix}:{_q(tenant)}:rq"
 
     def _node_key(self, decode_node: str) -> str:
         return f"{self._prefix}:node:{_q(decode_node)}"
@@ -255,6 +289,35 @@ class RedisStore:
                     out.append(handle)
                     freed += handle_blocks(handle)
         return out
+
+    # -------------------------------------------------------------- RecordStore
+
+    @_unavailable
+    async def put_records(self, tenant: str, kind: Kind, items: Sequence[tuple[str, bytes]],
+                          ttl_s: float) -> None:
+        if ttl_s <= 0 or not items:
+            return
+        now = self._clock()
+        args: list[Any] = [int(ttl_s * 1000), now + ttl_s, now, self._max_records]
+        for key, value in items:
+            args += [self._record_key(tenant, kind, key), value]
+        await self._put_records(keys=[self._record_index(tenant)], args=args)
+
+    @_unavailable
+    async def get_record(self, tenant: str, kind: Kind, key: str) -> bytes | None:
+        value = await self._r.get(self._record_key(tenant, kind, key))
+        return cast(bytes | None, value)
+
+    @_unavailable
+    async def find_record(self, tenant: str, kind: Kind,
+                          keys: Sequence[str]) -> tuple[str, bytes] | None:
+        if not keys:
+            return None
+        values = await self._r.mget([self._record_key(tenant, kind, k) for k in keys])
+        for key, value in zip(keys, values, strict=True):
+            if value is not None:
+                return key, cast(bytes, value)
+        return None
 
     async def ping(self) -> bool:
         try:

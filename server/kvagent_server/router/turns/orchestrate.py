@@ -17,12 +17,13 @@ import httpx
 from kvagent_server.router.auth.cache_token import TokenCodec, TokenError, verify_binding
 from kvagent_server.router.auth.tenancy import Tenant
 from kvagent_server.router.common import fastjson
-from kvagent_server.router.reuse import identity, placement, planner, transfer
+from kvagent_server.router.reuse import content, identity, placement, planner, transfer
 from kvagent_server.router.reuse.queue import IDLE, CharsPerToken, NodeWork, WorkLedger
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.base import SessionStore, StoreUnavailable
 from kvagent_server.router.store.factory import KeySync
 from kvagent_server.router.store.handle import Handle, KVIdentity, new_handle_id
+from kvagent_server.router.store.records import CONTENT
 from kvagent_server.router.telemetry.budget import TurnBudget
 from kvagent_server.router.telemetry.metrics import RouterMetrics
 from kvagent_server.router.telemetry.spans import leg_span
@@ -89,6 +90,9 @@ class TurnRequest:
     token: str | None
     stream: bool
     span: Any = None  # the turn's OpenTelemetry span (parent of the leg spans)
+    #: What named the conversation (`http.conversation.Source`); None: nothing did, and
+    #: with `content_reuse` the router finds it by the prompt's tokens (`content`).
+    source: str | None = None
     #: Test-only: shift the pulled blocks (settings.test_shift_blocks_header).
     shift_blocks: bool = False
     budget: TurnBudget = field(default_factory=TurnBudget)  # time per stage
@@ -157,8 +161,8 @@ class Turn:
         reused = min(planned, cached) if self.path == "pd_reuse" else (
             cached if self.path == "d_direct" else 0)
         self._account(prompt_tokens, cached, reused)
-        token, expires_in = await self._next_token(capture)
-        if token is None:
+        recorded, token, expires_in = await self._record(capture)
+        if not recorded:
             self._release_unrecorded(capture)
         kvagent = {"cache_token": token, "reused_tokens": reused, "expires_in": expires_in,
                    "path": self.path, "reason": self.plan.label}
@@ -207,19 +211,22 @@ class Turn:
             if node is not None and node.epoch == handle.decode_epoch and rid is not None:
                 r.retention.queue.add(node.name, [rid])
 
-    async def _next_token(self, capture: Capture) -> tuple[str | None, int]:
+    async def _record(self, capture: Capture) -> tuple[bool, str | None, int]:
+        """Record D's retained blocks as the session's latest handle: whether it was
+        recorded, and the cache token naming it (none for a session the client did not
+        name: found by content, it has nothing to carry) with its lifetime."""
         r, req = self.router, self.req
         s = r.settings
         ttl = int(s.decode_blocks_ttl_s - s.token_safety_margin_s)
         sequence = capture.sequence
         if (req.session is None or capture.kv_params is None or not sequence or ttl <= 0
                 or not s.reuse):
-            return None, 0
+            return False, None, 0
         node = self.decode.node
         block_size = s.block_size or node.block_size
         if block_size is None:
             log.warning("block size of %s unknown: set router.block_size", node.name)
-            return None, 0
+            return False, None, 0
         now = time.time()
         handle = Handle(handle_id=new_handle_id(), tenant=req.tenant.name, session=req.session,
                         decode_node=node.name, decode_epoch=node.epoch,
@@ -229,18 +236,74 @@ class Turn:
                                               history=True))
         if planner.retained_tokens(handle) is None:
             log.warning("decode node %s returned unusable kv_transfer_params", node.name)
-            return None, 0
+            return False, None, 0
         try:
             evicted = await r.store.put(handle)
         except StoreUnavailable as exc:
             log.warning("session store unavailable (%s): no cache token this turn",
                         type(exc).__name__)
             r.metrics.miss("store_unavailable")
-            return None, 0
+            return False, None, 0
         self._release_evicted(evicted)
+        if req.source == "content":
+            await _index_content(r, req, handle, len(capture.prompt_token_ids or ()))
+            return True, None, 0
         token = r.codec.encode(tenant=req.tenant.name, session=req.session,
                                handle=handle.handle_id, iat=int(now), exp=int(now) + ttl)
-        return token, ttl
+        return True, token, ttl
+
+
+async def _index_content(r: Router, req: TurnRequest, handle: Handle, prompt_len: int) -> None:
+    """Index a held turn of a caller that names no conversation under its tokens, so its
+    next turn finds the session (`reuse.content`). Best effort: without it that turn
+    recomputes."""
+    keys = content.held_keys(prompt_len, handle.token_ids, req.tenant.cache_salt)
+    value = handle.session.encode()
+    try:
+        await r.store.put_records(req.tenant.name, CONTENT,
+                                  [(_content_key(req, k), value) for k in keys],
+                                  handle.expires_at - time.time())
+    except StoreUnavailable:
+        r.metrics.miss("store_unavailable")
+
+
+def _content_key(req: TurnRequest, key: str) -> str:
+    """Content keys are the caller's own (one API key never finds another's turns)."""
+    return f"{req.tenant.caller}/{key}"
+
+
+async def _find_by_content(r: Router, req: TurnRequest, p_first: Node | None) -> list[int] | None:
+    """For a turn that names no conversation: tokenize the prompt and name the session of
+    the caller's held turn it extends, else a new one (the turn's handle starts it).
+
+    Returns the prompt's token ids (the plan verifies the handle against them), or None
+    when the prompt could not be tokenized (the turn then runs without a session)."""
+    if (req.session is not None or req.source is not None or not r.settings.reuse
+            or not r.settings.content_reuse or p_first is None):
+        return None
+    t0 = time.perf_counter()
+    try:
+        prompt_ids = await tokenize(r.legs.client(p_first), p_first.url, req.body,
+                                    chat=req.chat)
+    except TokenizeError as exc:
+        log.info("no content lookup this turn: %s", exc)
+        return None
+    finally:
+        req.budget.add("tokenize", time.perf_counter() - t0)
+    keys = content.lookup_keys(prompt_ids, req.tenant.cache_salt)
+    found = None
+    if keys:
+        try:
+            found = await r.store.find_record(req.tenant.name, CONTENT,
+                                              [_content_key(req, k) for k in keys])
+        except StoreUnavailable:
+            r.metrics.miss("store_unavailable")
+    req.source = "content"
+    req.session = (found[1].decode() if found is not None
+                   else req.tenant.session_key(f"anon-{uuid.uuid4().hex}"))
+    if req.span is not None:
+        req.span.set_attribute("kvagent.content_hit", found is not None)
+    return prompt_ids
 
 
 async def _claim(r: Router, req: TurnRequest) -> tuple[Handle | None, str | None]:
@@ -316,10 +379,11 @@ class _Choice:
 
 async def _choose(r: Router, req: TurnRequest) -> _Choice:
     """Claim the handle, verify the prompt against it, pick nodes and the path."""
-    handle, rejected = await _claim(r, req)
-    d_node = r.registry.get(handle.decode_node) if handle is not None else None
     picked_p = placement.pick_prefill(r.registry.states())
     p_first = r.registry.get(picked_p.node_id) if picked_p else None
+    known_ids = await _find_by_content(r, req, p_first)
+    handle, rejected = await _claim(r, req)
+    d_node = r.registry.get(handle.decode_node) if handle is not None else None
     holder = d_node if (handle is not None and d_node is not None and d_node.healthy
                         and d_node.epoch == handle.decode_epoch
                         and not handle.expired(time.time())) else None
@@ -358,7 +422,7 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
     # A refusal that positions cannot change (model, salt, a field) needs no /tokenize.
     final = ident is not None and ident.cap == 0 and ident.detail != "media_url" and (
         ident.reason != "multimodal_changed")
-    if holder is not None and d_healthy and not final:
+    if holder is not None and d_healthy and not final and known_ids is None:
         assert handle is not None  # a holder holds a handle
         fast = _extension(r, req, handle, ident, new_ident, costs, p_first, p_work, d_work)
         if fast is not None:
@@ -368,7 +432,11 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
                 req.span.set_attribute("kvagent.tokenized", False)
             return _Choice(handle, plan, fast_path, holder, p_first, d_first, prompt_len,
                            p_work, d_work)
-    if holder is not None and p_first is not None and not final:
+    if holder is not None and known_ids is not None and not final:
+        prompt_ids = known_ids
+        ident = _check_identity(r, handle, identity.with_positions(
+            new_ident, prompt_ids, r.settings.mm_placeholder_token_ids))
+    elif holder is not None and p_first is not None and not final:
         t0 = time.perf_counter()
         try:
             prompt_ids = await tokenize(r.legs.client(p_first), p_first.url, req.body,

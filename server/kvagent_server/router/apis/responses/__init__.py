@@ -1,0 +1,19 @@
+"""OpenAI Responses (`/v1/responses`) as the chat completions the P and D legs serve.
+
+vLLM 0.32 serves Responses by rendering `instructions` and the input items as chat messages
+through the chat template, then parsing the output with the same reasoning and tool parsers
+as chat. Building exactly those messages here keeps the prompt (and so the KV and the greedy
+output) identical to vLLM's own `/v1/responses`, and the answer is rebuilt in its shape:
+the same output items, usage, echoed request fields and stream events.
+
+Where vLLM's behaviour is surprising it is kept on purpose, because the prompt must match:
+a chained turn drops every `system` message of the history (instructions do not carry over)
+and replays only the previous response's message items (its function calls and reasoning
+are not replayed); a reasoning input item with `encrypted_content` is rejected.
+"""
+
+from kvagent_server.router.apis.responses.output import response_from_chat
+from kvagent_server.router.apis.responses.request import ApiError, history, to_chat
+from kvagent_server.router.apis.responses.stream import ResponseStream
+
+__all__ = ["ApiError", "ResponseStream", "history", "response_from_chat", "to_chat"]

@@ -1,0 +1,71 @@
+"""The records beside the handles (`store.records`): stored Responses, the content index.
+
+The same contract on the in-process store and on real Redis: per tenant, first hit in the
+order asked, replaced on put, expired after the TTL, bounded per tenant (oldest first).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from kvagent_server.router.store.memory import MemoryStore
+from kvagent_server.router.store.records import CONTENT, RESPONSES, MemoryRecords
+from kvagent_server.router.store.redis_store import RedisStore
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.redis)])
+def make(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    if request.param == "memory":
+        return lambda **kw: MemoryStore(max_records_per_tenant=kw.get("cap", 20_000))
+    stores: Callable[..., RedisStore] = request.getfixturevalue("redis_stores")
+    return lambda **kw: stores(max_records_per_tenant=kw.get("cap", 20_000))
+
+
+async def test_put_get_find_per_tenant_and_kind(make: Callable[..., Any]) -> None:
+    store = make()
+    await store.put_records("t1", RESPONSES, [("r1", b"one"), ("r2", b"two")], 60)
+    await store.put_records("t1", CONTENT, [("k1", b"s1")], 60)
+    assert await store.get_record("t1", RESPONSES, "r1") == b"one"
+    assert await store.get_record("t2", RESPONSES, "r1") is None  # another tenant's
+    assert await store.get_record("t1", CONTENT, "r1") is None  # another kind's
+    assert await store.find_record("t1", RESPONSES, ["nope", "r2", "r1"]) == ("r2", b"two")
+    assert await store.find_record("t1", RESPONSES, ["nope"]) is None
+    assert await store.find_record("t1", RESPONSES, []) is None
+    await store.put_records("t1", RESPONSES, [("r1", b"new")], 60)
+    assert await store.get_record("t1", RESPONSES, "r1") == b"new"
+    await store.put_records("t1", RESPONSES, [("r3", b"x")], 0)  # no TTL: not stored
+    assert await store.get_record("t1", RESPONSES, "r3") is None
+
+
+async def test_bounded_per_tenant_oldest_first(make: Callable[..., Any]) -> None:
+    store = make(cap=3)
+    for i in range(5):
+        await store.put_records("t", CONTENT, [(f"k{i}", b"v")], 60 + i)
+    await store.put_records("u", CONTENT, [("k0", b"v")], 60)
+    assert [await store.get_record("t", CONTENT, f"k{i}") for i in range(5)] == [
+        None, None, b"v", b"v", b"v"]
+    assert await store.get_record("u", CONTENT, "k0") == b"v"  # other tenants keep theirs
+
+
+async def test_redis_records_expire(redis_stores: Callable[..., RedisStore]) -> None:
+    store = redis_stores()
+    await store.put_records("t", RESPONSES, [("r", b"v")], 0.2)
+    assert await store.get_record("t", RESPONSES, "r") == b"v"
+    await asyncio.sleep(0.4)
+    assert await store.find_record("t", RESPONSES, ["r"]) is None
+
+
+async def test_memory_records_expire_and_stay_under_their_bytes() -> None:
+    now = [1000.0]
+    records = MemoryRecords(max_per_tenant=100, max_bytes=1000, clock=lambda: now[0])
+    await records.put_records("t", RESPONSES, [("a", b"x" * 300)], 10)
+    now[0] += 11
+    assert await records.get_record("t", RESPONSES, "a") is None
+    for i in range(5):
+        await records.put_records("t", RESPONSES, [(f"b{i}", b"x" * 300)], 10)
+    assert records.stored_bytes <= 1000 and len(records) == 3
+    assert await records.get_record("t", RESPONSES, "b4") is not None
+    assert await records.get_record("t", RESPONSES, "b0") is None
