@@ -7,9 +7,11 @@ output) identical to vLLM's own `/v1/responses`, and the answer is rebuilt in it
 the same output items, usage, echoed request fields and stream events.
 
 Where vLLM's behaviour is surprising it is kept on purpose, because the prompt must match:
-a chained turn drops every `system` message of the history (instructions do not carry over)
-and replays only the previous response's message items (its function calls and reasoning
-are not replayed); a reasoning input item with `encrypted_content` is rejected.
+a chained turn drops every `system` message of the history (instructions do not carry
+over); a reasoning input item with `encrypted_content` is rejected. One difference is
+deliberate: a turn chained by `previous_response_id` replays the previous output as a
+client that keeps its own history resends it, function calls included (vLLM 0.32 replays
+only its text), so both styles get one prompt and reuse each other's KV (`history`).
 """
 
 from kvagent_server.router.apis.responses.output import response_from_chat

@@ -1,9 +1,8 @@
-"""Anthropic Messages (`/v1/messages`, `/v1/messages/count_tokens`) as chat completions.
+"""Anthropic Messages requests as the chat completions body vLLM's own `/v1/messages` builds.
 
-A Messages request becomes the chat completions body vLLM's own `/v1/messages` builds from
-it, field for field, so the rendered prompt (and with it the KV the router reuses, and the
-greedy output) is the one vLLM would serve; the chat answer, whole or streamed, becomes
-the message vLLM would return. Pure: no I/O.
+Field for field, so the rendered prompt (and with it the KV the router reuses, and the
+greedy output) is the one vLLM would serve. Also the API's errors: `ApiError` and the
+error body its clients parse.
 
 Two results of vLLM's depend on the served model's chat template, which vLLM probes at
 startup; they are keyword-only parameters here, defaulting to the demo model's outcome:
@@ -16,10 +15,7 @@ template renders "none" differently from every effort, else "low").
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
-
-from kvagent_server.router.apis import sse
 
 #: Claude Code's per-request attribution block: a hash per request, so vLLM drops it from
 #: the system prompt (it would defeat prefix caching).
@@ -78,7 +74,7 @@ def _bad(path: str, message: str) -> ApiError:
 # --------------------------------------------------------------------------- validation
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -92,7 +88,7 @@ def _optional(body: dict[str, Any], key: str, path: str, kind: str) -> Any:
     if value is None:
         return None
     ok = {"str": isinstance(value, str), "bool": isinstance(value, bool),
-          "int": _is_int(value), "number": _is_number(value),
+          "int": is_int(value), "number": _is_number(value),
           "object": isinstance(value, dict), "list": isinstance(value, list)}[kind]
     if not ok:
         article = "an" if kind[0] in "aeiou" else "a"
@@ -107,7 +103,7 @@ def _object(value: Any, path: str) -> dict[str, Any]:
     return checked
 
 
-def _dict(value: Any) -> dict[str, Any]:
+def as_dict(value: Any) -> dict[str, Any]:
     """`value` when it is an object, else an empty one (node answers are read leniently)."""
     return value if isinstance(value, dict) else {}
 
@@ -224,7 +220,7 @@ def _check_prompt_fields(body: dict[str, Any]) -> None:
             raise _bad("thinking.type", "must be 'enabled', 'disabled' or 'adaptive'")
         if kind == "enabled":
             budget = thinking.get("budget_tokens")
-            if not _is_int(budget) or budget < MIN_THINKING_BUDGET:
+            if not is_int(budget) or budget < MIN_THINKING_BUDGET:
                 raise _bad("thinking.budget_tokens",
                            f"must be an integer of at least {MIN_THINKING_BUDGET}")
     config = _optional(body, "output_config", "output_config", "object")
@@ -246,7 +242,7 @@ def _check_request(body: dict[str, Any]) -> None:
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
         raise _bad("max_tokens", "is required")
-    if not _is_int(max_tokens) or max_tokens <= 0:
+    if not is_int(max_tokens) or max_tokens <= 0:
         raise _bad("max_tokens", "must be a positive integer")
     stops = _optional(body, "stop_sequences", "stop_sequences", "list")
     for i, stop in enumerate(stops or []):
@@ -564,290 +560,3 @@ def count_tokens_chat(body: dict[str, Any], *, merge_inline_system: bool = False
     return out
 
 
-# --------------------------------------------------------------------------- answer
-
-
-def message_id(chat_id: Any) -> str:
-    """The message id for a chat completion id: `chatcmpl-X` becomes `msg_X` (vLLM keeps
-    the chat id; Anthropic's ids start with `msg_`)."""
-    if not isinstance(chat_id, str) or not chat_id:
-        return f"msg_{uuid.uuid4().hex}"
-    if chat_id.startswith("msg_"):
-        return chat_id
-    return "msg_" + chat_id.removeprefix("chatcmpl-")
-
-
-def usage(chat_usage: Any) -> dict[str, int]:
-    """Anthropic usage from chat usage: `input_tokens` excludes the cached (read or
-    created) tokens, which are reported only when the node reports them."""
-    if not isinstance(chat_usage, dict):
-        return {"input_tokens": 0, "output_tokens": 0}
-    out = {"output_tokens": int(chat_usage.get("completion_tokens") or 0)}
-    prompt = int(chat_usage.get("prompt_tokens") or 0)
-    details = chat_usage.get("prompt_tokens_details")
-    if isinstance(details, dict):
-        for src, dst in (("cached_tokens", "cache_read_input_tokens"),
-                         ("created_cache_tokens", "cache_creation_input_tokens")):
-            if details.get(src) is not None:
-                prompt -= int(details[src])
-                out[dst] = int(details[src])
-    return {"input_tokens": max(0, prompt), **out}
-
-
-def stop_reason(finish_reason: Any, chat_stop_reason: Any, *, tool_used: bool,
-                tool_complete: bool) -> tuple[str | None, str | None]:
-    """(stop_reason, stop_sequence): the token limit wins; then complete tool calls; then
-    a matched stop string (chat's `stop_reason` as a string; a stop token id is not one);
-    then any tool call, which a stop string may have cut short."""
-    if finish_reason == "length":
-        return "max_tokens", None
-    if finish_reason not in ("stop", "tool_calls"):
-        return None, None
-    if tool_complete:
-        return "tool_use", None
-    if isinstance(chat_stop_reason, str):
-        return "stop_sequence", chat_stop_reason
-    if finish_reason == "tool_calls" or tool_used:
-        return "tool_use", None
-    return "end_turn", None
-
-
-def _tool_input(arguments: Any) -> dict[str, Any]:
-    """A tool call's arguments as the `input` object (`{}` when they are not one: a
-    client would otherwise fail on the whole answer)."""
-    if isinstance(arguments, dict):
-        return arguments
-    try:
-        value = json.loads(arguments) if isinstance(arguments, str) else None
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
-def _reasoning(message: dict[str, Any]) -> Any:
-    return message.get("reasoning") or message.get("reasoning_content")
-
-
-def message_from_chat(chat: dict[str, Any], *, model: str) -> dict[str, Any]:
-    """A whole chat completion as the message vLLM's `/v1/messages` returns (with
-    `stop_sequence` always present, as Anthropic writes it)."""
-    choices = chat.get("choices") or [{}]
-    choice = _dict(choices[0])
-    message = _dict(choice.get("message"))
-    calls = [c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
-    content: list[dict[str, Any]] = []
-    reasoning = _reasoning(message)
-    if reasoning:
-        content.append({"type": "thinking", "thinking": reasoning,
-                        "signature": uuid.uuid4().hex})
-    if message.get("content"):
-        content.append({"type": "text", "text": message["content"]})
-    for call in calls:
-        function = call.get("function") or {}
-        content.append({"type": "tool_use", "id": call.get("id") or "",
-                        "name": function.get("name") or "",
-                        "input": _tool_input(function.get("arguments"))})
-    if not content:
-        content.append({"type": "text", "text": ""})
-    reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"),
-                                   tool_used=bool(calls), tool_complete=bool(calls))
-    out: dict[str, Any] = {
-        "id": message_id(chat.get("id")), "type": "message", "role": "assistant",
-        "model": model, "content": content, "stop_reason": reason,
-        "stop_sequence": sequence, "usage": usage(chat.get("usage")),
-    }
-    if "kvagent" in chat:
-        out["kvagent"] = chat["kvagent"]
-    return out
-
-
-def _is_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
-
-
-def stream_error(error: Any) -> dict[str, Any]:
-    """A chat stream's error object as Anthropic's: the type from its status code."""
-    error = error if isinstance(error, dict) else {"message": str(error)}
-    code = error.get("code")
-    kind = error_type(code) if _is_int(code) else "api_error"
-    return error_body(kind, str(error.get("message") or "internal error"))
-
-
-class MessageStream:
-    """Transcodes the relayed chat stream into Anthropic's event stream, chunk by chunk.
-
-    The events and their order are vLLM's: `message_start` on the first chunk;
-    one content block at a time (thinking, text, tool_use), a thinking block closed by
-    its `signature_delta`; text arriving while a tool call's block is open held back and
-    sent as its own text block once that block closes; `message_delta` (stop reason,
-    usage) on the usage chunk; `message_stop` on `[DONE]`."""
-
-    def __init__(self, *, model: str) -> None:
-        self.model = model
-        self._started = False
-        self._ended = False
-        self._delta_sent = False
-        self._next_index = 0
-        self._block: str | None = None  # the open block's type
-        self._signature: str | None = None  # the open thinking block's, not yet sent
-        self._tool_id: str | None = None  # the open tool_use block's id
-        self._held_text: list[str] = []
-        self._tool_ids: dict[int, str] = {}  # a tool call's index -> its id
-        self._tool_used = False
-        self._last_args: list[str] = []  # the latest tool call's argument fragments
-        self._finish: Any = None
-        self._chat_stop: Any = None
-        self._usage: Any = None
-        self._kvagent: Any = None
-
-    # ------------------------------------------------------------------ blocks
-
-    def _start(self, block: dict[str, Any]) -> bytes:
-        self._block = block["type"]
-        self._signature = uuid.uuid4().hex if block["type"] == "thinking" else None
-        self._tool_id = block.get("id") if block["type"] == "tool_use" else None
-        return sse.named("content_block_start", {
-            "type": "content_block_start", "index": self._next_index, "content_block": block})
-
-    def _delta(self, delta: dict[str, Any]) -> bytes:
-        return sse.named("content_block_delta", {
-            "type": "content_block_delta", "index": self._next_index, "delta": delta})
-
-    def _stop(self) -> list[bytes]:
-        if self._block is None:
-            return []
-        out = []
-        if self._signature is not None:
-            out.append(self._delta({"type": "signature_delta", "signature": self._signature}))
-        out.append(sse.named("content_block_stop",
-                             {"type": "content_block_stop", "index": self._next_index}))
-        self._block = self._signature = self._tool_id = None
-        self._next_index += 1
-        return out
-
-    def _stop_and_flush(self) -> list[bytes]:
-        """Close the open block; text held back behind a tool call becomes its own block."""
-        held = "".join(self._held_text)
-        self._held_text.clear()
-        out = self._stop()
-        if held:
-            out.append(self._start({"type": "text", "text": ""}))
-            out.append(self._delta({"type": "text_delta", "text": held}))
-            out.extend(self._stop())
-        return out
-
-    def _open(self, block: dict[str, Any]) -> list[bytes]:
-        return [*self._stop_and_flush(), self._start(block)]
-
-    # ------------------------------------------------------------------ chunks
-
-    def feed(self, chunk: dict[str, Any] | None) -> list[bytes]:
-        """One parsed chat chunk (None for `[DONE]`) -> the SSE events it makes."""
-        if self._ended:
-            return []
-        if chunk is None:
-            return self._done()
-        if "error" in chunk and not chunk.get("choices"):
-            self._ended = True
-            return [sse.named("error", stream_error(chunk["error"]))]
-        if "kvagent" in chunk:
-            self._kvagent = chunk["kvagent"]
-        out: list[bytes] = []
-        if not self._started:
-            self._started = True
-            out.append(self._message_start(chunk))
-        if chunk.get("usage") is not None:
-            self._usage = chunk["usage"]
-        choices = chunk.get("choices")
-        if not choices:
-            if "usage" in chunk:
-                out.extend(self._stop_and_flush())
-                out.append(self._message_delta())
-            return out
-        choice = _dict(choices[0])
-        if choice.get("finish_reason") is not None:
-            self._finish = choice["finish_reason"]
-            self._chat_stop = choice.get("stop_reason")
-        delta = _dict(choice.get("delta"))
-        out.extend(self._reasoning(delta))
-        out.extend(self._text(delta))
-        for call in delta.get("tool_calls") or []:
-            if isinstance(call, dict):
-                out.extend(self._tool_call(call))
-        return out
-
-    def _message_start(self, chunk: dict[str, Any]) -> bytes:
-        return sse.named("message_start", {"type": "message_start", "message": {
-            "id": message_id(chunk.get("id")), "type": "message", "role": "assistant",
-            "content": [], "model": self.model, "stop_reason": None, "stop_sequence": None,
-            "usage": usage(chunk.get("usage"))}})
-
-    def _reasoning(self, delta: dict[str, Any]) -> list[bytes]:
-        text = _reasoning(delta)
-        if not isinstance(text, str) or not text:
-            return []
-        out = [] if self._block == "thinking" else self._open({"type": "thinking",
-                                                               "thinking": ""})
-        out.append(self._delta({"type": "thinking_delta", "thinking": text}))
-        return out
-
-    def _text(self, delta: dict[str, Any]) -> list[bytes]:
-        text = delta.get("content")
-        if not isinstance(text, str) or not text:
-            return []
-        if self._block == "tool_use":
-            self._held_text.append(text)
-            return []
-        out = [] if self._block == "text" else self._open({"type": "text", "text": ""})
-        out.append(self._delta({"type": "text_delta", "text": text}))
-        return out
-
-    def _tool_call(self, call: dict[str, Any]) -> list[bytes]:
-        """A tool call fragment: the first (with an id and a name) opens a tool_use block;
-        argument fragments of the open call become `input_json_delta`s."""
-        out: list[bytes] = []
-        function = _dict(call.get("function"))
-        index = call.get("index", 0)
-        call_id = call.get("id")
-        if call_id is not None:
-            self._tool_ids[index] = call_id
-            name = function.get("name")
-            if self._tool_id != call_id and name is not None:
-                out.extend(self._stop_and_flush())
-                self._tool_used = True
-                self._last_args = []
-                out.append(self._start({"type": "tool_use", "id": call_id, "name": name,
-                                        "input": {}}))
-        else:
-            call_id = self._tool_ids.get(index)
-        args = function.get("arguments")
-        if call_id is not None and args and self._tool_id == call_id:
-            self._last_args.append(args)
-            out.append(self._delta({"type": "input_json_delta", "partial_json": args}))
-        return out
-
-    def _message_delta(self) -> bytes:
-        self._delta_sent = True
-        complete = self._tool_used and _is_json("".join(self._last_args))
-        reason, sequence = stop_reason(self._finish or "stop", self._chat_stop,
-                                       tool_used=self._tool_used, tool_complete=complete)
-        event: dict[str, Any] = {"type": "message_delta",
-                                 "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                 "usage": usage(self._usage)}
-        if self._kvagent is not None:
-            event["kvagent"] = self._kvagent
-        return sse.named("message_delta", event)
-
-    def _done(self) -> list[bytes]:
-        """`[DONE]`: close what is open, and the message (with its `message_delta` if no
-        usage chunk brought one)."""
-        self._ended = True
-        out = self._stop_and_flush()
-        if self._started and not self._delta_sent:
-            out.append(self._message_delta())
-        out.append(sse.named("message_stop", {"type": "message_stop"}))
-        return out
