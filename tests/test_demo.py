@@ -30,3 +30,18 @@ def test_demo_agent_reuses_kv(kvagent_bundle) -> None:
     assert all(r.ttft_recompute is not None for r in rows)
     # Each call's prompt extends the previous one (history only grows).
     assert [r.prompt_tokens for r in rows] == sorted(r.prompt_tokens for r in rows)
+
+
+def test_openai_agents_demo_reuses_kv(kvagent_bundle) -> None:
+    """`kvagent demo --agent openai-agents`: a stock Agents SDK agent, base URL only."""
+    if not kvagent_bundle.available:
+        pytest.skip(kvagent_bundle.reason)
+    from kvagent_server import demo_openai_agents
+
+    assert demo_openai_agents.missing_message() is None
+    rows = demo_openai_agents.run_agent(kvagent_bundle.router_url, kvagent_bundle.model,
+                                        turns=3)
+    assert len(rows) == 3 and all(r.kind.startswith("tool call (") for r in rows)
+    assert all(r.reused > 0 and r.path in {"pd_reuse", "d_direct"} for r in rows[1:]), [
+        (r.kind, r.path, r.reused) for r in rows]
+    assert [r.prompt_tokens for r in rows] == sorted(r.prompt_tokens for r in rows)

@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 import typer
 import yaml
@@ -482,13 +482,20 @@ def demo(
                     ] = 8000,
     baseline: Annotated[bool, typer.Option(
         "--baseline/--no-baseline",
-        help="Also time each call recomputed from scratch on the prefill node.")] = True,
+        help="Also time each call recomputed from scratch on the prefill node (SDK agent).")
+    ] = True,
+    agent: Annotated[str, typer.Option(
+        "--agent", help="Who runs the agent: `sdk` (kvagent's Session) or `openai-agents` "
+        "(a stock OpenAI Agents SDK agent, Responses API, nothing but a base URL).")
+    ] = "sdk",
 ) -> None:
     """Bring up 1 P + 1 D + the router, run a tool-using agent, show per-turn reuse and TTFT."""
     from kvagent_server.demo import run_demo
 
+    if agent not in ("sdk", "openai-agents"):
+        raise typer.BadParameter("must be `sdk` or `openai-agents`", param_hint="--agent")
     raise typer.Exit(run_demo(model=model, keep_running=keep_running, turns=turns, port=port,
-                              baseline=baseline))
+                              baseline=baseline, agent=cast(Literal["sdk", "openai-agents"], agent)))
 
 
 if __name__ == "__main__":

@@ -126,7 +126,7 @@ def recompute_ttft(prefill_url: str, model: str, history: Sequence[Message],
     return _ttft(result)
 
 
-def _table(rows: Sequence[Row]) -> Table:
+def table(rows: Sequence[Row]) -> Table:
     table = Table(title="kvagent demo: one row per model call", show_lines=False)
     columns: tuple[tuple[str, JustifyMethod], ...] = (
         ("#", "right"), ("call", "left"), ("prompt tok", "right"), ("reused", "right"),
@@ -152,7 +152,7 @@ def run_agent(router_url: str, prefill_url: str, model: str, *, turns: int,
                       temperature=0.0, timeout=600,
                       extra_body={"parallel_tool_calls": False})
     # A live table on a terminal; one line per call otherwise (logs, CI), the table at the end.
-    live = Live(_table(rows), console=console, refresh_per_second=4,
+    live = Live(table(rows), console=console, refresh_per_second=4,
                 transient=not console.is_terminal)
     with session, live:
 
@@ -166,7 +166,7 @@ def run_agent(router_url: str, prefill_url: str, model: str, *, turns: int,
                 path=result.path or "-", ttft=_ttft(result),
                 ttft_recompute=(recompute_ttft(prefill_url, model, history, options)
                                 if baseline else None)))
-            live.update(_table(rows))
+            live.update(table(rows))
             if not console.is_terminal:
                 r = rows[-1]
                 console.print(f"call {r.index} {r.kind}: prompt {r.prompt_tokens} tok, reused "
@@ -186,7 +186,7 @@ def run_agent(router_url: str, prefill_url: str, model: str, *, turns: int,
             answer = session.send(None, **opts)
             record("answer", answer, before, opts)
     if not console.is_terminal:
-        console.print(_table(rows))
+        console.print(table(rows))
     return rows
 
 
@@ -223,8 +223,14 @@ def demo_config(model: str | None, run_dir: Path | None, port: int) -> Any:
     return validate_config(data)
 
 
+#: Who drives the demo's agent: kvagent's SDK, or a stock framework's agent that knows
+#: nothing of kvagent (`demo_openai_agents`).
+Driver = Literal["sdk", "openai-agents"]
+
+
 def run_demo(*, model: str | None = None, keep_running: bool = False, turns: int = 5,
-             port: int = 8000, run_dir: Path | None = None, baseline: bool = True) -> int:
+             port: int = 8000, run_dir: Path | None = None, baseline: bool = True,
+             agent: Driver = "sdk") -> int:
     """Start the bundle, run the agent, print the table, stop everything (also on Ctrl-C)."""
     from kvagent_server.config import ConfigError
     from kvagent_server.inputs import gather_inputs
@@ -233,6 +239,13 @@ def run_demo(*, model: str | None = None, keep_running: bool = False, turns: int
     if not 1 <= turns <= len(USER_TURNS):
         console.print(f"[red]--turns must be between 1 and {len(USER_TURNS)}[/]")
         return 2
+    if agent == "openai-agents":
+        from kvagent_server import demo_openai_agents
+
+        missing = demo_openai_agents.missing_message()
+        if missing is not None:
+            console.print(f"[red]--agent openai-agents:[/] {missing}")
+            return 2
     try:
         import vllm  # noqa: F401
     except (ImportError, RuntimeError, OSError) as exc:
@@ -257,8 +270,14 @@ def run_demo(*, model: str | None = None, keep_running: bool = False, turns: int
         console.print(f"[green]Ready in {time.monotonic() - t0:.0f} s.[/] Router at "
                       f"{bundle.router_url}/v1, logs in {config.resolved_run_dir()}")
         served = config.served_model_name or _served_name(config)
-        rows = run_agent(bundle.router_url or "", bundle.node_urls("prefill")[0], served,
-                         turns=turns, baseline=baseline)
+        if agent == "openai-agents":
+            from kvagent_server import demo_openai_agents
+
+            rows = list(demo_openai_agents.run_agent(bundle.router_url or "", served,
+                                                     turns=turns))
+        else:
+            rows = run_agent(bundle.router_url or "", bundle.node_urls("prefill")[0], served,
+                             turns=turns, baseline=baseline)
         summarise(rows)
         if keep_running:
             console.print(f"[bold]Still running[/] at {bundle.router_url}/v1 (model "

@@ -90,8 +90,9 @@ def test_messages_turns_equal_stock_vllm_and_reuse(e2e: E2E, identity: str) -> N
         ref = post(f"{e2e.prefill_url}/v1/messages", body)
         assert blocks(got) == blocks(ref), f"turn {i}"
         assert got["stop_reason"] == ref["stop_reason"]
-        reused.append(got["usage"].get("cache_read_input_tokens") or 0)
-        assert got["kvagent"]["reused_tokens"] == reused[-1]
+        reused.append(got["kvagent"]["reused_tokens"])
+        # The usage counts the nodes' own prefix-cache hits too (the shared system prompt).
+        assert (got["usage"].get("cache_read_input_tokens") or 0) >= reused[-1]
         messages.append({"role": "assistant", "content": got["content"]})
         calls = [b for b in got["content"] if b["type"] == "tool_use"]
         if calls:
@@ -100,7 +101,7 @@ def test_messages_turns_equal_stock_vllm_and_reuse(e2e: E2E, identity: str) -> N
                 for c in calls]})
         else:
             messages.append({"role": "user", "content": "Now run the tests."})
-    assert reused[0] == 0 and all(n > 0 for n in reused[1:]), reused
+    assert all(n > 0 for n in reused[1:]), reused  # every later turn reused D's KV
 
 
 def test_messages_stream_equals_the_whole_answer(e2e: E2E) -> None:
@@ -158,7 +159,8 @@ def test_responses_chained_turns_equal_stock_vllm_and_reuse(e2e: E2E) -> None:
         ref = post(f"{e2e.prefill_url}/v1/responses",
                    {**base, **opts, "input": [*full, *new], "store": False})
         assert items(got) == items(ref), f"turn {i}"
-        cached.append(got["usage"]["input_tokens_details"]["cached_tokens"])
+        cached.append(got["kvagent"]["reused_tokens"])
+        assert got["usage"]["input_tokens_details"]["cached_tokens"] >= cached[-1]
         full += [*new, *[o for o in got["output"] if o["type"] in ("message",
                                                                     "function_call")]]
         calls = [o for o in got["output"] if o["type"] == "function_call"]
@@ -166,7 +168,7 @@ def test_responses_chained_turns_equal_stock_vllm_and_reuse(e2e: E2E) -> None:
             plan[i + 1][0].extend({"type": "function_call_output", "call_id": c["call_id"],
                                    "output": FILE_TEXT} for c in calls)
         previous = got["id"]
-    assert cached[0] == 0 and all(n > 0 for n in cached[1:]), cached
+    assert all(n > 0 for n in cached[1:]), cached  # every later turn reused D's KV
 
 
 # ------------------------------------------------------------------ chat without identity

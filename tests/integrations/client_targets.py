@@ -4,21 +4,12 @@ nobody here wrote, so each gets both targets from one `bundle` fixture."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
-import sys
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
-import httpx
 import pytest
-
-_ROUTER_TESTS = os.path.join(os.path.dirname(os.path.dirname(__file__)), "router")
-if _ROUTER_TESTS not in sys.path:  # the fake P/D nodes (tests/router/fakes.py)
-    sys.path.insert(0, _ROUTER_TESTS)
+from fake_stack import MODEL, threaded_router_stack
+from support import metric_sum
 
 
 @dataclass(frozen=True)
@@ -27,34 +18,6 @@ class Target:
     router_url: str
     model: str
     real: bool
-
-
-@contextlib.contextmanager
-def fake_router() -> Iterator[Target]:
-    """The router in front of fake P/D nodes, on its own loop in a thread (so that sync
-    clients can call it)."""
-    from fakes import router_stack
-
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-    box: dict[str, Any] = {}
-
-    async def main() -> None:
-        async with router_stack() as st:
-            box["url"], box["stop"] = st.url, asyncio.Event()
-            ready.set()
-            await box["stop"].wait()
-
-    thread = threading.Thread(target=loop.run_until_complete, args=(main(),), daemon=True)
-    thread.start()
-    try:
-        assert ready.wait(60), "fake router did not start"
-        yield Target(f"{box['url']}/v1", box["url"], "fake-model", real=False)
-    finally:
-        if "stop" in box:
-            loop.call_soon_threadsafe(box["stop"].set)
-        thread.join(30)
-        loop.close()
 
 
 @pytest.fixture(name="bundle", scope="module", params=[
@@ -67,24 +30,15 @@ def client_bundle(request: pytest.FixtureRequest) -> Iterator[Target]:
             pytest.skip(real.reason)
         yield Target(real.base_url, real.router_url, real.model, real=True)
         return
-    with fake_router() as target:
-        yield target
+    with threaded_router_stack() as stack:
+        yield Target(f"{stack.url}/v1", stack.url, MODEL, real=False)
 
 
 def reuse_hits(router_url: str) -> float:
-    text = httpx.get(f"{router_url}/metrics", timeout=10).text
-    for line in text.splitlines():
-        if line.startswith("kvagent_router_reuse_hits_total "):
-            return float(line.split()[1])
-    return 0.0
+    """Turns the router served with reused KV so far."""
+    return metric_sum(router_url, "kvagent_router_reuse_hits_total")
 
 
 def cached_tokens(router_url: str) -> float:
     """Prompt tokens the router served from retained KV so far (all turns)."""
-    text = httpx.get(f"{router_url}/metrics", timeout=10).text
-    for line in text.splitlines():
-        if line.startswith("kvagent_router_reused_tokens_total "):
-            return float(line.split()[1])
-    return 0.0
-
-
+    return metric_sum(router_url, "kvagent_router_reused_tokens_total")

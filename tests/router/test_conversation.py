@@ -165,3 +165,38 @@ def test_content_keys_find_the_held_turn_a_prompt_extends() -> None:
     assert not set(lookup_keys([1, *later[1:]], "salt")) & held
     assert not set(lookup_keys(later, "other")) & held
     assert held_keys(3, [1, 2, 3], "salt") == [] and lookup_keys([1, 2], "salt") == []
+
+
+async def test_sharing_only_a_system_prompt_takes_no_other_conversations_turn() -> None:
+    """A first turn that shares another conversation's system prompt (and so, when that
+    one's prompt ended inside a block, its last indexed block) must not claim its handle:
+    the other conversation's next turn still reuses. Padding moves where the prompts end
+    relative to the index's blocks."""
+    async with router_stack(skip_prefill_max_tokens=0) as st:
+        for pad in range(0, 32, 4):
+            system = SYSTEM + "x" * pad
+            a = [{"role": "system", "content": system}, {"role": "user", "content": "A?"}]
+            first = (await st.client.post("/v1/chat/completions", json=chat(a))).json()
+            b = [{"role": "system", "content": system}, {"role": "user", "content": "B?"}]
+            other = (await st.client.post("/v1/chat/completions", json=chat(b))).json()
+            assert other["kvagent"]["path"] in FRESH, (pad, other["kvagent"])
+            a += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                  {"role": "user", "content": "More."}]
+            again = (await st.client.post("/v1/chat/completions", json=chat(a))).json()
+            assert again["kvagent"]["path"] in REUSED, (pad, again["kvagent"])
+        assert not st.cluster.events_of("wrong_kv")
+
+
+def test_index_entries_newest_first_bounded_one_per_session() -> None:
+    from kvagent_server.router.reuse.content import MAX_ENTRIES, add_entry, entries, extends
+
+    value = None
+    for i in range(MAX_ENTRIES + 3):
+        value = add_entry(value, 100 + i, f"s{i}")
+    value = add_entry(value, 500, "s5")  # a session's newer turn replaces its older line
+    got = entries(value)
+    assert got[0] == (500, "s5") and len(got) == MAX_ENTRIES
+    assert [s for _, s in got].count("s5") == 1 and ("s0" not in [s for _, s in got])
+    assert entries(b"junk\n12 \nx y") == []
+    assert extends([1, 2, 3, 4], [1, 2, 3, 9, 9], 3) and not extends([1, 2, 4], [1, 2, 3], 3)
+    assert not extends([1, 2], [1, 2, 3], 3)

@@ -255,13 +255,15 @@ class Turn:
 
 async def _index_content(r: Router, req: TurnRequest, handle: Handle, prompt_len: int) -> None:
     """Index a held turn of a caller that names no conversation under its tokens, so its
-    next turn finds the session (`reuse.content`). Best effort: without it that turn
-    recomputes."""
-    keys = content.held_keys(prompt_len, handle.token_ids, req.tenant.cache_salt)
-    value = handle.session.encode()
+    next turn finds the session (`reuse.content`). Best effort: a lost update (another
+    replica writing the same key at once) or a store down costs that turn a recompute."""
+    keys = [_content_key(req, k)
+            for k in content.held_keys(prompt_len, handle.token_ids, req.tenant.cache_salt)]
     try:
-        await r.store.put_records(req.tenant.name, CONTENT,
-                                  [(_content_key(req, k), value) for k in keys],
+        items = [(key, content.add_entry(
+            await r.store.get_record(req.tenant.name, CONTENT, key), prompt_len,
+            handle.session)) for key in keys]
+        await r.store.put_records(req.tenant.name, CONTENT, items,
                                   handle.expires_at - time.time())
     except StoreUnavailable:
         r.metrics.miss("store_unavailable")
@@ -281,29 +283,48 @@ async def _find_by_content(r: Router, req: TurnRequest, p_first: Node | None) ->
     if (req.session is not None or req.source is not None or not r.settings.reuse
             or not r.settings.content_reuse or p_first is None):
         return None
-    t0 = time.perf_counter()
     try:
-        prompt_ids = await tokenize(r.legs.client(p_first), p_first.url, req.body,
-                                    chat=req.chat)
+        prompt_ids = await _tokenize(r, req, p_first)
     except TokenizeError as exc:
         log.info("no content lookup this turn: %s", exc)
         return None
-    finally:
-        req.budget.add("tokenize", time.perf_counter() - t0)
-    keys = content.lookup_keys(prompt_ids, req.tenant.cache_salt)
-    found = None
-    if keys:
-        try:
-            found = await r.store.find_record(req.tenant.name, CONTENT,
-                                              [_content_key(req, k) for k in keys])
-        except StoreUnavailable:
-            r.metrics.miss("store_unavailable")
+    try:
+        session = await _held_session(r, req, prompt_ids)
+    except StoreUnavailable:
+        r.metrics.miss("store_unavailable")
+        session = None
     req.source = "content"
-    req.session = (found[1].decode() if found is not None
-                   else req.tenant.session_key(f"anon-{uuid.uuid4().hex}"))
+    req.session = session or req.tenant.session_key(f"anon-{uuid.uuid4().hex}")
     if req.span is not None:
-        req.span.set_attribute("kvagent.content_hit", found is not None)
+        req.span.set_attribute("kvagent.content_hit", session is not None)
     return prompt_ids
+
+
+async def _held_session(r: Router, req: TurnRequest, prompt_ids: list[int]) -> str | None:
+    """The session of the caller's held turn this prompt extends: the longest indexed
+    prefix of the prompt, then the newest turn under it whose whole prompt the new one
+    repeats (`content.extends`)."""
+    keys = content.lookup_keys(prompt_ids, req.tenant.cache_salt)
+    found = await r.store.find_record(req.tenant.name, CONTENT,
+                                      [_content_key(req, k) for k in keys]) if keys else None
+    for prompt_len, session in content.entries(found[1]) if found is not None else ():
+        held = await r.store.peek_latest(req.tenant.name, session)
+        if held is not None and content.extends(prompt_ids, held.token_ids, prompt_len):
+            return session
+    return None
+
+
+async def _tokenize(r: Router, req: TurnRequest, node: Node) -> list[int]:
+    """The prompt's token ids from `node`, timed into the turn's budget and the router's
+    running mean of the round trip (what a turn that skips it saves)."""
+    t0 = time.perf_counter()
+    try:
+        return await tokenize(r.legs.client(node), node.url, req.body, chat=req.chat)
+    finally:
+        took = time.perf_counter() - t0
+        req.budget.add("tokenize", took)
+        r.tokenize_s = took if r.tokenize_s is None else (
+            r.tokenize_s + TOKENIZE_EWMA_ALPHA * (took - r.tokenize_s))
 
 
 async def _claim(r: Router, req: TurnRequest) -> tuple[Handle | None, str | None]:
@@ -437,21 +458,14 @@ async def _choose(r: Router, req: TurnRequest) -> _Choice:
         ident = _check_identity(r, handle, identity.with_positions(
             new_ident, prompt_ids, r.settings.mm_placeholder_token_ids))
     elif holder is not None and p_first is not None and not final:
-        t0 = time.perf_counter()
         try:
-            prompt_ids = await tokenize(r.legs.client(p_first), p_first.url, req.body,
-                                        chat=req.chat)
+            prompt_ids = await _tokenize(r, req, p_first)
         except TokenizeError as exc:
             log.info("no reuse this turn: %s", exc)
             plan = planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.TOKENIZE_FAILED)
         else:
             ident = _check_identity(r, handle, identity.with_positions(
                 new_ident, prompt_ids, r.settings.mm_placeholder_token_ids))
-        finally:
-            took = time.perf_counter() - t0
-            req.budget.add("tokenize", took)
-            r.tokenize_s = took if r.tokenize_s is None else (
-                r.tokenize_s + TOKENIZE_EWMA_ALPHA * (took - r.tokenize_s))
     if plan is None:
         plan = planner.plan_reuse(
             prompt_ids, handle, threshold=r.settings.kv_recompute_threshold, now=time.time(),
