@@ -1,8 +1,10 @@
 """Drive a workload against one OpenAI-compatible endpoint and record every request.
 
 Conversations run concurrently (up to `Workload.concurrency` in flight); the turns of one
-conversation run in order, each sending the whole history, the session id and the cache
-token the previous turn returned (a plain vLLM node simply ignores both headers).
+conversation run in order. With the chat API (the default) each turn sends the whole
+history, the session id and the cache token the previous turn returned (a plain vLLM node
+simply ignores both headers); the other APIs send the same conversation in their own shape
+and identify it their clients' way (`apis`).
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ from dataclasses import dataclass, field
 import httpx
 from kvagent.protocol import RESPONSE_CACHE_TOKEN, RESPONSE_PATH, RESPONSE_REUSED_TOKENS
 
-from .client import chat_body, session_headers, stream_chat
+from .apis import CHAT, PATHS, ConversationRequests
+from .client import meter_for, stream_request
 from .results import RequestRecord
-from .workload import Conversation, Workload, assistant_message
+from .workload import Conversation, Message, Workload, assistant_message
 
 
 async def run_workload(base_url: str, model: str, workload: Workload, *, config: str,
@@ -25,14 +28,15 @@ async def run_workload(base_url: str, model: str, workload: Workload, *, config:
                        timeout_s: float = 600.0,
                        on_record: Callable[[RequestRecord], None] | None = None,
                        transport: httpx.AsyncBaseTransport | None = None,
-                       text_with_tool_calls: bool = True,
+                       text_with_tool_calls: bool = True, api: str = CHAT,
                        ) -> tuple[list[RequestRecord], float]:
     """Run every conversation; return the records (conversation, turn order) and wall time.
 
     A failed request ends its conversation: later turns would not be the same workload.
-    `transport` is the test seam (httpx.MockTransport).
+    `api`: which client API sends it (`apis.APIS`). `transport` is the test seam
+    (httpx.MockTransport).
     """
-    url = base_url.rstrip("/") + "/chat/completions"
+    url = base_url.rstrip("/")
     sem = asyncio.Semaphore(workload.concurrency)
     limits = httpx.Limits(max_connections=workload.concurrency + 2)
     t_start = time.perf_counter()
@@ -43,7 +47,7 @@ async def run_workload(base_url: str, model: str, workload: Workload, *, config:
                                        config=config, session_id=f"{run_id}.{conv.id}",
                                        keep=keep_recorded_answers, t_start=t_start,
                                        on_record=on_record,
-                                       text_with_tool_calls=text_with_tool_calls)
+                                       text_with_tool_calls=text_with_tool_calls, api=api)
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
                                  limits=limits, transport=transport) as client:
@@ -75,7 +79,7 @@ async def run_sessions(base_url: str, model: str, sessions: Sequence[ScheduledSe
     in time however slow the configuration. Returns the records of the turns that ended,
     the ids of the cancelled conversations, and the wall time.
     """
-    url = base_url.rstrip("/") + "/chat/completions"
+    url = base_url.rstrip("/")
     limits = httpx.Limits(max_connections=len(sessions) + 2)
     records: list[RequestRecord] = []
     unfinished = {s.conversation.id for s in sessions}
@@ -108,44 +112,53 @@ async def _conversation(client: httpx.AsyncClient, url: str, model: str, conv: C
                         max_tokens: int, *, config: str, session_id: str, keep: bool,
                         t_start: float, on_record: Callable[[RequestRecord], None] | None,
                         text_with_tool_calls: bool = True, think_s: Sequence[float] = (),
-                        records: list[RequestRecord] | None = None) -> list[RequestRecord]:
-    """`think_s[i - 1]`: seconds to wait before turn i. `records`: append there as each
-    turn ends (a cancelled conversation keeps its finished turns)."""
-    history: list[dict] = []
-    token: str | None = None
+                        records: list[RequestRecord] | None = None,
+                        api: str = CHAT) -> list[RequestRecord]:
+    """`url`: the base URL (`.../v1`). `think_s[i - 1]`: seconds to wait before turn i.
+    `records`: append there as each turn ends (a cancelled conversation keeps its finished
+    turns)."""
+    history: list[Message] = []
+    requests = ConversationRequests(api, model, session_id, conv.tools, max_tokens)
     answer = ""
     records = [] if records is None else records
     for i, turn in enumerate(conv.turns):
         if i > 0 and i - 1 < len(think_s) and think_s[i - 1] > 0:
             await asyncio.sleep(think_s[i - 1])
+        new: list[Message] = []
         if turn.assistant is not None:
-            history.append(assistant_message(turn.assistant, answer, keep_recorded=keep,
-                                             text_with_tool_calls=text_with_tool_calls))
-        history.extend(turn.messages)
-        body = chat_body(model, history, conv.tools, max_tokens)
+            new.append(assistant_message(turn.assistant, answer, keep_recorded=keep,
+                                         text_with_tool_calls=text_with_tool_calls))
+        new.extend(turn.messages)
+        history.extend(new)
+        req = requests.request(history, new)
+        token = requests.cache_token
         start = time.perf_counter() - t_start
-        res = await stream_chat(client, url, body, session_headers(session_id, token))
+        res = await stream_request(client, url + PATHS[api], req.body, req.headers,
+                                   meter_for(api))
         m = res.meter
         kva = m.kvagent or {}
         new_token = kva.get(RESPONSE_CACHE_TOKEN)
-        usage = m.usage or {}
+        completion = m.completion_tokens()
         rec = RequestRecord(
             config=config, conversation=conv.id, turn=i, start_s=start, ttft_s=m.ttft_s,
             first_chunk_s=m.first_chunk_s, e2e_s=res.e2e_s, headers_s=res.headers_s,
-            stages_s=res.stages_s, itl_s=m.itl_s,
-            tpot_s=m.tpot_s(usage.get("completion_tokens")),
-            prompt_tokens=usage.get("prompt_tokens"),
-            completion_tokens=usage.get("completion_tokens"),
+            stages_s=res.stages_s, itl_s=m.itl_s, tpot_s=m.tpot_s(completion),
+            prompt_tokens=m.prompt_tokens(), completion_tokens=completion,
             cached_tokens=m.cached_tokens(),
             reused_tokens=kva.get(RESPONSE_REUSED_TOKENS) if m.kvagent is not None else None,
-            path=kva.get(RESPONSE_PATH), sent_cache_token=token is not None,
-            got_cache_token=bool(new_token), answer=m.answer, status=res.status,
-            error=res.error)
+            path=kva.get(RESPONSE_PATH), reason=_str(kva.get("reason")),
+            sent_cache_token=token is not None, got_cache_token=bool(new_token),
+            answer=m.answer, status=res.status, error=res.error)
         records.append(rec)
         if on_record is not None:
             on_record(rec)
         if res.error is not None:
             break
         answer = m.answer
-        token = new_token if isinstance(new_token, str) and new_token else None
+        requests.answered(cache_token=new_token if isinstance(new_token, str) else None,
+                          response_id=m.response_id)
     return records
+
+
+def _str(value: object) -> str | None:
+    return value if isinstance(value, str) else None

@@ -170,6 +170,7 @@ def markdown_summary(report: BenchmarkReport) -> str:
         by = {t.turn: t for t in c.per_turn}
         lines.append(f"| {c.name} | " + " | ".join(
             _pct(reused_share(by[t].tokens)) if t in by else "–" for t in turns) + " |")
+    lines += api_lines(report)
     tg = report.targets
     lines += ["", "Targets (measured, not asserted): "
               + ", ".join(f"{k} = {_num(v)}" for k, v in tg.ratios.items())
@@ -189,6 +190,61 @@ def markdown_summary(report: BenchmarkReport) -> str:
         if c.error:
             lines += [f"**{c.name}** {c.status}: {c.error}", ""]
     return "\n".join(lines)
+
+
+def api_lines(report: BenchmarkReport) -> list[str]:
+    """Which client API each row used, when any was not chat: later-turn TTFT and reuse
+    side by side, and what ran through chat only."""
+    if report.apis == ["chat"] and all(c.api == "chat" for c in report.configs):
+        return []
+    lines = ["", ("Client APIs (`--api " + ",".join(report.apis) + "`): each reusing "
+                  "configuration ran once per API, on a bundle of its own; reuse = share of "
+                  "later turns with `kvagent.reused_tokens > 0`, reused tok % = reused / "
+                  "prompt tokens of later turns, cached = the API's own usage field (chat "
+                  "`prompt_tokens_details.cached_tokens`, Messages `cache_read_input_tokens`, "
+                  "Responses `input_tokens_details.cached_tokens`). Same prompt / answer as "
+                  "chat: requests whose prompt token count / greedy answer equal the chat "
+                  "row's for the same turn."),
+             "", ("| row | API | later TTFT p50 | later TTFT p90 | reuse | reused tok % (later) "
+                  "| cached tok (later) | paths (later) | errors | same prompt as chat "
+                  "| same answer as chat |"),
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    by_name = {c.name: c for c in report.configs}
+    for c in report.configs:
+        later = [r for r in c.records if r.turn > 0 and r.error is None]
+        prompt = sum(r.prompt_tokens or 0 for r in later)
+        reused = sum(r.reused_tokens or 0 for r in later)
+        cached = sum(r.cached_tokens or 0 for r in later)
+        paths: dict[str, int] = {}
+        for r in later:
+            if r.path:
+                paths[r.path] = paths.get(r.path, 0) + 1
+        s = c.summary
+        lines.append(
+            f"| {c.name} | {c.api} | {_ms(s.ttft_later_turns_s.p50) if s else '–'} | "
+            f"{_ms(s.ttft_later_turns_s.p90) if s else '–'} | "
+            f"{_pct(s.reuse_rate_later_turns) if s else '–'} | "
+            f"{_pct(reused / prompt if prompt else None)} | {cached} | "
+            f"{', '.join(f'{k} {v}' for k, v in sorted(paths.items())) or '–'} | "
+            f"{s.errors if s else '–'} | {_same_as_chat(c, by_name)} |")
+    chat_only = [c.name for c in report.configs if c.api == "chat"
+                 and not any(o.name.startswith(c.name + ":") for o in report.configs)]
+    if chat_only and report.apis != ["chat"]:
+        lines += ["", "Ran through chat only (baselines): " + ", ".join(chat_only) + "."]
+    return lines
+
+
+def _same_as_chat(c: ConfigResult, by_name: dict[str, ConfigResult]) -> str:
+    """`prompts | answers` equal to the chat row's of the same configuration, as m/n cells."""
+    chat = by_name.get(c.name.rsplit(":", 1)[0]) if c.api != "chat" else None
+    if chat is None or chat.api != "chat":
+        return "– | –"
+    ref = {(r.conversation, r.turn): r for r in chat.records if r.error is None}
+    pairs = [(r, ref[(r.conversation, r.turn)]) for r in c.records
+             if r.error is None and (r.conversation, r.turn) in ref]
+    prompts = sum(1 for a, b in pairs if a.prompt_tokens == b.prompt_tokens)
+    answers = sum(1 for a, b in pairs if a.answer == b.answer)
+    return f"{prompts}/{len(pairs)} | {answers}/{len(pairs)}"
 
 
 def floor_lines(report: BenchmarkReport) -> list[str]:

@@ -37,6 +37,7 @@ class RequestRecord(BaseModel):
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens
     reused_tokens: int | None = None  # kvagent.reused_tokens (None: no kvagent object)
     path: str | None = None  # kvagent.path
+    reason: str | None = None  # kvagent.reason: why that path (the reuse plan's label)
     sent_cache_token: bool = False
     got_cache_token: bool = False
     answer: str = ""
@@ -135,6 +136,9 @@ class FloorSample(BaseModel):
 class ConfigResult(BaseModel):
     name: str
     description: str
+    #: The client API the workload was sent through (`apis.APIS`); rows of other APIs than
+    #: chat are named `<configuration>:<api>`.
+    api: str = "chat"
     status: Literal["ok", "failed", "skipped"]
     error: str | None = None
     startup_s: float | None = None
@@ -180,6 +184,9 @@ class BenchmarkReport(BaseModel):
     workload_fingerprint: str
     workload: dict  # WorkloadSpec (generated) or replay info
     reference_config: str | None
+    #: The client APIs the reusing configurations ran through (`run --api`); the baselines
+    #: ran chat only.
+    apis: list[str] = Field(default_factory=lambda: ["chat"])
     configs: list[ConfigResult]
     targets: Targets
     #: Mean TTFT per segment, per (configuration, path), turns after the first (budget.py).

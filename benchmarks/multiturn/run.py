@@ -3,9 +3,12 @@
     python -m benchmarks.multiturn.run --quick
     python -m benchmarks.multiturn.run                 # the full run (~8k tokens context)
     python -m benchmarks.multiturn.run --replay convs.json --configs kvagent,aggregated
+    python -m benchmarks.multiturn.run --quick --configs kvagent --api chat,messages,responses
 
 Each configuration is brought up, warmed with one unrelated request, driven with the same
-workload, and stopped before the next starts. Results go to
+workload, and stopped before the next starts. With `--api`, each reusing configuration
+runs once per client API, each on a bundle of its own (so no API meets KV another left),
+one row each; the baselines run chat only. Results go to
 `benchmarks/multiturn/results/<UTC timestamp>/` (or `--out`).
 """
 
@@ -20,14 +23,17 @@ import platform
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import httpx
 
 from . import budget, node_trace, stats
 from . import report as report_mod
+from .apis import APIS, CHAT, parse_apis, row_name
 from .driver import run_workload
 from .floor import PairedFloor, copy_bandwidth, kv_bytes_per_token
 from .nodes import (
@@ -63,6 +69,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"comma-separated, in run order (default: {','.join(CONFIGS)}; also "
                    f"{','.join(n for n in ALL_CONFIGS if n not in CONFIGS)})")
+    p.add_argument("--api", default=CHAT, metavar="API[,API...]",
+                   help=f"client API(s) that send the workload, in run order ({', '.join(APIS)}; "
+                   "default chat). Each reusing configuration runs once per API, on a bundle "
+                   "of its own, as a row `<config>:<api>` (chat keeps the plain name); "
+                   "baselines run chat only. messages: Anthropic Messages with Claude Code's "
+                   "session header; responses: OpenAI Responses chained by "
+                   "previous_response_id; responses-full: every item resent, no id")
     p.add_argument("--out", type=Path, help="output directory (default: results/<timestamp>)")
     w = p.add_argument_group("generated workload (defaults: --quick or the full run)")
     w.add_argument("--seed", type=int, default=0)
@@ -157,14 +170,46 @@ def _warmup(base_url: str, model: str) -> None:
     r.raise_for_status()
 
 
+@dataclass(frozen=True)
+class Row:
+    """One row of the results: a configuration driven through one client API."""
+
+    config: BenchConfig
+    api: str = CHAT
+
+    @property
+    def name(self) -> str:
+        return row_name(self.config.name, self.api)
+
+    @property
+    def description(self) -> str:
+        if self.api == CHAT:
+            return self.config.description
+        return f"{self.config.description}; sent through the {self.api} API"
+
+
+def plan_rows(configs: Sequence[BenchConfig], apis: Sequence[str]) -> list[Row]:
+    """Each configuration once per API where the router reuses KV (what the APIs are
+    compared on); the baselines once, through chat."""
+    rows: list[Row] = []
+    for c in configs:
+        if c.kind == "bundle" and c.reuse:
+            rows += [Row(c, api) for api in apis]
+        else:
+            rows.append(Row(c))
+    return rows
+
+
 def run_config(config: BenchConfig, workload: Workload, work_dir: Path, *, run_id: str,
-               args: argparse.Namespace, startup_timeout_s: float | None = None
-               ) -> ConfigResult:
+               args: argparse.Namespace, startup_timeout_s: float | None = None,
+               api: str = CHAT) -> ConfigResult:
     """Up, warm, drive, down. A failure is recorded in the result, not raised.
-    `startup_timeout_s`: overrides `--startup-timeout` (what a time budget leaves)."""
+    `startup_timeout_s`: overrides `--startup-timeout` (what a time budget leaves).
+    `api`: the client API that sends the workload."""
     if args.wait_alone > 0:
         wait_until_alone(args.wait_alone, log=_log)
-    cdir = work_dir / config.name
+    name = row_name(config.name, api)
+    cdir = work_dir / name.replace(":", "-")
     t0 = time.perf_counter()
     records: list[RequestRecord] = []
     startup = None
@@ -172,12 +217,12 @@ def run_config(config: BenchConfig, workload: Workload, work_dir: Path, *, run_i
 
     def progress(r: RequestRecord) -> None:
         status = r.error or (f"ttft {r.ttft_s * 1000:.0f} ms" if r.ttft_s is not None else "")
-        _log(f"  {config.name} {r.conversation} turn {r.turn}: prompt {r.prompt_tokens} "
+        _log(f"  {name} {r.conversation} turn {r.turn}: prompt {r.prompt_tokens} "
              f"cached {r.cached_tokens} reused {r.reused_tokens} path {r.path} {status}")
 
     floor: PairedFloor | None = None
     try:
-        _log(f"{config.name}: starting ({config.description})")
+        _log(f"{name}: starting ({config.description}; API {api})")
         trace_dir = cdir / "node_trace" if args.node_trace else None
         timeout_s = startup_timeout_s or args.startup_timeout
         with contextlib.ExitStack() as stack:
@@ -189,14 +234,14 @@ def run_config(config: BenchConfig, workload: Workload, work_dir: Path, *, run_i
                                     workload, keep=args.keep_assistant,
                                     kv_bytes_per_token=kv_bytes_per_token(_model_dir(args.model)),
                                     bandwidth=copy_bandwidth())
-                _log(f"{config.name}: paired floor node up on cores {args.paired_floor}")
+                _log(f"{name}: paired floor node up on cores {args.paired_floor}")
             stack.enter_context(node_trace.tracing(trace_dir))  # the bundle's nodes only
             t0 = time.perf_counter()  # the configuration's start-up, not the floor node's
             ep = stack.enter_context(serve(
                 config, cdir, kv_cache_gib=args.kv_cache_gib, startup_timeout_s=timeout_s,
                 model=args.model, device=args.device, engine_args=args.engine_args))
             startup = time.perf_counter() - t0
-            _log(f"{config.name}: up in {startup:.0f} s at {ep.base_url}")
+            _log(f"{name}: up in {startup:.0f} s at {ep.base_url}")
             if not args.no_warmup:
                 _warmup(ep.base_url, ep.model)
 
@@ -207,22 +252,22 @@ def run_config(config: BenchConfig, workload: Workload, work_dir: Path, *, run_i
 
             with watch:
                 records, wall = asyncio.run(run_workload(
-                    ep.base_url, ep.model, workload, config=config.name, run_id=run_id,
+                    ep.base_url, ep.model, workload, config=name, run_id=run_id, api=api,
                     keep_recorded_answers=args.keep_assistant,
                     timeout_s=args.request_timeout, on_record=on_record,
                     text_with_tool_calls=_text_with_tool_calls(args.model)))
-        _log(f"{config.name}: done, stopped"
+        _log(f"{name}: done, stopped"
              + (f" ({watch.max} foreign vLLM processes ran meanwhile)" if watch.max else ""))
     except Exception as exc:  # noqa: BLE001 - a broken configuration must not lose the others' results
-        _log(f"{config.name}: FAILED: {exc}")
-        return ConfigResult(name=config.name, description=config.description,
-                            status="failed", error=f"{type(exc).__name__}: {exc}",
+        _log(f"{name}: FAILED: {exc}")
+        return ConfigResult(name=name, description=Row(config, api).description,
+                            api=api, status="failed", error=f"{type(exc).__name__}: {exc}",
                             startup_s=startup, foreign_vllm_max=watch.max, records=records,
                             floor=floor.samples if floor else [],
                             logs=log_tails(cdir / "run" / "logs") or None)
     errors = [r.error for r in records if r.error]
     return ConfigResult(
-        name=config.name, description=config.description, status="ok",
+        name=name, description=Row(config, api).description, api=api, status="ok",
         error=f"{len(errors)} request(s) failed; first: {errors[0]}" if errors else None,
         startup_s=startup, foreign_vllm_max=watch.max,
         summary=stats.summarize(records, wall),
@@ -306,8 +351,11 @@ def run_benchmark(workload: Workload, configs: list[BenchConfig], out_dir: Path,
                   args: argparse.Namespace, command: list[str]) -> BenchmarkReport:
     now = dt.datetime.now(dt.UTC)
     run_id = f"mt{now:%H%M%S}"
-    results = run_within_budget(configs, args.time_budget, lambda c, startup: run_config(
-        c, workload, out_dir / "work", run_id=run_id, args=args, startup_timeout_s=startup),
+    apis = parse_apis(args.api)
+    results = run_within_budget(
+        plan_rows(configs, apis), args.time_budget, lambda row, startup: run_config(
+            row.config, workload, out_dir / "work", run_id=run_id, args=args,
+            startup_timeout_s=startup, api=row.api),
         startup_timeout_s=args.startup_timeout)
     ref = next((c for c in results if c.name == REFERENCE_CONFIG and c.status == "ok"), None)
     for c in results:
@@ -323,13 +371,24 @@ def run_benchmark(workload: Workload, configs: list[BenchConfig], out_dir: Path,
         machine=machine(args.device),
         versions=versions(), workload_source=workload.source,
         workload_fingerprint=workload.fingerprint(), workload=spec,
-        reference_config=ref.name if ref else None, configs=results,
+        reference_config=ref.name if ref else None, apis=apis, configs=results,
         targets=stats.targets(results),
         time_budget=budget.budgets(r for c in results for r in c.records))
 
 
-def run_within_budget(configs: list[BenchConfig], budget_s: float,
-                      run: Callable[[BenchConfig, float | None], ConfigResult], *,
+class _Named(Protocol):
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def description(self) -> str: ...
+
+
+_C = TypeVar("_C", bound=_Named)
+
+
+def run_within_budget(configs: Sequence[_C], budget_s: float,
+                      run: Callable[[_C, float | None], ConfigResult], *,
                       startup_timeout_s: float,
                       clock: Callable[[], float] = time.monotonic) -> list[ConfigResult]:
     """`run(config, startup_timeout)` for each configuration in order. With a budget
@@ -365,6 +424,12 @@ def _sigterm(signum: int, frame: object) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     configs = parse_configs(args.configs)
+    try:
+        apis = parse_apis(args.api)
+    except ValueError as exc:
+        raise SystemExit(f"--api: {exc}") from None
+    if args.paired_floor and apis != [CHAT]:
+        raise SystemExit("--paired-floor times chat requests: use it with --api chat")
     try:
         workload = build_workload(args)
     except ValueError as exc:

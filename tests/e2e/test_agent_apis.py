@@ -199,12 +199,15 @@ def chat_turn(e2e: E2E, messages: list[dict[str, Any]], tools: list[dict[str, An
 
 
 @pytest.mark.parametrize("change", ["none", "system", "tool_order", "edited_answer",
-                                    "compaction"])
+                                    "reasoning_dropped", "compaction"])
 def test_no_identity_reuses_only_what_is_verified(e2e: E2E, change: str) -> None:
     """A client that sends no id at all (as LangGraph does) reuses by content; whatever an
     agent changes between turns is recomputed from the first differing token."""
     topic = uuid.uuid4().hex[:8]  # this conversation's own tokens
-    messages = [{"role": "system", "content": SYSTEM},
+    earlier = [{"role": "user", "content": f"Task {topic}: is the repository clean?"},
+               {"role": "assistant", "content": "It is clean.",
+                "reasoning_content": "The status showed no changes, so it is clean."}]
+    messages = [{"role": "system", "content": SYSTEM}, *earlier,
                 {"role": "user", "content": f"Task {topic}: explain src/app.py."}]
     first = chat_turn(e2e, messages, CHAT_TOOLS)
     answer = first["choices"][0]["message"]["content"] or ""
@@ -214,6 +217,8 @@ def test_no_identity_reuses_only_what_is_verified(e2e: E2E, change: str) -> None
         history[0] = {"role": "system", "content": "You are terse. " + SYSTEM}
     elif change == "tool_order":
         tools = list(reversed(CHAT_TOOLS))
+    elif change == "reasoning_dropped":  # as clients that strip reasoning from history do
+        history[2] = {"role": "assistant", "content": "It is clean."}
     elif change == "edited_answer":
         history[-1] = {"role": "assistant", "content": answer[: len(answer) // 2] + " (edited)"}
     elif change == "compaction":
