@@ -311,3 +311,97 @@ def test_whole_answers_carry_kvagent_at_the_top(
 
 def _body(name: str) -> dict[str, Any]:
     return next(body for n, _, body in CASES if n == name)
+
+
+# ------------------------------------------------------------------ Messages and Responses
+#
+# The same check for the agent APIs the router translates to chat: every whole answer's
+# structure, and every stream's sequence of event types (a run of deltas counted once)
+# with each event type's structure. Values are not compared, nor the ids' prefixes; the
+# router's `kvagent` object is set aside as for chat.
+
+ANTHROPIC_TOOL = {"name": "get_metrics", "description": "Metrics of a service.",
+                  "input_schema": TOOLS[0]["function"]["parameters"]}
+RESPONSES_TOOL = {"type": "function", "name": "get_metrics",
+                  "description": "Metrics of a service.",
+                  "parameters": TOOLS[0]["function"]["parameters"]}
+AGENT_CASES: list[tuple[str, str, dict[str, Any]]] = [
+    ("messages-whole", "/v1/messages", {"max_tokens": 8, "temperature": 0.0}),
+    ("messages-stream", "/v1/messages", {"max_tokens": 8, "temperature": 0.0,
+                                         "stream": True}),
+    ("messages-stream-tool", "/v1/messages", {
+        "max_tokens": 48, "temperature": 0.0, "stream": True, "tools": [ANTHROPIC_TOOL],
+        "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}),
+    ("responses-whole", "/v1/responses", {"max_output_tokens": 8, "temperature": 0.0}),
+    ("responses-stream", "/v1/responses", {"max_output_tokens": 8, "temperature": 0.0,
+                                           "stream": True}),
+    ("responses-stream-tool", "/v1/responses", {
+        "max_output_tokens": 48, "temperature": 0.0, "stream": True,
+        "tools": [RESPONSES_TOOL], "tool_choice": "auto", "parallel_tool_calls": False}),
+]
+
+
+def send_agent_api(client: httpx.Client, root: str, model: str, path: str,
+                   body: dict[str, Any]) -> Answer:
+    payload: dict[str, Any] = {"model": model, **body}
+    if path == "/v1/messages":
+        payload.update(system="You are terse.", messages=MESSAGES[1:])
+    else:
+        payload.update(instructions="You are terse.", input=MESSAGES[1]["content"],
+                       store=False)
+    with client.stream("POST", root + path, json=payload) as resp:
+        raw = resp.read().decode()
+        content_type = resp.headers.get("content-type", "")
+        parsed: Any = named_events(raw) if content_type.startswith("text/event-stream") else (
+            json.loads(raw))
+        return Answer(resp.status_code, content_type, set(resp.headers.keys()), parsed)
+
+
+def named_events(raw: str) -> list[Any]:
+    """Each event as (name, data); the name must be the data's `type`."""
+    out = []
+    for block in raw.split("\n\n"):
+        if not block.strip():
+            continue
+        name, data = block.split("\n", 1)
+        assert name.startswith("event: ") and data.startswith("data: "), block
+        event = json.loads(data[len("data: "):])
+        assert event["type"] == name[len("event: "):], block
+        out.append(event)
+    return out
+
+
+def event_shape(events: list[dict[str, Any]]) -> dict[str, Any]:
+    """The event types in order (a run of one type counted once: how many deltas a stream
+    has depends on the server's pace) and each type's structures."""
+    order: list[str] = []
+    for event in events:
+        if not order or order[-1] != event["type"]:
+            order.append(event["type"])
+    kinds: dict[str, list[str]] = {}
+    for event in events:
+        kinds.setdefault(event["type"], []).append(
+            json.dumps(skeleton(event), sort_keys=True))
+    return {"order": order, "kinds": {k: sorted(set(v)) for k, v in kinds.items()}}
+
+
+@pytest.fixture(scope="module")
+def agent_answers(servers: Servers) -> dict[str, tuple[Answer, Answer]]:
+    out: dict[str, tuple[Answer, Answer]] = {}
+    with httpx.Client(timeout=300) as client:
+        for name, path, body in AGENT_CASES:
+            out[name] = (send_agent_api(client, servers.stock, servers.model, path, body),
+                         send_agent_api(client, servers.router, servers.model, path, body))
+    return out
+
+
+@pytest.mark.parametrize("name", [c[0] for c in AGENT_CASES])
+def test_agent_apis_answer_like_stock_vllm(agent_answers: dict[str, tuple[Answer, Answer]],
+                                           name: str) -> None:
+    stock, router = agent_answers[name]
+    assert (router.status, router.content_type) == (stock.status, stock.content_type)
+    if isinstance(stock.body, list):
+        s, r = event_shape(stock.body), event_shape(router.body)
+    else:
+        s, r = skeleton(stock.body), skeleton(router.body)
+    assert r == s, differences(s, r)

@@ -71,8 +71,8 @@ def reasoning_of(message: dict[str, Any]) -> Any:
 
 
 def message_from_chat(chat: dict[str, Any], *, model: str) -> dict[str, Any]:
-    """A whole chat completion as the message vLLM's `/v1/messages` returns (with
-    `stop_sequence` always present, as Anthropic writes it)."""
+    """A whole chat completion as the message vLLM's `/v1/messages` returns (which leaves
+    out a null `stop_reason` and `stop_sequence`; Anthropic's clients read them as null)."""
     choices = chat.get("choices") or [{}]
     choice = as_dict(choices[0])
     message = as_dict(choice.get("message"))
@@ -98,6 +98,9 @@ def message_from_chat(chat: dict[str, Any], *, model: str) -> dict[str, Any]:
         "model": model, "content": content, "stop_reason": reason,
         "stop_sequence": sequence, "usage": usage(chat.get("usage")),
     }
+    for name in ("stop_reason", "stop_sequence"):
+        if out[name] is None:
+            del out[name]
     if "kvagent" in chat:
         out["kvagent"] = chat["kvagent"]
     return out
