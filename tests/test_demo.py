@@ -39,8 +39,7 @@ def test_openai_agents_demo_reuses_kv(kvagent_bundle) -> None:
     from kvagent_server import demo_openai_agents
 
     assert demo_openai_agents.missing_message() is None
-    rows = demo_openai_agents.run_agent(kvagent_bundle.router_url, kvagent_bundle.model,
-                                        turns=3)
+    rows = demo_openai_agents.run_agent(kvagent_bundle.router_url, kvagent_bundle.model, 3)
     assert len(rows) == 3 and all(r.kind.startswith("tool call (") for r in rows)
     assert all(r.reused > 0 and r.path in {"pd_reuse", "d_direct"} for r in rows[1:]), [
         (r.kind, r.path, r.reused) for r in rows]

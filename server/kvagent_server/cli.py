@@ -10,7 +10,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any, Literal, cast
+from typing import Annotated, Any, Literal
 
 import typer
 import yaml
@@ -490,12 +490,21 @@ def demo(
     ] = "sdk",
 ) -> None:
     """Bring up 1 P + 1 D + the router, run a tool-using agent, show per-turn reuse and TTFT."""
-    from kvagent_server.demo import run_demo
+    from kvagent_server.demo import Driver, run_demo
 
     if agent not in ("sdk", "openai-agents"):
         raise typer.BadParameter("must be `sdk` or `openai-agents`", param_hint="--agent")
+    driver: Driver | None = None
+    if agent == "openai-agents":
+        from kvagent_server import demo_openai_agents
+
+        missing = demo_openai_agents.missing_message()
+        if missing is not None:
+            console.print(f"[red]--agent openai-agents:[/] {missing}")
+            raise typer.Exit(2)
+        driver = demo_openai_agents.run_agent
     raise typer.Exit(run_demo(model=model, keep_running=keep_running, turns=turns, port=port,
-                              baseline=baseline, agent=cast(Literal["sdk", "openai-agents"], agent)))
+                              baseline=baseline, driver=driver))
 
 
 if __name__ == "__main__":

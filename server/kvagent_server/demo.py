@@ -223,14 +223,15 @@ def demo_config(model: str | None, run_dir: Path | None, port: int) -> Any:
     return validate_config(data)
 
 
-#: Who drives the demo's agent: kvagent's SDK, or a stock framework's agent that knows
-#: nothing of kvagent (`demo_openai_agents`).
-Driver = Literal["sdk", "openai-agents"]
+#: Another driver of the demo's agent than kvagent's SDK: (router URL, served model, user
+#: turns) -> one row per model call (`demo_openai_agents.run_agent`: a stock framework's
+#: agent that knows nothing of kvagent).
+Driver = Callable[[str, str, int], Sequence[Row]]
 
 
 def run_demo(*, model: str | None = None, keep_running: bool = False, turns: int = 5,
              port: int = 8000, run_dir: Path | None = None, baseline: bool = True,
-             agent: Driver = "sdk") -> int:
+             driver: Driver | None = None) -> int:
     """Start the bundle, run the agent, print the table, stop everything (also on Ctrl-C)."""
     from kvagent_server.config import ConfigError
     from kvagent_server.inputs import gather_inputs
@@ -239,13 +240,6 @@ def run_demo(*, model: str | None = None, keep_running: bool = False, turns: int
     if not 1 <= turns <= len(USER_TURNS):
         console.print(f"[red]--turns must be between 1 and {len(USER_TURNS)}[/]")
         return 2
-    if agent == "openai-agents":
-        from kvagent_server import demo_openai_agents
-
-        missing = demo_openai_agents.missing_message()
-        if missing is not None:
-            console.print(f"[red]--agent openai-agents:[/] {missing}")
-            return 2
     try:
         import vllm  # noqa: F401
     except (ImportError, RuntimeError, OSError) as exc:
@@ -270,11 +264,8 @@ def run_demo(*, model: str | None = None, keep_running: bool = False, turns: int
         console.print(f"[green]Ready in {time.monotonic() - t0:.0f} s.[/] Router at "
                       f"{bundle.router_url}/v1, logs in {config.resolved_run_dir()}")
         served = config.served_model_name or _served_name(config)
-        if agent == "openai-agents":
-            from kvagent_server import demo_openai_agents
-
-            rows = list(demo_openai_agents.run_agent(bundle.router_url or "", served,
-                                                     turns=turns))
+        if driver is not None:
+            rows = list(driver(bundle.router_url or "", served, turns))
         else:
             rows = run_agent(bundle.router_url or "", bundle.node_urls("prefill")[0], served,
                              turns=turns, baseline=baseline)

@@ -91,7 +91,7 @@ async def _turns(router_url: str, model: str, turns: int, rows: list[Row], live:
         history = result.to_input_list()
 
 
-def run_agent(router_url: str, model: str, *, turns: int) -> Sequence[Row]:
+def run_agent(router_url: str, model: str, turns: int) -> Sequence[Row]:
     """Run the OpenAI Agents SDK agent for `turns` user turns; one row per model call."""
     rows: list[Row] = []
     live = Live(table(rows), console=console, refresh_per_second=4,
