@@ -1,8 +1,11 @@
 """Two sets of draws of the same seeds, draw by draw, from the recorded results only.
 
-    PYTHONPATH=. python \
-        benchmarks/multiturn/results/20261204T235834Z-load-l2-p-legs-reported-seed16/compare_runs.py \
-        [run21|late-p-idle-d|run22]
+    python -m benchmarks.multiturn.compare_runs [run21|late-p-idle-d|run22]
+
+(from the repository root). Its recorded outputs are in `results/`:
+`20261204T235834Z-load-l2-p-legs-reported-seed16/compare_runs.txt` (`run21`),
+`20261205T004227Z-load-l2-late-p-idle-d-seed13/compare_runs.txt` (`late-p-idle-d`) and
+`20261204T235834Z-load-l2-p-legs-reported-seed16/compare_runs-run22.txt` (`run22`).
 
 `run21` (the default): run 21 (after) against run 20 (before); `late-p-idle-d`: the
 first-turn rule tried after run 21 (after) against run 21 (before); `run22`: first turns
@@ -28,7 +31,7 @@ from benchmarks.multiturn.results import (
     RequestRecord,
 )
 
-RESULTS = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results"
 #: seed -> (before, after)
 RUN21 = {
     12: ("20261204T201357Z-load-l2-d-steps-p-legs", "20261205T002757Z-load-l2-p-legs-reported-seed12"),
