@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.multiturn.goodput import paired_sessions, rescore_level, sign_test_p
+from benchmarks.multiturn.pool import read_report
 from benchmarks.multiturn.results import (
     LevelResult,
     LoadConfigResult,
@@ -62,7 +63,7 @@ COMPARISONS = {"run21": RUN21, "late-p-idle-d": LATE_P_IDLE_D, "run22": RUN22}
 
 
 def load(folder: str) -> LoadReport:
-    return LoadReport.model_validate_json((RESULTS / folder / "results.json").read_text())
+    return read_report(RESULTS / folder)
 
 
 def level(report: LoadReport, config: str) -> LevelResult:
