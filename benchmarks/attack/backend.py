@@ -2,7 +2,7 @@
 holding LONG (a stream large enough to fill a non-reader's socket buffers) or HUGE (a
 non-streamed answer over the router's read cap).
 
-    python benchmarks/attack/backend.py P_PORT D_PORT
+    python -m benchmarks.attack.backend P_PORT D_PORT    # from the repository root
 """
 
 from __future__ import annotations
@@ -10,12 +10,9 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "router"))
-
-from fakes import FakeCluster, Reply, decode_ids, serve_pair
+from benchmarks._fakes import FakeCluster, Reply, decode_ids, serve_pair
 
 #: The fake D's KV capacity in blocks: its kv_cache_usage_perc times this is what it pins.
 KV_BLOCKS = 10_000_000

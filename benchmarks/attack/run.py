@@ -482,7 +482,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     base = f"http://{HOST}:{r_port}"
     d_url = f"http://{HOST}:{d_port}"
     try:
-        procs.append(_spawn([sys.executable, str(HERE / "backend.py"), str(p_port),
+        procs.append(_spawn([sys.executable, "-m", "benchmarks.attack.backend", str(p_port),
                              str(d_port)], env, args.backend_log))
         await wait_ready(f"http://{HOST}:{p_port}/health")
         await wait_ready(f"{d_url}/health")
@@ -496,8 +496,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         attacks = Attacks(r_port, base, rng, args.scale, session)
 
         async def d_blocks() -> float | None:
-            sys.path.insert(0, str(HERE))
-            from backend import KV_BLOCKS
+            from benchmarks.attack.backend import KV_BLOCKS
 
             async with httpx.AsyncClient() as c:
                 text = (await c.get(f"{d_url}/metrics", timeout=30)).text

@@ -1,6 +1,6 @@
 """Instant fake P and D nodes whose answers echo the session marker of their prompt.
 
-    python benchmarks/load/backend.py P_PORT D_PORT
+    python -m benchmarks.load.backend P_PORT D_PORT    # from the repository root
 
 The nodes are `tests/router/fakes.py`'s (vLLM's HTTP surface and NIXL's bookkeeping, no
 compute). Consumed transfer records are dropped as they are read so the backend's own
@@ -12,12 +12,9 @@ from __future__ import annotations
 import asyncio
 import re
 import sys
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "router"))
-
-from fakes import FakeCluster, Reply, decode_ids, serve_pair
+from benchmarks._fakes import FakeCluster, Reply, decode_ids, serve_pair
 
 _MARKER_RE = re.compile(r"\[\[s=([\w.-]+) t=(\d+)\]\]")
 

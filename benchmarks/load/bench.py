@@ -41,10 +41,10 @@ from benchmarks.load.sessions import run_load
 API_KEY = "load-test-key-0123456789"
 
 
-def start(argv: list[str], log: Path) -> subprocess.Popen:
+def start(argv: list[str], log: Path, cwd: Path | None = None) -> subprocess.Popen:
     with log.open("wb") as f:
         return subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True, cwd=cwd)
 
 
 class MemorySampler:
@@ -97,8 +97,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         json.dump(settings, f)
         settings_path = f.name
     logs = Path(tempfile.mkdtemp(prefix="kva-load-"))
-    backend = start([sys.executable, str(HERE / "backend.py"), str(p_port), str(d_port)],
-                    logs / "backend.log")
+    backend = start([sys.executable, "-m", "benchmarks.load.backend", str(p_port), str(d_port)],
+                    logs / "backend.log", cwd=HERE.parents[1])
     router = None
     try:
         await wait_ready(f"http://127.0.0.1:{p_port}/health")

@@ -19,6 +19,7 @@ instead (the same factors), so draws differ only in how they were served.
 from __future__ import annotations
 
 import argparse
+import gzip
 import random
 import statistics
 import sys
@@ -205,11 +206,14 @@ def markdown(p: Pooled) -> str:
 
 
 def read_report(path: Path) -> LoadReport:
-    """A results folder or its results.json."""
-    file = path / "results.json" if path.is_dir() else path
-    if not file.is_file():
+    """A results folder or its results.json; a committed run keeps the file gzipped
+    (`results.json.gz`), read as it is."""
+    files = [path / "results.json", path / "results.json.gz"] if path.is_dir() else [path]
+    file = next((f for f in files if f.is_file()), None)
+    if file is None:
         raise FileNotFoundError(f"{path}: no results.json")
-    return LoadReport.model_validate_json(file.read_text())
+    data = file.read_bytes()
+    return LoadReport.model_validate_json(gzip.decompress(data) if file.suffix == ".gz" else data)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -55,9 +55,10 @@ MODEL = "fake-model"
 PROMPT = "Summarise the history of lighthouses in three sentences. " * 4
 
 
-def start(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+def start(argv: list[str], env: dict[str, str] | None = None,
+          cwd: Path | None = None) -> subprocess.Popen:
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, env={**os.environ, **(env or {})})
+                            start_new_session=True, env={**os.environ, **(env or {})}, cwd=cwd)
 
 
 class Worker:
@@ -289,7 +290,8 @@ def versus(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     p_port, d_port = free_port(), free_port()
-    procs = [start([sys.executable, str(HERE / "fake_backend.py"), str(p_port), str(d_port)])]
+    procs = [start([sys.executable, "-m", "benchmarks.router_overhead.fake_backend", str(p_port),
+                    str(d_port)], cwd=HERE.parents[1])]
     rounds: list[dict[str, Any]] = []
     load_before = os.getloadavg()
     try:

@@ -1,17 +1,14 @@
 """An instant fake P and D node pair (tests/router/fakes.py), served by uvicorn.
 
-    python benchmarks/router_overhead/fake_backend.py P_PORT D_PORT
+    python -m benchmarks.router_overhead.fake_backend P_PORT D_PORT    # from the repository root
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "router"))
-
-from fakes import FakeCluster, Reply, serve_pair
+from benchmarks._fakes import FakeCluster, Reply, serve_pair
 
 
 async def main(p_port: int, d_port: int) -> None:

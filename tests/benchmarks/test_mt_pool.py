@@ -4,6 +4,7 @@ command line."""
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -142,3 +143,14 @@ def test_command_line_pools_recorded_folders(tmp_path, capsys) -> None:
     assert "idle_decode_step_s 20.0 ms" in capsys.readouterr().out
     assert pool.main([*map(str, folders), "--idle", "1,2"]) == 2
     assert "--idle takes 'median' or 3 numbers" in capsys.readouterr().err
+
+
+def test_a_committed_folder_is_read_from_its_gzipped_results(tmp_path) -> None:
+    rep = load_report(40, ("aggregated", [level(2, "ab", "cd")]),
+                      ("kvagent", [level(2, "abc", "d")]))
+    plain = report.write_load(rep, tmp_path / "seed40")["json"]
+    before = pool.read_report(plain.parent)
+    (plain.parent / "results.json.gz").write_bytes(gzip.compress(plain.read_bytes()))
+    plain.unlink()
+    assert pool.read_report(plain.parent) == before
+    assert pool.read_report(plain.parent / "results.json.gz") == before

@@ -1,0 +1,46 @@
+"""The router's fake P/D nodes (`tests/router/fakes.py`), for benchmarks: the one place
+benchmarks reach the test fakes from.
+
+A benchmark imports them from here (`from benchmarks._fakes import FakeCluster, Reply,
+serve_pair`) and runs as a module from the repository root (`python -m
+benchmarks.load.backend P_PORT D_PORT`); neither it nor this module edits `sys.path`.
+The file is loaded under the name the tests import it by, `fakes`, so a test that imports
+both `fakes` and a benchmark gets one module (one `FakeCluster`), whichever came first.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+PATH = Path(__file__).resolve().parents[1] / "tests" / "router" / "fakes.py"
+
+
+def _load() -> ModuleType:
+    loaded = sys.modules.get("fakes")
+    if loaded is not None:
+        if Path(loaded.__file__ or "").resolve() != PATH:
+            raise ImportError(f"another module named fakes is loaded: {loaded.__file__}")
+        return loaded
+    spec = importlib.util.spec_from_file_location("fakes", PATH)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {PATH}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fakes"] = module  # before running it: its dataclasses look themselves up
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["fakes"]
+        raise
+    return module
+
+
+_fakes = _load()
+FakeCluster = _fakes.FakeCluster
+Reply = _fakes.Reply
+decode_ids = _fakes.decode_ids
+serve_pair = _fakes.serve_pair
+
+__all__ = ["PATH", "FakeCluster", "Reply", "decode_ids", "serve_pair"]
