@@ -76,6 +76,15 @@ def kvagent_bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVAgent
         bundle.stop()
 
 
+@pytest.fixture
+def bundle(kvagent_bundle: KVAgentBundle) -> KVAgentBundle:
+    """The real router (`.base_url`, `.model`) from `kvagent_bundle`, or a skip with the
+    reason it is unavailable."""
+    if not kvagent_bundle.available:
+        pytest.skip(kvagent_bundle.reason or "kvagent bundle unavailable")
+    return kvagent_bundle
+
+
 # ----------------------------------------------------------------- CI: real parts must run
 
 # `.ci/run` sets KVAGENT_REQUIRE_REAL (support.REQUIRE_REAL_ENV): a test that needs real
