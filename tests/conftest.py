@@ -11,6 +11,7 @@ import shutil
 from collections.abc import Iterator
 
 import pytest
+from kvagent_server.processes import stop_groups
 from support import (
     REQUIRE_REAL_ENV,
     KVAgentBundle,
@@ -18,7 +19,6 @@ from support import (
     VLLMNode,
     bundle_config,
     free_port,
-    kill_group,
     require_real,
     start_bundle,
     start_redis,
@@ -55,7 +55,7 @@ def vllm_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMNode]:
     try:
         yield node
     finally:
-        kill_group(proc)
+        stop_groups(proc)
 
 
 # --------------------------------------------------------------------------- the bundle
