@@ -18,17 +18,6 @@ import httpx
 from kvagent_server.ports import free_port, free_ports  # noqa: F401 - re-exported
 
 
-def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM the process group, SIGKILL it after 10 s."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
 def signal_until_gone(find: Callable[[], list[int]], *, grace_s: float,
                       say: Callable[[str], None] | None = None) -> list[int]:
     """SIGTERM the processes `find` lists, wait up to `grace_s` for them to go, then SIGKILL

@@ -11,6 +11,7 @@ import shutil
 from collections.abc import Iterator
 
 import pytest
+from kvagent_server.processes import stop_groups
 from support import (
     REQUIRE_REAL_ENV,
     KVAgentBundle,
@@ -18,7 +19,6 @@ from support import (
     VLLMNode,
     bundle_config,
     free_port,
-    kill_group,
     require_real,
     start_bundle,
     start_redis,
@@ -55,7 +55,7 @@ def vllm_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMNode]:
     try:
         yield node
     finally:
-        kill_group(proc)
+        stop_groups(proc)
 
 
 # --------------------------------------------------------------------------- the bundle
@@ -74,6 +74,15 @@ def kvagent_bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVAgent
         yield handle
     finally:
         bundle.stop()
+
+
+@pytest.fixture
+def bundle(kvagent_bundle: KVAgentBundle) -> KVAgentBundle:
+    """The real router (`.base_url`, `.model`) from `kvagent_bundle`, or a skip with the
+    reason it is unavailable."""
+    if not kvagent_bundle.available:
+        pytest.skip(kvagent_bundle.reason or "kvagent bundle unavailable")
+    return kvagent_bundle
 
 
 # ----------------------------------------------------------------- CI: real parts must run

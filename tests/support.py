@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 from kvagent_server.ports import free_port, free_ports  # noqa: F401 - the tests' port pickers
+from kvagent_server.processes import stop_groups
 
 #: Set by `.ci/run`: a test that needs real vLLM or Redis may not skip there, because a
 #: skipped real-engine test is a check that silently did not happen.
@@ -50,28 +51,6 @@ def vllm_available() -> bool:
     except (ImportError, RuntimeError, OSError):
         return False
     return True
-
-
-def kill_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
-    """SIGTERM the process group, SIGKILL what is left after `grace` seconds."""
-    import signal
-
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    try:
-        proc.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=10)
-    # vLLM's engine core may outlive the API server for a moment; reap the group.
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 # --------------------------------------------------------------------------- redis
@@ -113,12 +92,12 @@ def start_redis(port: int | None = None, timeout: float = 20.0) -> RedisServer:
                                    workdir=workdir)
         except OSError:
             time.sleep(0.05)
-    kill_group(proc)
+    stop_groups(proc)
     raise RuntimeError("redis-server did not start")
 
 
 def stop_redis(server: RedisServer) -> None:
-    kill_group(server.proc)
+    stop_groups(server.proc)
     shutil.rmtree(server.workdir, ignore_errors=True)
 
 
@@ -169,7 +148,7 @@ def start_vllm_node(log_dir: Path, *, extra_args: list[str] | None = None,
             pass
         time.sleep(0.5)
     else:
-        kill_group(proc)
+        stop_groups(proc)
         raise RuntimeError(f"vLLM did not become healthy in {timeout}s; see {log_path}")
     node = VLLMNode(base_url=f"{root}/v1", root_url=root, model=DEMO_MODEL_NAME,
                     model_path=model_path, log_path=log_path)

@@ -260,3 +260,20 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
                 if len(component) > 1:
                     out.append(sorted(component))
     return out
+
+
+def test_tests_import_support_only_as_support() -> None:
+    """tests/ is on sys.path, so tests/support.py is `support`; imported as `tests.support`
+    as well, it would load twice, as two modules with their own state."""
+    bad = []
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            if "tests.support" in names:
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not bad, "import `support`, not `tests.support`: " + ", ".join(bad)

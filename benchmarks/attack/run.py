@@ -35,11 +35,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from kvagent_server.processes import stop_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks._procs import free_ports, stop, wait_ready
+from benchmarks._procs import free_ports, wait_ready
 
 HERE = Path(__file__).resolve().parent
 HOST = "127.0.0.1"
@@ -455,7 +456,7 @@ class Attacks:
 
 
 def _spawn(argv: list[str], env: dict[str, str], log: Path | None) -> subprocess.Popen:
-    """A process in its own group (`stop` ends the group); output to `log` or nowhere."""
+    """A process in its own group (`stop_groups` ends the group); output to `log` or nowhere."""
     if log is None:
         return subprocess.Popen(argv, start_new_session=True, env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -555,7 +556,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 "phase_s": q, "phases": phases, "checks": check(phases, args)}
     finally:
         for p in reversed(procs):
-            stop(p)
+            stop_groups(p)
         os.unlink(settings_path)
 
 

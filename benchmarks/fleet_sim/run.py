@@ -20,7 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from benchmarks._procs import free_ports, stop
+from kvagent_server.processes import stop_groups
+
+from benchmarks._procs import free_ports
 from benchmarks.fleet_sim import calibrate
 from benchmarks.fleet_sim.profiles import Profile, glm_constants, gpu_profile
 from benchmarks.fleet_sim.sim import SimConfig, Simulation, summarize
@@ -174,7 +176,7 @@ def redis_server() -> Iterator[tuple[str, Any]]:
                     time.sleep(0.05)
             yield f"redis://127.0.0.1:{port}/0", client
         finally:
-            stop(proc)
+            stop_groups(proc)
 
 
 def _commandstats(client: Any) -> dict[str, int]:

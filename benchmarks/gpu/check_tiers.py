@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from typing import Any
 
 from kvagent_server.config import validate_config
 from kvagent_server.inputs import gather_inputs
+from kvagent_server.processes import stop_groups
 from kvagent_server.render import BundlePlan, HostFacts, PlanInputs, ProcessSpec, plan
 from kvagent_server.router.kv.hashing import BlockHasher
 from kvagent_server.router.turns.prompt_ids import tokenize_request
@@ -129,13 +129,8 @@ def start(node: ProcessSpec, log: Path) -> subprocess.Popen[bytes]:
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    """The node and its group, 30 s before SIGKILL: a GPU engine stops slower than a CPU one."""
+    stop_groups(proc, grace=30.0)
 
 
 def prompt(i: int, words: int) -> str:

@@ -34,8 +34,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 from kvagent_server.ports import free_port
+from kvagent_server.processes import stop_groups
 
-from benchmarks._procs import stop, wait_ready
+from benchmarks._procs import wait_ready
 from benchmarks.load.sessions import run_load
 
 API_KEY = "load-test-key-0123456789"
@@ -150,7 +151,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         for proc in (router, backend):
             if proc is not None:
-                stop(proc)
+                stop_groups(proc)
         os.unlink(settings_path)
 
 

@@ -29,6 +29,7 @@ import httpx
 import yaml
 from kvagent_server.config import validate_config
 from kvagent_server.inputs import resolve_model
+from kvagent_server.processes import stop_groups
 from kvagent_server.router.store.factory import KEY_SYNC_INTERVAL_S
 
 from benchmarks.multihost import netns
@@ -85,21 +86,10 @@ class Proc:
                      "PYTHONUNBUFFERED": "1"})
 
     def kill(self, sig: int = signal.SIGTERM, grace: float = 15.0) -> None:
-        p = self.popen
-        if p is None or p.poll() is not None:
-            return
-        try:
-            os.killpg(p.pid, sig)
-            p.wait(grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
-        except ProcessLookupError:
-            pass
-        try:  # children that outlived the leader (vLLM's engine core)
-            os.killpg(p.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        """Stop the process and its group; `sig=SIGKILL` is the crash the scenarios inject
+        (a router dying mid-stream, Redis lost), where SIGTERM would let it stop cleanly."""
+        if self.popen is not None:
+            stop_groups(self.popen, grace=grace, sig=sig)
 
     def alive(self) -> bool:
         return self.popen is not None and self.popen.poll() is None

@@ -48,8 +48,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
 
 from kvagent_server.ports import free_port
+from kvagent_server.processes import stop_groups
 
-from benchmarks._procs import stop, wait_ready
+from benchmarks._procs import wait_ready
 
 MODEL = "fake-model"
 PROMPT = "Summarise the history of lighthouses in three sentences. " * 4
@@ -358,7 +359,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                           flush=True)
     finally:
         for proc in reversed(procs):
-            stop(proc)
+            stop_groups(proc)
     summary = summarise(rounds)
     loads = [round(x, 2) for x in load_before], [round(x, 2) for x in os.getloadavg()]
     return {"command": " ".join(["python", *sys.argv]),

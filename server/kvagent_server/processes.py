@@ -17,6 +17,7 @@ import subprocess
 import time
 from collections.abc import Collection, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -125,9 +126,11 @@ def _signal_all(pgids: Iterable[int], procs: Iterable[psutil.Process], sig: int)
             pass
 
 
-def terminate(pgids: list[int], run_dir: Path, *, name: str | None = None, grace: float,
-              reap: Iterable[subprocess.Popen[bytes]] = ()) -> list[int]:
-    """SIGTERM the groups and every marked process, SIGKILL what is left after `grace`.
+def terminate(pgids: list[int], run_dir: Path | None, *, name: str | None = None, grace: float,
+              reap: Iterable[subprocess.Popen[Any]] = (),
+              sig: int = signal.SIGTERM) -> list[int]:
+    """`sig` (SIGTERM) to the groups and every process marked with `run_dir` (none when it
+    is None), SIGKILL what is left after `grace`.
 
     Returns the pids still alive afterwards (empty on success).
     """
@@ -138,13 +141,14 @@ def terminate(pgids: list[int], run_dir: Path, *, name: str | None = None, grace
         for p in reap:
             p.poll()
         found = {p.pid: p for g in pgids for p in group_members(g)}
-        found.update({p.pid: p for p in marked(run_dir, name)})
+        if run_dir is not None:
+            found.update({p.pid: p for p in marked(run_dir, name)})
         return list(found.values())
 
     left = alive()
     if not left:
         return []
-    _signal_all(pgids, left, signal.SIGTERM)
+    _signal_all(pgids, left, sig)
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         left = alive()
@@ -160,3 +164,18 @@ def terminate(pgids: list[int], run_dir: Path, *, name: str | None = None, grace
                 return []
             time.sleep(0.05)
     return [p.pid for p in left]
+
+
+def stop_groups(*procs: subprocess.Popen[Any], grace: float = 10.0,
+                sig: int = signal.SIGTERM) -> list[int]:
+    """Stop processes started with `start_new_session=True` and everything in their groups
+    (vLLM's engine core, a child that outlived its parent): `sig` to each group, SIGKILL
+    what is left after `grace`, then reap `procs`. `sig=SIGKILL` is a crash, not a stop.
+
+    Returns the pids still alive afterwards (empty on success).
+    """
+    left = terminate([p.pid for p in procs], None, grace=grace, reap=procs, sig=sig)
+    for p in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            p.wait(5)  # a leader that exited as the group emptied is not reaped yet
+    return left

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 from kvagent_server.config import validate_config
+from kvagent_server.processes import stop_groups
 from kvagent_server.render import HostFacts, ModelSource, PlanInputs, plan
 from kvagent_server.router.__main__ import parse_args
 from support import free_ports
@@ -131,12 +131,4 @@ def test_real_router_reaches_nodes_bound_only_to_their_addresses(tmp_path: Path)
         with pytest.raises(httpx.ConnectError):
             httpx.get(f"http://127.0.0.1:{ports[0]}/health", timeout=2)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_groups(*procs)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from typing import Self
 import httpx
 from kvagent_server.demo_model import demo_serve_args, demo_serve_env, ensure_demo_model
 from kvagent_server.ports import free_port
+from kvagent_server.processes import stop_groups
 from kvagent_server.vllm_plugin.env import node_args, node_env
 from support import TEST_ENGINE_ARGS
 
@@ -83,24 +83,8 @@ class Node:
             return []
 
     def stop(self, timeout: float = 20.0) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        # Children may outlive the API server: clear the whole group.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            pass
+        """Stop the node with its engine core and worker (its process group)."""
+        stop_groups(self.proc, grace=timeout)
 
     def log_tail(self, n: int = 40) -> str:
         try:

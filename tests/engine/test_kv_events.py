@@ -15,7 +15,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from support import kill_group, start_vllm_node, vllm_available
+from kvagent_server.processes import stop_groups
+from support import start_vllm_node, vllm_available
 
 pytestmark = [
     pytest.mark.vllm, pytest.mark.slow,
@@ -93,4 +94,4 @@ async def test_router_hashes_equal_the_node_published_hashes(tmp_path: Path) -> 
             assert sub.bad_messages == 0
     finally:
         await sub.stop()
-        kill_group(proc)
+        stop_groups(proc)

@@ -21,7 +21,8 @@ from typing import Any
 
 import httpx
 import pytest
-from support import VLLMNode, kill_group, start_vllm_node, vllm_available
+from kvagent_server.processes import stop_groups
+from support import VLLMNode, start_vllm_node, vllm_available
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -123,7 +124,7 @@ def stock_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMNode]:
     try:
         yield node
     finally:
-        kill_group(proc)
+        stop_groups(proc)
 
 
 @pytest.fixture(scope="module")

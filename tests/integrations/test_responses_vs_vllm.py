@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from kvagent_server.processes import stop_groups
 from kvagent_server.router.apis import sse
 from kvagent_server.router.apis.responses import (
     ApiError,
@@ -23,7 +24,7 @@ from kvagent_server.router.apis.responses import (
     response_from_chat,
     to_chat,
 )
-from support import VLLMNode, kill_group, start_vllm_node, vllm_available
+from support import VLLMNode, start_vllm_node, vllm_available
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -59,7 +60,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMNode]:
     try:
         yield vllm
     finally:
-        kill_group(proc)
+        stop_groups(proc)
 
 
 @pytest.fixture(scope="module")

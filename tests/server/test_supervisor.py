@@ -19,6 +19,7 @@ import httpx
 import pytest
 import yaml
 from kvagent_server.config import ConfigError, validate_config
+from kvagent_server.processes import stop_groups
 from kvagent_server.runstate import load_state
 from kvagent_server.supervisor import Bundle, BundleError
 from support import free_ports
@@ -315,9 +316,7 @@ def test_cli_foreground_ctrl_c_stops_everything(config_file: Path, fake_config: 
                                  f"{grace:g} s):\n{seen}{partial or ''}") from None
         out = seen + out
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_groups(proc, sig=signal.SIGKILL)  # still running: the test failed, no grace
     assert proc.returncode == 0, out
     assert "Ready." in out and "Stopped." in out and "Traceback" not in out
     assert not any(alive(pid) for pid in pids)
