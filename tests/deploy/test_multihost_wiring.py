@@ -31,11 +31,11 @@ from benchmarks.multihost.topology import (
 
 TOPO = Topology("t1")
 #: Flags that legitimately differ between a pod and a namespace host: where it binds,
-#: the model's location and its serving args (the demo model vs an image's model), the
-#: engine id (the pod name).
+#: the model's location and its serving args (the demo model vs an image's model, including
+#: the built-in models' bounded default answer length), the engine id (the pod name).
 _PER_PLACE = {"--host", "--model", "--served-model-name", "--kv-transfer-config",
               "--enable-auto-tool-choice", "--tool-call-parser", "--structured-outputs-config",
-              "--dtype"}
+              "--dtype", "--override-generation-config"}
 #: Environment that is the rehearsal's own: the side-channel host (a pod's comes from the
 #: downward API), core pinning, and the demo model's serving env.
 _PER_PLACE_ENV = {"VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_CPU_OMP_THREADS_BIND",
