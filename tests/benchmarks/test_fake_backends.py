@@ -12,8 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 from kvagent_server.ports import free_port
+from kvagent_server.processes import stop_groups
 
-from benchmarks._procs import stop, wait_ready
+from benchmarks._procs import wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The interpreter's path as `./dev` sets it up: the two packages, not the tests' folders.
@@ -44,4 +45,4 @@ def test_backend_serves_both_nodes(module: str, tmp_path: Path) -> None:
     except Exception as exc:
         raise AssertionError(log.read_text()[-3000:]) from exc
     finally:
-        stop(proc)
+        stop_groups(proc)
