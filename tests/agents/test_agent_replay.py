@@ -15,39 +15,17 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
 import replay
-from fake_stack import MODEL, threaded_router_stack
+from client_targets import Target, client_bundle  # noqa: F401 - the module's `bundle`
 
 FIXTURES = ("claude_code", "codex")
 
 
-@dataclass(frozen=True)
-class Target:
-    url: str  # the router's root, without /v1
-    model: str
-    stack: Any = None  # the fake stack (its cluster records wrong-KV pulls); None when real
-
-
-@pytest.fixture(scope="module", params=[
-    "fake", pytest.param("real", marks=[pytest.mark.vllm, pytest.mark.slow])])
-def target(request: pytest.FixtureRequest) -> Iterator[Target]:
-    if request.param == "real":
-        bundle = request.getfixturevalue("kvagent_bundle")
-        if not bundle.available:
-            pytest.skip(bundle.reason)
-        yield Target(bundle.router_url, bundle.model)
-        return
-    with threaded_router_stack() as stack:
-        yield Target(stack.url, MODEL, stack)
-
-
 @pytest.fixture(scope="module")
-def runs(target: Target) -> dict[str, list[replay.Result]]:
+def runs(bundle: Target) -> dict[str, list[replay.Result]]:
     """Each fixture replayed once per target (lazily, by `played`)."""
     return {}
 
@@ -55,7 +33,8 @@ def runs(target: Target) -> dict[str, list[replay.Result]]:
 def played(runs: dict[str, list[replay.Result]], target: Target,
            name: str) -> dict[str, replay.Result]:
     if name not in runs:
-        runs[name] = replay.replay(replay.load_fixture(name), target.url, model=target.model)
+        runs[name] = replay.replay(replay.load_fixture(name), target.router_url,
+                                   model=target.model)
     return {r.id: r for r in runs[name]}
 
 
@@ -67,8 +46,8 @@ def _requests(name: str) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("name", FIXTURES)
-def test_every_request_succeeds(runs: dict[str, Any], target: Target, name: str) -> None:
-    results = played(runs, target, name)
+def test_every_request_succeeds(runs: dict[str, Any], bundle: Target, name: str) -> None:
+    results = played(runs, bundle, name)
     checked = [r for r in results.values() if r.kind != "resumed"]
     failed = [r for r in checked if not r.ok]
     assert not failed, replay.report(list(results.values()))
@@ -79,11 +58,11 @@ def test_every_request_succeeds(runs: dict[str, Any], target: Target, name: str)
 
 
 @pytest.mark.parametrize("name", FIXTURES)
-def test_every_later_turn_reuses(runs: dict[str, Any], target: Target, name: str) -> None:
+def test_every_later_turn_reuses(runs: dict[str, Any], bundle: Target, name: str) -> None:
     """Every request the fixture marks `reuse: required` (a later turn of the main agent, of
     a subagent or child thread, and the turn after a compaction's restart) reused KV, and its
     usage reports at least as many cached tokens."""
-    results = played(runs, target, name)
+    results = played(runs, bundle, name)
     missed = [r for r in results.values() if r.reuse == "required"
               and not (r.ok and r.reused_tokens > 0 and r.path in replay.REUSE_PATHS)]
     assert not missed, replay.report(list(results.values()))
@@ -94,12 +73,12 @@ def test_every_later_turn_reuses(runs: dict[str, Any], target: Target, name: str
 
 
 @pytest.mark.parametrize("name", FIXTURES)
-def test_subagent_keeps_its_own_branch(runs: dict[str, Any], target: Target,
+def test_subagent_keeps_its_own_branch(runs: dict[str, Any], bundle: Target,
                                        name: str) -> None:
     """A subagent / child thread shares the session id but not the main agent's handle: its
     own later turns reuse its own history, and the main agent's first turn after it still
     reuses the main agent's."""
-    results = played(runs, target, name)
+    results = played(runs, bundle, name)
     order = [r["id"] for r in _requests(name)]
     subagents = [i for i in order if results[i].kind == "subagent"]
     assert subagents
@@ -127,12 +106,12 @@ def _main_chains(name: str) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("name", FIXTURES)
-def test_reuse_grows_along_the_main_thread(runs: dict[str, Any], target: Target,
+def test_reuse_grows_along_the_main_thread(runs: dict[str, Any], bundle: Target,
                                            name: str) -> None:
     """Each main turn extends the previous prompt, so the reused prefix grows turn by turn;
     a router that stopped at something every request changes (Claude Code's `cch`) would
     reuse the same short prefix every time."""
-    results = played(runs, target, name)
+    results = played(runs, bundle, name)
     chains = _main_chains(name)
     assert chains
     for chain in chains:
@@ -141,11 +120,11 @@ def test_reuse_grows_along_the_main_thread(runs: dict[str, Any], target: Target,
             (chain, reused, replay.report(list(results.values())))
 
 
-def test_billing_header_cch_does_not_stop_reuse(runs: dict[str, Any], target: Target) -> None:
+def test_billing_header_cch_does_not_stop_reuse(runs: dict[str, Any], bundle: Target) -> None:
     """Claude Code's first system block changes on every request (`cch=`); consecutive main
     turns still reuse past it, more on every turn."""
     by_id = {q["id"]: q for q in _requests("claude_code")}
-    results = played(runs, target, "claude_code")
+    results = played(runs, bundle, "claude_code")
     for chain in _main_chains("claude_code"):
         assert len({_cch(by_id[i]) for i in chain}) == len(chain)
         reused = [results[i].reused_tokens for i in chain]
@@ -154,24 +133,24 @@ def test_billing_header_cch_does_not_stop_reuse(runs: dict[str, Any], target: Ta
 
 
 @pytest.mark.parametrize("name", FIXTURES)
-def test_compaction_never_fails(runs: dict[str, Any], target: Target, name: str) -> None:
+def test_compaction_never_fails(runs: dict[str, Any], bundle: Target, name: str) -> None:
     """The summary request and the turn that restarts from the summary both succeed; the
     restart is a recompute or reuses only what the router verified (no wrong KV)."""
-    results = played(runs, target, name)
+    results = played(runs, bundle, name)
     for r in results.values():
         if r.kind in ("compaction", "after_compaction"):
             assert r.ok and r.path in replay.PATHS, r.summary()
-    if target.stack is not None:
-        assert not target.stack.cluster.events_of("wrong_kv")
+    if bundle.stack is not None:
+        assert not bundle.stack.cluster.events_of("wrong_kv")
 
 
 def test_resumed_session_with_encrypted_reasoning(runs: dict[str, Any],
-                                                  target: Target) -> None:
+                                                  bundle: Target) -> None:
     """A Codex session resumed from api.openai.com resends OpenAI's encrypted reasoning,
     which no server but OpenAI can read. The router either answers (the item is opaque and
     skipped) and reuses on the next turn, or refuses with a clean 400 naming the encrypted
     content, as vLLM does; never a server error."""
-    results = played(runs, target, "codex")
+    results = played(runs, bundle, "codex")
     resumed = [r for r in results.values() if r.kind == "resumed"]
     assert resumed
     for r in resumed:
@@ -180,8 +159,8 @@ def test_resumed_session_with_encrypted_reasoning(runs: dict[str, Any],
         assert resumed[-1].reused_tokens > 0, replay.report(resumed)
 
 
-def test_count_tokens(runs: dict[str, Any], target: Target) -> None:
-    results = played(runs, target, "claude_code")
+def test_count_tokens(runs: dict[str, Any], bundle: Target) -> None:
+    results = played(runs, bundle, "claude_code")
     counted = [r for r in results.values() if r.kind == "count_tokens"]
     assert counted
     for r in counted:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,17 +139,22 @@ def servers(stock_node: VLLMNode, kvagent_bundle: Any) -> Servers:
 @pytest.fixture(scope="module")
 def answers(servers: Servers) -> dict[str, tuple[Answer, Answer]]:
     """Every case's (stock, router) answers, sent once for the module."""
-    out: dict[str, tuple[Answer, Answer]] = {}
-    with httpx.Client(timeout=300) as client:
-        for name, endpoint, body in CASES:
-            out[name] = (send(client, servers.stock, servers.model, endpoint, body),
-                         send(client, servers.router, servers.model, endpoint, body))
+    out = both(servers, CASES, send)
     dump = os.environ.get("KVAGENT_CONFORMANCE_DUMP")
     if dump:  # every answer, for reading a difference whole
         with open(dump, "w") as f:
             json.dump({k: [a.__dict__ | {"headers": sorted(a.headers)} for a in v]
                        for k, v in out.items()}, f, indent=1)
     return out
+
+
+def both(servers: Servers, cases: list[tuple[str, str, dict[str, Any]]],
+         sender: Callable[..., Answer]) -> dict[str, tuple[Answer, Answer]]:
+    """Each case's (stock, router) answers, by `sender(client, root, model, where, body)`."""
+    with httpx.Client(timeout=300) as client:
+        return {name: (sender(client, servers.stock, servers.model, where, body),
+                       sender(client, servers.router, servers.model, where, body))
+                for name, where, body in cases}
 
 
 def send(client: httpx.Client, root: str, model: str, endpoint: str,
@@ -161,10 +166,16 @@ def send(client: httpx.Client, root: str, model: str, endpoint: str,
     else:
         path = "/v1/completions"
         payload.setdefault("prompt", "The weather today is")
-    with client.stream("POST", root + path, json=payload) as resp:
+    return post(client, root + path, payload, sse_events)
+
+
+def post(client: httpx.Client, url: str, payload: dict[str, Any],
+         events: Callable[[str], list[Any]]) -> Answer:
+    """One request's answer: JSON, or a stream's events as `events` reads them."""
+    with client.stream("POST", url, json=payload) as resp:
         raw = resp.read().decode()
         content_type = resp.headers.get("content-type", "")
-        parsed: Any = sse_events(raw) if content_type.startswith("text/event-stream") else (
+        parsed: Any = events(raw) if content_type.startswith("text/event-stream") else (
             json.loads(raw))
         return Answer(resp.status_code, content_type, set(resp.headers.keys()), parsed)
 
@@ -350,12 +361,7 @@ def send_agent_api(client: httpx.Client, root: str, model: str, path: str,
     else:
         payload.update(instructions="You are terse.", input=MESSAGES[1]["content"],
                        store=False)
-    with client.stream("POST", root + path, json=payload) as resp:
-        raw = resp.read().decode()
-        content_type = resp.headers.get("content-type", "")
-        parsed: Any = named_events(raw) if content_type.startswith("text/event-stream") else (
-            json.loads(raw))
-        return Answer(resp.status_code, content_type, set(resp.headers.keys()), parsed)
+    return post(client, root + path, payload, named_events)
 
 
 def named_events(raw: str) -> list[Any]:
@@ -388,12 +394,7 @@ def event_shape(events: list[dict[str, Any]]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def agent_answers(servers: Servers) -> dict[str, tuple[Answer, Answer]]:
-    out: dict[str, tuple[Answer, Answer]] = {}
-    with httpx.Client(timeout=300) as client:
-        for name, path, body in AGENT_CASES:
-            out[name] = (send_agent_api(client, servers.stock, servers.model, path, body),
-                         send_agent_api(client, servers.router, servers.model, path, body))
-    return out
+    return both(servers, AGENT_CASES, send_agent_api)
 
 
 @pytest.mark.parametrize("name", [c[0] for c in AGENT_CASES])

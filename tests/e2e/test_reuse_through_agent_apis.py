@@ -6,6 +6,9 @@ reuses D's KV) and, as the reference, to the prefill node's own `/v1/messages` a
 that send no conversation id at all reuse by content; the prompt changes agents really
 make between turns (a changed system prompt, reordered tools, an edited answer, a
 compaction) must recompute from the first differing token, never reuse wrong KV.
+
+Its name sorts after the other e2e modules on purpose: it leaves retained turns on D, and
+`test_conversation` opens with a test that needs D idle.
 """
 
 from __future__ import annotations

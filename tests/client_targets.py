@@ -1,11 +1,12 @@
-"""Where the third-party client tests point: the router before fake P/D nodes (fast,
-always), or the suite's real bundle (`vllm`). Shared by the modules that drive clients
-nobody here wrote, so each gets both targets from one `bundle` fixture."""
+"""Where the tests of clients nobody here wrote point: the router before fake P/D nodes
+(fast, always), or the suite's real bundle (`vllm`). One module-scoped fixture, `bundle`,
+gives a module both targets (import `client_bundle` into the module)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 from fake_stack import MODEL, threaded_router_stack
@@ -18,6 +19,8 @@ class Target:
     router_url: str
     model: str
     real: bool
+    #: The fake stack (its cluster records wrong-KV pulls); None on the real bundle.
+    stack: Any = None
 
 
 @pytest.fixture(name="bundle", scope="module", params=[
@@ -31,7 +34,7 @@ def client_bundle(request: pytest.FixtureRequest) -> Iterator[Target]:
         yield Target(real.base_url, real.router_url, real.model, real=True)
         return
     with threaded_router_stack() as stack:
-        yield Target(f"{stack.url}/v1", stack.url, MODEL, real=False)
+        yield Target(f"{stack.url}/v1", stack.url, MODEL, real=False, stack=stack)
 
 
 def reuse_hits(router_url: str) -> float:
