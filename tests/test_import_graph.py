@@ -74,8 +74,44 @@ def _router_layer(module: str) -> int | None:
 
 
 def test_graph_is_not_empty() -> None:
-    assert "kvagent_server.router.turns.orchestrate" in GRAPH
-    assert "kvagent_server.router.reuse.planner" in GRAPH["kvagent_server.router.turns.orchestrate"]
+    assert "kvagent_server.router.turns.pipeline" in GRAPH
+    assert "kvagent_server.router.reuse.planner" in GRAPH["kvagent_server.router.turns.policy"]
+
+
+#: A turn's stages in the order it runs them (docs/architecture.md, "One turn"): each is a
+#: module of `router.turns` reading the shape the one before built (`turns.shapes`).
+TURN_STAGES = ["gather", "policy", "execute", "relay", "settle"]
+
+
+def _turns(module: str) -> str:
+    return f"kvagent_server.router.turns.{module}"
+
+
+def test_no_turn_stage_imports_another() -> None:
+    """So no stage can call back into one the turn has left (or skip ahead): data flows
+    only through the shapes, and only `pipeline` (and the HTTP shell) strings them."""
+    stages = {_turns(s) for s in TURN_STAGES}
+    bad = sorted(f"{m} -> {t}" for m in stages for t in GRAPH[m] if t in stages)
+    assert not bad, bad
+    shared = {_turns("shapes"), _turns("context")}
+    for module in shared:  # the shapes and the router's state know no stage
+        assert not (GRAPH[module] & stages) or module == _turns("context"), GRAPH[module]
+    # `context` holds the router's policy object: the protocol, nothing it runs
+    assert GRAPH[_turns("context")] & stages == {_turns("policy")}
+
+
+def test_the_pipeline_runs_the_stages_in_order() -> None:
+    """`open_turn` calls gather, the policy's decide and execute, in this order; the
+    shell relays and then settles."""
+    src = (SOURCES["kvagent_server"] / "router" / "turns" / "pipeline.py").read_text()
+    body = src[src.index("async def open_turn"):]
+    calls = [body.index(c) for c in ("gather(", ".decide(", "execute(")]
+    assert calls == sorted(calls)
+    app = (SOURCES["kvagent_server"] / "router" / "http" / "app.py").read_text()
+    stream = app[app.index("async def _stream("):]
+    assert stream.index(".relay(") < stream.index("settle(") < stream.index(".tail(")
+    whole = app[app.index("async def _whole("):app.index("async def _stream(")]
+    assert whole.index(".scrub(") < whole.index("settle(") < whole.index("rewrite_response(")
 
 
 def test_no_import_cycles_between_modules() -> None:

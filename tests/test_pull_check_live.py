@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from kvagent_server.router.reuse import planner, transfer
+from kvagent_server.router.reuse import transfer
 from kvagent_server.router.store.handle import Handle
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -52,13 +52,13 @@ def _held(b: Any, messages: list[dict[str, Any]]
 
 def _offer(params: dict[str, Any], tokens: list[int], block: int) -> dict[str, Any]:
     """P leg params that pull every whole block D holds, with their digests: the router's
-    own `planner.reuse_transfer_params` on a handle of the held turn."""
+    own `transfer.reuse_transfer_params` on a handle of the held turn."""
     handle = Handle(handle_id="h", tenant="t", session="s", decode_node="d0",
                     decode_epoch="e", kv_transfer_params=params, token_ids=tokens,
                     block_size=block, created_at=0.0, expires_at=0.0)
-    retained = planner.retained_tokens(handle)
+    retained = transfer.retained_tokens(handle)
     assert retained is not None, params
-    return planner.reuse_transfer_params(handle, retained // block * block)
+    return transfer.reuse_transfer_params(handle, retained // block * block)
 
 
 def _through_p(b: Any, messages: list[dict[str, Any]], offer: dict[str, Any]

@@ -1,18 +1,18 @@
 """A discrete-event simulation of a P/D fleet whose routing decisions are the router's own.
 
-Per turn the simulator calls, in the order a real turn does (`router.turns.orchestrate`):
+Per turn the simulator calls, in the order a real turn does (`router.turns.pipeline`):
 the cache-token codec and the store's claim (`auth.cache_token`, `store`), P and D
 placement (`reuse.placement`), the reuse plan and the path choice with the learned cost
-model (`reuse.planner`), the transfer params for the legs (`reuse.planner`,
-`reuse.transfer`), and after the D leg the new `Handle`, `store.put` and a new token.
+model (`reuse.planner`, `reuse.paths`), the transfer params for the legs
+(`reuse.transfer`), and after the D leg the new `Handle`, `store.put` and a new token.
 The retention guard (`turns.retention.RetentionGuard`, with its `blocks_to_free` watermark
 math and `ReleaseQueue`) runs every `retention_check_interval_s` against the simulated
 decode nodes through an in-process httpx transport that answers `/metrics` and release
 requests from the simulated KV state. Only the nodes are simulated: compute, transfers,
 KV blocks, TTLs (`nodes.py`, priced by a `profiles.Profile`).
 
-`orchestrate.plan_turn` itself is not called: it reads the wall clock (`time.time()`) and
-drives the legs over HTTP (`Legs`, `tokenize`), so the sequence of public calls above is
+`pipeline.open_turn` itself is not called: its stages read the wall clock (`time.time()`)
+and drive the legs over HTTP (`Legs`, `tokenize`), so the sequence of public calls above is
 driven directly, with the simulated clock passed where the router takes `now`.
 """
 
@@ -34,7 +34,7 @@ import numpy as np
 import orjson
 from kvagent_server.router.auth.cache_token import TokenCodec, TokenError, verify_binding
 from kvagent_server.router.auth.keys import KeyRing
-from kvagent_server.router.reuse import placement, planner, transfer
+from kvagent_server.router.reuse import paths, placement, planner, transfer
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.handle import Handle, new_handle_id
 from kvagent_server.router.store.memory import MemoryStore
@@ -130,7 +130,7 @@ class Simulation:
                       else MemoryStore(clock=clock))
         self.store = CountingStore(inner)
         self.codec = TokenCodec(KeyRing.generate())
-        self.costs = planner.CostModel()
+        self.costs = paths.CostModel()
         self.rng = random.Random(config.seed)
         blocks = config.d_kv_blocks or profile.d_kv_blocks
         self.p_nodes = [PNode(f"prefill-{i}", f"http://p{i}.sim") for i in range(config.n_prefill)]
@@ -217,7 +217,7 @@ class Simulation:
         return self.rng.randbytes(n)
 
     async def _decide(self, s: _Session, prompt: list[int]) -> tuple[
-            Handle | None, planner.ReusePlan, planner.Path, PNode, DNode, dict[str, Any]]:
+            Handle | None, planner.ReusePlan, paths.Path, PNode, DNode, dict[str, Any]]:
         """The router's choices for one turn (real code; the simulated clock as `now`)."""
         st, now = self.settings, self.now
         handle, rejected = None, None
@@ -257,7 +257,7 @@ class Simulation:
         picked_d, _ = placement.pick_decode(states, affinity=affinity)
         assert picked_d is not None
         d_node = self.by_name[picked_d.node_id]
-        path = planner.choose_path(plan, len(prompt_ids), self.costs.snapshot(),
+        path = paths.choose_path(plan, len(prompt_ids), self.costs.snapshot(),
                                    skip_prefill_max_tokens=st.skip_prefill_max_tokens,
                                    d_healthy=d_node is holder)
         if path == "d_direct":
@@ -265,9 +265,9 @@ class Simulation:
             params = transfer.with_release(transfer.d_direct(), [rid] if rid else [])
         elif path == "pd_reuse":
             assert handle is not None
-            params = planner.reuse_transfer_params(handle, plan.reuse_tokens)
+            params = transfer.reuse_transfer_params(handle, plan.reuse_tokens)
         elif handle is not None and holder is not None and st.release_unused_handles:
-            params = planner.release_transfer_params(handle)
+            params = transfer.release_transfer_params(handle)
         else:
             params = transfer.fresh()
         p_node = self.by_name[picked_p.node_id]
@@ -296,7 +296,7 @@ class Simulation:
                             decode_node=d.name, decode_epoch=d.epoch, kv_transfer_params=params,
                             token_ids=sequence, block_size=st.block_size or 1,
                             created_at=self.now, expires_at=self.now + ttl)
-            if planner.retained_tokens(handle) is not None:
+            if transfer.retained_tokens(handle) is not None:
                 await self.store.put(handle)
                 s.token = self.codec.encode(tenant=TENANT, session=s.name,
                                             handle=handle.handle_id, iat=int(self.now),

@@ -20,11 +20,12 @@ from collections.abc import AsyncIterator
 from kvagent_server.router.auth.cache_token import TokenCodec
 from kvagent_server.router.auth.keys import KeyRing
 from kvagent_server.router.http.request import session_and_token, validate
-from kvagent_server.router.reuse import planner
+from kvagent_server.router.reuse import paths, planner, transfer
 from kvagent_server.router.store.handle import Handle, new_handle_id
 from kvagent_server.router.store.memory import MemoryStore
 from kvagent_server.router.turns.legs import decode_body, prefill_body
-from kvagent_server.router.turns.relay import Capture, Final, Scrubber, relay_sse
+from kvagent_server.router.turns.relay import Scrubber, SseRelay
+from kvagent_server.router.turns.shapes import Capture, Final
 
 BLOCK = 128
 
@@ -66,9 +67,9 @@ async def one_turn(codec: TokenCodec, store: MemoryStore, token: str, prompt: li
     handle = await store.claim("t", claims.handle)
     plan = planner.plan_reuse(prompt, handle, threshold=64, now=time.time(), tenant="t",
                               session=session)
-    path = planner.choose_path(plan, len(prompt), planner.PathCosts(),
+    path = paths.choose_path(plan, len(prompt), paths.PathCosts(),
                                skip_prefill_max_tokens=0, d_healthy=True)
-    p_body = prefill_body(body, planner.reuse_transfer_params(handle, plan.reuse_tokens))
+    p_body = prefill_body(body, transfer.reuse_transfer_params(handle, plan.reuse_tokens))
     d_body = decode_body(body, d_params(len(prompt)))
     assert path == "pd_reuse" and p_body and d_body
 
@@ -88,7 +89,9 @@ async def one_turn(codec: TokenCodec, store: MemoryStore, token: str, prompt: li
         return Final(kvagent={"cache_token": tok, "reused_tokens": plan.reuse_tokens,
                               "expires_in": 400, "path": path}, cached_tokens=plan.reuse_tokens)
 
-    out = [b async for b in relay_sse(upstream(), Scrubber(keep_token_ids=False), finalize)]
+    relay = SseRelay(Scrubber(keep_token_ids=False))
+    out = [b async for b in relay.relay(upstream())]
+    out.append(relay.tail(await finalize(relay.capture)))
     last = json.loads(out[-1].split(b"data: ")[-2])
     return last["kvagent"]["cache_token"]
 

@@ -637,14 +637,14 @@ async def test_negative_control_unverified_reuse_is_caught(monkeypatch: pytest.M
     """The fakes catch a router that reuses unverified KV on a P node that pulls whatever
     it is offered: this suite can fail. A P node with the plugin's pull check (the fake
     runs the same function) pulls only the blocks its prompt repeats: no wrong KV."""
-    from kvagent_server.router.reuse import planner
+    from kvagent_server.router.reuse import planner, transfer
 
     original = planner.plan_reuse
 
     def trusting(prompt_ids: Any, handle: Any, **kw: Any) -> Any:  # no token comparison
         if handle is None:
             return original(prompt_ids, handle, **kw)
-        n = min(planner.retained_tokens(handle), len(prompt_ids) - 1)
+        n = min(transfer.retained_tokens(handle), len(prompt_ids) - 1)
         n = n // handle.block_size * handle.block_size
         return planner.ReusePlan(reuse_tokens=n, reason="hit")
 

@@ -14,12 +14,9 @@ import pytest
 from fakes import router_stack
 from kvagent_server.router.auth.tenancy import Tenant
 from kvagent_server.router.settings import RouterSettings
+from kvagent_server.router.turns.execute import forwards_first_token, forwards_prompt_ids
 from kvagent_server.router.turns.legs import sampled_token
-from kvagent_server.router.turns.orchestrate import (
-    TurnRequest,
-    forwards_first_token,
-    forwards_prompt_ids,
-)
+from kvagent_server.router.turns.shapes import TurnRequest
 from router_client import FIRST, no_wrong_kv, turn
 
 CHAT = "/v1/chat/completions"
@@ -27,8 +24,8 @@ CHAT = "/v1/chat/completions"
 
 def _request(body: dict[str, Any], endpoint: str = CHAT) -> TurnRequest:
     tenant = Tenant(name="t", cache_salt="salt", max_concurrent_streams=4)
-    return TurnRequest(endpoint=endpoint, body=body, tenant=tenant, session="s",
-                       token=None, stream=True)
+    return TurnRequest.build(endpoint=endpoint, body=body, tenant=tenant, session="s",
+                             token=None)
 
 
 async def _conversation(st: Any, turns: int) -> list[dict[str, Any]]:

@@ -1,5 +1,5 @@
 """A turn with nothing to reuse computed on the decode node (`d_fresh`,
-router.fresh_on_decode): the rule (`planner.fresh_path`) and the turn through the router
+router.fresh_on_decode): the rule (`paths.fresh_path`) and the turn through the router
 against fake nodes. On real vLLM: tests/test_fresh_on_decode_live.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 
 import pytest
 from fakes import router_stack
-from kvagent_server.router.reuse.planner import LinearCost, PathCosts, fresh_path
+from kvagent_server.router.reuse.paths import LinearCost, PathCosts, fresh_path
 from kvagent_server.router.reuse.queue import IDLE, NodeWork
 from router_client import FIRST, no_wrong_kv, second, turn
 

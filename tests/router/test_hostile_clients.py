@@ -268,12 +268,12 @@ async def test_a_tenant_named_like_a_client_address_has_its_own_count() -> None:
                                  headers=auth)
         assert r.status_code == 200, r.text  # two in flight: within both caps
         assert (await slow).status_code == 200
-        streams = st.app.state.parts.streams
+        admission = st.app.state.parts.admission
         for _ in range(50):  # the stream's slot returns as its response ends
-            if streams == {"tenant:client:127.0.0.1": 0}:
+            if admission.tenants == {"client:127.0.0.1": 0}:
                 break
             await asyncio.sleep(0.05)
-        assert streams == {"tenant:client:127.0.0.1": 0}
+        assert admission.tenants == {"client:127.0.0.1": 0} and admission.clients == {}
 
 
 # --------------------------------------------------------------------- small flaws

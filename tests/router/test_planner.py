@@ -11,14 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvagent_server.router.reuse import transfer
-from kvagent_server.router.reuse.planner import (
-    CostModel,
-    LinearCost,
-    PathCosts,
-    ReusePlan,
-    choose_path,
-    common_prefix_len,
-    plan_reuse,
+from kvagent_server.router.reuse.paths import CostModel, LinearCost, PathCosts, choose_path
+from kvagent_server.router.reuse.planner import ReusePlan, common_prefix_len, plan_reuse
+from kvagent_server.router.reuse.transfer import (
     release_transfer_params,
     retained_tokens,
     reuse_transfer_params,
@@ -497,7 +492,7 @@ def test_paths_are_the_wire_protocols_paths() -> None:
     from typing import get_args
 
     from kvagent.protocol import PATHS
-    from kvagent_server.router.reuse.planner import Path
+    from kvagent_server.router.reuse.paths import Path
 
     assert get_args(Path) == PATHS
 
@@ -513,7 +508,7 @@ def test_plan_label_is_the_reason_or_reason_and_detail() -> None:
 def test_shifted_blocks_shift_every_group_by_half_and_leave_the_input_alone() -> None:
     """The negative control's wrong blocks: slot i holds block i-n//2, so half of the blocks
     P attends to are not the conversation's (a permutation would change nothing)."""
-    from kvagent_server.router.reuse.planner import shifted_blocks
+    from kvagent_server.router.reuse.transfer import shifted_blocks
 
     h = make_handle(CACHED)
     params = reuse_transfer_params(h, 96)
@@ -545,7 +540,7 @@ def test_extension_plan_reuses_every_whole_block_d_holds() -> None:
 
 
 def test_skip_tokenize_pays_within_a_fixed_threshold_only() -> None:
-    from kvagent_server.router.reuse.planner import skip_tokenize_pays
+    from kvagent_server.router.reuse.paths import skip_tokenize_pays
 
     p = ReusePlan(reuse_tokens=1024, reason="hit")
     kw = {"tokenize_s": 0.01}
@@ -560,7 +555,7 @@ def test_skip_tokenize_pays_within_a_fixed_threshold_only() -> None:
 def test_skip_tokenize_pays_while_d_direct_loses_less_than_the_tokenize() -> None:
     """With the cost model: skip unless somewhere in the range `pd_reuse` beats
     `d_direct` by more than the /tokenize the skip saves."""
-    from kvagent_server.router.reuse.planner import skip_tokenize_pays
+    from kvagent_server.router.reuse.paths import skip_tokenize_pays
 
     # d_direct: 1 ms/token on D; pd_reuse: 20 ms fixed + 0.5 ms/token on P (pull free):
     # they cross at 40 tokens, and pd_reuse leads by 10 ms at 60.

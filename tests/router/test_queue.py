@@ -4,15 +4,15 @@ choice between `d_direct` and `pd_reuse` it drives."""
 from __future__ import annotations
 
 import pytest
-from kvagent_server.router.reuse.planner import (
+from kvagent_server.router.reuse.paths import (
     CostModel,
     LinearCost,
     PathCosts,
-    ReusePlan,
     choose_path,
     tokens_ahead,
     untokenized_path,
 )
+from kvagent_server.router.reuse.planner import ReusePlan
 from kvagent_server.router.reuse.queue import IDLE, CharsPerToken, NodeWork, WorkLedger
 
 #: Roughly this machine's measured lines (P ~0.4 ms/token, D ~0.5 ms/token).

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from fakes import FakeCluster, router_stack
 from kvagent_server.router.reuse.transfer import EXPECT_KEY
-from kvagent_server.router.turns.orchestrate import MIN_RATIO_SAMPLES
+from kvagent_server.router.turns.gather import MIN_RATIO_SAMPLES
 from router_client import FIRST, LONG, no_wrong_kv, turn
 
 
@@ -133,34 +133,40 @@ async def test_a_p_node_that_does_not_check_pulls_gets_tokenized_offers() -> Non
 
 def test_an_unverified_offer_goes_only_to_p_nodes_that_check_their_pulls() -> None:
     from kvagent_server.router.reuse import planner
+    from kvagent_server.router.reuse.paths import Path
+    from kvagent_server.router.turns.execute import prefill_candidates
     from kvagent_server.router.turns.nodes import Node
-    from kvagent_server.router.turns.orchestrate import prefill_candidates
+    from kvagent_server.router.turns.shapes import TurnPlan
 
     checks, plain = (Node(name=n, url=f"http://{n}", role="prefill", healthy=True)
                      for n in ("p0", "p1"))
     checks.checks_pulls_epoch = checks.epoch
     untokenized = planner.ReusePlan(reuse_tokens=256, reason="hit", tokenized=False)
     tokenized = planner.ReusePlan(reuse_tokens=256, reason="hit")
-    assert prefill_candidates([plain, checks], untokenized, "pd_reuse") == [checks]
-    assert prefill_candidates([plain, checks], tokenized, "pd_reuse") == [plain, checks]
-    assert prefill_candidates([plain, checks], untokenized, "d_direct") == [plain, checks]
+
+    def plan(reuse: planner.ReusePlan, path: Path = "pd_reuse") -> TurnPlan:
+        return TurnPlan(path=path, reuse=reuse)
+
+    assert prefill_candidates([plain, checks], plan(untokenized)) == [checks]
+    assert prefill_candidates([plain, checks], plan(tokenized)) == [plain, checks]
+    assert prefill_candidates([plain, checks], plan(untokenized, "d_direct")) == [plain, checks]
     checks.mark_down("gone")
     checks.mark_up()  # a new incarnation: not trusted until it shows the check again
     assert not checks.checks_pulls
-    assert prefill_candidates([plain, checks], untokenized, "pd_reuse") == []
+    assert prefill_candidates([plain, checks], plan(untokenized)) == []
 
 
 async def test_with_no_checking_p_node_left_an_unverified_pull_recomputes(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The P node that was seen checking is gone between the plan and the P leg: the turn
     recomputes on another P node (D's blocks freed by the release params), no wrong KV."""
-    from kvagent_server.router.turns import orchestrate
+    from kvagent_server.router.turns import execute
 
     async with router_stack(skip_prefill_max_tokens=0) as st:
         kvas = await _conversation(st, MIN_RATIO_SAMPLES + 1)
         assert kvas[-1]["tokenized"] is False and kvas[-1]["path"] == "pd_reuse"
-        monkeypatch.setattr(orchestrate, "prefill_candidates", lambda ranked, plan, path: (
-            [] if path == "pd_reuse" and not plan.tokenized else ranked))
+        monkeypatch.setattr(execute, "prefill_candidates", lambda ranked, plan: (
+            [] if plan.path == "pd_reuse" and not plan.reuse.tokenized else ranked))
         kvas = await _conversation(st, MIN_RATIO_SAMPLES + 2)
         assert kvas[-1]["tokenized"] is False
         assert kvas[-1]["path"] == "recompute" and kvas[-1]["reused_tokens"] == 0

@@ -56,6 +56,13 @@ class RouterSettings(BaseModel):
         description="Tokens expire this many seconds before the decode node drops the blocks.")
     tenants: list[TenantSettings] = Field(default_factory=list,
         description="Tenants; empty means a single anonymous tenant and no API key check.")
+    path_policy: str = Field(default="cost_model",
+        description="How each turn's path is chosen (`turns.policy`): `cost_model` (the "
+        "learned per-path costs and each node's queue; the settings below up to "
+        "`decode_prompt_step_tokens` are its parameters), `pd_reuse` (P computes every "
+        "prompt and pulls a verified prefix from D), `d_direct` (the decode node holding a "
+        "conversation extends its later turns itself). Every policy reuses only verified "
+        "prefixes.")
     skip_prefill_max_tokens: int | None = Field(default=None,
         description="Skip the P leg when the uncached delta is at most this many tokens (0: "
         "never skip, None: decide from measured costs).")

@@ -43,7 +43,7 @@ from kvagent_server.router.http.fronts import (
     messages_error,
     not_found,
 )
-from kvagent_server.router.http.limits import GuardedStream, HeaderLimit
+from kvagent_server.router.http.limits import Admission, GuardedStream, HeaderLimit, Refused
 from kvagent_server.router.http.request import (
     ClientGone,
     HTTPError,
@@ -62,12 +62,15 @@ from kvagent_server.router.telemetry import budget as time_budget
 from kvagent_server.router.telemetry.metrics import CONTENT_TYPE, RouterMetrics
 from kvagent_server.router.telemetry.spans import record_error, record_outcome, start_turn
 from kvagent_server.router.turns import kv_placement
+from kvagent_server.router.turns.context import Router
 from kvagent_server.router.turns.legs import LegError, Legs
 from kvagent_server.router.turns.nodes import NodeRegistry
-from kvagent_server.router.turns.orchestrate import Router, Turn, TurnRequest, plan_turn
+from kvagent_server.router.turns.pipeline import open_turn, settle
+from kvagent_server.router.turns.policy import policy_for
 from kvagent_server.router.turns.prompt_ids import TokenizeError, tokenize
-from kvagent_server.router.turns.relay import Scrubber, relay_sse, rewrite_response
+from kvagent_server.router.turns.relay import Scrubber, SseRelay, rewrite_response
 from kvagent_server.router.turns.retention import RetentionGuard
+from kvagent_server.router.turns.shapes import Turn, TurnRequest
 from kvagent_server.router.turns.upstream import UpstreamError
 
 #: Test-only negative-control header (settings.test_shift_blocks_header).
@@ -98,10 +101,8 @@ class AppParts:
     transport: httpx.AsyncBaseTransport | None
     #: The served model's name; None until a node answered `/v1/models`.
     model: str | None = None
-    #: Requests in flight per `tenant:<name>` (the tenants' stream caps) and per
-    #: `client:<address>` (`max_streams_per_client`): prefixed, so no tenant name can
-    #: share a client address's count.
-    streams: dict[str, int] = field(default_factory=dict)
+    #: Requests in flight per tenant and per client address (their caps).
+    admission: Admission = field(default_factory=lambda: Admission(1))
     router: Router | None = None
 
 
@@ -122,7 +123,9 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
                               probe_timeout_s=5.0, max_in_flight=settings.node_max_in_flight),
         metrics=metrics or RouterMetrics(),
         store=store if store is not None else make_store(settings),
-        tenants=TenantResolver(settings), transport=transport, model=model)
+        tenants=TenantResolver(settings), transport=transport, model=model,
+        admission=Admission(settings.max_streams_per_client))
+    policy_for(settings)  # an unknown policy name fails here, not on the first turn
     routes = [
         Route(CHAT, _completions, methods=["POST"]),
         Route(COMPLETIONS, _completions, methods=["POST"]),
@@ -195,7 +198,8 @@ async def _lifespan(parts: AppParts, app: Starlette) -> AsyncIterator[None]:
                     max_body_bytes=settings.max_upstream_body_bytes)
         stack.push_async_callback(legs.aclose)
         router = Router(settings=settings, registry=registry, legs=legs, store=store,
-                        codec=codec, metrics=parts.metrics, client=client)
+                        codec=codec, metrics=parts.metrics, client=client,
+                        policy=policy_for(settings))
         parts.router = app.state.router = router
         # KV events feed tier-aware P placement (kv_placement; None without sources)
         router.tiers, kv_events = kv_placement.from_settings(settings, registry)
@@ -239,8 +243,8 @@ async def _turn(request: Request, front: Front | None) -> Response:
     metrics = parts.metrics
     metrics.in_flight.inc()
     try:
-        response = await _serve(request, r, endpoint, parts.tenants, parts.streams, arrived,
-                                front)
+        response = await _serve(request, r, endpoint, parts.tenants, parts.admission,
+                                arrived, front)
     except HTTPError as exc:
         response = exc.response() if front is None else front.error(exc)
     except ClientGone:
@@ -407,7 +411,7 @@ def _conversation(tenant: Tenant, request: Request, raw: dict[str, Any], body: d
 
 
 async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantResolver,
-                 streams: dict[str, int], arrived: float, front: Front | None) -> Response:
+                 admission: Admission, arrived: float, front: Front | None) -> Response:
     tenant = _tenant(request, tenants)
     try:
         raw = await read_json(request, r.settings.max_body_bytes, r.settings.body_timeout_s)
@@ -429,68 +433,50 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
     keep_ids = bool(body.get("return_token_ids"))
     sanitize(body)  # only the router may steer KV transfers
     body["cache_salt"] = tenant.cache_salt
-    stream = bool(body.get("stream"))
-    # The store and the tokens know the session by the caller's key, not its id alone.
-    req = TurnRequest(endpoint=endpoint, body=body, tenant=tenant,
-                      session=session, token=token, stream=stream, source=source,
-                      shift_blocks=(r.settings.test_shift_blocks_header
-                                    and SHIFT_BLOCKS_HEADER in request.headers),
-                      budget=time_budget.TurnBudget(arrived=arrived))
-
-    held = f"tenant:{tenant.name}"
-    if streams.get(held, 0) >= tenant.max_concurrent_streams:
-        raise HTTPError(429, f"tenant has {tenant.max_concurrent_streams} requests in flight; "
-                        "retry later", type_="rate_limit_error", code="rate_limit_exceeded")
-    client = f"client:{request.client.host if request.client else '?'}"
-    if streams.get(client, 0) >= r.settings.max_streams_per_client:
-        raise HTTPError(429, f"this client has {r.settings.max_streams_per_client} requests in "
-                        "flight; retry later", type_="rate_limit_error",
-                        code="rate_limit_exceeded")
-    streams[held] = streams.get(held, 0) + 1
-    streams[client] = streams.get(client, 0) + 1
+    try:
+        slot = admission.admit(tenant.name, tenant.max_concurrent_streams,
+                               request.client.host if request.client else "?")
+    except Refused as exc:
+        raise HTTPError(429, str(exc), type_="rate_limit_error",
+                        code="rate_limit_exceeded") from None
     span = start_turn(endpoint=request.url.path, model=body.get("model"), session=session,
                       tenant=tenant.name, arrived=arrived)
-    req.span = span
-    done = False
+    # The store and the tokens know the session by the caller's key, not its id alone.
+    req = TurnRequest.build(
+        endpoint=endpoint, body=body, tenant=tenant, session=session, token=token,
+        source=source, span=span, budget=time_budget.TurnBudget(arrived=arrived),
+        shift_blocks=(r.settings.test_shift_blocks_header
+                      and SHIFT_BLOCKS_HEADER in request.headers))
 
     async def cleanup(turn: Turn | None = None) -> None:
-        """Idempotent: free the tenant slot, close D's response, end the span."""
-        nonlocal done
+        """Idempotent: close the turn's D leg, free the request's slots, end the span."""
         if turn is not None:
-            turn.end_work()
-            await turn.decode.response.aclose()  # closing D's stream aborts its request
-        if not done:
-            done = True
-            streams[held] -= 1
-            if streams[client] <= 1:  # one entry per address in flight, never more
-                del streams[client]
-            else:
-                streams[client] -= 1
+            await turn.close()
+        if slot.release():
             span.end()
 
     handed_off = False
     try:
-        turn = await _until_disconnect(request, plan_turn(r, req),
+        turn = await _until_disconnect(request, open_turn(r, req),
                                        r.settings.first_byte_timeout_s)
-        scrubber = Scrubber(keep_token_ids=keep_ids, keep_usage=wants_usage or not stream,
-                            stream=stream)
-        if stream:
+        scrubber = Scrubber(keep_token_ids=keep_ids, keep_usage=wants_usage or not req.stream,
+                            stream=req.stream)
+        if req.stream:
             handed_off = True
             headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
             if r.settings.server_timing:  # the stages before the headers (docs/router.md)
                 headers[time_budget.HEADER] = req.budget.server_timing()
-            relayed = _stream(turn, scrubber, cleanup, span)
-            return GuardedStream(relayed if front is None else front.stream(relayed, req.session),
-                                 media_type="text/event-stream",
-                                 headers=headers,
-                                 background=BackgroundTask(cleanup, turn),
-                                 write_timeout_s=r.settings.stream_write_timeout_s,
-                                 on_stall=r.metrics.slow_clients.inc)
+            relayed = _stream(r, turn, scrubber, cleanup)
+            return GuardedStream(
+                relayed if front is None else front.stream(relayed, turn.facts.session),
+                media_type="text/event-stream", headers=headers,
+                background=BackgroundTask(cleanup, turn),
+                write_timeout_s=r.settings.stream_write_timeout_s,
+                on_stall=r.metrics.slow_clients.inc)
         try:
-            return await _whole(turn, scrubber, span, front)
+            return await _whole(r, turn, scrubber, front)
         finally:
-            turn.end_work()
-            await turn.decode.response.aclose()
+            await turn.close()
     except LegError as exc:
         record_error(span, str(exc))
         raise _leg_error(exc) from None
@@ -550,52 +536,59 @@ async def _until_disconnect(request: Request, work: Awaitable[T], seconds: float
                     type_="server_error", code="upstream_timeout")
 
 
-async def _whole(turn: Turn, scrubber: Scrubber, span: Any, front: Front | None) -> Response:
+async def _whole(r: Router, turn: Turn, scrubber: Scrubber, front: Front | None) -> Response:
+    """A whole answer: read D's body, scrub it (the relay), settle, then write it."""
+    req = turn.req
     resp = turn.decode.response
-    turn.router.metrics.ttft.observe(turn.mark_first_byte() - turn.started)
+    r.metrics.ttft.observe(turn.mark_first_byte() - turn.started)
     assert resp.content is not None  # a non-streamed leg's body is read whole
     data, std = fastjson.parse(resp.content)
     scrubber.scrub(data)
-    final = await turn.finalize(scrubber.capture)
+    final = await settle(r, turn, scrubber.capture)
     out = rewrite_response(data, scrubber, final)
     usage = out.get("usage") or {}
-    record_outcome(span, path=turn.path, reused=final.kvagent["reused_tokens"],
+    record_outcome(req.span, path=turn.path, reused=final.reused,
                    prompt_tokens=usage.get("prompt_tokens"),
-                   completion_tokens=usage.get("completion_tokens"), reason=turn.plan.label)
-    budget = turn.req.budget
-    budget.record(span)
-    headers = ({time_budget.HEADER: budget.server_timing()}
-               if turn.router.settings.server_timing else None)
+                   completion_tokens=usage.get("completion_tokens"), reason=turn.plan.reuse.label)
+    req.budget.record(req.span)
+    headers = ({time_budget.HEADER: req.budget.server_timing()}
+               if r.settings.server_timing else None)
     if front is not None:
-        return JSONResponse(await front.whole(out, turn.req.session), headers=headers)
+        return JSONResponse(await front.whole(out, turn.facts.session), headers=headers)
     if std:  # NaN/Infinity: starlette's encoder refuses them, as it always has
         return JSONResponse(out, headers=headers)
     return Response(fastjson.dumps(out), media_type="application/json", headers=headers)
 
 
-async def _stream(turn: Turn, scrubber: Scrubber, cleanup: Callable[[Turn], Awaitable[None]],
-                  span: Any) -> AsyncGenerator[bytes, None]:
-    """The client's stream. An upstream failure mid-stream propagates: the stream is cut."""
-    resp = turn.decode.response
-    m = turn.router.metrics
+async def _stream(r: Router, turn: Turn, scrubber: Scrubber,
+                  cleanup: Callable[[Turn], Awaitable[None]]) -> AsyncGenerator[bytes, None]:
+    """The client's stream: D's chunks as they come (relay), then the turn is settled,
+    then the tail carrying its `kvagent` object. An upstream failure mid-stream
+    propagates: the stream is cut, and nothing is settled."""
+    req, m = turn.req, r.metrics
+    relay = SseRelay(scrubber)
     finished = False
     try:
-        async for out in relay_sse(resp.aiter_raw(), scrubber, turn.finalize):
+        async for out in relay.relay(turn.decode.response.aiter_raw()):
             if turn.first_byte_at is None:
                 first = turn.mark_first_byte()
                 m.ttft.observe(first - turn.started)
-                turn.req.budget.add_remainder("first_token", first)
+                req.budget.add_remainder("first_token", first)
             yield out
+        final = await settle(r, turn, relay.capture)
+        tail = relay.tail(final)
+        if tail:
+            yield tail
         finished = True
-        turn.req.budget.record(span)
-        usage = scrubber.capture.usage or {}
-        record_outcome(span, path=turn.path, reused=turn.reused,
+        req.budget.record(req.span)
+        usage = relay.capture.usage or {}
+        record_outcome(req.span, path=turn.path, reused=final.reused,
                        prompt_tokens=usage.get("prompt_tokens"),
                        completion_tokens=usage.get("completion_tokens"),
-                       reason=turn.plan.label)
+                       reason=turn.plan.reuse.label)
     except UpstreamError as exc:
         m.stream_cuts.inc()
-        record_error(span, f"stream cut: {exc}")
+        record_error(req.span, f"stream cut: {exc}")
         log.warning("decode stream from %s cut: %s", turn.decode.node.name, exc)
         raise
     except (asyncio.CancelledError, GeneratorExit):

@@ -1,6 +1,7 @@
 """Limits that protect the router and the nodes from hostile or broken clients.
 
-Two ASGI-level guards the route handlers cannot express themselves:
+Two ASGI-level guards the route handlers cannot express themselves, and the handlers'
+own admission count (`Admission`):
 
 - `HeaderLimit`: a request whose request line and headers exceed `max_header_bytes` (or
   `max_header_count` lines) gets a 431 before any handler runs. The router's own server
@@ -126,3 +127,51 @@ class GuardedStream(StreamingResponse):
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+
+class Admission:
+    """Requests in flight per tenant (each tenant's `max_concurrent_streams`) and per
+    client address (`max_streams_per_client`). Two separate counts, so a tenant named
+    like an address never shares one's slots."""
+
+    def __init__(self, max_per_client: int) -> None:
+        self.max_per_client = max_per_client
+        self.tenants: dict[str, int] = {}
+        #: Addresses with requests in flight only (an idle one has no entry).
+        self.clients: dict[str, int] = {}
+
+    def admit(self, tenant: str, tenant_cap: int, client: str) -> AdmissionSlot:
+        """A slot for one request, or `Refused` naming which cap is full."""
+        if self.tenants.get(tenant, 0) >= tenant_cap:
+            raise Refused(f"tenant has {tenant_cap} requests in flight; retry later")
+        if self.clients.get(client, 0) >= self.max_per_client:
+            raise Refused(f"this client has {self.max_per_client} requests in flight; "
+                          "retry later")
+        self.tenants[tenant] = self.tenants.get(tenant, 0) + 1
+        self.clients[client] = self.clients.get(client, 0) + 1
+        return AdmissionSlot(self, tenant, client)
+
+
+class Refused(Exception):
+    """A request over its tenant's or its client's cap (HTTP 429)."""
+
+
+class AdmissionSlot:
+    """One admitted request; `release` (idempotent) frees its slots."""
+
+    def __init__(self, admission: Admission, tenant: str, client: str) -> None:
+        self._admission: Admission | None = admission
+        self.tenant = tenant
+        self.client = client
+
+    def release(self) -> bool:
+        """Whether this call freed the slots (False: an earlier one did)."""
+        a, self._admission = self._admission, None
+        if a is None:
+            return False
+        a.tenants[self.tenant] -= 1
+        if a.clients[self.client] <= 1:
+            del a.clients[self.client]
+        else:
+            a.clients[self.client] -= 1
+        return True

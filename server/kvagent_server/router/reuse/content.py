@@ -52,6 +52,12 @@ def lookup_keys(prompt_ids: Sequence[int], salt: str) -> list[str]:
     return list(reversed(_chain(prompt_ids, salt)))
 
 
+def caller_key(caller: str, key: str) -> str:
+    """An index key as the store keeps it: the caller's own (one API key never finds
+    another's turns)."""
+    return f"{caller}/{key}"
+
+
 #: Held turns one index key remembers, newest first: conversations that share a key (a
 #: system prompt, a short question and a short answer all inside one block) each stay
 #: findable while fewer than this many others wrote it since.

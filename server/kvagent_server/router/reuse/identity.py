@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -84,7 +84,7 @@ class IdentityCheck(BaseModel):
     cap: int | None = Field(default=None, ge=0)
 
 
-def unverifiable_fields(body: dict[str, Any], *, chat: bool,
+def unverifiable_fields(body: Mapping[str, Any], *, chat: bool,
                         extra: Collection[str] = ()) -> tuple[str, ...]:
     """Fields present (not None) that may change KV beyond what the router compares.
 
@@ -119,7 +119,7 @@ def _inline(part: dict[str, Any]) -> bool:
     return False
 
 
-def media_parts(body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+def media_parts(body: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """Every non-text content part of a chat body, in prompt order, with its path."""
     out: list[tuple[str, dict[str, Any]]] = []
     messages = body.get("messages")
@@ -145,7 +145,7 @@ def placeholder_starts(prompt_ids: Sequence[int],
             if t in ph and (i == 0 or prompt_ids[i - 1] not in ph)]
 
 
-def history_digest(body: dict[str, Any], upto: int) -> str | None:
+def history_digest(body: Mapping[str, Any], upto: int) -> str | None:
     """SHA-256 of what renders a chat body's first `upto` messages: those messages and
     every other rendered field (tools, the template and its arguments). None when the
     body has fewer messages.
@@ -161,7 +161,7 @@ def history_digest(body: dict[str, Any], upto: int) -> str | None:
     return _digest({"render": render, "messages": messages[:upto]})
 
 
-def extension_chars(held: KVIdentity, body: dict[str, Any]) -> int | None:
+def extension_chars(held: KVIdentity, body: Mapping[str, Any]) -> int | None:
     """Bytes of JSON a chat body adds to the held prompt's messages, when it repeats them
     exactly, under the same rendering inputs, and adds at least one; else None."""
     messages = body.get("messages")
@@ -177,7 +177,7 @@ def message_chars(messages: Any) -> int:
     return len(json.dumps(messages, separators=(",", ":"), ensure_ascii=False).encode())
 
 
-def identity_of(body: dict[str, Any], *, chat: bool, prompt_ids: Sequence[int] = (),
+def identity_of(body: Mapping[str, Any], *, chat: bool, prompt_ids: Sequence[int] = (),
                 placeholder_ids: Collection[int] = (),
                 extra_unverifiable: Collection[str] = (),
                 history: bool = False) -> KVIdentity:

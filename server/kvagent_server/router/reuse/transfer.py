@@ -11,14 +11,25 @@ continues from it. `kvagent_release`
 is kvagent's own key, honoured by the vLLM plugin (`vllm_plugin.retention`): the decode
 node frees the retained sequences it names. `kvagent_expect` (also the plugin's) names, per offered block, a
 digest of its tokens: P pulls only the leading blocks its own prompt repeats.
+
+How the P leg consumes the rewritten params of a reuse (vLLM 0.32 NixlConnector, pull
+mode): `do_remote_decode=True` with `remote_block_ids`/`remote_engine_id`/
+`remote_request_id`/`remote_host`/`remote_port` makes P treat
+`min(remote_num_tokens, prompt) - cached_locally` tokens as external; P then END-trims the
+remote block list to the blocks it still needs. So the list must hold exactly the reused
+prefix's blocks: an untruncated list would pair P's blocks with D's *last* blocks.
+`do_remote_prefill` must stay False: on P it means "pull the whole prompt", which would
+mark uncomputed tokens as computed.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import math
 import struct
 from collections.abc import Iterable, Sequence
-from typing import Any, Final
+from typing import Any, Final, Protocol
 
 DO_REMOTE_DECODE: Final = "do_remote_decode"
 DO_REMOTE_PREFILL: Final = "do_remote_prefill"
@@ -140,3 +151,122 @@ def with_release(params: dict[str, Any], ids: Iterable[str]) -> dict[str, Any]:
     if not wanted:
         return params
     return {**params, RELEASE_KEY: wanted}
+
+
+# ------------------------------------------------------------------ a handle's blocks
+
+
+class Handle(Protocol):
+    """The blocks a decode node retained, as a `store.handle.Handle` records them (a
+    protocol: this module imports nothing of ours, the vLLM plugin loads it)."""
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any]: ...
+    @property
+    def token_ids(self) -> list[int]: ...
+    @property
+    def block_size(self) -> int: ...
+
+
+def _block_groups(params: dict[str, Any]) -> tuple[list[list[int]], bool] | None:
+    """D's `remote_block_ids` as per-group lists (and whether it came flat), or None."""
+    groups = params.get(REMOTE_BLOCK_IDS)
+    if not isinstance(groups, list) or not groups:
+        return None
+    if all(isinstance(b, int) and not isinstance(b, bool) for b in groups):
+        return [list(groups)], True  # older vLLM: one flat list for one group
+    if all(isinstance(g, list | tuple) for g in groups) and all(
+            isinstance(b, int) and not isinstance(b, bool) for g in groups for b in g):
+        return [list(g) for g in groups], False
+    return None
+
+
+def retained_tokens(handle: Handle) -> int | None:
+    """How many leading tokens of `handle.token_ids` D can hand over; None if unusable.
+
+    Bounded by D's own `remote_num_tokens` (the last sampled token has no KV yet) and by
+    the blocks it exported. A group with fewer blocks than the sequence needs (sliding
+    window tail, Mamba state) does not map token positions to blocks from position 0,
+    so the handle is not reused at all rather than reused wrongly.
+    """
+    params = handle.kv_transfer_params
+    n = params.get(REMOTE_NUM_TOKENS)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        return None
+    parsed = _block_groups(params)
+    if parsed is None:
+        return None
+    needed = math.ceil(n / handle.block_size)
+    if any(len(group) < needed for group in parsed[0]):
+        return None
+    return min(n, len(handle.token_ids))
+
+
+def reuse_transfer_params(handle: Handle, reuse_tokens: int) -> dict[str, Any]:
+    """D's params rewritten so P pulls exactly the first `reuse_tokens` tokens' blocks.
+
+    Every group's block list is cut to `reuse_tokens // block_size` blocks (P end-trims
+    it to what it lacks locally), `remote_num_tokens` becomes `reuse_tokens`, and the
+    flags say "P node, pull from D": do_remote_decode=True, do_remote_prefill=False.
+    The blocks' token digests go along (`transfer.EXPECT_KEY`): P pulls only the leading
+    blocks its own prompt repeats, whether or not the router tokenized the prompt.
+    """
+    retained = retained_tokens(handle)
+    if retained is None:
+        raise ValueError("the handle's KV layout cannot be reused")
+    if reuse_tokens <= 0 or reuse_tokens % handle.block_size:
+        raise ValueError(f"reuse_tokens={reuse_tokens} is not a positive multiple of "
+                         f"block_size={handle.block_size}")
+    if reuse_tokens > retained:
+        raise ValueError(f"reuse_tokens={reuse_tokens} exceeds the {retained} retained tokens")
+    params = copy.deepcopy(handle.kv_transfer_params)
+    parsed = _block_groups(params)
+    assert parsed is not None  # retained_tokens checked the layout
+    groups, flat = parsed
+    n_blocks = reuse_tokens // handle.block_size
+    cut = [group[:n_blocks] for group in groups]
+    params[REMOTE_BLOCK_IDS] = cut[0] if flat else cut
+    params[REMOTE_NUM_TOKENS] = reuse_tokens
+    params[DO_REMOTE_DECODE] = True
+    params[DO_REMOTE_PREFILL] = False
+    params[EXPECT_KEY] = expect(handle.token_ids[:reuse_tokens], handle.block_size)
+    return params
+
+
+def shifted_blocks(params: dict[str, Any]) -> dict[str, Any]:
+    """Test-only negative control: shift the block slots by half their number, so slot i
+    gets block i-k (k = n//2; the first block fills the slots before it, the last k blocks
+    are dropped). P then reads real KV of this prompt at the wrong places: wrong KV that
+    no identity check can see.
+
+    Keys carry their positions (RoPE is applied before caching) and every reused token
+    lies before the new ones, so what P attends to is the *multiset* of blocks: a rotation
+    changes nothing, and a shift by one slot changes one block in n, which a random model's
+    greedy answer missed in about one turn in four. Half of the blocks wrong is not missed.
+    """
+    out = copy.deepcopy(params)
+    parsed = _block_groups(out)
+    if parsed is None:
+        return out
+    groups, flat = parsed
+    shifted = []
+    for g in groups:
+        k = max(1, len(g) // 2)
+        shifted.append([g[max(0, i - k)] for i in range(len(g))])
+    out[REMOTE_BLOCK_IDS] = shifted[0] if flat else shifted
+    return out
+
+
+def release_transfer_params(handle: Handle) -> dict[str, Any]:
+    """P leg params that compute the whole prompt AND tell D to free the handle's blocks.
+
+    With `remote_num_tokens=0` P takes no external tokens but still sends D the
+    "done" notification for its blocks, so a claimed handle that is not reused does
+    not pin D's memory until the TTL. Use only while D is healthy and of the handle's
+    epoch (P must reach D's side channel).
+    """
+    params = copy.deepcopy(handle.kv_transfer_params)
+    params[REMOTE_NUM_TOKENS] = 0
+    params[DO_REMOTE_DECODE] = True
+    params[DO_REMOTE_PREFILL] = False
+    return params

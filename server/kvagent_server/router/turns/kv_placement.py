@@ -71,7 +71,7 @@ class TierPlacement:
         return out, used
 
     async def place(self, client: Any, tokenizer: Node,
-                    states: Sequence[NodeState], body: dict[str, Any], *, chat: bool
+                    states: Sequence[NodeState], body: Mapping[str, Any], *, chat: bool
                     ) -> tuple[str | None, PrefillReason]:
         """The P node's name for this prompt and why. Tokenizes on `tokenizer` with
         `client` (what `router.tokenize.tokenize` takes: the legs' client for it)."""

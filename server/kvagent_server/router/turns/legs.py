@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,7 +85,7 @@ class DecodeStart:
     elapsed_s: float  # time to response headers
 
 
-def prefill_body(body: dict[str, Any], kv_params: dict[str, Any], *,
+def prefill_body(body: Mapping[str, Any], kv_params: dict[str, Any], *,
                  prompt_ids: bool = False) -> dict[str, Any]:
     """The P leg's body: one token, not streamed, with the transfer params; `prompt_ids`
     asks P for the prompt's token ids too."""
@@ -119,7 +119,7 @@ def sampled_token(answer: dict[str, Any]) -> int | None:
     return ids[0]
 
 
-def decode_body(body: dict[str, Any], kv_params: dict[str, Any] | None) -> dict[str, Any]:
+def decode_body(body: Mapping[str, Any], kv_params: dict[str, Any] | None) -> dict[str, Any]:
     """The D leg's body: the client's, plus the params and the fields the router reads."""
     out = dict(body)
     out["return_token_ids"] = True
@@ -224,7 +224,7 @@ class Legs:
         finally:
             node.in_flight -= 1
 
-    async def prefill(self, candidates: Sequence[Node], path: str, body: dict[str, Any],
+    async def prefill(self, candidates: Sequence[Node], path: str, body: Mapping[str, Any],
                       kv_params: dict[str, Any], *, prompt_ids: bool = False
                       ) -> PrefillResult:
         """Run the P leg on the first candidate that answers; a failed pull re-runs fresh.
@@ -310,7 +310,7 @@ class Legs:
         raise failed
 
     async def release_prefill(self, candidates: Sequence[Node], path: str,
-                              body: dict[str, Any], prefill: PrefillResult) -> bool:
+                              body: Mapping[str, Any], prefill: PrefillResult) -> bool:
         """Finish an orphaned P leg: a one-token, non-streamed D read of P's leased blocks.
 
         Runs shielded from cancellation (the client may be gone); returns True once a

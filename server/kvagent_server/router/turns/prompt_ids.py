@@ -8,6 +8,7 @@ request is built from exactly the fields of the client's body that change render
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from kvagent_server.router.turns.upstream import NodeClient, UpstreamError
@@ -21,7 +22,7 @@ CHAT_TEMPLATE_FIELDS = ("tools", "add_generation_prompt", "continue_final_messag
 TEMPLATE_KWARG_FIELDS = ("documents", "reasoning_effort")
 
 
-def _template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
+def _template_kwargs(body: Mapping[str, Any]) -> dict[str, Any] | None:
     """`chat_template_kwargs` as the chat endpoint renders with them: the request's own,
     overridden by `documents`/`reasoning_effort` (and the `enable_thinking` that
     `reasoning_effort` implies), unset values (None, "auto") dropped as vLLM does."""
@@ -39,7 +40,7 @@ class TokenizeError(Exception):
     """The node could not tokenize the prompt (the turn then skips reuse)."""
 
 
-def tokenize_request(body: dict[str, Any], *, chat: bool) -> dict[str, Any] | None:
+def tokenize_request(body: Mapping[str, Any], *, chat: bool) -> dict[str, Any] | None:
     """The `/tokenize` body for a chat or completion body; None when it cannot be tokenized.
 
     A completion prompt given as token ids needs no call (see `prompt_ids`); a batch of
@@ -70,7 +71,7 @@ def tokenize_request(body: dict[str, Any], *, chat: bool) -> dict[str, Any] | No
     return out
 
 
-def prompt_ids(body: dict[str, Any]) -> list[int] | None:
+def prompt_ids(body: Mapping[str, Any]) -> list[int] | None:
     """A completion prompt that is already token ids (one prompt only)."""
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -81,7 +82,7 @@ def prompt_ids(body: dict[str, Any]) -> list[int] | None:
     return None
 
 
-async def tokenize(client: NodeClient, base_url: str, body: dict[str, Any], *,
+async def tokenize(client: NodeClient, base_url: str, body: Mapping[str, Any], *,
                    chat: bool, timeout_s: float = 30.0) -> list[int]:
     """Token ids of the prompt `body` describes, as the node at `base_url` renders it."""
     ids = None if chat else prompt_ids(body)

@@ -15,6 +15,11 @@ dropped. A chunk without choices would break clients that read `choices[0]` of e
 chunk, as vLLM's own benchmark client does. Chunks vLLM sends only to carry token ids
 (an empty delta while a tool-call parser holds text back) are dropped too.
 
+The relay itself settles nothing: it passes every chunk up to the last one, and the
+stream's tail (that chunk, with the `kvagent` object, and `[DONE]`) waits for
+`SseRelay.tail`, which the HTTP shell calls once `settle` has turned the `Capture` into
+the `Final` (docs/architecture.md, "One turn").
+
 An error event from the node (`data: {"error": ...}`, sent mid-stream when generation
 fails) is rebuilt from the allow-listed parts of `common.node_errors`: its message could
 name the node's engine id or side-channel address.
@@ -24,11 +29,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator
 from typing import Any
 
 from kvagent_server.router.common import fastjson, node_errors
+from kvagent_server.router.turns.shapes import Capture, Final
 
 #: Top-level response fields that are internal to P/D and never reach a client.
 INTERNAL_FIELDS = ("kv_transfer_params", "ec_transfer_params")
@@ -42,37 +47,6 @@ _TOKEN_IDS_RE = re.compile(rb',\s*"token_ids":\s*\[([0-9,\s]*)\]')
 _FINISH_RE = re.compile(rb'"finish_reason":\s*"([a-z_]+)"')
 _INDEX_RE = re.compile(rb'"index":\s*([0-9]+)')
 _EMPTY_DELTA_RE = re.compile(rb'"delta":\s*\{\}')
-
-
-@dataclass
-class Capture:
-    """What the router learned from D's answer (choice 0 only: reuse needs n == 1)."""
-
-    kv_params: dict[str, Any] | None = None
-    prompt_token_ids: list[int] | None = None
-    output_token_ids: list[int] = field(default_factory=list)
-    usage: dict[str, Any] | None = None
-    finish_reason: str | None = None
-    choices: set[int] = field(default_factory=set)
-    template: dict[str, Any] = field(default_factory=dict)  # id/object/created/model
-
-    @property
-    def sequence(self) -> list[int] | None:
-        """Prompt plus generated ids: the tokens whose KV D retained (None if unknown)."""
-        if self.prompt_token_ids is None or len(self.choices) > 1:
-            return None
-        return [*self.prompt_token_ids, *self.output_token_ids]
-
-
-@dataclass(frozen=True)
-class Final:
-    """What the router adds to the last chunk (or the non-streamed response)."""
-
-    kvagent: dict[str, Any]
-    cached_tokens: int | None
-
-
-Finalize = Callable[[Capture], Awaitable[Final]]
 
 
 class Scrubber:
@@ -216,25 +190,64 @@ def _payload(event: bytes) -> bytes | None:
     return b"\n".join(ln[5:].strip() for ln in lines)
 
 
-class _Relay:
-    """One stream's state: whether `kvagent` is settled, and the finish chunk held back
-    for it when the client did not ask for usage."""
+class SseRelay:
+    """One stream's relay: scrubs and passes D's events on as they arrive, and keeps
+    the tail (the last chunk, held for the `kvagent` object, and `[DONE]`) for `tail`."""
 
-    def __init__(self, scrubber: Scrubber, finalize: Finalize) -> None:
+    def __init__(self, scrubber: Scrubber) -> None:
         self.scrubber = scrubber
-        self.finalize = finalize
         self.hold = not scrubber.keep_usage
         self.drop_empty = not scrubber.keep_token_ids
-        self.finished = False  # `finalize` ran
         self.held: bytes | None = None  # the latest scrubbed finish chunk's JSON
+        #: D's usage chunk (the stream's last data chunk) and how it was parsed.
+        self.last: tuple[dict[str, Any], bool] | None = None
+        #: Events after the last chunk (vLLM sends none but `[DONE]`): they follow it.
+        self.after: list[bytes] = []
+        self.done = False  # `[DONE]` arrived
 
-    async def event(self, event: bytes) -> bytes:
+    @property
+    def capture(self) -> Capture:
+        return self.scrubber.capture
+
+    async def relay(self, upstream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """Yield the client's SSE bytes for D's, event by event, until `[DONE]` or the
+        end of D's stream. An upstream error propagates: the client's stream is cut,
+        never retried behind its back (and `tail` is never called)."""
+        buffer = b""
+        async for piece in upstream:
+            buffer += piece
+            ready: list[bytes] = []  # events that arrived together leave together
+            while not self.done:
+                cut = buffer.find(b"\n\n")
+                if cut < 0:
+                    break
+                event, buffer = buffer[:cut], buffer[cut + 2:]
+                out = self.event(event)
+                if out:
+                    ready.append(out)
+            if ready:
+                yield b"".join(ready)
+            if self.done:
+                return
+        out = self.event(buffer) if buffer.strip() else b""
+        if out:
+            yield out
+
+    def event(self, event: bytes) -> bytes:
         """The client's bytes for one upstream event (often empty)."""
         payload = _payload(event)
         if payload is None:
             return b""
         if payload == DONE:
-            return await self.close() + b"data: [DONE]\n\n"
+            self.done = True
+            return b""
+        out = self._event(payload)
+        if out and self.last is not None:
+            self.after.append(out)
+            return b""
+        return out
+
+    def _event(self, payload: bytes) -> bytes:
         fast = self.scrubber.scrub_bytes(payload)
         if fast is not None:
             if (self.drop_empty and _EMPTY_DELTA_RE.search(fast) is not None
@@ -256,13 +269,10 @@ class _Relay:
         if self.drop_empty and _only_token_ids(obj):
             return b""
         if _is_last(obj):
-            if self.finished:
-                return b"" if self.hold else _dump(obj, std=std)
-            final = await self.finalize(self.scrubber.capture)
-            self.finished = True
-            if self.hold:  # not asked for: dropped; vLLM then stamps the finish chunk
-                return self.release(final, fingerprint=obj.get("system_fingerprint"))
-            return _dump(self.scrubber.finish(obj, final), std=std)
+            if self.last is None:
+                self.last = (obj, std)
+                return b""
+            return b"" if self.hold else _dump(obj, std=std)
         if self.hold and _finishes(obj):
             return self._hold(_json(obj, std=std))
         return self.release() + _dump(obj, std=std)
@@ -285,44 +295,22 @@ class _Relay:
             obj.setdefault("system_fingerprint", fingerprint)
         return _dump(self.scrubber.finish(obj, final), std=std)
 
-    async def close(self) -> bytes:
-        """At `[DONE]`: settle `kvagent` if no usage chunk did."""
-        if self.finished:
-            return self.release()
-        final = await self.finalize(self.scrubber.capture)
-        self.finished = True
-        if self.held is not None:
-            return self.release(final)
-        if self.hold:
-            return b""  # no chunk to ride on, and a choice-less one would break clients
-        # Usage was asked for but none came: a usage-shaped chunk carries `kvagent`.
-        obj = {**self.scrubber.capture.template, "choices": []}
-        return _dump(self.scrubber.finish(obj, final))
-
-
-async def relay_sse(upstream: AsyncIterator[bytes], scrubber: Scrubber,
-                    finalize: Finalize) -> AsyncIterator[bytes]:
-    """Yield the client's SSE bytes for D's SSE bytes, event by event.
-
-    An upstream error after the first byte propagates: the client's stream is cut, never
-    retried behind its back. `finalize` runs once, when the last chunk is known.
-    """
-    relay = _Relay(scrubber, finalize)
-    buffer = b""
-    async for piece in upstream:
-        buffer += piece
-        ready: list[bytes] = []  # events that arrived together leave together (one send)
-        while True:
-            cut = buffer.find(b"\n\n")
-            if cut < 0:
-                break
-            event, buffer = buffer[:cut], buffer[cut + 2:]
-            out = await relay.event(event)
-            if out:
-                ready.append(out)
-        if ready:
-            yield b"".join(ready)
-    out = await relay.event(buffer) if buffer.strip() else b""
-    out += relay.release()  # a stream that ended without `[DONE]`
-    if out:
-        yield out
+    def tail(self, final: Final) -> bytes:
+        """The stream's last bytes, with the settled turn's `kvagent` object: on the
+        usage chunk when the client asked for usage, else on the held finish chunk
+        (usage dropped; vLLM then stamps the finish chunk with the fingerprint)."""
+        if self.last is not None:
+            obj, std = self.last
+            if self.hold:
+                out = self.release(final, fingerprint=obj.get("system_fingerprint"))
+            else:
+                out = self.release() + _dump(self.scrubber.finish(obj, final), std=std)
+        elif self.held is not None:
+            out = self.release(final)
+        elif self.hold:
+            out = b""  # no chunk to ride on, and a choice-less one would break clients
+        else:  # usage was asked for but none came: a usage-shaped chunk carries `kvagent`
+            obj = {**self.capture.template, "choices": []}
+            out = _dump(self.scrubber.finish(obj, final))
+        out += b"".join(self.after)
+        return out + (b"data: [DONE]\n\n" if self.done else b"")

@@ -1,0 +1,52 @@
+"""`Router`: what every turn shares, built once by `http.app.create_app`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvagent_server.router.auth.cache_token import TokenCodec
+from kvagent_server.router.reuse.paths import CostModel
+from kvagent_server.router.reuse.queue import CharsPerToken, WorkLedger
+from kvagent_server.router.settings import RouterSettings
+from kvagent_server.router.store.base import SessionStore
+from kvagent_server.router.store.factory import KeySync
+from kvagent_server.router.telemetry.metrics import RouterMetrics
+from kvagent_server.router.turns.kv_placement import TierPlacement
+from kvagent_server.router.turns.legs import Legs
+from kvagent_server.router.turns.nodes import NodeRegistry
+from kvagent_server.router.turns.policy import PathPolicy
+from kvagent_server.router.turns.retention import RetentionGuard
+
+
+@dataclass
+class Router:
+    """The router's shared state: nodes, legs, store, codec, and what turns learn."""
+
+    settings: RouterSettings
+    registry: NodeRegistry
+    legs: Legs
+    store: SessionStore
+    codec: TokenCodec
+    metrics: RouterMetrics
+    client: httpx.AsyncClient
+    #: Decides each turn's path from its facts (`turns.policy`, by name in settings).
+    policy: PathPolicy
+    costs: CostModel = field(default_factory=CostModel)
+    #: The legs in flight per node, in tokens of work (what a new leg queues behind).
+    work: WorkLedger = field(default_factory=WorkLedger)
+    #: Tokens per body character of P legs whose prompt the router did not tokenize.
+    chars: CharsPerToken = field(default_factory=CharsPerToken)
+    #: Prompt tokens per byte of a chat turn's messages (a turn that skips `/tokenize`
+    #: estimates its delta from its new messages with it).
+    message_chars: CharsPerToken = field(default_factory=CharsPerToken)
+    #: The `/tokenize` round trip, seconds (running mean; None until one was made): what
+    #: a turn that skips it saves.
+    tokenize_s: float | None = None
+    #: Tier-aware P placement from the nodes' KV events (None: by load only).
+    tiers: TierPlacement | None = None
+    #: Bounds what decode nodes retain (turns/retention.py; None: TTL only).
+    retention: RetentionGuard | None = None
+    #: Shares signing keys with other replicas through Redis (None: configured keys).
+    key_sync: KeySync | None = None

@@ -1,0 +1,237 @@
+"""Execute: run a plan's legs and open the decode leg the client's answer comes from.
+
+`d_direct` and `d_fresh` are one leg on a decode node; the P/D paths run the P leg, then
+the D leg with P's params (P's blocks are released if D never comes); `decode_only`
+sends the request whole to a decode node. A leg that fails before its first byte falls
+back as `TurnPlan.after_decode_failure` says; a pull P could not make is a recompute.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from typing import Any
+
+from kvagent_server.router.reuse import identity, paths, planner, transfer
+from kvagent_server.router.settings import RouterSettings
+from kvagent_server.router.telemetry.spans import leg_span
+from kvagent_server.router.turns.context import Router
+from kvagent_server.router.turns.legs import LegError, decode_body, usage_stream_options
+from kvagent_server.router.turns.nodes import Node
+from kvagent_server.router.turns.retention import remote_request_id
+from kvagent_server.router.turns.shapes import Turn, TurnFacts, TurnPlan, TurnRequest
+
+log = logging.getLogger("kvagent.router.turn")
+
+#: Bytes of JSON per prompt token id in P's answer, at most ("151935," is 7).
+_ID_JSON_BYTES = 8
+#: Tokens a chat template may add beyond the text of the body it renders.
+_TEMPLATE_TOKENS = 4096
+
+
+async def execute(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -> Turn:
+    """Run the plan's legs; the returned turn's D response is open, unread."""
+    if plan.path == "decode_only":
+        return await _whole_on_decode(r, facts, plan, started)
+    if plan.path in paths.ON_DECODE:
+        try:
+            return await _run_on_decode(r, facts, plan, started)
+        except LegError as exc:
+            if exc.status < 500:
+                raise
+            failed = plan.d_first if plan.path == "d_fresh" else plan.holder
+            log.info("%s on %s failed; %s", plan.path,
+                     failed.name if failed else "no decode node",
+                     "P computes the prompt" if plan.path == "d_fresh" else "recomputing")
+            plan = plan.after_decode_failure(exc.tried)
+    return await _run_pd(r, facts, plan, started)
+
+
+async def _run_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
+                         started: float) -> Turn:
+    """The one leg of a turn whose prompt D computes: `d_direct` on the node holding the
+    handle (D's prefix cache has the reused prefix), `d_fresh` on the chosen decode node
+    (any healthy one on a retry). D keeps the finished sequence for the next turn."""
+    req = facts.req
+    if plan.path == "d_direct":
+        assert plan.holder is not None
+        nodes = [plan.holder]
+        # The superseded handle is released when this request finishes (the kvagent
+        # plugin): never offered again, it must not pin D until its TTL.
+        rid = remote_request_id(plan.handle) if plan.handle is not None else None
+        params = transfer.with_release(transfer.d_direct(), [rid] if rid else [])
+        tokens = plan.prompt_len - plan.reuse.reuse_tokens
+    else:
+        nodes = r.registry.ranked("decode", _healthy(plan.d_first))
+        params, tokens = transfer.d_direct(), plan.est_tokens
+    with leg_span(req.span, "decode") as span:
+        t0 = time.perf_counter()
+        try:
+            start = await r.legs.decode(nodes, req.endpoint,
+                                        decode_body(req.body, params),
+                                        stream=req.stream)
+        finally:
+            req.budget.add("decode", time.perf_counter() - t0)
+        span.set_attribute("kvagent.node", start.node.name)
+    r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
+    turn = Turn(r.work, facts, plan, None, start, started,
+                body_chars=req.body_chars if plan.path == "d_fresh" else 0)
+    if plan.d_work is not None:
+        turn.ahead = paths.tokens_ahead(plan.path, plan.d_work)
+        turn.d_ticket = r.work.begin(start.node.name, prefill_tokens=tokens, stream=True,
+                                     now=time.monotonic())
+    return turn
+
+
+async def _run_pd(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -> Turn:
+    """The P leg, then the D leg with P's params; P is released if D never comes."""
+    req = facts.req
+    body = req.dict_body()
+    if plan.path == "pd_reuse":
+        assert plan.handle is not None
+        p_params = transfer.reuse_transfer_params(plan.handle, plan.reuse.reuse_tokens)
+        if req.shift_blocks and r.settings.test_shift_blocks_header:
+            p_params = transfer.shifted_blocks(p_params)
+            # Wrong KV on purpose: keep it out of the nodes' prefix caches under the
+            # tenant's salt, where later requests of the tenant would hit it.
+            body["cache_salt"] = f"shifted-{uuid.uuid4().hex}"
+    elif (plan.handle is not None and plan.holder is not None
+          and r.settings.release_unused_handles):
+        p_params = transfer.release_transfer_params(plan.handle)  # P tells D to free them
+    else:
+        p_params = transfer.fresh()
+    ranked = r.registry.ranked("prefill", _healthy(plan.p_first))
+    p_nodes = prefill_candidates(ranked, plan)
+    if ranked and not p_nodes:  # no P node left that checks an unverified offer
+        handle = plan.handle
+        assert handle is not None  # only a pd_reuse plan is ever unverified
+        plan = plan.recomputed(planner.Reason.NODE_UNHEALTHY, "prefill")
+        p_params, p_nodes = transfer.release_transfer_params(handle), ranked
+    queued = plan.p_work is not None and bool(p_nodes)
+    chars = 0
+    if not queued:
+        p_tokens = 0
+    elif plan.path == "pd_reuse":
+        p_tokens = plan.prompt_len - plan.reuse.reuse_tokens
+    elif plan.prompt_len:
+        p_tokens = plan.prompt_len
+    else:  # not tokenized: estimated from the body's size
+        chars = req.body_chars
+        p_tokens = r.chars.tokens(chars)
+    p_ticket = (r.work.begin(p_nodes[0].name, prefill_tokens=p_tokens, stream=False,
+                             now=time.monotonic()) if queued else None)
+    with leg_span(req.span, "prefill") as span:
+        t0 = time.perf_counter()
+        try:
+            prefill = await r.legs.prefill(p_nodes, req.endpoint, body, p_params,
+                                           prompt_ids=forwards_prompt_ids(r.settings, req))
+        finally:
+            req.budget.add("prefill", time.perf_counter() - t0)
+            if p_ticket is not None:
+                r.work.end(p_ticket, time.monotonic())
+        span.set_attribute("kvagent.node", prefill.node.name)
+        span.set_attribute("kvagent.pull_failed", prefill.pull_failed)
+        verified = prefill.kv_params.get(transfer.VERIFIED_KEY)
+        if isinstance(verified, int) and not isinstance(verified, bool):
+            prefill.node.checks_pulls_epoch = prefill.node.epoch
+            span.set_attribute("kvagent.p_verified_tokens", verified)
+    r.metrics.leg_latency.labels(leg="prefill").observe(prefill.elapsed_s)
+    if chars and prefill.prompt_tokens:
+        r.chars.observe(chars, prefill.prompt_tokens - (prefill.cached_tokens or 0))
+    if p_nodes and prefill.node is not p_nodes[0]:
+        r.metrics.retries.labels(leg="prefill").inc()
+    if prefill.pull_failed and plan.path == "pd_reuse":
+        plan = plan.recomputed(planner.Reason.PULL_FAILED)
+    d_nodes = r.registry.ranked("decode", _healthy(plan.d_first))
+    # Stable: the rest keep their rank, the nodes that just failed the prompt go last.
+    d_nodes.sort(key=lambda n: n.name in plan.d_failed)
+    # P's lease on its blocks started about now: a D that sees the leg later recomputes.
+    read_by = time.time() + r.settings.prefill_lease_s - r.settings.prefill_lease_margin_s
+    d_params = transfer.with_read_by(prefill.kv_params, read_by)
+    if prefill.prompt_token_ids is not None:
+        d_params = transfer.with_prompt_ids(d_params, prefill.prompt_token_ids)
+        r.metrics.prompt_ids_forwarded.inc()
+        if prefill.first_token is not None and forwards_first_token(r.settings, req):
+            d_params = transfer.with_first_token(d_params, prefill.first_token)
+            r.metrics.first_tokens_forwarded.inc()
+    try:
+        with leg_span(req.span, "decode") as span:
+            t0 = time.perf_counter()
+            try:
+                start = await r.legs.decode(d_nodes, req.endpoint, decode_body(body, d_params),
+                                            stream=req.stream)
+            finally:
+                req.budget.add("decode", time.perf_counter() - t0)
+            span.set_attribute("kvagent.node", start.node.name)
+    except BaseException:
+        # Never leave P's blocks leased for a D leg that will not come: an expired lease
+        # can hang P (docs/engine.md, "The idle spin and the hang").
+        everyone = r.registry.ranked("decode") + [
+            n for n in r.registry.role("decode") if not n.healthy]
+        ok = await r.legs.release_prefill(everyone, req.endpoint, body, prefill)
+        r.metrics.prefill_releases.labels(ok=str(ok).lower()).inc()
+        raise
+    r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
+    if d_nodes and start.node is not d_nodes[0]:
+        r.metrics.retries.labels(leg="decode").inc()
+    turn = Turn(r.work, facts, plan, prefill, start, started)
+    if queued:
+        assert plan.p_work is not None
+        turn.ahead = paths.tokens_ahead(plan.path, plan.p_work)
+        turn.d_ticket = r.work.begin(start.node.name, prefill_tokens=0, stream=True,
+                                     now=time.monotonic())
+    return turn
+
+
+async def _whole_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
+                           started: float) -> Turn:
+    """Serve a request P/D cannot split on the least loaded decode node, aggregated."""
+    req = facts.req
+    body: dict[str, Any] = {k: v for k, v in req.body.items() if k != "kv_transfer_params"}
+    body["return_token_ids"] = True
+    if req.stream:
+        body["stream_options"] = usage_stream_options(body.get("stream_options"))
+    with leg_span(req.span, "decode") as span:
+        t0 = time.perf_counter()
+        try:
+            start = await r.legs.decode(r.registry.ranked("decode"), req.endpoint, body,
+                                        stream=req.stream)
+        finally:
+            req.budget.add("decode", time.perf_counter() - t0)
+        span.set_attribute("kvagent.node", start.node.name)
+    return Turn(r.work, facts, plan, None, start, started)
+
+
+def _healthy(node: Node | None) -> Node | None:
+    return node if node is not None and node.healthy else None
+
+
+def forwards_prompt_ids(settings: RouterSettings, req: TurnRequest) -> bool:
+    """Whether a turn's D leg takes P's prompt token ids (`forward_prompt_ids`): chat
+    requests only, and not where vLLM renders the messages anyway (media, `echo`).
+
+    The ids make P's answer larger, and an answer over `max_upstream_body_bytes` would
+    leave P's blocks leased with nobody told where they are; so they are asked for only
+    when even one token per byte of the body (a bound: a token covers at least one byte
+    of the text it encodes) keeps them within half the cap."""
+    if not (settings.forward_prompt_ids and req.chat and not req.body.get("echo")
+            and not identity.media_parts(req.body)):
+        return False
+    tokens_at_most = req.body_chars + _TEMPLATE_TOKENS
+    return tokens_at_most * _ID_JSON_BYTES <= settings.max_upstream_body_bytes // 2
+
+
+def forwards_first_token(settings: RouterSettings, req: TurnRequest) -> bool:
+    """Whether a turn's D leg may take P's token (`forward_first_token`): not for `n` > 1,
+    whose samples vLLM draws as separate requests that would all start with it."""
+    return settings.forward_first_token and req.body.get("n") in (None, 1)
+
+
+def prefill_candidates(ranked: list[Node], plan: TurnPlan) -> list[Node]:
+    """The P nodes, in rank order, that a turn's P leg may try: an offer the router did
+    not verify (a `pd_reuse` plan made without `/tokenize`) goes only to nodes seen
+    checking what they pull (`Node.checks_pulls`), also on a retry."""
+    if plan.path != "pd_reuse" or plan.reuse.tokenized:
+        return ranked
+    return [n for n in ranked if n.checks_pulls]

@@ -1,0 +1,223 @@
+"""Decide: a turn's path from its facts, by a path policy chosen by name. Pure.
+
+A policy turns `TurnFacts` into a `TurnPlan`; it never awaits and never touches the
+router's state, so each is tested on plain data. Policies are registered by name with
+their own parameters (`router.path_policy` picks one), so a benchmark arm or an operator
+names a policy instead of flipping switches:
+
+- `cost_model` (the default): the learned per-path costs and the work in flight on
+  each node choose between `pd_reuse` and `d_direct`, and between `pd_fresh` and
+  `d_fresh` for a first turn (docs/router.md, "Paths").
+- `pd_reuse`: every prompt is computed on P; a verified prefix is pulled from D (what
+  P/D with bidirectional transfer does without kvagent's D-side paths).
+- `d_direct`: the decode node holding a conversation's KV extends every later turn
+  itself (what a session-affine aggregated node does); first turns go through P.
+
+Whatever the policy, only a verified prefix is ever reused: `planner.plan_reuse` decides
+how much, the policy only where it is computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Protocol
+
+from pydantic import BaseModel, ConfigDict
+
+from kvagent_server.router.reuse import paths, planner
+from kvagent_server.router.settings import FreshPolicy, RouterSettings
+from kvagent_server.router.turns.shapes import TurnFacts, TurnPlan
+
+#: The path policy a router runs unless `router.path_policy` names another.
+DEFAULT = "cost_model"
+
+
+class PathPolicy(Protocol):
+    @property
+    def name(self) -> str:
+        """What `router.path_policy` calls it."""
+        ...
+
+    def decide(self, facts: TurnFacts) -> TurnPlan:
+        """The turn's plan (pure)."""
+        ...
+
+    def untokenized_path(self, facts: TurnFacts, plan: planner.ReusePlan,
+                         deltas: tuple[int, int], tokenize_s: float) -> paths.Path | None:
+        """The path of an extension whose uncached delta is only known to lie in
+        `deltas`, if this policy would choose it for any delta there (the turn then
+        skips `/tokenize`); None: tokenize to choose."""
+        ...
+
+
+class ReuseParams(BaseModel):
+    """How much may be reused: every policy's."""
+
+    model_config = ConfigDict(frozen=True)
+
+    #: Reuse off: every turn computes its prompt (the P/D-without-reuse baseline).
+    reuse: bool = True
+    #: Verified prefixes shorter than this many tokens are recomputed.
+    threshold: int = 64
+
+    @classmethod
+    def of(cls, settings: RouterSettings) -> ReuseParams:
+        return cls(reuse=settings.reuse, threshold=settings.kv_recompute_threshold)
+
+
+class CostParams(BaseModel):
+    """The cost model's knobs (each is a `router.*` setting of the same meaning)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    skip_prefill_max_tokens: int | None = None
+    d_stall_max_s: float | None = None
+    fresh_on_decode: FreshPolicy = "auto"
+    decode_prompt_step_tokens: int | None = None
+
+    @classmethod
+    def of(cls, settings: RouterSettings) -> CostParams:
+        ms = settings.d_direct_stall_max_ms
+        return cls(skip_prefill_max_tokens=settings.skip_prefill_max_tokens,
+                   d_stall_max_s=None if ms is None else ms / 1000,
+                   fresh_on_decode=settings.fresh_on_decode,
+                   decode_prompt_step_tokens=settings.decode_prompt_step_tokens)
+
+
+def reuse_plan(facts: TurnFacts, params: ReuseParams) -> planner.ReusePlan:
+    """How much of the handle's KV the prompt may reuse (all policies alike)."""
+    if facts.tokenize_failed:
+        return planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.TOKENIZE_FAILED)
+    return planner.plan_reuse(
+        list(facts.prompt_ids), facts.handle, threshold=params.threshold, now=facts.now,
+        tenant=facts.req.tenant.name, session=facts.session,
+        node_healthy=facts.handle_node_healthy, node_epoch=facts.handle_node_epoch,
+        enabled=params.reuse, rejected=facts.rejected,
+        prefill_block_size=facts.prefill_block_size, identity=facts.identity)
+
+
+def _plan(facts: TurnFacts, path: paths.Path, reuse: planner.ReusePlan,
+          prompt_len: int) -> TurnPlan:
+    return TurnPlan(path=path, reuse=reuse, handle=facts.handle, holder=facts.holder,
+                    p_first=facts.p_first, d_first=facts.d_first, prompt_len=prompt_len,
+                    p_work=facts.p_work, d_work=facts.d_work)
+
+
+def _decode_only() -> TurnPlan:
+    return TurnPlan(path="decode_only", reuse=planner.ReusePlan(
+        reuse_tokens=0, reason=planner.Reason.UNSUPPORTED_SHAPE))
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModelPolicy:
+    """The learned costs and queues choose the path (module docstring)."""
+
+    reuse: ReuseParams
+    costs: CostParams
+    name: str = "cost_model"
+
+    def decide(self, facts: TurnFacts) -> TurnPlan:
+        if not facts.req.splittable:
+            return _decode_only()
+        if facts.untokenized is not None:
+            u = facts.untokenized
+            return _plan(facts, u.path, u.plan, u.prompt_len)
+        c = self.costs
+        reuse = reuse_plan(facts, self.reuse)
+        prompt_len = len(facts.prompt_ids)
+        path = paths.choose_path(
+            reuse, prompt_len, facts.costs, skip_prefill_max_tokens=c.skip_prefill_max_tokens,
+            d_healthy=facts.d_holds, p_work=facts.p_work, d_work=facts.d_work,
+            d_stall_max_s=c.d_stall_max_s)
+        plan = _plan(facts, path, reuse, prompt_len)
+        # Not with reuse switched off: D's prefix cache would then reuse earlier turns' KV
+        # by the back door, and `reuse: false` is the P/D-without-reuse baseline.
+        if (path == "pd_fresh" and reuse.reason == planner.Reason.NO_HANDLE
+                and c.fresh_on_decode != "never"):
+            fresh = paths.fresh_path(
+                facts.est_tokens, facts.costs, policy=c.fresh_on_decode,
+                d_healthy=facts.d_healthy,
+                p_work=facts.p_work if facts.p_first is not None else None,
+                d_work=facts.d_work, d_stall_max_s=c.d_stall_max_s,
+                d_prompt_step_tokens=c.decode_prompt_step_tokens)
+            plan = dataclasses.replace(plan, path=fresh, est_tokens=facts.est_tokens)
+        return plan
+
+    def untokenized_path(self, facts: TurnFacts, plan: planner.ReusePlan,
+                         deltas: tuple[int, int], tokenize_s: float) -> paths.Path | None:
+        c = self.costs
+        return paths.untokenized_path(
+            plan, deltas, facts.costs, tokenize_s,
+            skip_prefill_max_tokens=c.skip_prefill_max_tokens,
+            prefill_checks_pulls=facts.p_first is not None and facts.p_first.checks_pulls,
+            p_work=facts.p_work, d_work=facts.d_work, d_stall_max_s=c.d_stall_max_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class PdReusePolicy:
+    """P computes every prompt; a verified prefix is pulled from the decode node."""
+
+    reuse: ReuseParams
+    name: str = "pd_reuse"
+
+    def decide(self, facts: TurnFacts) -> TurnPlan:
+        if not facts.req.splittable:
+            return _decode_only()
+        reuse = reuse_plan(facts, self.reuse)
+        path = paths.choose_path(reuse, len(facts.prompt_ids), facts.costs,
+                                 skip_prefill_max_tokens=0, d_healthy=False)
+        return _plan(facts, path, reuse, len(facts.prompt_ids))
+
+    def untokenized_path(self, facts: TurnFacts, plan: planner.ReusePlan,
+                         deltas: tuple[int, int], tokenize_s: float) -> paths.Path | None:
+        return None  # the router verifies every offer it makes P
+
+
+@dataclasses.dataclass(frozen=True)
+class DDirectPolicy:
+    """The holding decode node extends every later turn it can; first turns use P."""
+
+    reuse: ReuseParams
+    name: str = "d_direct"
+
+    def decide(self, facts: TurnFacts) -> TurnPlan:
+        if not facts.req.splittable:
+            return _decode_only()
+        if facts.untokenized is not None:
+            u = facts.untokenized
+            return _plan(facts, u.path, u.plan, u.prompt_len)
+        reuse = reuse_plan(facts, self.reuse)
+        path = paths.choose_path(reuse, len(facts.prompt_ids), facts.costs,
+                                 skip_prefill_max_tokens=1 << 30, d_healthy=facts.d_holds)
+        return _plan(facts, path, reuse, len(facts.prompt_ids))
+
+    def untokenized_path(self, facts: TurnFacts, plan: planner.ReusePlan,
+                         deltas: tuple[int, int], tokenize_s: float) -> paths.Path | None:
+        return "d_direct"  # D's own prefix cache matches the real tokens
+
+
+#: Policy name -> factory from the router's settings.
+POLICIES: dict[str, Callable[[RouterSettings], PathPolicy]] = {
+    "cost_model": lambda s: CostModelPolicy(ReuseParams.of(s), CostParams.of(s)),
+    "pd_reuse": lambda s: PdReusePolicy(ReuseParams.of(s)),
+    "d_direct": lambda s: DDirectPolicy(ReuseParams.of(s)),
+}
+
+
+def register(name: str, factory: Callable[[RouterSettings], PathPolicy]) -> None:
+    """Add a policy under `name` (a plugin's, an experiment's)."""
+    if name in POLICIES:
+        raise ValueError(f"a path policy named {name!r} is already registered")
+    POLICIES[name] = factory
+
+
+def policy_for(settings: RouterSettings) -> PathPolicy:
+    """The policy `router.path_policy` names, built with its parameters."""
+    name = settings.path_policy
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown router.path_policy {name!r}; known: "
+                         f"{', '.join(sorted(POLICIES))}") from None
+    return factory(settings)

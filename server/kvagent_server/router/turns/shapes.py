@@ -1,0 +1,268 @@
+"""The data of one turn, one shape per stage (docs/architecture.md, "One turn").
+
+    TurnRequest --gather--> TurnFacts --decide--> TurnPlan --execute--> Turn
+        --relay--> Capture --settle--> Final
+
+Each stage is a module of `turns` that reads the shape before it and builds the next one;
+no stage module imports another (`tests/test_import_graph.py`), so none can call back
+into a stage already left. `turns.pipeline` strings them together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from kvagent_server.router.auth.tenancy import Tenant
+from kvagent_server.router.common import fastjson
+from kvagent_server.router.reuse import identity, planner
+from kvagent_server.router.reuse.paths import Path, PathCosts
+from kvagent_server.router.reuse.queue import NodeWork, WorkLedger
+from kvagent_server.router.store.handle import Handle, KVIdentity
+from kvagent_server.router.telemetry.budget import TurnBudget
+from kvagent_server.router.turns.legs import DecodeStart, PrefillResult
+from kvagent_server.router.turns.nodes import Node
+
+# ------------------------------------------------------------------ the request
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """A client's turn as the router forwards it: the body is read-only and built once
+    (cleaned of the client's transfer fields, the tenant's `cache_salt` set); every leg
+    builds its own copy from it."""
+
+    endpoint: str  # "/v1/chat/completions" or "/v1/completions"
+    body: Mapping[str, Any]
+    tenant: Tenant
+    #: The conversation as the store knows it (scoped to the caller's key), or None.
+    session: str | None
+    token: str | None
+    #: What named the conversation (`http.conversation.Source`); None: nothing did, and
+    #: with `content_reuse` the router finds it by the prompt's tokens (`reuse.content`).
+    source: str | None = None
+    #: Test-only: shift the pulled blocks (settings.test_shift_blocks_header).
+    shift_blocks: bool = False
+    span: Any = None  # the turn's OpenTelemetry span (parent of the leg spans)
+    budget: TurnBudget = field(default_factory=TurnBudget)  # time per stage
+    #: The body's JSON size in bytes (what a prompt the router does not tokenize is
+    #: estimated from), measured once.
+    body_chars: int = 0
+
+    @classmethod
+    def build(cls, *, endpoint: str, body: dict[str, Any], **kwargs: Any) -> TurnRequest:
+        """Freeze `body` (the caller gives it up) and measure it once."""
+        return cls(endpoint=endpoint, body=MappingProxyType(body),
+                   body_chars=len(fastjson.dumps(body)), **kwargs)
+
+    @property
+    def chat(self) -> bool:
+        return self.endpoint.endswith("chat/completions")
+
+    @property
+    def stream(self) -> bool:
+        return bool(self.body.get("stream"))
+
+    @property
+    def splittable(self) -> bool:
+        """One sequence from one prompt: what a P/D transfer (one handle per request)
+        serves. Several samples (`n`, `best_of`) or a batch of prompts go to one node
+        whole (`decode_only`)."""
+        body = self.body
+        prompt = body.get("prompt")
+        batch = (isinstance(prompt, list) and len(prompt) > 1
+                 and not all(isinstance(t, int) for t in prompt))
+        return (body.get("n") or 1) == 1 and (body.get("best_of") or 1) == 1 and not batch
+
+    def dict_body(self) -> dict[str, Any]:
+        """A shallow copy to build a leg's body from."""
+        return dict(self.body)
+
+
+# ------------------------------------------------------------------ gather's facts
+
+
+@dataclass(frozen=True)
+class Untokenized:
+    """A turn that may skip the router's `/tokenize`: its plan from the messages alone
+    (`planner.extension_plan`), its estimated prompt length, and the path the estimate
+    allows whatever the real delta is (`paths.untokenized_path`)."""
+
+    plan: planner.ReusePlan
+    prompt_len: int
+    path: Path
+
+
+@dataclass(frozen=True)
+class TurnFacts:
+    """Everything a path policy decides on, gathered before any leg runs.
+
+    `gather` is the only stage that awaits the store or a node's `/tokenize`; the nodes
+    are referenced for `execute`, their state at gathering time is copied here."""
+
+    req: TurnRequest
+    #: The conversation after a content lookup named it (else `req.session`).
+    session: str | None
+    source: str | None
+    #: The claimed handle and, without one, why the presented token was refused.
+    handle: Handle | None = None
+    rejected: str | None = None
+    #: The handle's decode node as registered (None: unknown) and its state.
+    handle_node_healthy: bool = False
+    handle_node_epoch: str | None = None
+    #: The decode node holding the handle's blocks, if alive, current and unexpired.
+    holder: Node | None = None
+    p_first: Node | None = None
+    d_first: Node | None = None
+    #: `d_first` is the holder (and so healthy).
+    d_holds: bool = False
+    #: `d_first` is healthy.
+    d_healthy: bool = False
+    #: P block size, when the router knows it (settings or the node).
+    prefill_block_size: int | None = None
+    costs: PathCosts = field(default_factory=PathCosts)
+    #: Work in flight on `p_first` and `d_first` (None: not counted).
+    p_work: NodeWork | None = None
+    d_work: NodeWork | None = None
+    #: The prompt's KV identity (positions filled in once tokenized) and its check
+    #: against the handle's (None: no handle).
+    new_identity: KVIdentity | None = None
+    identity: identity.IdentityCheck | None = None
+    #: The prompt's token ids as a node tokenized them (empty: not tokenized).
+    prompt_ids: tuple[int, ...] = ()
+    tokenize_failed: bool = False
+    #: Set when the turn may skip `/tokenize` (then `prompt_ids` is empty).
+    untokenized: Untokenized | None = None
+    #: The prompt tokens a first turn is estimated at from its body's size.
+    est_tokens: int = 0
+    now: float = field(default_factory=time.time)
+
+
+# ------------------------------------------------------------------ the plan
+
+
+@dataclass(frozen=True)
+class TurnPlan:
+    """What a path policy decided: the path, the reuse, and the nodes to try first."""
+
+    path: Path
+    reuse: planner.ReusePlan
+    handle: Handle | None = None
+    holder: Node | None = None
+    p_first: Node | None = None
+    d_first: Node | None = None
+    #: Prompt tokens as tokenized, or as estimated for an untokenized extension (0: not
+    #: known, a first turn).
+    prompt_len: int = 0
+    #: A first turn's tokens to compute, estimated from its body's size (0: not estimated).
+    est_tokens: int = 0
+    p_work: NodeWork | None = None
+    d_work: NodeWork | None = None
+    #: Decode nodes a failed `d_fresh` or `d_direct` leg was sent to: tried last.
+    d_failed: tuple[str, ...] = ()
+
+    def after_decode_failure(self, tried: tuple[str, ...]) -> TurnPlan:
+        """The plan once a `d_fresh` or `d_direct` leg failed before its first byte: P
+        computes the prompt (`pd_fresh`), or recomputes it (the handle's blocks are
+        unreachable)."""
+        if self.path == "d_fresh":
+            return dataclasses.replace(self, path="pd_fresh", d_failed=tried)
+        return dataclasses.replace(
+            self, path="recompute", holder=None, d_first=None, d_failed=tried,
+            reuse=planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.DECODE_FAILED))
+
+    def recomputed(self, reason: planner.Reason, detail: str | None = None) -> TurnPlan:
+        """The plan when its reuse cannot happen after all: P recomputes the prompt."""
+        return dataclasses.replace(self, path="recompute", reuse=planner.ReusePlan(
+            reuse_tokens=0, reason=reason, detail=detail))
+
+
+# ------------------------------------------------------------------ the open turn
+
+
+@dataclass
+class Turn:
+    """An executed turn whose decode leg is open, until its answer is relayed."""
+
+    #: The router's count of work in flight per node, where the D leg is counted.
+    work: WorkLedger
+    facts: TurnFacts
+    #: The plan as executed (after any fallback: `path` is what served the turn).
+    plan: TurnPlan
+    prefill: PrefillResult | None
+    decode: DecodeStart
+    started: float
+    first_byte_at: float | None = None
+    #: Tokens of work ahead on the node that computed the prompt when the turn was sent
+    #: (what `CostModel.observe` learns the TTFT against; 0 without queue-aware costs).
+    ahead: float = 0.0
+    #: The D leg in the router's `WorkLedger` (None: not counted).
+    d_ticket: int | None = None
+    #: A `d_fresh` prompt's body size: with D's usage it teaches `Router.chars`.
+    body_chars: int = 0
+
+    @property
+    def req(self) -> TurnRequest:
+        return self.facts.req
+
+    @property
+    def path(self) -> Path:
+        return self.plan.path
+
+    def mark_first_byte(self) -> float:
+        """The client's first byte: D's prompt work is done, it decodes from now on."""
+        self.first_byte_at = time.perf_counter()
+        if self.d_ticket is not None:
+            self.work.prefilled(self.d_ticket, time.monotonic())
+        return self.first_byte_at
+
+    def end_work(self) -> None:
+        """The D leg is over (idempotent): it no longer counts as a stream on D."""
+        if self.d_ticket is not None:
+            self.work.end(self.d_ticket, time.monotonic())
+            self.d_ticket = None
+
+    async def close(self) -> None:
+        """Idempotent: the D leg is over; closing D's response aborts its request if it
+        is still running (a client gone, a cut stream)."""
+        self.end_work()
+        await self.decode.response.aclose()
+
+
+# ------------------------------------------------------------------ relay and settle
+
+
+@dataclass
+class Capture:
+    """What the router learned from D's answer (choice 0 only: reuse needs n == 1)."""
+
+    kv_params: dict[str, Any] | None = None
+    prompt_token_ids: list[int] | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    finish_reason: str | None = None
+    choices: set[int] = field(default_factory=set)
+    template: dict[str, Any] = field(default_factory=dict)  # id/object/created/model
+
+    @property
+    def sequence(self) -> list[int] | None:
+        """Prompt plus generated ids: the tokens whose KV D retained (None if unknown)."""
+        if self.prompt_token_ids is None or len(self.choices) > 1:
+            return None
+        return [*self.prompt_token_ids, *self.output_token_ids]
+
+
+@dataclass(frozen=True)
+class Final:
+    """What settling the turn adds to its last chunk (or the non-streamed response)."""
+
+    kvagent: dict[str, Any]
+    cached_tokens: int | None
+
+    @property
+    def reused(self) -> int:
+        return int(self.kvagent.get("reused_tokens") or 0)
