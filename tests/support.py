@@ -172,8 +172,8 @@ class KVAgentBundle:
 #: vLLM arguments of every engine the suite starts: eager mode (no torch.compile). Compiling
 #: one engine config costs ~60 s of CPU on a fresh machine and ~25 s even from the cache,
 #: and the suite starts a few dozen engines; eager is what vLLM's own tests run. Answers are
-#: compared between engines of the same mode. The demo (tests/test_demo.py) and the
-#: benchmarks' quick mode (tests/benchmarks/test_quick.py) run the default, compiled mode.
+#: compared between engines of the same mode. The demo (tests/test_demo_vllm.py) and the
+#: benchmarks' quick mode (tests/benchmarks/test_quick_vllm.py) run the default, compiled mode.
 TEST_ENGINE_ARGS = ("-O0",)
 
 
