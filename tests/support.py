@@ -28,6 +28,10 @@ from kvagent_server.processes import stop_groups
 #: skipped real-engine test is a check that silently did not happen.
 REQUIRE_REAL_ENV = "KVAGENT_REQUIRE_REAL"
 
+#: A stand-in for vLLM and the router that records its argv and environment (the bundle
+#: launcher's and the deployments' tests).
+FAKE_NODE = Path(__file__).parent / "server" / "fake_node.py"
+
 
 def require_real() -> bool:
     """Whether `KVAGENT_REQUIRE_REAL` is set (not empty, not 0): real parts must run."""

@@ -23,8 +23,7 @@ from kvagent_server.render import (
     render_json,
     render_shell,
 )
-
-from tests.server.server_helpers import fake_inputs
+from server_helpers import fake_inputs
 
 KV_P = ('{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu",'
         '"engine_id":"default-prefill-0","kv_connector_extra_config":{"bidirectional_kv_xfer":'
