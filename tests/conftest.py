@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from kvagent_server.processes import stop_groups
@@ -117,3 +118,31 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
         report.outcome = "failed"
         report.longrepr = (f"module skipped while {REQUIRE_REAL_ENV}=1 (CI installs every "
                            f"engine and service, so nothing may skip a whole module): {reason}")
+
+
+# ---------------------------------------------------------- real-engine tests: one name
+
+#: A module with any test marked `vllm` (needs the real engine) is named `test_*_vllm.py`,
+#: and every such module has one, so the marker and the file names find the same tests.
+REAL_ENGINE_SUFFIX = "_vllm.py"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuses the run when a module's name and its tests' `vllm` marks disagree. Runs
+    before `-m`/`-k` deselect anything, so it sees every collected test."""
+    marked: dict[str, bool] = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        if Path(module).name.startswith("test_"):
+            marked[module] = marked.get(module, False) or bool(item.get_closest_marker("vllm"))
+    # Picking tests by node id or last failures collects part of a module: its unmarked
+    # half alone says nothing about the module's name.
+    partial = config.getoption("lf", False) or any("::" in a for a in config.args)
+    bad = sorted(
+        f"{path}: {'a test is marked vllm; name it' if m else 'no test is marked vllm; rename'}"
+        f" (real-engine modules, and only they, are named test_*{REAL_ENGINE_SUFFIX})"
+        for path, m in marked.items()
+        if m != path.endswith(REAL_ENGINE_SUFFIX) and (m or not partial))
+    if bad:
+        raise pytest.UsageError("\n".join(bad))

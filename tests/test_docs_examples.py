@@ -195,15 +195,3 @@ BUNDLE_PAGES = [ROOT / name for name in BUNDLE_CHECKS]
 def test_bundle_pages_have_blocks_to_run() -> None:
     for page in BUNDLE_PAGES:
         assert any(b.skip is None for b in python_blocks(page)), page
-
-
-@pytest.mark.vllm
-@pytest.mark.slow
-@pytest.mark.parametrize("page", BUNDLE_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_page_blocks_run_on_the_real_bundle(page: Path, kvagent_bundle: Any, tmp_path: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    if not kvagent_bundle.available:
-        pytest.skip(kvagent_bundle.reason)
-    namespace = _run_page(page, kvagent_bundle.base_url, kvagent_bundle.model, tmp_path,
-                          monkeypatch)
-    BUNDLE_CHECKS[str(page.relative_to(ROOT))](namespace)

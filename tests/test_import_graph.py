@@ -209,9 +209,9 @@ def test_packages_never_import_benchmarks_or_tests(top: str) -> None:
 #: may import. The rule: a test imports only the benchmark it exercises (tests/benchmarks/
 #: tests any of them); anything else it needs lives in tests/ or the packages.
 BENCHMARK_USERS = {
-    "tests/deploy/test_multihost_rehearsal.py": "benchmarks.multihost",
+    "tests/deploy/test_multihost_rehearsal_vllm.py": "benchmarks.multihost",
     "tests/deploy/test_multihost_wiring.py": "benchmarks.multihost",
-    "tests/e2e/test_fuzz.py": "benchmarks.fuzz",
+    "tests/e2e/test_fuzz_vllm.py": "benchmarks.fuzz",
     "tests/models/real.py": "benchmarks.fuzz",
     "tests/reliability/test_load_small.py": "benchmarks.load",
     "tests/sdk/test_bench_sdk_overhead.py": "benchmarks.sdk_overhead",
@@ -298,18 +298,20 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def test_tests_import_support_only_as_support() -> None:
-    """tests/ is on sys.path, so tests/support.py is `support`; imported as `tests.support`
-    as well, it would load twice, as two modules with their own state."""
+def test_test_helpers_are_imported_by_one_name() -> None:
+    """pytest puts tests/ and each test folder on sys.path, so a helper is `support`,
+    `fakes`, `server_helpers` or `e2e.e2e_helpers` (folders with an `__init__.py`); through
+    `tests.` (the repository root is on sys.path too) the same file would load again, as a
+    second module with its own state."""
     bad = []
-    for path in sorted((ROOT / "tests").rglob("*.py")):
+    for path in sorted([*(ROOT / "tests").rglob("*.py"), *(ROOT / "benchmarks").rglob("*.py")]):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                names = [node.module]
             else:
                 continue
-            if "tests.support" in names:
+            if any(n == "tests" or n.startswith("tests.") for n in names):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
-    assert not bad, "import `support`, not `tests.support`: " + ", ".join(bad)
+    assert not bad, "import test helpers as `support`, not `tests.support`: " + ", ".join(bad)

@@ -17,7 +17,7 @@ cut at the first image placeholder whose image differs, and 0 when the served mo
 (adapter) differs: the token ids cannot see an image or an adapter, so the fuzz checks
 what the router's KV identity must enforce.
 
-Used by `tests/e2e/test_fuzz.py` (a seeded, bounded slice) and `run.py` (the long run).
+Used by `tests/e2e/test_fuzz_vllm.py` (a seeded, bounded slice) and `run.py` (the long run).
 """
 
 from __future__ import annotations

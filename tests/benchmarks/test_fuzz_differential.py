@@ -1,6 +1,6 @@
 """The differential fuzz's own logic (no server): the reuse bound it enforces for images
 and adapters, and the image and adapter operations on a conversation's history. The fuzz
-itself runs on real vLLM (tests/e2e/test_fuzz.py, tests/models/)."""
+itself runs on real vLLM (tests/e2e/test_fuzz_vllm.py, tests/models/)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The conversation driver against a scripted endpoint (httpx.MockTransport): what it sends
-turn after turn, which token it carries, what it records. Real servers: test_quick.py."""
+turn after turn, which token it carries, what it records. Real servers: test_quick_vllm.py."""
 
 from __future__ import annotations
 

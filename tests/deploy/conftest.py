@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from deploy_helpers import config
 from kvagent_server.config import BundleConfig
-
-from tests.deploy.deploy_helpers import config
 
 
 @pytest.fixture

@@ -21,9 +21,7 @@ from kvagent_server.config import validate_config
 from kvagent_server.processes import stop_groups
 from kvagent_server.render import HostFacts, ModelSource, PlanInputs, plan
 from kvagent_server.router.__main__ import parse_args
-from support import free_ports
-
-from tests.server.server_helpers import FAKE_NODE
+from support import FAKE_NODE, free_ports
 
 P_HOSTS = ["127.0.0.2", "127.0.0.3"]
 D_HOSTS = ["127.0.0.4", "127.0.0.5"]

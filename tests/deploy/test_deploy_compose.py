@@ -9,11 +9,10 @@ from typing import Any
 
 import pytest
 import yaml
+from deploy_helpers import NO_PLUGIN, config
 from kvagent_server.config import ConfigError
 from kvagent_server.deploy import DeployOptions, render_compose
 from kvagent_server.router.__main__ import parse_args
-
-from tests.deploy.deploy_helpers import NO_PLUGIN, config
 
 
 def compose_binary() -> Path | None:

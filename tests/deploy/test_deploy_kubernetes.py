@@ -7,11 +7,10 @@ from typing import Any
 
 import pytest
 import yaml
+from deploy_helpers import NO_PLUGIN, config
 from kvagent_server.config import ConfigError
 from kvagent_server.deploy import DeployOptions, render_kubernetes
 from kvagent_server.router.__main__ import parse_args
-
-from tests.deploy.deploy_helpers import NO_PLUGIN, config
 
 K8S_VERSION = "1.30.0"
 
@@ -169,19 +168,3 @@ def test_cpu_device_deploys_without_gpus() -> None:
     assert "limits" not in c["resources"]
     env = env_of(c)
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and "VLLM_CPU_OMP_THREADS_BIND" not in env
-
-
-@pytest.mark.vllm
-def test_node_args_parse_with_vllm(cfg: Any) -> None:
-    pytest.importorskip("vllm", reason="vLLM is not importable here (CI installs it)")
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    parser = make_arg_parser(FlexibleArgumentParser())
-    for role in ("prefill", "decode"):
-        c = container(find(objects(cfg), "StatefulSet", f"kvagent-{role}"))
-        ns = parser.parse_args(c["args"])
-        assert ns.port == (8100 if role == "prefill" else 8200)
-        ktc = EngineArgs.from_cli_args(ns).kv_transfer_config
-        assert ktc.kv_connector == "NixlConnector" and ktc.engine_id == "$(POD_NAME)"

@@ -45,8 +45,6 @@ from .e2e_helpers import (  # noqa: F401 - what the fixture builds
     session,
 )
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
 
 @pytest.fixture(scope="session")
 def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:

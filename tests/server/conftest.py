@@ -9,9 +9,8 @@ from typing import Any
 
 import psutil
 import pytest
-from support import free_ports
-
-from tests.server.server_helpers import FAKE_NODE, processes_mentioning
+from server_helpers import processes_mentioning
+from support import FAKE_NODE, free_ports
 
 
 @pytest.fixture

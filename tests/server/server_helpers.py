@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import psutil
 from kvagent_server.render import HostFacts, ModelSource, PlanInputs
-
-#: A stand-in for vLLM and the router that records its argv and environment.
-FAKE_NODE = Path(__file__).with_name("fake_node.py")
 
 
 def fake_inputs(cores: tuple[int, ...] = (0, 1), gpus: int = 0) -> PlanInputs:

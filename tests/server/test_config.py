@@ -13,8 +13,7 @@ from kvagent_server.config import (
     validate_config,
 )
 from kvagent_server.render import plan
-
-from tests.server.server_helpers import fake_inputs
+from server_helpers import fake_inputs
 
 
 def problems(data: dict) -> list[str]:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -69,14 +67,3 @@ def test_pip_commands() -> None:
     assert install.pip_no_deps_argv("cuda", python="/py") is None
     assert install.pip_uninstall_argv(["torchvision"], python="/py") == [
         "/py", "-m", "pip", "uninstall", "-y", "torchvision"]
-
-
-@pytest.mark.vllm
-def test_installed_engine_is_a_fast_noop() -> None:
-    if install.problems("cpu"):
-        pytest.skip(f"the CPU engine is not (fully) installed: {install.problems('cpu')}")
-    proc = subprocess.run([sys.executable, "-m", "kvagent_server.install"], check=False,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "nothing to do" in proc.stdout
-    assert "pip" not in proc.stdout  # no pip run at all

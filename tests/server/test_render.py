@@ -23,8 +23,7 @@ from kvagent_server.render import (
     render_json,
     render_shell,
 )
-
-from tests.server.server_helpers import fake_inputs
+from server_helpers import fake_inputs
 
 KV_P = ('{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu",'
         '"engine_id":"default-prefill-0","kv_connector_extra_config":{"bidirectional_kv_xfer":'
@@ -365,58 +364,6 @@ def test_json_output() -> None:
     assert data["nodes"][0]["argv"] == list(bp.nodes[0].argv)
     assert data["nodes"][1]["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert data["router"]["settings_path"] == "/run/z/router-settings.json"
-
-
-# ------------------------------------------------------------- vLLM's own parser
-
-
-@pytest.fixture(scope="module")
-def vllm_parser():
-    try:
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not installed"
-        pytest.skip(f"vLLM is not importable ({exc!r}); install the engine: "
-                    "kvagent-server install-engine")
-
-    def parse(args: list[str]):
-        return make_arg_parser(FlexibleArgumentParser()).parse_args(args)
-
-    return parse
-
-
-@pytest.mark.vllm
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_vllm_parses_every_rendered_command(vllm_parser, device: str) -> None:
-    from kvagent_server.inputs import gather_inputs
-
-    cfg = validate_config({
-        "device": device, "prefill": {"count": 2, "prefix_caching": False},
-        "decode": {"count": 2}, "block_size": 32, "max_model_len": 4096,
-        "cpu_pinning": False,
-    })
-    real = gather_inputs(cfg, build_model=False)  # demo model args + plugin args, as `up`
-    inputs = PlanInputs(host=HostFacts(cpu_cores=(0, 1), gpu_count=4), model=real.model,
-                        python=real.python, role_env=real.role_env, role_args=real.role_args)
-    bp = plan(cfg, inputs)
-    for node in bp.nodes:
-        assert node.argv[1:3] == ("-m", "vllm.entrypoints.openai.api_server")
-        args = vllm_parser(list(node.argv[3:]))
-        kv = args.kv_transfer_config
-        assert kv.kv_connector == "NixlConnector"
-        assert kv.kv_role == ("kv_producer" if node.role == "prefill" else "kv_consumer")
-        assert kv.kv_buffer_device == device
-        assert kv.engine_id == node.engine_id
-        assert kv.kv_connector_extra_config["bidirectional_kv_xfer"] is True
-        assert kv.kv_connector_extra_config["kv_recompute_threshold"] == 64
-        assert kv.kv_connector_extra_config["decoder_kv_blocks_ttl"] == 480
-        assert args.port == node.port and args.host == "127.0.0.1"
-        assert args.enable_prefix_caching is (node.role == "decode")
-        assert args.block_size == 32 and args.max_model_len == 4096
-        assert args.served_model_name == ["kvagent-demo"]
-        assert args.override_generation_config == {"max_new_tokens": BUILTIN_DEFAULT_MAX_TOKENS}
-        if device == "cuda":
-            assert args.kv_cache_memory_bytes == 2 * 1024**3
 
 
 def test_with_engine_id_replaces_only_the_connector_engine_id() -> None:

@@ -22,9 +22,8 @@ from kvagent_server.config import ConfigError, validate_config
 from kvagent_server.processes import stop_groups
 from kvagent_server.runstate import load_state
 from kvagent_server.supervisor import Bundle, BundleError
+from server_helpers import fake_inputs, processes_mentioning
 from support import free_ports
-
-from tests.server.server_helpers import fake_inputs, processes_mentioning
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 

@@ -117,25 +117,6 @@ def test_bad_kv_events_settings_are_explained(tmp_path: Path,
     assert "http://x:1" in plan(given, inputs()).router_settings["kv_events"]
 
 
-@pytest.mark.vllm
-@pytest.mark.parametrize("bind", ["127.0.0.1", "0.0.0.0"])
-def test_vllm_parses_the_kv_events_flag(tmp_path: Path, bind: str) -> None:
-    try:
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not installed"
-        pytest.skip(f"vLLM is not importable ({exc!r})")
-    bp = plan(validate_config({"run_dir": str(tmp_path), "bind_host": bind}), inputs())
-    parser = make_arg_parser(FlexibleArgumentParser())
-    for node in bp.nodes:
-        ev = parser.parse_args(list(node.argv[3:])).kv_events_config
-        assert ev.enable_kv_cache_events and ev.publisher == "zmq" and ev.topic == "kvagent"
-        assert ev.endpoint == events_of(node.argv)["endpoint"]
-        # vLLM binds (not connects) its PUB socket for exactly these endpoints.
-        from vllm.distributed.kv_events import ZmqEventPublisher
-        assert ZmqEventPublisher._is_bind_endpoint(ev.endpoint)
-
-
 def test_shell_output_creates_the_socket_directory_first(tmp_path: Path) -> None:
     from kvagent_server.render import render_shell
 

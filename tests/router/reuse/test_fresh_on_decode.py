@@ -1,6 +1,6 @@
 """A turn with nothing to reuse computed on the decode node (`d_fresh`,
 router.fresh_on_decode): the rule (`paths.fresh_path`) and the turn through the router
-against fake nodes. On real vLLM: tests/test_fresh_on_decode_live.py."""
+against fake nodes. On real vLLM: tests/router/reuse/test_fresh_on_decode_vllm.py."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from kvagent_server.router.store.base import SessionStore
 from kvagent_server.router.store.memory import MemoryStore
-from test_state import FakeClock, handle
+from test_stores import FakeClock, handle
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ First, that the pinned vLLM really feeds forwarded ids to the engine instead of 
 messages (so the router's forwarding changes what D computes); then, a tool-using
 conversation through a router that sends every reused turn `pd_reuse`, each answer
 compared with the same request sent straight to P under a fresh random `cache_salt`
-(nothing cached can match), greedy. The fake-node tests: tests/router/test_forward_prompt_ids.py.
+(nothing cached can match), greedy. The fake-node tests: tests/router/turns/test_forward_prompt_ids.py.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Fault injection on the real bundle, each fault mid-conversation.
 
 After every fault the conversation must go on with answers equal to the reuse-off
-answers (see test_conversation.py), and nothing the client already has may be lost: a
+answers (see test_conversation_vllm.py), and nothing the client already has may be lost: a
 turn fails only when its stream was already cut (`StreamInterrupted` with the partial
 text, history and token unchanged) or when no node could serve it at all (an HTTP error
 before any byte); a plain retry then works. docs/reliability.md ("Faults") tabulates it.

@@ -1,6 +1,6 @@
 """KV identity on real vLLM with a LoRA adapter: switching adapter mid-session recomputes,
 staying on one reuses; every greedy answer equals the recomputed one. (Images: the
-vision-language model's tests in tests/models/test_real_vlm.py share its bundle.)
+vision-language model's tests in tests/models/test_vlm_vllm.py share its bundle.)
 
 The bundle is built from the locally made adapter of `kvagent_server.models`; without it
 (or without `lora_modules` in the bundle config) the test skips and says which is missing.

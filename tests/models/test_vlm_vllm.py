@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from engine.flow import FRESH_P_PARAMS
 from kvagent_server.models.vlm import (
     IMAGE_TOKENS,
     VLM_MODEL_NAME,
@@ -25,8 +26,6 @@ from kvagent_server.models.vlm import (
     sample_image_url,
 )
 from support import p2p_received
-
-from tests.engine.flow import FRESH_P_PARAMS
 
 from .real import (
     Conversation,

@@ -4,7 +4,7 @@ computed, P pulling it over NIXL.
 
 The reference for each turn is the same request sent straight to the prefill node under a
 fresh random `cache_salt` (nothing cached can match), greedy, so any wrong KV shows as a
-different answer. The rule and the fake-node tests: tests/router/test_fresh_on_decode.py.
+different answer. The rule and the fake-node tests: tests/router/reuse/test_fresh_on_decode.py.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ make between turns (a changed system prompt, reordered tools, an edited answer, 
 compaction) must recompute from the first differing token, never reuse wrong KV.
 
 Its name sorts after the other e2e modules on purpose: it leaves retained turns on D, and
-`test_conversation` opens with a test that needs D idle.
+`test_conversation_vllm` opens with a test that needs D idle.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 Against fake nodes that honour the key as vLLM 0.32 does (the forwarded ids replace the
 rendered chat, except with `echo` or media). The same on real vLLM, answers equal to a
-recompute: tests/test_forward_prompt_ids_live.py.
+recompute: tests/router/turns/test_forward_prompt_ids_vllm.py.
 """
 
 from __future__ import annotations

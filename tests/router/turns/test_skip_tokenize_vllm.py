@@ -5,7 +5,7 @@ plugin's pull check), and answer exactly as a recompute does.
 
 The reference for each turn is the same request sent straight to the prefill node under a
 fresh random `cache_salt` (nothing cached can match), greedy, so any wrong KV shows as a
-different answer. The fake-node tests of the rule are tests/router/test_skip_tokenize.py.
+different answer. The fake-node tests of the rule are tests/router/turns/test_skip_tokenize.py.
 """
 
 from __future__ import annotations
