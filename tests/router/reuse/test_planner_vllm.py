@@ -6,7 +6,7 @@ import math
 from types import SimpleNamespace
 
 import pytest
-from kvagent_server.router.reuse.planner import reuse_transfer_params
+from kvagent_server.router.reuse.transfer import reuse_transfer_params
 from test_planner import BS, CACHED, USER2, make_handle, plan
 
 
