@@ -173,10 +173,10 @@ def test_packages_never_import_benchmarks_or_tests(top: str) -> None:
 #: may import. The rule: a test imports only the benchmark it exercises (tests/benchmarks/
 #: tests any of them); anything else it needs lives in tests/ or the packages.
 BENCHMARK_USERS = {
-    "tests/deploy/test_multihost_rehearsal.py": "benchmarks.multihost",
-    "tests/deploy/test_multihost_wiring.py": "benchmarks.multihost",
-    "tests/e2e/test_fuzz.py": "benchmarks.fuzz",
-    "tests/models/real.py": "benchmarks.fuzz",
+    "tests/deploy/test_multihost_rehearsal.py": "tools.multihost",
+    "tests/deploy/test_multihost_wiring.py": "tools.multihost",
+    "tests/e2e/test_fuzz.py": "tools.fuzz",
+    "tests/models/real.py": "tools.fuzz",
     "tests/reliability/test_load_small.py": "benchmarks.load",
     "tests/sdk/test_bench_sdk_overhead.py": "benchmarks.sdk_overhead",
     # Counts connections on the SDK overhead benchmark's local SSE server.

@@ -28,7 +28,7 @@ def test_the_fakes_are_one_module_with_the_tests() -> None:
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, check=True, timeout=60)
 
 
-@pytest.mark.parametrize("module", ["benchmarks.attack.backend", "benchmarks.load.backend",
+@pytest.mark.parametrize("module", ["tools.attack.backend", "benchmarks.load.backend",
                                     "benchmarks.router_overhead.fake_backend"])
 def test_backend_serves_both_nodes(module: str, tmp_path: Path) -> None:
     p_port, d_port = free_port(), free_port()

@@ -23,7 +23,7 @@ from benchmarks.multiturn.nodes import (
 from benchmarks.multiturn.results import ConfigResult
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu" / "run_device_checks.sh"
+SCRIPT = ROOT / "tools" / "gpu" / "run_device_checks.sh"
 PORTS5 = [9000, 9001, 9002, 9003, 9004]
 PORTS7 = [9000, 9001, 9002, 9003, 9004, 9005, 9006]
 
@@ -172,4 +172,4 @@ def test_device_script_dry_run(tmp_path: Path) -> None:
     plan = json.loads((tmp_path / "cuda-plan.json").read_text())
     assert plan["ok"] and set(plan["configs"]) == set(ALL_CONFIGS)
     assert "benchmarks.multiturn.run --device cuda --quick" in out.stdout
-    assert "benchmarks/gpu/check_tiers.sh" in out.stdout
+    assert "tools/gpu/check_tiers.sh" in out.stdout

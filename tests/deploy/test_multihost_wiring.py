@@ -18,8 +18,8 @@ from kvagent_server.config import validate_config
 from kvagent_server.deploy import DeployOptions, render_compose, render_kubernetes
 from kvagent_server.router.__main__ import parse_args
 
-from benchmarks.multihost.rehearsal import render_hosts
-from benchmarks.multihost.topology import (
+from tools.multihost.rehearsal import render_hosts
+from tools.multihost.topology import (
     REDIS_PORT,
     ROUTER_PORT,
     Topology,

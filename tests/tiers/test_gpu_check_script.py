@@ -1,5 +1,5 @@
-"""benchmarks/gpu/check_tiers.py: its --dry-run renders a node vLLM accepts (no GPU needed),
-and the judge of its `tier_events` check (benchmarks/gpu/tier_events.py) fails when the
+"""tools/gpu/check_tiers.py: its --dry-run renders a node vLLM accepts (no GPU needed),
+and the judge of its `tier_events` check (tools/gpu/tier_events.py) fails when the
 router's index or placement would not find prefix A in the node's CPU tier."""
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import zmq
 from kvagent_server.router.kv.hashing import BlockHasher
 from kvagent_server.router.kv.index import KVEventSource, KVIndex, Removed, Stored
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+from tools.gpu import tier_events
 
-import tier_events  # a script's module, beside check_tiers.py (sys.path above)
+ROOT = Path(__file__).resolve().parents[2]
 
 BLOCK = 16
 A_IDS = [1000 + i for i in range(200)]  # 12 full blocks
@@ -132,7 +131,7 @@ def test_listener_feeds_the_index_over_zmq_and_notices_a_restart(tmp_path: Path)
 def test_dry_run_renders_and_parses(tmp_path: Path) -> None:
     pytest.importorskip("vllm", reason="vLLM is not importable here (CI installs it)")
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu" / "check_tiers.py"), "--dry-run",
+        [sys.executable, "-m", "tools.gpu.check_tiers", "--dry-run",
          "--work", str(tmp_path)],
         capture_output=True, text=True, timeout=600, check=False, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]

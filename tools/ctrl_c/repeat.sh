@@ -2,7 +2,7 @@
 # Ctrl-C on a foreground `kvagent-server up` under load: run its test N times in a row
 # with busy loops on every core beside it, and count. See README.md beside this file.
 #
-# Usage: benchmarks/ctrl_c/repeat.sh [N]        (default 20)
+# Usage: tools/ctrl_c/repeat.sh [N]        (default 20)
 #   PYTHON=...      the interpreter with kvagent[server] and pytest (default .venv/bin/python)
 #   LOAD_PROCS=...  busy loops beside the test (default: one per core, `nproc`)
 #   LOAD_MAX_S=...  hard cap on each busy loop's life, should this script itself be killed

@@ -15,8 +15,8 @@ benchmark load, in an interpreter like the image's (same Python, same torch), an
 on any module that is missing. On the GPU machine, `assemble_site.sh` joins the chunks and
 runs the GPU checks.
 
-    python benchmarks/gpu/offline_site.py build --out DIR [--vllm 0.26.0] [--torch 2.11.0]
-    python benchmarks/gpu/offline_site.py check --site DIR/site --python PY
+    python tools/gpu/offline_site.py build --out DIR [--vllm 0.26.0] [--torch 2.11.0]
+    python tools/gpu/offline_site.py check --site DIR/site --python PY
 
 vLLM is pinned to the release built for the image's torch (vLLM pins torch exactly):
 0.26.0 for torch 2.11. The plugin runs on it with a known gap (`KVAGENT_ALLOW_VLLM`).

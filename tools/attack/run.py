@@ -1,7 +1,7 @@
 """Hostile clients against the router (fake P/D nodes), with a well-behaved client beside.
 
-    python benchmarks/attack/run.py --out benchmarks/attack/results.json
-    python benchmarks/attack/run.py --quick          # the suite's slice (~40 s)
+    python -m tools.attack.run --out tools/attack/results.json
+    python -m tools.attack.run --quick          # the suite's slice (~40 s)
 
 Starts the fake nodes (`backend.py`) and the router (`python -m kvagent_server.router`)
 on loopback, runs a quiet phase, then one phase per attack, each bounded in time and
@@ -38,7 +38,6 @@ import httpx
 from kvagent_server.processes import stop_groups
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 from benchmarks._procs import free_ports, wait_ready
 
@@ -483,7 +482,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     base = f"http://{HOST}:{r_port}"
     d_url = f"http://{HOST}:{d_port}"
     try:
-        procs.append(_spawn([sys.executable, "-m", "benchmarks.attack.backend", str(p_port),
+        procs.append(_spawn([sys.executable, "-m", "tools.attack.backend", str(p_port),
                              str(d_port)], env, args.backend_log))
         await wait_ready(f"http://{HOST}:{p_port}/health")
         await wait_ready(f"{d_url}/health")
@@ -497,7 +496,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         attacks = Attacks(r_port, base, rng, args.scale, session)
 
         async def d_blocks() -> float | None:
-            from benchmarks.attack.backend import KV_BLOCKS
+            from tools.attack.backend import KV_BLOCKS
 
             async with httpx.AsyncClient() as c:
                 text = (await c.get(f"{d_url}/metrics", timeout=30)).text

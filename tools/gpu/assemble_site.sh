@@ -2,7 +2,7 @@
 # On a GPU machine without network: join the chunks offline_site.py built, check their
 # digests, unpack them, put them on PYTHONPATH and run run_device_checks.sh (see README.md).
 #
-# Usage: benchmarks/gpu/assemble_site.sh DIR [DIR...] -- [run_device_checks.sh options]
+# Usage: tools/gpu/assemble_site.sh DIR [DIR...] -- [run_device_checks.sh options]
 #   DIRs hold the chunks (site.tar.xz.NN) and manifest.json, split across them any way
 #   (one transfer each). --pack OUTDIR (before --) runs the checks into a work folder and
 #   leaves in OUTDIR only summary.md, run.log, results.json and device-checks.tar.gz (all
@@ -63,10 +63,10 @@ export KVAGENT_ALLOW_VLLM PYTHONUNBUFFERED=1
 "$PY" -c "import torch, vllm, nixl; print('vllm', vllm.__version__, 'torch', torch.__version__)" \
   || exit 5
 if [[ -z $PACK ]]; then
-  exec benchmarks/gpu/run_device_checks.sh "$@"
+  exec tools/gpu/run_device_checks.sh "$@"
 fi
 WORKOUT=$(mktemp -d /tmp/kvagent-dc.XXXXXX)
-benchmarks/gpu/run_device_checks.sh --out "$WORKOUT" "$@"
+tools/gpu/run_device_checks.sh --out "$WORKOUT" "$@"
 rc=$?
 mkdir -p "$PACK"
 cp "$WORKOUT/summary.md" "$WORKOUT/run.log" "$PACK/" 2>/dev/null

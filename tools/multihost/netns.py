@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchmarks._procs import signal_until_gone
-from benchmarks.multihost.topology import HOSTS, PREFIX, SUBNET, Topology
+from tools.multihost.topology import HOSTS, PREFIX, SUBNET, Topology
 
 _CLONE_NEWNET = 0x40000000
 NETNS_DIR = Path("/var/run/netns")

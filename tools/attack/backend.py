@@ -2,7 +2,7 @@
 holding LONG (a stream large enough to fill a non-reader's socket buffers) or HUGE (a
 non-streamed answer over the router's read cap).
 
-    python -m benchmarks.attack.backend P_PORT D_PORT    # from the repository root
+    python -m tools.attack.backend P_PORT D_PORT    # from the repository root
 """
 
 from __future__ import annotations

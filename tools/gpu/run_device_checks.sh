@@ -9,7 +9,7 @@
 # summary.md, plots), logs/ (tails of every node log). Processes it started are stopped on
 # any exit (trap), found by the run's unique work directory.
 #
-# Usage: benchmarks/gpu/run_device_checks.sh [--dry-run] [--out DIR] [--budget S]
+# Usage: tools/gpu/run_device_checks.sh [--dry-run] [--out DIR] [--budget S]
 #          [--tiers-timeout S] [--install-timeout S] [--mt-configs LIST] [--mt-eager]
 #          [--skip-tiers] [--skip-mt]
 #   --dry-run   no GPU needed: renders the cuda bundle of every multi-turn configuration,
@@ -134,7 +134,7 @@ if [[ $DRY == 1 ]]; then
   echo "  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader"
   echo "  $PY -c 'import vllm, nixl'  || timeout $INSTALL_TIMEOUT $PY -m pip install vllm nixl"
   echo "  (no kvagent plugin entry point) timeout $INSTALL_TIMEOUT $PY -m pip install -e '.[server]'"
-  [[ $SKIP_TIERS == 1 ]] || echo "  PYTHON=$PY timeout -k 30 <min($TIERS_TIMEOUT, budget left - $MT_MIN)> benchmarks/gpu/check_tiers.sh ${TIERS_ARGS[*]}"
+  [[ $SKIP_TIERS == 1 ]] || echo "  PYTHON=$PY timeout -k 30 <min($TIERS_TIMEOUT, budget left - $MT_MIN)> tools/gpu/check_tiers.sh ${TIERS_ARGS[*]}"
   [[ $SKIP_MT == 1 ]] || echo "  timeout -k 30 <budget left - 30> $PY -m benchmarks.multiturn.run ${MT_ARGS[*]} --time-budget <that - 60> --startup-timeout <min(300, that)>"
   echo "  then copy $WORK/mt/{results.json,summary.md,*.png} to $OUTDIR/multiturn/, log tails to $OUTDIR/logs/"
   echo "cuda plan: $OUTDIR/cuda-plan.json (exit $rc)"
@@ -191,7 +191,7 @@ if [[ $SKIP_TIERS == 0 ]]; then
   if (( t < 60 )); then
     phase check_tiers skipped 0 "only ${t} s left"
   else
-    run_timed check_tiers "$t" benchmarks/gpu/check_tiers.sh "${TIERS_ARGS[@]}"
+    run_timed check_tiers "$t" tools/gpu/check_tiers.sh "${TIERS_ARGS[@]}"
     mkdir -p "$OUTDIR/logs"
     [[ -f $WORK/tiers/node.log ]] && tail -n 200 "$WORK/tiers/node.log" > "$OUTDIR/logs/tiers-node.log"
   fi

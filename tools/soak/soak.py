@@ -2,8 +2,8 @@
 minutes; afterwards nothing may have leaked.
 
     kvagent-server up --detach --ttl 120         # short block TTL: a short drain
-    python benchmarks/soak/soak.py --duration-s 1800 --drain-s 180 \
-        --out benchmarks/soak/results.json
+    python tools/soak/soak.py --duration-s 1800 --drain-s 180 \
+        --out tools/soak/results.json
     kvagent-server down
 
 Processes are found with `kvagent-server status --json` (or given with `--router` and

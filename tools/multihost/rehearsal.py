@@ -32,8 +32,8 @@ from kvagent_server.inputs import resolve_model
 from kvagent_server.processes import stop_groups
 from kvagent_server.router.store.factory import KEY_SYNC_INTERVAL_S
 
-from benchmarks.multihost import netns
-from benchmarks.multihost.topology import (
+from tools.multihost import netns
+from tools.multihost.topology import (
     REDIS_PORT,
     Topology,
     node_argv_differences,

@@ -2,8 +2,8 @@
 
 Runs the same script with the kvagent plugin off (stock vLLM/NIXL behaviour) and on:
 
-    python benchmarks/idle_and_stability/run.py --no-plugin --out before.json
-    python benchmarks/idle_and_stability/run.py --plugin --out after.json
+    PYTHONPATH=tests:tests/engine python tools/idle_and_stability/run.py --no-plugin --out before.json
+    PYTHONPATH=tests:tests/engine python tools/idle_and_stability/run.py --plugin --out after.json
 
 Measures (P pinned to core 0, D to core 1):
 1. where each worker's compute (main) thread may run;
@@ -24,15 +24,13 @@ import random
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "engine"))
-
+# The engine tests' helpers, found through PYTHONPATH=tests:tests/engine (see README.md).
 import flow
 from pd import PDPair
 

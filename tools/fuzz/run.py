@@ -1,7 +1,7 @@
 """The long run of the differential fuzz (differential.py) on a real bundle.
 
-    flock /tmp/kvagent-vllm.lock python benchmarks/fuzz/run.py --minutes 15 \
-        --out benchmarks/fuzz/results.json
+    flock /tmp/kvagent-vllm.lock python -m tools.fuzz.run --minutes 15 \
+        --out tools/fuzz/results.json
     ... --shift-blocks     # negative control: the router hands P shifted blocks
     ... --model kvagent-demo-vlm --images     # user turns with images, swapped images
     ... --lora                                # the demo LoRA adapter: switched mid-session
@@ -28,11 +28,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hseed
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
 
 from kvagent_server.ports import free_port
 
-from benchmarks.fuzz.differential import Runner, Stats, Target, cases
+from tools.fuzz.differential import Runner, Stats, Target, cases
 
 API_KEY = "fuzz-key"
 #: The images the image operations draw from (the tiny VLM tells these colours apart).
