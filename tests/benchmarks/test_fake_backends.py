@@ -14,7 +14,7 @@ import pytest
 from kvagent_server.ports import free_port
 from kvagent_server.processes import stop_groups
 
-from benchmarks._procs import wait_ready
+from benchmarks.api import wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The interpreter's path as `./dev` sets it up: the two packages, not the tests' folders.

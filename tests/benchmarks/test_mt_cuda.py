@@ -12,15 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.multiturn import cuda_plan, run
-from benchmarks.multiturn.nodes import (
+from benchmarks.api import (
     ALL_CONFIGS,
     CONFIGS,
+    ConfigResult,
     aggregated_device,
     bundle_settings,
+    cuda_plan,
     gpu_memory_fraction,
 )
-from benchmarks.multiturn.results import ConfigResult
+from benchmarks.api import multiturn_run as run
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "gpu" / "run_device_checks.sh"
@@ -134,7 +135,7 @@ def test_cli_device_defaults_to_cpu() -> None:
     assert args.device == "cpu" and args.engine_args == [] and args.time_budget == 0
     args = run.parser().parse_args(["--device", "cuda", "--engine-arg=-O0"])
     assert args.device == "cuda" and args.engine_args == ["-O0"]
-    from benchmarks.multiturn import load
+    from benchmarks.api import load
 
     assert load.parser().parse_args([]).device == "cpu"
     assert "device" not in run.machine()

@@ -17,7 +17,7 @@ ROOT = str(Path(__file__).resolve().parents[2])
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tools.fuzz.differential import CASES, EDIT_TEXTS, Runner, Target
+from benchmarks.api import CASES, EDIT_TEXTS, Runner, Target
 
 from .e2e_helpers import ALPHA_KEY, BETA_KEY, E2E
 

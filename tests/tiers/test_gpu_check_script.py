@@ -16,7 +16,7 @@ import zmq
 from kvagent_server.router.kv.hashing import BlockHasher
 from kvagent_server.router.kv.index import KVEventSource, KVIndex, Removed, Stored
 
-from tools.gpu import tier_events
+from benchmarks.api import tier_events
 
 ROOT = Path(__file__).resolve().parents[2]
 
