@@ -239,16 +239,17 @@ def write(runs: Iterable[Run], path: Path = INDEX) -> None:
 
 
 def missing_records(path: Path) -> FileNotFoundError:
-    """The error for a results folder whose raw records are out of the tree."""
-    rel = path.resolve()
+    """The error for a results folder (or its results.json) whose raw records are out of the
+    tree: it names the command that brings them back."""
+    folder = path.parent if path.suffix in (".json", ".gz") else path
     try:
-        shown = rel.relative_to(ROOT).as_posix()
+        shown = folder.resolve().relative_to(ROOT).as_posix()
     except ValueError:
-        shown = str(path)
+        shown = str(folder)
     return FileNotFoundError(
-        f"{path}: no results.json here. A committed run keeps its summary only; its raw "
-        f"records are in git history: git show {RAW_RECORDS_COMMIT[:12]}:{shown}/"
-        f"results.json.gz > {shown}/results.json.gz (or raw.tar.gz; see benchmarks/index.jsonl)")
+        f"{path}: no results.json. A committed run keeps its summary only; its raw records "
+        f"are in git history: git show {RAW_RECORDS_COMMIT[:12]}:{shown}/results.json.gz > "
+        f"{shown}/results.json.gz (or raw.tar.gz; see benchmarks/index.jsonl)")
 
 
 def main(argv: list[str] | None = None) -> int:
