@@ -50,7 +50,8 @@ class Machine(BaseModel):
 
 class Data(BaseModel):
     """Where the run's files are. `path` is relative to the repository root; `in_tree` says
-    whether the working tree has it, else `git show <commit>:<path>` brings it back."""
+    whether the working tree has it; `commit` has what the tree lacks (all of it, or the
+    folder's files beyond `kept`): `git show <commit>:<path>/<file>` brings it back."""
 
     model_config = ConfigDict(extra="forbid")
     path: str
@@ -103,8 +104,8 @@ def problems(runs: Sequence[Run], root: Path = ROOT) -> list[str]:
         if r.data.in_tree:
             out += [f"{r.id}: {r.data.path}/{k} is not in the tree"
                     for k in r.data.kept if not (where / k).exists()]
-        elif not r.data.commit:
-            out.append(f"{r.id}: data not in the tree and no commit to restore it from")
+        if (r.data.kept or not r.data.in_tree) and not r.data.commit:
+            out.append(f"{r.id}: files out of the tree and no commit to restore them from")
     dates = [r.date for r in runs]
     if dates != sorted(dates):
         out.append("lines are not in date order")
@@ -226,8 +227,9 @@ def markdown(runs: Iterable[Run]) -> str:
         cpu = r.machine.cpu if r.machine and r.machine.cpu else "–"
         quiet = {True: "yes", False: "no", None: "–"}[r.quiet]
         figs = "; ".join(f"{k} {_fmt(v)}" for k, v in r.figures.items())
-        data = (f"`{r.data.path}`" if r.data.in_tree
-                else f"`{r.data.path}` at {(r.data.commit or '')[:10]}")
+        data = (f"`{r.data.path}` at {(r.data.commit or '')[:10]}" if not r.data.in_tree
+                else f"`{r.data.path}` (rest at {(r.data.commit or '')[:10]})" if r.data.kept
+                else f"`{r.data.path}`")
         cells = [r.date[:16].replace("T", " "), f"`{r.id}`", r.kind, r.label or "",
                  cpu, quiet, figs, data]
         lines.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")

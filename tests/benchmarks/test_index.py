@@ -17,8 +17,9 @@ def test_every_line_validates_and_its_data_is_where_it_says() -> None:
     assert runs
     assert {r.schema_ for r in runs} == {index.SCHEMA}
     assert index.problems(runs) == []
-    # Every line outside the tree names the commit that has its files.
-    assert all(r.data.commit == index.RAW_RECORDS_COMMIT for r in runs if not r.data.in_tree)
+    # Every line with files outside the tree names the commit that has them.
+    assert all(r.data.commit == index.RAW_RECORDS_COMMIT
+               for r in runs if r.data.kept or not r.data.in_tree)
 
 
 def test_the_run_log_is_the_generators_output() -> None:
