@@ -173,9 +173,10 @@ def test_server_uses_only_the_sdks_public_modules() -> None:
     assert not bad, bad
 
 
-def test_benchmarks_use_only_the_sdks_public_modules() -> None:
+@pytest.mark.parametrize("top", ["benchmarks", "tools"])
+def test_benchmarks_use_only_the_sdks_public_modules(top: str) -> None:
     bad = []
-    for path in sorted((ROOT / "benchmarks").rglob("*.py")):
+    for path in sorted((ROOT / top).rglob("*.py")):
         rel = path.relative_to(ROOT).with_suffix("")
         module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
         bad += [f"{module} -> {t}" for t in sorted(_imports(module, path)) if _sdk_private(t)]
@@ -194,57 +195,99 @@ def test_vllm_plugin_takes_only_the_transfer_vocabulary_from_the_router() -> Non
         assert not GRAPH[module], f"{module} imports {sorted(GRAPH[module])}"
 
 
-@pytest.mark.parametrize("top", ["benchmarks", "tests"])
+@pytest.mark.parametrize("top", ["benchmarks", "tools", "tests"])
 def test_packages_never_import_benchmarks_or_tests(top: str) -> None:
     bad = []
     for src in SOURCES.values():
         for path in src.rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == top:
+                if (isinstance(node, ast.ImportFrom) and not node.level
+                        and (node.module or "").split(".")[0] == top):
                     bad.append(str(path))
     assert not bad, bad
 
 
-#: Tests outside tests/benchmarks/ that run (a slice of) a benchmark, and the benchmark each
-#: may import. The rule: a test imports only the benchmark it exercises (tests/benchmarks/
-#: tests any of them); anything else it needs lives in tests/ or the packages.
-BENCHMARK_USERS = {
-    "tests/deploy/test_multihost_rehearsal_vllm.py": "benchmarks.multihost",
-    "tests/deploy/test_multihost_wiring.py": "benchmarks.multihost",
-    "tests/e2e/test_fuzz_vllm.py": "benchmarks.fuzz",
-    "tests/models/real.py": "benchmarks.fuzz",
-    "tests/reliability/test_load_small.py": "benchmarks.load",
-    "tests/sdk/test_bench_sdk_overhead.py": "benchmarks.sdk_overhead",
-    # Counts connections on the SDK overhead benchmark's local SSE server.
-    "tests/sdk/test_connection_reuse.py": "benchmarks.sdk_overhead",
-}
+#: The one module tests reach benchmarks and tools through (its `NAMES` is the list).
+ENTRY = "benchmarks.api"
 
 
-def _benchmark_imports(path: Path) -> set[str]:
-    """The `benchmarks` modules (or names) `path` imports, at any depth."""
-    out: set[str] = set()
+def _imported_from(path: Path, tops: tuple[str, ...]) -> list[tuple[int, str, list[str]]]:
+    """(line, module, names) of each import of a module under `tops`, at any depth."""
+    out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-            out.update([node.module] if "." in node.module
-                       else (f"{node.module}.{a.name}" for a in node.names))
-    return {m for m in out if m.split(".")[0] == "benchmarks"}
+            out += [(node.lineno, a.name, []) for a in node.names
+                    if a.name.split(".")[0] in tops]
+        elif (isinstance(node, ast.ImportFrom) and not node.level and node.module
+              and node.module.split(".")[0] in tops):
+            out.append((node.lineno, node.module, [a.name for a in node.names]))
+    return out
 
 
-def test_tests_import_only_the_benchmark_they_exercise() -> None:
-    bad, unused = [], set(BENCHMARK_USERS)
+def _api_names() -> set[str]:
+    tree = ast.parse((ROOT / "benchmarks" / "api.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", "") == "NAMES":
+            assert isinstance(node.value, ast.Dict)
+            return {k.value for k in node.value.keys if isinstance(k, ast.Constant)}
+    raise AssertionError("benchmarks/api.py defines no NAMES")
+
+
+def test_tests_import_benchmarks_and_tools_only_through_the_entry() -> None:
+    names = _api_names()
+    bad = []
     for path in sorted((ROOT / "tests").rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith("tests/benchmarks/"):
+        for line, module, imported in _imported_from(path, ("benchmarks", "tools")):
+            if module != ENTRY:
+                bad.append(f"{rel}:{line} imports {module}")
+            bad += [f"{rel}:{line} imports {n}, which {ENTRY} does not name"
+                    for n in imported if n not in names]
+    assert not bad, f"tests import benchmarks and tools only through {ENTRY}: " + ", ".join(bad)
+
+
+def test_every_name_of_the_entry_exists() -> None:
+    """Each name `benchmarks.api` lends is a module of ours, or defined at its top level."""
+    import importlib.util
+
+    api = importlib.util.spec_from_file_location("_api", ROOT / "benchmarks" / "api.py")
+    assert api is not None and api.loader is not None
+    module = importlib.util.module_from_spec(api)
+    api.loader.exec_module(module)
+    bad = []
+    for name, (target, attribute) in module.NAMES.items():
+        base = ROOT.joinpath(*target.split("."))
+        path = base.with_suffix(".py") if base.with_suffix(".py").exists() else base / "__init__.py"
+        if not path.exists():
+            bad.append(f"{name}: no module {target}")
             continue
-        allowed = BENCHMARK_USERS.get(rel)
-        for name in sorted(_benchmark_imports(path)):
-            unused.discard(rel)
-            if allowed is None or not (name == allowed or name.startswith(allowed + ".")):
-                bad.append(f"{rel} -> {name}")
-    assert not bad, "tests importing a benchmark they do not exercise: " + ", ".join(bad)
-    assert not unused, f"BENCHMARK_USERS lists tests that import no benchmark: {sorted(unused)}"
+        if attribute is None:
+            continue
+        defined = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                defined.add(node.name)
+            elif isinstance(node, ast.Assign):
+                defined.update(t.id for t in node.targets if isinstance(t, ast.Name))
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                defined.add(node.target.id)
+            elif isinstance(node, ast.ImportFrom | ast.Import):
+                defined.update((a.asname or a.name).split(".")[0] for a in node.names)
+        if attribute not in defined:
+            bad.append(f"{name}: {target} defines no {attribute}")
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("top", ["benchmarks", "tools"])
+def test_benchmarks_and_tools_never_import_tests_nor_edit_sys_path(top: str) -> None:
+    bad = []
+    for path in sorted((ROOT / top).rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        bad += [f"{rel}:{line} imports {m}" for line, m, _ in _imported_from(path, ("tests",))]
+        bad += [f"{rel}:{n} edits sys.path" for n, text in
+                enumerate(path.read_text().splitlines(), 1)
+                if re.search(r"sys\.path\.(insert|append|extend)|sys\.path\s*[+]?=", text)]
+    assert not bad, bad
 
 
 def _is_package(module: str) -> bool:

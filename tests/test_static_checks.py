@@ -24,7 +24,7 @@ def _tool(name: str) -> str:
 
 def test_ruff_is_clean() -> None:
     out = subprocess.run([_tool("ruff"), "check", "sdk", "server", "tests", "benchmarks",
-                          "examples"], check=False, cwd=ROOT, capture_output=True, text=True,
+                          "tools", "examples"], check=False, cwd=ROOT, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
 

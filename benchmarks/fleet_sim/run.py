@@ -373,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--out", type=Path, default=HERE / "results")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--smoke", action="store_true", help="a small seeded slice (seconds)")
-    s.add_argument("--plots", type=Path, default=HERE.parents[1] / "docs" / "img" / "fleet_sim",
-                   help="where the PNGs go (default: the docs' images)")
+    s.add_argument("--plots", type=Path, default=HERE / "results" / "plots",
+                   help="where the PNGs go (not committed: no doc embeds them)")
     r = sub.add_parser("redis", help="the sessions axis on a real redis-server (ops count)")
     r.add_argument("--out", type=Path, default=HERE / "results")
     r.add_argument("--seed", type=int, default=0)

@@ -7,7 +7,7 @@ previous turn's cache token) and reports: lost and crossed turns (must be 0), re
 latency percentiles, throughput, and the router process's memory (RSS at start, peak,
 end; per session) sampled with psutil.
 
-    python benchmarks/load/bench.py --sessions 200 --turns 25 --cap-s 900 \
+    python -m benchmarks.load.bench --sessions 200 --turns 25 --cap-s 900 \
         --out benchmarks/load/results.json
 
 Bounded: `--cap-s` stops new turns; every child process is stopped on exit.
@@ -31,7 +31,6 @@ import httpx
 import psutil
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))
 
 from kvagent_server.ports import free_port
 from kvagent_server.processes import stop_groups

@@ -2,10 +2,14 @@
 
     python -m benchmarks.multiturn.compare_runs [run21|late-p-idle-d|run22]
 
-(from the repository root). Its recorded outputs are in `results/`:
+(from the repository root). It reads the draws' per-request records, which are out of the
+tree: restore the folders named below from git history first (`git show
+<commit>:<folder>/results.json.gz`, the commit in `benchmarks.index.RAW_RECORDS_COMMIT`);
+without them it stops with that command. Its recorded outputs were
 `20261204T235834Z-load-l2-p-legs-reported-seed16/compare_runs.txt` (`run21`),
 `20261205T004227Z-load-l2-late-p-idle-d-seed13/compare_runs.txt` (`late-p-idle-d`) and
-`20261204T235834Z-load-l2-p-legs-reported-seed16/compare_runs-run22.txt` (`run22`).
+`20261204T235834Z-load-l2-p-legs-reported-seed16/compare_runs-run22.txt` (`run22`), at the
+same commit.
 
 `run21` (the default): run 21 (after) against run 20 (before); `late-p-idle-d`: the
 first-turn rule tried after run 21 (after) against run 21 (before); `run22`: first turns
@@ -129,5 +133,14 @@ def main(which: str = "run21") -> None:
         print(f"{what}: {tot[a]} / {tot[b]}, p = {sign_test_p(tot[a], tot[a] + tot[b]):.4f}")
 
 
+def cli(argv: list[str]) -> int:
+    try:
+        main(*argv[:1])
+    except FileNotFoundError as e:
+        print(f"compare_runs: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:2])
+    sys.exit(cli(sys.argv[1:]))

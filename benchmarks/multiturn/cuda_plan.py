@@ -9,7 +9,7 @@ with one GPU (what `kvagent-server up` would start), and the aggregated node's e
 and arguments are built; `check()` then asserts what one GPU shared by P and D needs:
 device cuda, every node on GPU 0, no CPU pinning or VLLM_CPU_* variables, a KV size per
 node, and `--gpu-memory-utilization` fractions that sum to at most `nodes.GPU_MEMORY_TOTAL`.
-`benchmarks/gpu/run_device_checks.sh --dry-run` runs this.
+`tools/gpu/run_device_checks.sh --dry-run` runs this.
 """
 
 from __future__ import annotations

@@ -288,7 +288,13 @@ def run_load(configs: list[BenchConfig], args: argparse.Namespace, out_dir: Path
 
 
 def rescore_main(args: argparse.Namespace) -> int:
-    rep = LoadReport.model_validate_json(args.rescore.read_text())
+    from .pool import read_report  # a committed run's records are in git history: it says so
+
+    try:
+        rep = read_report(args.rescore)
+    except FileNotFoundError as e:
+        print(f"load: {e}", file=sys.stderr)
+        return 2
     out = rep.model_copy() if rep.slo is None else goodput.rescore(
         rep, ttft_factor=args.ttft_factor, itl_factor=args.itl_factor)
     out_dir = args.out or args.rescore.parent / (

@@ -28,6 +28,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field
 
+from benchmarks.index import missing_records
+
 from .goodput import paired_sessions, rejudge, sign_test_p
 from .results import LevelResult, LoadConfigResult, LoadReport
 from .stats import AGGREGATED, KVAGENT
@@ -206,12 +208,12 @@ def markdown(p: Pooled) -> str:
 
 
 def read_report(path: Path) -> LoadReport:
-    """A results folder or its results.json; a committed run keeps the file gzipped
-    (`results.json.gz`), read as it is."""
+    """A results folder or its results.json (gzipped or not). A committed run keeps only its
+    summary in the tree: the error then says which commit has the records."""
     files = [path / "results.json", path / "results.json.gz"] if path.is_dir() else [path]
     file = next((f for f in files if f.is_file()), None)
     if file is None:
-        raise FileNotFoundError(f"{path}: no results.json")
+        raise missing_records(path)
     data = file.read_bytes()
     return LoadReport.model_validate_json(gzip.decompress(data) if file.suffix == ".gz" else data)
 

@@ -23,7 +23,7 @@ the backend answers instantly, so what remains is HTTP and router work. Every le
 alike); percentiles pool the rounds' samples. Bounded: a fixed number of requests per
 level and round, and a wall-clock cap.
 
-    python benchmarks/router_overhead/bench.py [--requests 400] [--repeats 3] [--out results.json]
+    python -m benchmarks.router_overhead.bench [--requests 400] [--repeats 3] [--out results.json]
 """
 
 from __future__ import annotations
@@ -45,7 +45,6 @@ from typing import Any
 import httpx
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parents[1]))
 
 from kvagent_server.ports import free_port
 from kvagent_server.processes import stop_groups

@@ -14,7 +14,7 @@ import pytest
 from kvagent_server.ports import free_port
 from kvagent_server.processes import stop_groups
 
-from benchmarks._procs import wait_ready
+from benchmarks.api import wait_ready
 
 ROOT = Path(__file__).resolve().parents[2]
 #: The interpreter's path as `./dev` sets it up: the two packages, not the tests' folders.
@@ -28,7 +28,7 @@ def test_the_fakes_are_one_module_with_the_tests() -> None:
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, check=True, timeout=60)
 
 
-@pytest.mark.parametrize("module", ["benchmarks.attack.backend", "benchmarks.load.backend",
+@pytest.mark.parametrize("module", ["tools.attack.backend", "benchmarks.load.backend",
                                     "benchmarks.router_overhead.fake_backend"])
 def test_backend_serves_both_nodes(module: str, tmp_path: Path) -> None:
     p_port, d_port = free_port(), free_port()

@@ -9,10 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.fleet_sim import calibrate, run
-from benchmarks.fleet_sim.profiles import Profile, derive_from_reuse_report, gpu_profile
-from benchmarks.fleet_sim.sim import SimConfig, Simulation, summarize
-from benchmarks.fleet_sim.workload import FleetSpec
+from benchmarks.api import (
+    FleetSpec,
+    Profile,
+    SimConfig,
+    Simulation,
+    calibrate,
+    derive_from_reuse_report,
+    gpu_profile,
+)
+from benchmarks.api import fleet_sim_run as run
+from benchmarks.api import fleet_summarize as summarize
 
 
 def _fleet(config: SimConfig, spec: FleetSpec, profile=None) -> dict:

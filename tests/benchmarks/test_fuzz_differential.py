@@ -11,7 +11,7 @@ import httpx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.fuzz.differential import (
+from benchmarks.api import (
     Conversation,
     Runner,
     Sent,

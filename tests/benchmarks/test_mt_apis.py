@@ -8,15 +8,15 @@ import json
 
 import pytest
 
-from benchmarks.multiturn import apis
-from benchmarks.multiturn.apis import ConversationRequests
-from benchmarks.multiturn.client import (
+from benchmarks.api import (
+    ConversationRequests,
     MessagesMeter,
     ResponsesMeter,
     StreamMeter,
+    apis,
     meter_for,
+    tool_definitions,
 )
-from benchmarks.multiturn.workload import tool_definitions
 
 CALL = {"id": "c000t01n00", "type": "function",
         "function": {"name": "read_file", "arguments": json.dumps({"path": "src/a.py"})}}
@@ -241,8 +241,7 @@ def test_chat_meter_readings_and_meter_for() -> None:
 
 
 def test_rows_per_api_for_reusing_configurations_only() -> None:
-    from benchmarks.multiturn.nodes import CONFIGS
-    from benchmarks.multiturn.run import plan_rows
+    from benchmarks.api import CONFIGS, plan_rows
 
     rows = plan_rows([CONFIGS["kvagent"], CONFIGS["aggregated"]], ["chat", "messages"])
     assert [(r.name, r.api) for r in rows] == [
@@ -251,13 +250,13 @@ def test_rows_per_api_for_reusing_configurations_only() -> None:
 
 
 def test_summary_puts_the_apis_side_by_side() -> None:
-    from benchmarks.multiturn import stats
-    from benchmarks.multiturn.report import markdown_summary
-    from benchmarks.multiturn.results import (
+    from benchmarks.api import (
         BenchmarkReport,
         ConfigResult,
         RequestRecord,
         Targets,
+        markdown_summary,
+        stats,
     )
 
     def rec(config: str, turn: int, prompt: int, answer: str) -> RequestRecord:

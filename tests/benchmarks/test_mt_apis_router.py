@@ -13,10 +13,7 @@ import json
 import httpx
 from fake_stack import MODEL, router_stack
 
-from benchmarks.multiturn.apis import APIS
-from benchmarks.multiturn.driver import run_workload
-from benchmarks.multiturn.results import RequestRecord
-from benchmarks.multiturn.workload import WorkloadSpec, generate
+from benchmarks.api import APIS, RequestRecord, WorkloadSpec, generate, run_workload
 
 PATHS = ("pd_reuse", "d_direct", "pd_fresh", "d_fresh", "recompute", "decode_only")
 

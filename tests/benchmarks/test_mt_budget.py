@@ -6,9 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.multiturn.budget import SEGMENTS, budgets, markdown_table, segments
-from benchmarks.multiturn.report import plot_time_budget
-from benchmarks.multiturn.results import RequestRecord
+from benchmarks.api import (
+    SEGMENTS,
+    RequestRecord,
+    budgets,
+    markdown_table,
+    plot_time_budget,
+    segments,
+)
 
 
 def _rec(turn: int, path: str | None, ttft: float, headers: float,

@@ -1,20 +1,19 @@
-"""`python -m benchmarks.multiturn.compare_runs` reproduces its recorded outputs from the
-recorded results (the script reads the run folders' per-request records)."""
+"""`python -m benchmarks.multiturn.compare_runs` reads draws whose per-request records are out
+of the tree: it stops with the command that restores them, not a traceback."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.multiturn import compare_runs
-
-RECORDED = {
-    "run21": "20261204T235834Z-load-l2-p-legs-reported-seed16/compare_runs.txt",
-    "late-p-idle-d": "20261205T004227Z-load-l2-late-p-idle-d-seed13/compare_runs.txt",
-    "run22": "20261204T235834Z-load-l2-p-legs-reported-seed16/compare_runs-run22.txt",
-}
+from benchmarks.api import RAW_RECORDS_COMMIT, compare_runs
 
 
-@pytest.mark.parametrize("which", sorted(RECORDED))
-def test_output_is_the_recorded_one(which: str, capsys: pytest.CaptureFixture[str]) -> None:
-    compare_runs.main(which)
-    assert capsys.readouterr().out == (compare_runs.RESULTS / RECORDED[which]).read_text()
+@pytest.mark.parametrize("which", sorted(compare_runs.COMPARISONS))
+def test_without_the_records_it_names_the_commit_that_has_them(
+        which: str, capsys: pytest.CaptureFixture[str]) -> None:
+    folders = {f for pair in compare_runs.COMPARISONS[which].values() for f in pair}
+    if all((compare_runs.RESULTS / f / "results.json.gz").exists() for f in folders):
+        pytest.skip("the records were restored here")
+    assert compare_runs.cli([which]) == 2
+    err = capsys.readouterr().err
+    assert f"git show {RAW_RECORDS_COMMIT[:12]}:benchmarks/multiturn/results/" in err

@@ -12,18 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.multiturn import cuda_plan, run
-from benchmarks.multiturn.nodes import (
+from benchmarks.api import (
     ALL_CONFIGS,
     CONFIGS,
+    ConfigResult,
     aggregated_device,
     bundle_settings,
+    cuda_plan,
     gpu_memory_fraction,
 )
-from benchmarks.multiturn.results import ConfigResult
+from benchmarks.api import multiturn_run as run
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "benchmarks" / "gpu" / "run_device_checks.sh"
+SCRIPT = ROOT / "tools" / "gpu" / "run_device_checks.sh"
 PORTS5 = [9000, 9001, 9002, 9003, 9004]
 PORTS7 = [9000, 9001, 9002, 9003, 9004, 9005, 9006]
 
@@ -134,7 +135,7 @@ def test_cli_device_defaults_to_cpu() -> None:
     assert args.device == "cpu" and args.engine_args == [] and args.time_budget == 0
     args = run.parser().parse_args(["--device", "cuda", "--engine-arg=-O0"])
     assert args.device == "cuda" and args.engine_args == ["-O0"]
-    from benchmarks.multiturn import load
+    from benchmarks.api import load
 
     assert load.parser().parse_args([]).device == "cpu"
     assert "device" not in run.machine()
@@ -172,4 +173,4 @@ def test_device_script_dry_run(tmp_path: Path) -> None:
     plan = json.loads((tmp_path / "cuda-plan.json").read_text())
     assert plan["ok"] and set(plan["configs"]) == set(ALL_CONFIGS)
     assert "benchmarks.multiturn.run --device cuda --quick" in out.stdout
-    assert "benchmarks/gpu/check_tiers.sh" in out.stdout
+    assert "tools/gpu/check_tiers.sh" in out.stdout

@@ -7,8 +7,7 @@ import json
 
 import httpx
 
-from benchmarks.multiturn.driver import run_workload
-from benchmarks.multiturn.workload import WorkloadSpec, generate, parse_replay
+from benchmarks.api import WorkloadSpec, generate, parse_replay, run_workload
 
 
 class Endpoint:

@@ -7,8 +7,8 @@ import httpx
 import pytest
 from test_mt_driver import Endpoint, spec
 
-from benchmarks.multiturn.first_token import ARMS, TENANTS, arm_settings, run_ab, summarize
-from benchmarks.multiturn.workload import generate
+from benchmarks.api import ARMS, TENANTS, arm_settings, generate, run_ab
+from benchmarks.api import first_token_summarize as summarize
 
 
 async def test_the_arms_alternate_turn_by_turn_each_with_its_own_history() -> None:

@@ -9,16 +9,16 @@ import httpx
 import pytest
 from test_mt_driver import Endpoint, spec
 
-from benchmarks.multiturn.driver import run_workload
-from benchmarks.multiturn.floor import (
+from benchmarks.api import (
+    FloorSample,
     PairedFloor,
+    generate,
     kv_bytes_per_token,
     pick,
     requests_by_turn,
+    run_workload,
     summarise,
 )
-from benchmarks.multiturn.results import FloorSample
-from benchmarks.multiturn.workload import generate
 
 
 async def test_rebuilt_requests_equal_the_sent_ones() -> None:
@@ -38,7 +38,7 @@ async def test_rebuilt_requests_equal_the_sent_ones() -> None:
 
 
 def test_pick_spreads_and_filters() -> None:
-    from benchmarks.multiturn.results import RequestRecord
+    from benchmarks.api import RequestRecord
 
     def rec(i: int, path: str, reused: int = 64, turn: int = 1) -> RequestRecord:
         return RequestRecord(config="k", conversation=f"c{i}", turn=turn, start_s=0,
@@ -127,7 +127,7 @@ async def test_paired_floor_times_each_reused_turn_right_after_it() -> None:
 
 
 def test_paired_floor_needs_one_conversation_at_a_time() -> None:
-    from benchmarks.multiturn import run
+    from benchmarks.api import multiturn_run as run
 
     with pytest.raises(SystemExit, match="--concurrency 1"):
         run.main(["--quick", "--paired-floor", "1"])  # --quick runs 2 at a time

@@ -7,13 +7,14 @@ import random
 
 import pytest
 
-from benchmarks.multiturn import goodput, report
-from benchmarks.multiturn.results import (
+from benchmarks.api import (
     LevelResult,
     LoadConfigResult,
     LoadReport,
     RequestRecord,
     Slo,
+    goodput,
+    report,
 )
 
 
@@ -393,7 +394,7 @@ def test_rescore_a_run_recorded_before_outcomes_were_kept() -> None:
 
 
 def test_rescore_cli(tmp_path) -> None:
-    from benchmarks.multiturn import load
+    from benchmarks.api import load
 
     src = tmp_path / "run"
     report.write_load(_recorded_run(), src)

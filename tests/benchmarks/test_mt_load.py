@@ -16,17 +16,20 @@ from kvagent_server.config import validate_config
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.vllm_plugin.env import DEFAULT_SPIN_MS, SPIN_ENV
 
-from benchmarks.multiturn import cuda_plan, load
-from benchmarks.multiturn.driver import ScheduledSession, run_sessions
-from benchmarks.multiturn.nodes import (
+from benchmarks.api import (
     ALL_CONFIGS,
     ALWAYS_SKIP_P,
     CONFIGS,
     STEP_BUDGET_ARG,
+    ScheduledSession,
+    WorkloadSpec,
     bundle_settings,
+    cuda_plan,
+    generate,
+    load,
+    run_sessions,
     shared_prefill_binds,
 )
-from benchmarks.multiturn.workload import WorkloadSpec, generate
 
 
 def _stream(text: str) -> str:

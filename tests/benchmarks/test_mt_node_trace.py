@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.multiturn import node_trace
-from benchmarks.multiturn.node_trace import timeline
+from benchmarks.api import node_trace, timeline
 
 
 def _ev(t: float, node: str, ev: str, req: str, **extra: object) -> dict[str, object]:

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.multiturn.nodes import (
+from benchmarks.api import (
     CONFIGS,
     REFERENCE_CONFIG,
     VLLM_MODULE,

@@ -9,13 +9,15 @@ import json
 
 import pytest
 
-from benchmarks.multiturn import goodput, pool, report
-from benchmarks.multiturn.results import (
+from benchmarks.api import (
     LevelResult,
     LoadConfigResult,
     LoadReport,
     RequestRecord,
     Slo,
+    goodput,
+    pool,
+    report,
 )
 
 SLO = Slo(probe_config="aggregated", probe_requests=8, idle_ttft_first_p90_s=0.5,

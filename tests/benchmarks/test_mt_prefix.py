@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from benchmarks.multiturn.prefix import common_prefix, shared_by_turn
-from benchmarks.multiturn.workload import WorkloadSpec, generate
+from benchmarks.api import WorkloadSpec, common_prefix, generate, shared_by_turn
 
 
 def test_common_prefix() -> None:

@@ -6,9 +6,17 @@ import json
 
 import pytest
 
-from benchmarks.multiturn import report, stats
-from benchmarks.multiturn.client import StreamMeter, chat_body, session_headers
-from benchmarks.multiturn.results import BenchmarkReport, ConfigResult, FloorSample, RequestRecord
+from benchmarks.api import (
+    BenchmarkReport,
+    ConfigResult,
+    FloorSample,
+    RequestRecord,
+    StreamMeter,
+    chat_body,
+    report,
+    session_headers,
+    stats,
+)
 
 
 @pytest.mark.parametrize(("values", "q", "expected"), [

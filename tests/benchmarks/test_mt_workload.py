@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks.multiturn.workload import (
+from benchmarks.api import (
     AssistantScript,
     ReplayError,
     WorkloadSpec,

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.vllm]
 @pytest.mark.skipif(importlib.util.find_spec("nixl") is None,
                     reason="NIXL is not installed (kvagent-server install-engine installs it)")
 def test_nixl_pull_between_processes_arrives_intact() -> None:
-    from benchmarks.nixl_bandwidth.run import measure_nixl
+    from benchmarks.api import measure_nixl
 
     result = measure_nixl("tcp,self,sm", 4 << 20, 256 << 10, repeats=2, timeout_s=120)
     assert "error" not in result, result
@@ -22,7 +22,7 @@ def test_nixl_pull_between_processes_arrives_intact() -> None:
 
 
 def test_the_single_copy_ceiling_arrives_intact() -> None:
-    from benchmarks.nixl_bandwidth.run import measure_single_copy
+    from benchmarks.api import measure_single_copy
 
     result = measure_single_copy(4 << 20, 256 << 10, repeats=2, timeout_s=120)
     assert "error" not in result, result

@@ -1,4 +1,4 @@
-"""benchmarks/gpu/offline_site.py and assemble_site.sh: what travels to an offline GPU
+"""tools/gpu/offline_site.py and assemble_site.sh: what travels to an offline GPU
 machine, and that the chunks come back together (or are refused when one is damaged)."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location(
-    "offline_site", ROOT / "benchmarks" / "gpu" / "offline_site.py")
+    "offline_site", ROOT / "tools" / "gpu" / "offline_site.py")
 assert _spec and _spec.loader
 osite = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(osite)
@@ -103,7 +103,7 @@ def _assemble(out: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "KVAGENT_SITE": str(tmp_path / "unpacked" / "site"),
            "PYTHON": sys.executable}
     (tmp_path / "unpacked").mkdir(exist_ok=True)
-    return subprocess.run([str(ROOT / "benchmarks" / "gpu" / "assemble_site.sh"), str(out),
+    return subprocess.run([str(ROOT / "tools" / "gpu" / "assemble_site.sh"), str(out),
                            "--", "--budget", "60", "--out", str(tmp_path / "dc")],
                           capture_output=True, text=True, env=env, timeout=120, check=False)
 

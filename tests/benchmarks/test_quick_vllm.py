@@ -11,11 +11,16 @@ import importlib.util
 
 import pytest
 
-from benchmarks.multiturn.node_trace import timeline
-from benchmarks.multiturn.nodes import CONFIGS
-from benchmarks.multiturn.report import BUDGET_PLOT_NAME, JSON_NAME, PLOT_NAME, SUMMARY_NAME
-from benchmarks.multiturn.results import BenchmarkReport
-from benchmarks.multiturn.run import main
+from benchmarks.api import (
+    BUDGET_PLOT_NAME,
+    CONFIGS,
+    JSON_NAME,
+    PLOT_NAME,
+    SUMMARY_NAME,
+    BenchmarkReport,
+    timeline,
+)
+from benchmarks.api import multiturn_main as main
 
 
 def _vllm_available() -> bool:

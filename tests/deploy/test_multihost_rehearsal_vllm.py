@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 from support import TEST_ENGINE_ARGS, vllm_available
 
-from benchmarks.multihost import netns
-from benchmarks.multihost.rehearsal import Rehearsal
+from benchmarks.api import Rehearsal, netns
 
 # The timeout covers waiting for the shared vLLM lock on a busy machine.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.redis, pytest.mark.timeout(1800)]

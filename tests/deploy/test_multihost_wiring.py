@@ -18,8 +18,7 @@ from kvagent_server.config import validate_config
 from kvagent_server.deploy import DeployOptions, render_compose, render_kubernetes
 from kvagent_server.router.__main__ import parse_args
 
-from benchmarks.multihost.rehearsal import render_hosts
-from benchmarks.multihost.topology import (
+from benchmarks.api import (
     REDIS_PORT,
     ROUTER_PORT,
     Topology,
@@ -27,6 +26,7 @@ from benchmarks.multihost.topology import (
     node_argv_differences,
     parse_ss_listening,
     rehearsal_config,
+    render_hosts,
 )
 
 TOPO = Topology("t1")

@@ -1,7 +1,7 @@
-"""A seeded, bounded slice of the differential fuzz (benchmarks/fuzz) on the shared bundle:
+"""A seeded, bounded slice of the differential fuzz (tools/fuzz) on the shared bundle:
 agent conversations Hypothesis draws, every turn ≡ its prompt recomputed under a fresh salt
 (0 cached), reused tokens never past the verified common prefix. Its negative control
-hands P shifted blocks and must find mismatches. The long run is benchmarks/fuzz/run.py."""
+hands P shifted blocks and must find mismatches. The long run is tools/fuzz/run.py."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ ROOT = str(Path(__file__).resolve().parents[2])
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.fuzz.differential import CASES, EDIT_TEXTS, Runner, Target
+from benchmarks.api import CASES, EDIT_TEXTS, Runner, Target
 
 from .e2e_helpers import ALPHA_KEY, BETA_KEY, E2E
 

@@ -130,8 +130,8 @@ class Conversation:
 
 
 def fuzz_case(s: Served, ops: list[tuple[Any, ...]], **options: Any) -> dict[str, Any]:
-    """One case of the differential fuzz (benchmarks/fuzz) on this bundle; its totals."""
-    from benchmarks.fuzz.differential import Runner, Target
+    """One case of the differential fuzz (tools/fuzz) on this bundle; its totals."""
+    from benchmarks.api import Runner, Target
 
     with httpx.Client() as client:
         runner = Runner(Target.demo(s.base_url, s.prefill_url, s.model, None, **options),

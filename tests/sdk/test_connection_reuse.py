@@ -6,7 +6,8 @@ from __future__ import annotations
 import httpx
 from kvagent import AsyncSession, Session
 
-from benchmarks.sdk_overhead.sse_server import MODEL, base_url, serve
+from benchmarks.api import SSE_MODEL as MODEL
+from benchmarks.api import base_url, serve
 
 TURNS = 5
 

@@ -1,10 +1,9 @@
-"""benchmarks/gpu/check_tiers.py: its --dry-run renders a node vLLM accepts (no GPU needed),
-and the judge of its `tier_events` check (benchmarks/gpu/tier_events.py) fails when the
+"""tools/gpu/check_tiers.py: its --dry-run renders a node vLLM accepts (no GPU needed),
+and the judge of its `tier_events` check (tools/gpu/tier_events.py) fails when the
 router's index or placement would not find prefix A in the node's CPU tier."""
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
@@ -14,10 +13,9 @@ import zmq
 from kvagent_server.router.kv.hashing import BlockHasher
 from kvagent_server.router.kv.index import KVEventSource, KVIndex, Removed, Stored
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks" / "gpu"))
+from benchmarks.api import tier_events
 
-import tier_events  # a script's module, beside check_tiers.py (sys.path above)
+ROOT = Path(__file__).resolve().parents[2]
 
 BLOCK = 16
 A_IDS = [1000 + i for i in range(200)]  # 12 full blocks

@@ -1,4 +1,4 @@
-"""`check_tiers.py --dry-run` renders and parses with the installed vLLM."""
+"""`python -m tools.gpu.check_tiers --dry-run` renders and parses with the installed vLLM."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_dry_run_renders_and_parses(tmp_path: Path) -> None:
     pytest.importorskip("vllm", reason="vLLM is not importable here (CI installs it)")
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu" / "check_tiers.py"), "--dry-run",
+        [sys.executable, "-m", "tools.gpu.check_tiers", "--dry-run",
          "--work", str(tmp_path)],
         capture_output=True, text=True, timeout=600, check=False, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]

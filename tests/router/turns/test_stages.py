@@ -1,6 +1,6 @@
 """A turn's stages on plain data: the policies' decisions, the plan's fallbacks, gathering
 from a real in-memory store, settling into it. (The legs and the relay run over HTTP
-against fake nodes in tests/router/test_app.py and on real vLLM in tests/e2e/.)"""
+against fake nodes in tests/router/http/test_app.py and on real vLLM in tests/e2e/.)"""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ class TierCosts:
     """Seconds per token to bring KV from each tier into GPU memory, and to recompute it.
 
     Defaults are order-of-magnitude placeholders for a ~8B model (128 KiB KV per token):
-    measure them (benchmarks/gpu) and pass real ones.
+    measure them (tools/gpu) and pass real ones.
     """
 
     recompute_s_per_token: float = 1.0e-4
