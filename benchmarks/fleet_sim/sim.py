@@ -7,7 +7,7 @@ model (`reuse.planner`, `reuse.paths`), the transfer params for the legs
 (`reuse.transfer`), and after the D leg the new `Handle`, `store.put` and a new token.
 The retention guard (`turns.retention.RetentionGuard`, with its `blocks_to_free` watermark
 math and `ReleaseQueue`) runs every `retention_check_interval_s` against the simulated
-decode nodes through an in-process httpx transport that answers `/metrics` and release
+decode nodes through a simulated `NodeHttp` client that answers `/metrics` and release
 requests from the simulated KV state. Only the nodes are simulated: compute, transfers,
 KV blocks, TTLs (`nodes.py`, priced by a `profiles.Profile`).
 
@@ -29,7 +29,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import numpy as np
 import orjson
 from kvagent_server.router.auth.cache_token import TokenCodec, TokenError, verify_binding
@@ -40,6 +39,7 @@ from kvagent_server.router.store.handle import Handle, new_handle_id
 from kvagent_server.router.store.memory import MemoryStore
 from kvagent_server.router.store.redis_store import RedisStore
 from kvagent_server.router.turns.retention import RetentionGuard, remote_request_id
+from kvagent_server.router.turns.upstream import NodeResponse
 
 from benchmarks.fleet_sim.nodes import DNode, PNode
 from benchmarks.fleet_sim.profiles import Profile
@@ -138,7 +138,6 @@ class Simulation:
                               ttl_s=config.ttl_s) for i in range(config.n_decode)]
         self.by_name: dict[str, PNode | DNode] = {n.name: n for n in self.p_nodes}
         self.by_name.update({n.name: n for n in self.d_nodes})
-        self._d_by_url = {n.url: n for n in self.d_nodes}
         self._events: list[tuple[float, int, Callable[[], Any]]] = []
         self._seq = itertools.count()
         self._rid = itertools.count()
@@ -147,9 +146,9 @@ class Simulation:
         self.guard_cpu_s = 0.0
         self.guard_rounds = 0
         self._shared = b""
-        self._client = httpx.AsyncClient(transport=httpx.MockTransport(self._node_http))
         self.guard = (RetentionGuard(
-            self._client, nodes=lambda: [(d.name, d.url, d.epoch) for d in self.d_nodes],
+            lambda name: _SimNodeHttp(self, self.by_name[name]),
+            nodes=lambda: [(d.name, d.url, d.epoch) for d in self.d_nodes],
             evict=self.store.evict_oldest, model=lambda: "sim",
             high=self.settings.retention_high_watermark, low=self.settings.retention_low_watermark,
             interval_s=self.settings.retention_check_interval_s,
@@ -181,17 +180,17 @@ class Simulation:
     def _count_evicted(self, n: int) -> None:
         self.evicted_handles += n
 
-    def _node_http(self, request: httpx.Request) -> httpx.Response:
-        """What a decode node answers to the retention guard: its KV metrics, releases."""
-        node = self._d_by_url[f"{request.url.scheme}://{request.url.host}"]
-        if request.url.path == "/metrics":
-            text = (f'vllm:kv_cache_usage_perc{{model_name="sim"}} {node.usage(self.now)}\n'
-                    f'vllm:cache_config_info{{num_gpu_blocks="{node.capacity}"}} 1.0\n')
-            return httpx.Response(200, text=text)
-        body = orjson.loads(request.content)
+    def node_metrics(self, node: Any) -> NodeResponse:
+        """A decode node's answer to the retention guard's `/metrics` read."""
+        text = (f'vllm:kv_cache_usage_perc{{model_name="sim"}} {node.usage(self.now)}\n'
+                f'vllm:cache_config_info{{num_gpu_blocks="{node.capacity}"}} 1.0\n')
+        return NodeResponse.of(200, text.encode())
+
+    def node_release(self, node: Any, body: dict[str, Any]) -> NodeResponse:
+        """A decode node's answer to the retention guard's release request."""
         for rid in body.get("kv_transfer_params", {}).get(transfer.RELEASE_KEY, []):
             node.release(self.now, rid)
-        return httpx.Response(200, json={"choices": []})
+        return NodeResponse.of(200, orjson.dumps({"choices": []}))
 
     async def _guard_round(self) -> None:
         assert self.guard is not None
@@ -414,7 +413,6 @@ class Simulation:
     # ------------------------------------------------------------------ drivers
 
     async def _close(self) -> None:
-        await self._client.aclose()
         self.store_handles_end = (len(self.store.inner)
                                   if isinstance(self.store.inner, MemoryStore) else None)
         if isinstance(self.store.inner, RedisStore):
@@ -534,3 +532,18 @@ def summarize(sim: Simulation, records: list[TurnRecord], *, span_s: float) -> d
         "store_ops": dict(sim.store.ops),
         "store_handles_end": sim.store_handles_end,
     }
+
+
+class _SimNodeHttp:
+    """A simulated decode node's HTTP, as the retention guard reaches it (`NodeHttp`)."""
+
+    def __init__(self, sim: Any, node: Any) -> None:
+        self.sim, self.node = sim, node
+
+    async def get(self, url: str, *, timeout_s: float | None = None) -> NodeResponse:
+        return self.sim.node_metrics(self.node)
+
+    async def post(self, url: str, body: dict[str, Any], *, stream: bool,
+                   headers: dict[str, str] | None = None,
+                   timeout_s: float | None = None) -> NodeResponse:
+        return self.sim.node_release(self.node, body)

@@ -269,10 +269,10 @@ def test_d_retained_blocks_expire_and_can_be_released_early(pair: PDPair) -> Non
 async def test_watermark_guard_evicts_and_releases_on_a_real_decode_node(pair: PDPair) -> None:
     """The router's retention guard against real vLLM: D's real `/metrics` trip the
     watermark, the oldest handle leaves the store and D frees its blocks at once."""
-    import httpx
     from kvagent_server.router.store.handle import Handle
     from kvagent_server.router.store.memory import MemoryStore
     from kvagent_server.router.turns.retention import RetentionGuard
+    from kvagent_server.router.turns.upstream import NodeClient
 
     kept = _turn1_on_d(pair, _prompt(10, 700), 4)
     old = _turn1_on_d(pair, _prompt(11, 700), 4)
@@ -284,11 +284,14 @@ async def test_watermark_guard_evicts_and_releases_on_a_real_decode_node(pair: P
                                kv_transfer_params=res.kv_transfer_params,
                                token_ids=list(range(700)), block_size=BLOCK,
                                created_at=now, expires_at=now + 60))
-    async with httpx.AsyncClient() as client:
-        guard = RetentionGuard(client, nodes=lambda: [("d0", pair.d.url, "e")],
+    client = NodeClient(timeout_s=30)
+    try:
+        guard = RetentionGuard(lambda name: client, nodes=lambda: [("d0", pair.d.url, "e")],
                                evict=store.evict_oldest, model=lambda: flow.MODEL,
                                high=1e-6, low=5e-7, interval_s=60)
         assert await guard.run_once() >= 1
+    finally:
+        await client.aclose()
     old_id = old.kv_transfer_params["remote_request_id"]
     deadline = time.monotonic() + 10
     while not _released(pair, old_id):

@@ -9,7 +9,6 @@ import math
 import time
 from typing import Any
 
-import httpx
 import pytest
 from kvagent_server.router.auth.cache_token import TokenCodec
 from kvagent_server.router.auth.keys import KeyRing
@@ -68,7 +67,7 @@ def _router(**settings: Any) -> Router:
     return Router(settings=s, registry=registry,
                   legs=Legs(max_retries=0, timeout_s=1, max_body_bytes=1 << 20),
                   store=MemoryStore(), codec=TokenCodec(KeyRing.generate()),
-                  metrics=RouterMetrics(), client=httpx.AsyncClient(),
+                  metrics=RouterMetrics(),
                   policy=policy.policy_for(s))
 
 

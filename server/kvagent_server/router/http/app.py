@@ -17,7 +17,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-import httpx
 from kvagent.protocol import BODY_FIELD, BODY_SESSION_ID, SESSION_HEADER
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -98,7 +97,6 @@ class AppParts:
     metrics: RouterMetrics
     store: SessionStore
     tenants: TenantResolver
-    transport: httpx.AsyncBaseTransport | None
     #: The served model's name; None until a node answered `/v1/models`.
     model: str | None = None
     #: Requests in flight per tenant and per client address (their caps).
@@ -108,12 +106,11 @@ class AppParts:
 
 def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], *,
                model: str | None = None, store: SessionStore | None = None,
-               transport: httpx.AsyncBaseTransport | None = None,
                metrics: RouterMetrics | None = None) -> Starlette:
     """The router app for the given node URLs (root URLs, e.g. `http://127.0.0.1:8100`).
 
-    `transport` replaces the network of the health probes and the model lookup (httpx;
-    the legs use `upstream.NodeClient`); `store` defaults from `settings`
+    Every request to a node goes through its `upstream.NodeClient`; `store` defaults from
+    `settings`
     (Redis when `redis_url` is set). Node health is probed at start-up and then every
     `health_interval_s`.
     """
@@ -123,7 +120,7 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
                               probe_timeout_s=5.0, max_in_flight=settings.node_max_in_flight),
         metrics=metrics or RouterMetrics(),
         store=store if store is not None else make_store(settings),
-        tenants=TenantResolver(settings), transport=transport, model=model,
+        tenants=TenantResolver(settings), model=model,
         admission=Admission(settings.max_streams_per_client))
     policy_for(settings)  # an unknown policy name fails here, not on the first turn
     routes = [
@@ -185,33 +182,27 @@ class RequestIdHeader:
 async def _lifespan(parts: AppParts, app: Starlette) -> AsyncIterator[None]:
     """Build the `Router`, start the background work, and stop it all in reverse order."""
     settings, registry, store = parts.settings, parts.registry, parts.store
-    # The probes' client; the legs pool their own connections (`upstream`). Idle
-    # connections expire before the nodes close them (uvicorn's keep-alive is 5 s).
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256,
-                          keepalive_expiry=4)
     async with contextlib.AsyncExitStack() as stack:
-        client = await stack.enter_async_context(
-            httpx.AsyncClient(transport=parts.transport, limits=limits))
         stack.push_async_callback(store.close)
         codec = TokenCodec(await key_ring_for(settings, store))
+        # Every request to a node, legs and background alike, uses the node's pool.
         legs = Legs(max_retries=settings.max_retries, timeout_s=settings.request_timeout_s,
                     max_body_bytes=settings.max_upstream_body_bytes)
         stack.push_async_callback(legs.aclose)
         router = Router(settings=settings, registry=registry, legs=legs, store=store,
-                        codec=codec, metrics=parts.metrics, client=client,
-                        policy=policy_for(settings))
+                        codec=codec, metrics=parts.metrics, policy=policy_for(settings))
         parts.router = app.state.router = router
         # KV events feed tier-aware P placement (kv_placement; None without sources)
         router.tiers, kv_events = kv_placement.from_settings(settings, registry)
         if kv_events is not None:
             kv_events.start()
             stack.push_async_callback(kv_events.stop)
-        await registry.probe_all(client)
+        await registry.probe_all(legs.client)
         if parts.model is None:
-            parts.model = await _served_model(client, registry)
-        registry.start(client)
+            parts.model = await _served_model(legs, registry)
+        registry.start(legs.client)
         stack.push_async_callback(registry.stop)
-        router.retention = _retention_guard(parts, client)
+        router.retention = _retention_guard(parts, legs)
         router.key_sync = key_sync_for(settings, store, codec)
         for background in (router.key_sync, router.retention):
             if background is not None:
@@ -263,7 +254,7 @@ async def _turn(request: Request, front: Front | None) -> Response:
 async def _models(request: Request) -> Response:
     parts: AppParts = request.app.state.parts
     if parts.model is None:  # the nodes were not up when the router started
-        parts.model = await _served_model(request.app.state.router.client, parts.registry)
+        parts.model = await _served_model(request.app.state.router.legs, parts.registry)
     name = parts.model or "unknown"
     return JSONResponse({"object": "list", "data": [
         {"id": name, "object": "model", "created": 0, "owned_by": "kvagent"}]})
@@ -303,13 +294,13 @@ async def _not_allowed(request: Request, exc: Exception) -> Response:
                           code="method_not_allowed")
 
 
-def _retention_guard(parts: AppParts, client: httpx.AsyncClient) -> RetentionGuard | None:
+def _retention_guard(parts: AppParts, legs: Legs) -> RetentionGuard | None:
     """Keeps decode nodes' retained KV under the watermark (turns/retention.py)."""
-    settings, metrics = parts.settings, parts.metrics
+    settings, metrics, nodes = parts.settings, parts.metrics, parts.registry.nodes
     if settings.retention_high_watermark is None:
         return None
     return RetentionGuard(
-        client,
+        lambda name: legs.client(nodes[name]),
         nodes=lambda: [(n.name, n.url, n.epoch) for n in parts.registry.healthy("decode")],
         evict=parts.store.evict_oldest, model=lambda: parts.model,
         high=settings.retention_high_watermark, low=settings.retention_low_watermark,
@@ -319,12 +310,12 @@ def _retention_guard(parts: AppParts, client: httpx.AsyncClient) -> RetentionGua
             ok=str(ok).lower()).inc(n))
 
 
-async def _served_model(client: httpx.AsyncClient, registry: NodeRegistry) -> str | None:
+async def _served_model(legs: Legs, registry: NodeRegistry) -> str | None:
     for node in registry.healthy("decode") + registry.healthy("prefill"):
         try:
-            resp = await client.get(f"{node.url}/v1/models", timeout=5.0)
+            resp = await legs.client(node).get(f"{node.url}/v1/models", timeout_s=5.0)
             return str(resp.json()["data"][0]["id"])
-        except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError):
+        except (UpstreamError, ValueError, KeyError, IndexError, TypeError):
             continue
     return None
 

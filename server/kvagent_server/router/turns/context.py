@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import httpx
-
 from kvagent_server.router.auth.cache_token import TokenCodec
 from kvagent_server.router.reuse.paths import CostModel
 from kvagent_server.router.reuse.queue import CharsPerToken, WorkLedger
@@ -30,7 +28,6 @@ class Router:
     store: SessionStore
     codec: TokenCodec
     metrics: RouterMetrics
-    client: httpx.AsyncClient
     #: Decides each turn's path from its facts (`turns.policy`, by name in settings).
     policy: PathPolicy
     costs: CostModel = field(default_factory=CostModel)

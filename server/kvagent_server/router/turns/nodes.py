@@ -12,14 +12,13 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-import httpx
-
 from kvagent_server.router.common.periodic import Periodic
 from kvagent_server.router.reuse.placement import NodeState
+from kvagent_server.router.turns.upstream import ConnectFailed, NodeHttp, UpstreamError
 
 log = logging.getLogger("kvagent.router.nodes")
 _BLOCK_SIZE_RE = re.compile(r'[{,]block_size="(\d+)"')
@@ -130,15 +129,15 @@ class NodeRegistry:
                       key=lambda n: (n.in_flight / n.max_in_flight, n.name))
         return [first, *rest] if first is not None else rest
 
-    async def probe(self, client: httpx.AsyncClient, node: Node) -> bool:
+    async def probe(self, client: NodeHttp, node: Node) -> bool:
         refused = False
         try:
-            resp = await client.get(f"{node.url}/health", timeout=self.probe_timeout_s)
+            resp = await client.get(f"{node.url}/health", timeout_s=self.probe_timeout_s)
             ok = resp.status_code == 200
             reason = f"/health returned {resp.status_code}"
-        except httpx.HTTPError as exc:
-            ok, reason = False, f"{type(exc).__name__}"
-            refused = isinstance(exc, httpx.ConnectError)
+        except UpstreamError as exc:
+            ok, reason = False, str(exc)
+            refused = isinstance(exc, ConnectFailed) and not exc.timed_out
         node.last_checked = time.monotonic()
         if not ok:
             # One slow or failed probe is noise on a busy machine; a refused connection or
@@ -155,13 +154,13 @@ class NodeRegistry:
             node.probed = True
         return ok
 
-    async def _node_info(self, client: httpx.AsyncClient,
+    async def _node_info(self, client: NodeHttp,
                          node: Node) -> tuple[str | None, int | None]:
         """From the node's `/metrics`: `process_start_time_seconds` (its incarnation, the
         same for every router replica) and the KV block size (`vllm:cache_config_info`)."""
         try:
-            resp = await client.get(f"{node.url}/metrics", timeout=self.probe_timeout_s)
-        except httpx.HTTPError:
+            resp = await client.get(f"{node.url}/metrics", timeout_s=self.probe_timeout_s)
+        except UpstreamError:
             return None, None
         if resp.status_code != 200:
             return None, None
@@ -174,10 +173,11 @@ class NodeRegistry:
                 block_size = int(found.group(1)) if found else None
         return start_time, block_size
 
-    async def probe_all(self, client: httpx.AsyncClient) -> None:
-        await asyncio.gather(*(self.probe(client, n) for n in self.nodes.values()))
+    async def probe_all(self, client: Callable[[Node], NodeHttp]) -> None:
+        """Probe every node through its own client (`client(node)`)."""
+        await asyncio.gather(*(self.probe(client(n), n) for n in self.nodes.values()))
 
-    def start(self, client: httpx.AsyncClient) -> None:
+    def start(self, client: Callable[[Node], NodeHttp]) -> None:
         if self._periodic is None:
             self._periodic = Periodic(lambda: self.probe_all(client),
                                       interval_s=self.interval_s, name="kvagent-health",

@@ -32,11 +32,10 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-import httpx
-
 from kvagent_server.router.common.periodic import Periodic
 from kvagent_server.router.reuse import transfer
 from kvagent_server.router.store.handle import Handle, handle_blocks
+from kvagent_server.router.turns.upstream import NodeHttp, UpstreamError
 
 log = logging.getLogger("kvagent.router.retention")
 
@@ -112,13 +111,13 @@ class ReleaseQueue:
 class RetentionGuard:
     """Watches each decode node's KV usage and evicts/releases the oldest handles.
 
-    `evict(node, min_blocks, max_handles)` must atomically remove and return the node's
+    `client(node)` is the named node's HTTP client; `evict(node, min_blocks, max_handles)` must atomically remove and return the node's
     oldest live handles until they hold `min_blocks` blocks (any number when negative),
     at most `max_handles` (the store's `evict_oldest`); `nodes()` yields (name, url, epoch)
     of the healthy decode nodes; `model()` the served model name for release requests.
     """
 
-    def __init__(self, client: httpx.AsyncClient, *,
+    def __init__(self, client: Callable[[str], NodeHttp], *,
                  nodes: Callable[[], Sequence[tuple[str, str, str]]],
                  evict: Callable[[str, int, int], Awaitable[list[Handle]]],
                  model: Callable[[], str | None],
@@ -141,16 +140,16 @@ class RetentionGuard:
         self._periodic = Periodic(self.run_once, interval_s=interval_s,
                                   name="kvagent-retention", log=log, what="retention round")
 
-    async def read_kv(self, url: str) -> NodeKV | None:
+    async def read_kv(self, name: str, url: str) -> NodeKV | None:
         try:
-            resp = await self.client.get(f"{url}/metrics", timeout=self.timeout_s)
-        except httpx.HTTPError:
+            resp = await self.client(name).get(f"{url}/metrics", timeout_s=self.timeout_s)
+        except UpstreamError:
             return None
         return parse_node_kv(resp.text) if resp.status_code == 200 else None
 
     async def check(self, name: str, url: str, epoch: str) -> int:
         """One round for one node: returns how many handles were evicted."""
-        kv = await self.read_kv(url)
+        kv = await self.read_kv(name, url)
         if kv is None:
             return 0
         need = blocks_to_free(kv, high=self.high, low=self.low)
@@ -180,10 +179,10 @@ class RetentionGuard:
             body = {"model": model, "prompt": ".", "max_tokens": 1, "stream": False,
                     "kv_transfer_params": {transfer.RELEASE_KEY: ids}}
             try:
-                resp = await self.client.post(f"{url}/v1/completions", json=body,
-                                              timeout=self.timeout_s)
+                resp = await self.client(name).post(f"{url}/v1/completions", body,
+                                                    stream=False, timeout_s=self.timeout_s)
                 sent = resp.status_code == 200
-            except httpx.HTTPError:
+            except UpstreamError:
                 sent = False
             self.on_released(sent, len(ids))
             ok = ok and sent

@@ -1,8 +1,10 @@
-"""The HTTP client of the legs: POSTs to one node over a pooled aiohttp session.
+"""The router's one HTTP client to its nodes: a pooled aiohttp session per node.
 
-aiohttp rather than httpx on this path: per request it costs about a third of httpx's
-CPU (`benchmarks/router_overhead`), and a turn makes two or three such requests. The
-rest of the router sees only `NodeResponse` and `UpstreamError`, never aiohttp itself.
+Legs, `/tokenize`, health probes, `/metrics` reads and releases all go through
+`NodeClient`. aiohttp rather than httpx: per request it costs about a third of httpx's
+CPU (`benchmarks/router_overhead`), and a turn makes two or three requests. The rest of
+the router sees only `NodeResponse`, `UpstreamError` and the `NodeHttp` protocol (which a
+simulator or a test may implement), never aiohttp itself.
 
 Error classes (what `Legs` does with them):
 
@@ -16,7 +18,7 @@ Error classes (what `Legs` does with them):
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp.helpers import get_env_proxy_for_url
@@ -112,20 +114,33 @@ class NodeResponse:
 
     __slots__ = ("_resp", "content", "status_code")
 
-    def __init__(self, resp: aiohttp.ClientResponse, content: bytes | None) -> None:
+    def __init__(self, resp: aiohttp.ClientResponse | None, content: bytes | None,
+                 status: int | None = None) -> None:
         self._resp = resp
-        self.status_code = resp.status
+        self.status_code = resp.status if resp is not None else (status or 200)
         self.content = content
+
+    @classmethod
+    def of(cls, status: int, content: bytes) -> NodeResponse:
+        """A whole answer from its parts (what a `NodeHttp` other than `NodeClient`,
+        e.g. a simulated node, returns)."""
+        return cls(None, content, status)
 
     def json(self) -> Any:
         if self.content is None:
             raise ValueError("streamed response: no body to parse")
         return fastjson.loads(self.content)
 
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            raise ValueError("streamed response: no body to read")
+        return self.content.decode("utf-8", "replace")
+
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body's bytes (de-chunked, not decoded) as the node sends them."""
-        if self.content is not None:
-            yield self.content
+        if self.content is not None or self._resp is None:
+            yield self.content or b""
             return
         reader = self._resp.content
         try:
@@ -141,7 +156,7 @@ class NodeResponse:
         """Idempotent. A body read to its end frees the connection for reuse; an unfinished
         one closes it, which makes vLLM abort the request."""
         resp = self._resp
-        if resp.closed:
+        if resp is None or resp.closed:
             return
         if self.content is not None or resp.content.at_eof():
             resp.release()
@@ -157,6 +172,16 @@ def _env_proxy(url: str) -> tuple[str | None, aiohttp.BasicAuth | None]:
     except LookupError:
         return None, None
     return str(proxy), auth
+
+
+class NodeHttp(Protocol):
+    """What the router asks of a node's HTTP client: whole answers to a GET or a POST."""
+
+    async def get(self, url: str, *, timeout_s: float | None = None) -> NodeResponse: ...
+
+    async def post(self, url: str, body: dict[str, Any], *, stream: bool,
+                   headers: dict[str, str] | None = None,
+                   timeout_s: float | None = None) -> NodeResponse: ...
 
 
 class NodeClient:
@@ -177,10 +202,20 @@ class NodeClient:
                                      auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar(),
                                      skip_auto_headers=("User-Agent",))
 
+    async def get(self, url: str, *, timeout_s: float | None = None) -> NodeResponse:
+        """GET `url` whole (health, metrics, models). Raises `UpstreamError`."""
+        return await self._send("GET", url, None, stream=False, timeout_s=timeout_s)
+
     async def post(self, url: str, body: dict[str, Any], *, stream: bool,
                    headers: dict[str, str] | None = None,
                    timeout_s: float | None = None) -> NodeResponse:
         """POST `body` as JSON. Raises `UpstreamError`; any status is a `NodeResponse`."""
+        return await self._send("POST", url, fastjson.dumps(body), stream=stream,
+                                headers=headers, timeout_s=timeout_s)
+
+    async def _send(self, method: str, url: str, data: bytes | None, *, stream: bool,
+                    headers: dict[str, str] | None = None,
+                    timeout_s: float | None = None) -> NodeResponse:
         session = self._session
         if session is None or session.closed:
             session = self._session = self._open()
@@ -188,11 +223,11 @@ class NodeClient:
         timeout = self.timeout if timeout_s is None else aiohttp.ClientTimeout(
             total=None, sock_connect=min(CONNECT_TIMEOUT_S, timeout_s), sock_read=timeout_s)
         try:
-            resp = await session.post(url, data=fastjson.dumps(body),
-                                      headers={**_HEADERS, **headers} if headers else _HEADERS,
-                                      timeout=timeout, proxy=self._proxy[0],
-                                      proxy_auth=self._proxy[1],
-                                      allow_redirects=False)  # as httpx: a node's answer
+            resp = await session.request(
+                method, url, data=data,
+                headers={**_HEADERS, **headers} if headers else _HEADERS,
+                timeout=timeout, proxy=self._proxy[0], proxy_auth=self._proxy[1],
+                allow_redirects=False)  # as httpx: a node's answer
         except _ERRORS as exc:
             raise _wrap(exc) from exc
         if stream and resp.status == 200:
