@@ -358,3 +358,13 @@ def test_test_helpers_are_imported_by_one_name() -> None:
             if any(n == "tests" or n.startswith("tests.") for n in names):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not bad, "import test helpers as `support`, not `tests.support`: " + ", ".join(bad)
+
+
+def test_test_modules_have_unique_basenames() -> None:
+    """pytest imports test modules by basename (folders without `__init__.py`): two
+    `test_x.py` anywhere under tests/ fail the collection of the whole suite."""
+    seen: dict[str, list[str]] = defaultdict(list)
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        if not (path.parent / "__init__.py").exists():
+            seen[path.name].append(path.relative_to(ROOT).as_posix())
+    assert not {n: ps for n, ps in seen.items() if len(ps) > 1}

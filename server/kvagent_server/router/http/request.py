@@ -25,9 +25,11 @@ from kvagent.protocol import (
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from kvagent_server.router.reuse.transfer import INTERNAL_FIELDS
+
 #: Body fields a client must not set: they would make a node pull or push KV blocks the
 #: router did not vet (another tenant's, say). `cache_salt` is always the tenant's.
-CLIENT_FORBIDDEN = ("kv_transfer_params", "ec_transfer_params")
+CLIENT_FORBIDDEN = INTERNAL_FIELDS
 #: Fields a client must not choose for the nodes: vLLM names its request after
 #: `request_id`, so a client's own could collide with another's on a node (the nodes then
 #: name each request themselves).
@@ -144,7 +146,7 @@ _OBJECTS = ("stream_options", "logit_bias", "response_format", "chat_template_kw
             "vllm_xargs", "metadata")
 _TOOL_CHOICES = ("none", "auto", "required")
 #: Keys of `vllm_xargs` that vLLM copies over the transfer params (only the router sets them).
-_XARGS_FORBIDDEN = ("kv_transfer_params", "ec_transfer_params")
+_XARGS_FORBIDDEN = INTERNAL_FIELDS
 
 
 def _bad(param: str, message: str) -> HTTPError:

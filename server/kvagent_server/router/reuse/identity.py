@@ -26,6 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvagent_server.router.reuse.transfer import INTERNAL_FIELDS
 from kvagent_server.router.store.handle import KVIdentity, MediaItem
 
 #: OpenAI Chat API fields that are not vLLM 0.32 request fields: vLLM drops them.
@@ -55,7 +56,7 @@ IGNORED = frozenset({
     # truncation side only acts together with truncate_prompt_tokens (unverifiable)
     "truncation_side",
     # set by the router itself (client values are stripped before this point)
-    "kv_transfer_params", "ec_transfer_params",
+    *INTERNAL_FIELDS,
 })
 
 #: Chat fields that shape the rendered prompt: the compared ids are `/tokenize`d with them.

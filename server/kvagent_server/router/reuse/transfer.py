@@ -31,6 +31,10 @@ import struct
 from collections.abc import Iterable, Sequence
 from typing import Any, Final, Protocol
 
+#: The request and response fields that carry transfers between nodes: only the router
+#: sets them on a request (a client's are refused), and it strips them from every answer.
+INTERNAL_FIELDS: Final = ("kv_transfer_params", "ec_transfer_params")
+
 DO_REMOTE_DECODE: Final = "do_remote_decode"
 DO_REMOTE_PREFILL: Final = "do_remote_prefill"
 REMOTE_BLOCK_IDS: Final = "remote_block_ids"

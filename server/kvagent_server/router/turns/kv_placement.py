@@ -1,7 +1,7 @@
 """Tier-aware P placement for one turn: tokenize, hash, look up, choose.
 
-The wiring between the KV index (fed by `kv_events`), vLLM's block hashes (`kv_hash`)
-and the pure choice (`placement.pick_prefill_by_tiers`). `router.turn` calls `place`
+The wiring between the KV index (fed by `kv.events`), vLLM's block hashes (`kv.hashing`)
+and the pure choice (`placement.pick_prefill_by_tiers`). `turns.gather` calls `place`
 only for a turn with no usable D handle, and only when `wants` says matching can pay.
 """
 
@@ -74,7 +74,7 @@ class TierPlacement:
                     states: Sequence[NodeState], body: Mapping[str, Any], *, chat: bool
                     ) -> tuple[str | None, PrefillReason]:
         """The P node's name for this prompt and why. Tokenizes on `tokenizer` with
-        `client` (what `router.tokenize.tokenize` takes: the legs' client for it)."""
+        `client` (what `turns.prompt_ids.tokenize` takes: the legs' client for it)."""
         try:
             ids = await tokenize(client, tokenizer.url, body, chat=chat)
         except TokenizeError as exc:

@@ -33,10 +33,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from kvagent_server.router.common import fastjson, node_errors
+from kvagent_server.router.reuse.transfer import INTERNAL_FIELDS
 from kvagent_server.router.turns.shapes import Capture, Final
 
-#: Top-level response fields that are internal to P/D and never reach a client.
-INTERNAL_FIELDS = ("kv_transfer_params", "ec_transfer_params")
 #: Token-id fields the router requests for itself (`return_token_ids`).
 TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")
 DONE = b"[DONE]"
