@@ -11,7 +11,7 @@ import shutil
 from collections.abc import Iterator
 
 import pytest
-from kvagent_server.processes import stop_groups
+from kvagent_server.bundle.processes import stop_groups
 from support import (
     REQUIRE_REAL_ENV,
     KVAgentBundle,

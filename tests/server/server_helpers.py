@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import psutil
-from kvagent_server.render import HostFacts, ModelSource, PlanInputs
+from kvagent_server.bundle.render import HostFacts, ModelSource, PlanInputs
 
 #: A stand-in for vLLM and the router that records its argv and environment.
 FAKE_NODE = Path(__file__).with_name("fake_node.py")

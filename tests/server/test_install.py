@@ -8,7 +8,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from kvagent_server import install
+from kvagent_server.engine import install
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,7 +75,7 @@ def test_pip_commands() -> None:
 def test_installed_engine_is_a_fast_noop() -> None:
     if install.problems("cpu"):
         pytest.skip(f"the CPU engine is not (fully) installed: {install.problems('cpu')}")
-    proc = subprocess.run([sys.executable, "-m", "kvagent_server.install"], check=False,
+    proc = subprocess.run([sys.executable, "-m", "kvagent_server.engine.install"], check=False,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "nothing to do" in proc.stdout

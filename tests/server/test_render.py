@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvagent_server.config import ConfigError, validate_config
-from kvagent_server.render import (
+from kvagent_server.bundle.render import (
     BUILTIN_DEFAULT_MAX_TOKENS,
     HostFacts,
     ModelSource,
@@ -23,6 +22,7 @@ from kvagent_server.render import (
     render_json,
     render_shell,
 )
+from kvagent_server.config import ConfigError, validate_config
 
 from tests.server.server_helpers import fake_inputs
 
@@ -149,7 +149,7 @@ def test_router_gets_the_models_placeholder_tokens_unless_configured(tmp_path: A
     them, so a changed image stops reuse at its position; a configured list wins."""
     from dataclasses import replace
 
-    from kvagent_server.inputs import placeholder_token_ids
+    from kvagent_server.bundle.inputs import placeholder_token_ids
 
     (tmp_path / "config.json").write_text(json.dumps(
         {"image_token_id": 7, "video_token_index": 9, "vocab_size": 100,
@@ -388,7 +388,7 @@ def vllm_parser():
 @pytest.mark.vllm
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_vllm_parses_every_rendered_command(vllm_parser, device: str) -> None:
-    from kvagent_server.inputs import gather_inputs
+    from kvagent_server.bundle.inputs import gather_inputs
 
     cfg = validate_config({
         "device": device, "prefill": {"count": 2, "prefix_caching": False},
@@ -420,7 +420,7 @@ def test_vllm_parses_every_rendered_command(vllm_parser, device: str) -> None:
 
 
 def test_with_engine_id_replaces_only_the_connector_engine_id() -> None:
-    from kvagent_server.render import incarnation_engine_id, with_engine_id
+    from kvagent_server.bundle.render import incarnation_engine_id, with_engine_id
 
     kv = {"kv_connector": "NixlConnector", "engine_id": "b-decode-0", "kv_role": "kv_consumer"}
     argv = ["vllm", "--port", "1", "--kv-transfer-config", json.dumps(kv), "--x"]

@@ -17,8 +17,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kvagent_server.config import ROLES, BundleConfig, ConfigError, Role, reveal_secrets
-from kvagent_server.tiers import TierConfigError, render_tiers
+from kvagent_server.common.types import ROLES, Device, Role
+from kvagent_server.config import BundleConfig, ConfigError, reveal_secrets
+from kvagent_server.engine.tiers import TierConfigError, render_tiers
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 ROUTER_MODULE = "kvagent_server.router"
@@ -45,7 +46,6 @@ DEFAULT_DECODE_PROMPT_CAP: dict[str, int] = {"cpu": 128}
 #: (HTTP 400). A request's own `max_tokens` still wins; a role's `extra_args` may override.
 BUILTIN_DEFAULT_MAX_TOKENS = 256
 
-Device = Literal["cpu", "cuda"]
 ProcessRole = Literal["prefill", "decode", "router"]
 
 

@@ -36,9 +36,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Role = Literal["prefill", "decode"]
-Device = Literal["cpu", "cuda"]
-HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+from kvagent_server.common.types import Device, HashAlgo, Role
 
 #: Where vLLM refuses the native tiers off GPU (checked by tests/tiers against the source).
 CPU_OFFLOAD_PLATFORM_CHECK = "vllm/v1/kv_offload/cpu/spec.py:199"

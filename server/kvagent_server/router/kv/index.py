@@ -26,7 +26,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvagent_server.router.kv.hashing import HashAlgo
+from kvagent_server.common.types import HashAlgo
 from kvagent_server.router.kv.tiers import NodeTierHits, TierName
 
 MEDIUM_TIERS: dict[str | None, TierName] = {None: "gpu", "GPU": "gpu", "CPU": "cpu",
