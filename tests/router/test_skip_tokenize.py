@@ -4,7 +4,7 @@ node that checks the offered blocks' digests against its own prompt.
 
 Against fake nodes over real HTTP; the fake D reports as cached only the prefix its own
 sequences share with the prompt, as vLLM's prefix cache does, and every routed turn is
-checked for wrong KV. The same on real vLLM: tests/e2e/test_skip_tokenize.py.
+checked for wrong KV. The same on real vLLM: tests/test_skip_tokenize_live.py.
 """
 
 from __future__ import annotations

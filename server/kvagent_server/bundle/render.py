@@ -203,7 +203,7 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
         if device == "cuda":
             args += ["--kv-cache-memory-bytes", str(cfg.kv_cache_gib * 1024**3)]
         events = None
-        if (role, i) in event_nodes:  # KV events for tier-aware placement (see kv_index.py)
+        if (role, i) in event_nodes:  # KV events for tier-aware placement (see router/kv/index.py)
             events = _kv_events_endpoints(cfg, role, i, run_dir, host, event_ports)
             args += ["--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events[0],

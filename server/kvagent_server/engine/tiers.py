@@ -2,8 +2,8 @@
 
 `KVTiers` is the validated config (the bundle's `kv_tiers:` section); `render_tiers` turns
 it into the extra arguments, environment and `--kv-transfer-config` of one node, combining
-the tier connector with the bundle's NIXL connector through vLLM's `MultiConnector`;
-`tier_score` estimates a node's prefill cost from its per-tier prefix hits (for placement).
+the tier connector with the bundle's NIXL connector through vLLM's `MultiConnector`.
+What a tier hit is worth to placement is the router's (`router.kv.tiers.tier_score`).
 
 Facts this module relies on, read in vLLM 0.32's source (paths under `vllm/`):
 

@@ -193,7 +193,7 @@ class RouterSettings(BaseModel):
     retention_high_watermark: float | None = Field(default=0.8, gt=0, le=1,
         description="Decode KV usage (0..1, `vllm:kv_cache_usage_perc`) at which the oldest "
         "retained handles on that node are evicted and released, down to the low watermark; "
-        "None: retention is bounded by the TTL only (router/retention.py).")
+        "None: retention is bounded by the TTL only (router/turns/retention.py).")
     retention_low_watermark: float = Field(
         default=0.6, gt=0, lt=1,
         description="Decode KV usage the watermark evicts down to (below the high watermark).")

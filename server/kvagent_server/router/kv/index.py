@@ -1,7 +1,7 @@
 """Which KV blocks each node holds, per tier, as its KV events tell (no I/O here).
 
 Nodes publish `BlockStored` / `BlockRemoved` / `AllBlocksCleared` in numbered batches
-(vLLM's ZMQ publisher; `kv_events.py` decodes them). The index keeps, per node and per
+(vLLM's ZMQ publisher; `kv.events` decodes them). The index keeps, per node and per
 tier, the hashes stored there, and answers "how long a prefix of this prompt does each
 node hold, in each tier" for placement (`tiers.NodeTierHits`).
 
