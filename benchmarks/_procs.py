@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from kvagent_server.ports import free_port, free_ports  # noqa: F401 - re-exported
+from kvagent_server.common.ports import free_port, free_ports  # noqa: F401 - re-exported
 
 
 def signal_until_gone(find: Callable[[], list[int]], *, grace_s: float,
@@ -59,7 +59,7 @@ def router_over(prefill: Sequence[str], decode: Sequence[str], settings: dict[st
     """A router (`python -m kvagent_server.router`) in front of running nodes, with its own
     `settings` (written to `config_path`) and store; yields its URL once it is ready, and
     stops it on exit."""
-    from kvagent_server.supervisor import probe
+    from kvagent_server.bundle.supervisor import probe
 
     config_path.write_text(json.dumps({"router": settings}))
     port = free_port()

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from kvagent_server.processes import stop_groups
+from kvagent_server.bundle.processes import stop_groups
 from support import (
     REQUIRE_REAL_ENV,
     KVAgentBundle,

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from kvagent_server.ports import free_port, free_ports  # noqa: F401 - the tests' port pickers
-from kvagent_server.processes import stop_groups
+from kvagent_server.bundle.processes import stop_groups
+from kvagent_server.common.ports import free_port, free_ports  # noqa: F401 - the tests' port pickers
 
 #: Set by `.ci/run`: a test that needs real vLLM or Redis may not skip there, because a
 #: skipped real-engine test is a check that silently did not happen.
@@ -118,7 +118,7 @@ class VLLMNode:
 
 def start_vllm_node(log_dir: Path, *, extra_args: list[str] | None = None,
                     timeout: float = 300.0) -> tuple[VLLMNode, subprocess.Popen]:
-    from kvagent_server.demo_model import (
+    from kvagent_server.models.demo import (
         DEMO_MODEL_NAME,
         demo_serve_args,
         demo_serve_env,
@@ -207,8 +207,8 @@ def bundle_config(run_dir: Path, **overrides: object):
 
 def start_bundle(config):
     """Start a bundle with the package's own launcher; returns (handle, Bundle)."""
-    from kvagent_server.inputs import gather_inputs
-    from kvagent_server.supervisor import Bundle
+    from kvagent_server.bundle.inputs import gather_inputs
+    from kvagent_server.bundle.supervisor import Bundle
 
     inputs = gather_inputs(config)
     bundle = Bundle(config, inputs=inputs)
@@ -251,7 +251,7 @@ def greedy_chat(url: str, model: str, messages: list[dict[str, Any]],
 def second_router(b: KVAgentBundle, tmp_path: Path, **settings: Any) -> Iterator[str]:
     """A second router (`python -m kvagent_server.router`) in front of the bundle's nodes,
     with its own settings and store; yields its URL."""
-    from kvagent_server.supervisor import probe
+    from kvagent_server.bundle.supervisor import probe
 
     cfg = tmp_path / "router.json"
     cfg.write_text(json.dumps({"router": settings}))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from kvagent_server import demo
+from kvagent_server.demo import agent as demo
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -36,7 +36,7 @@ def test_openai_agents_demo_reuses_kv(kvagent_bundle) -> None:
     """`kvagent demo --agent openai-agents`: a stock Agents SDK agent, base URL only."""
     if not kvagent_bundle.available:
         pytest.skip(kvagent_bundle.reason)
-    from kvagent_server import demo_openai_agents
+    from kvagent_server.demo import openai_agents as demo_openai_agents
 
     assert demo_openai_agents.missing_message() is None
     rows = demo_openai_agents.run_agent(kvagent_bundle.router_url, kvagent_bundle.model, 3)

@@ -161,7 +161,7 @@ def test_page_blocks_run(page: Path, stack: Stack, tmp_path: Path,
 
 
 def _readme_second_turn_reuses(namespace: dict[str, Any]) -> None:
-    from kvagent_server.render import BUILTIN_DEFAULT_MAX_TOKENS
+    from kvagent_server.bundle.render import BUILTIN_DEFAULT_MAX_TOKENS
 
     first, second = namespace["first"], namespace["second"]
     # An answer without max_tokens is bounded (the bundle's default for the built-in model),
@@ -174,7 +174,7 @@ def _readme_second_turn_reuses(namespace: dict[str, Any]) -> None:
 
 
 def _getting_started_agent_runs(namespace: dict[str, Any]) -> None:
-    from kvagent_server.render import BUILTIN_DEFAULT_MAX_TOKENS
+    from kvagent_server.bundle.render import BUILTIN_DEFAULT_MAX_TOKENS
 
     run = namespace["run"]
     assert run.steps and run.stop_reason in ("final", "max_steps")

@@ -15,6 +15,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {"kvagent": ROOT / "sdk" / "kvagent", "kvagent_server": ROOT / "server" / "kvagent_server"}
 
+#: The server's top-level packages, lowest first: a module may import its own layer or lower
+#: ones. `common` is the shared vocabulary; the router and the vLLM plugin run alone (their
+#: own tests below narrow what they may import); `engine` and `config` describe what to run,
+#: `models` builds the built-in models, `bundle` runs it all on one machine, `deploy` renders
+#: it for others, and `demo` and `cli` are the commands on top.
+SERVER_LAYERS = ["common", "router", "vllm_plugin", "engine", "config", "models", "bundle",
+                 "deploy", "demo", "cli"]
+
 #: The router's subpackages, lowest first: a module may import its own layer or lower ones.
 ROUTER_LAYERS = ["common", "telemetry", "kv", "settings", "auth", "store", "reuse", "turns",
                  "apis", "http", "__main__"]
@@ -64,6 +72,13 @@ def _graph() -> dict[str, set[str]]:
 
 
 GRAPH = _graph()
+
+
+def _server_layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "kvagent_server" or len(parts) < 2:
+        return None
+    return SERVER_LAYERS.index(parts[1])
 
 
 def _router_layer(module: str) -> int | None:
@@ -123,6 +138,35 @@ def test_no_import_cycles_between_modules() -> None:
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
 
 
+def test_every_server_module_has_a_layer() -> None:
+    """A new top-level module or package is placed in SERVER_LAYERS, not left flat."""
+    src = SOURCES["kvagent_server"]
+    tops = {p.stem for p in src.glob("*.py") if p.stem != "__init__"} | {
+        d.name for d in src.iterdir() if (d / "__init__.py").is_file()}
+    assert tops == set(SERVER_LAYERS), f"source {sorted(tops)}, layers {SERVER_LAYERS}"
+
+
+def test_server_imports_point_down_its_layers() -> None:
+    upward = []
+    for module, targets in GRAPH.items():
+        here = _server_layer(module)
+        if here is None:
+            continue
+        for target in targets:
+            there = _server_layer(target)
+            if there is not None and there > here:
+                upward.append(f"{module} -> {target}")
+    assert not upward, "upward imports in the server: " + ", ".join(sorted(upward))
+
+
+def test_common_imports_nothing_of_ours() -> None:
+    """The router and the vLLM plugin use `common` and run alone: it must stay a leaf."""
+    bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items()
+                 if m.startswith("kvagent_server.common") for t in ts
+                 if not t.startswith("kvagent_server.common"))
+    assert not bad, bad
+
+
 def test_router_imports_point_down_its_layers() -> None:
     upward = []
     for module, targets in GRAPH.items():
@@ -149,11 +193,29 @@ def test_the_architecture_map_names_every_router_module() -> None:
         assert drawn == actual, f"{package}: diagram {sorted(drawn)}, source {sorted(actual)}"
 
 
+def test_the_architecture_map_names_every_server_module() -> None:
+    """Each package's node in docs/architecture.md's server diagram lists exactly its
+    modules (the router has a diagram of its own; the plugin's patches are not listed)."""
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    src = SOURCES["kvagent_server"]
+    for package in SERVER_LAYERS:
+        node = re.search(rf'^\s*{package}\["kvagent_server\.{package}<br/>(.*?)"\]', doc,
+                         re.MULTILINE)
+        assert node, f"no {package} node in the server diagram"
+        if package in ("router", "vllm_plugin"):
+            continue
+        drawn = {m.strip() for m in node.group(1).split(",")} - {""}
+        actual = {p.stem for p in (src / package).glob("*.py") if p.stem != "__init__"}
+        assert drawn == actual, f"{package}: diagram {sorted(drawn)}, source {sorted(actual)}"
+
+
 def test_router_depends_on_nothing_else_in_the_server_package() -> None:
-    """The router runs alone (`python -m kvagent_server.router`): no bundle code in it."""
+    """The router runs alone (`python -m kvagent_server.router`): no bundle code in it, only
+    the shared vocabulary of `common`."""
     bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items() if m.startswith("kvagent_server.router")
                  for t in ts if t.startswith("kvagent_server.")
-                 and not t.startswith("kvagent_server.router") and t != "kvagent_server")
+                 and not t.startswith(("kvagent_server.router", "kvagent_server.common"))
+                 and t != "kvagent_server")
     assert not bad, bad
 
 
@@ -185,11 +247,13 @@ def test_benchmarks_use_only_the_sdks_public_modules(top: str) -> None:
 
 def test_vllm_plugin_takes_only_the_transfer_vocabulary_from_the_router() -> None:
     """The plugin runs inside vLLM: the one router module it loads is `reuse.transfer`,
-    and neither that module nor the package `__init__`s it runs import anything of ours."""
+    and neither that module nor the package `__init__`s it runs import anything of ours.
+    Besides it the plugin takes only `common` (a leaf, see above)."""
     transfer = "kvagent_server.router.reuse.transfer"
     bad = sorted(f"{m} -> {t}" for m, ts in GRAPH.items()
                  if m.startswith("kvagent_server.vllm_plugin") for t in ts
-                 if t.startswith("kvagent_server.router") and t != transfer)
+                 if t.startswith("kvagent_server.") and t != transfer
+                 and not t.startswith(("kvagent_server.vllm_plugin", "kvagent_server.common")))
     assert not bad, bad
     for module in ("kvagent_server.router", "kvagent_server.router.reuse", transfer):
         assert not GRAPH[module], f"{module} imports {sorted(GRAPH[module])}"

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from kvagent_server.processes import stop_groups
+from kvagent_server.bundle.processes import stop_groups
 
 from benchmarks._procs import free_ports
 from benchmarks.fleet_sim import calibrate

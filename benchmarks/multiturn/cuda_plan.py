@@ -4,7 +4,7 @@
     python -m benchmarks.multiturn.cuda_plan --parse         # and vLLM's parser reads each
 
 For each configuration (`nodes.ALL_CONFIGS`) the bundle settings of `--device cuda` are
-validated by the bundle's own `validate_config` and rendered by `render.plan` on a host
+validated by the bundle's own `validate_config` and rendered by `bundle.render.plan` on a host
 with one GPU (what `kvagent-server up` would start), and the aggregated node's environment
 and arguments are built; `check()` then asserts what one GPU shared by P and D needs:
 device cuda, every node on GPU 0, no CPU pinning or VLLM_CPU_* variables, a KV size per
@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvagent_server.render import last_flag
+from kvagent_server.bundle.render import last_flag
 
 from .nodes import (
     ALL_CONFIGS,
@@ -56,9 +56,9 @@ def render_config(config: BenchConfig, work: Path, *, kv_cache_gib: int = 2,
         return {"name": config.name, "kind": config.kind, "device": "cuda",
                 "nodes": [{"name": "aggregated", "argv": argv, "env": env,
                            "cuda_device": env.get("CUDA_VISIBLE_DEVICES")}]}
+    from kvagent_server.bundle.inputs import gather_inputs
+    from kvagent_server.bundle.render import HostFacts, PlanInputs, plan
     from kvagent_server.config import validate_config
-    from kvagent_server.inputs import gather_inputs
-    from kvagent_server.render import HostFacts, PlanInputs, plan
 
     n = 2 * config.prefill_count + 3
     settings = bundle_settings(config, work / config.name / "run",

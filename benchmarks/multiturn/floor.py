@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, help="write the samples and summary as JSON")
     args = ap.parse_args(argv)
 
-    from kvagent_server import demo_model
+    from kvagent_server.models import demo as demo_model
 
     from .nodes import aggregated_node, foreign_vllm
 

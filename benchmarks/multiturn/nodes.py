@@ -1,5 +1,5 @@
 """Bring each benchmark configuration up and down: the kvagent bundle (router + P/D nodes)
-through `kvagent_server.supervisor.Bundle`, and a plain aggregated vLLM node.
+through `kvagent_server.bundle.supervisor.Bundle`, and a plain aggregated vLLM node.
 
 Only one configuration runs at a time: on a small CPU box two would fight for the cores and
 the numbers would measure the fight.
@@ -18,6 +18,7 @@ from typing import Literal, Self
 
 import httpx
 import psutil
+from kvagent_server.common.types import Device
 from kvagent_server.vllm_plugin.env import (
     CPU_SPIN_NAP_US,
     DEFAULT_SPIN_MS,
@@ -30,10 +31,8 @@ from benchmarks._procs import free_ports
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 
-#: Where the vLLM nodes run. `cuda`: every node of a configuration on GPU 0 (one GPU holds
-#: P and D), each with its own share of GPU memory; `cpu`: the cores are partitioned.
-Device = Literal["cpu", "cuda"]
-#: The one GPU every node uses with `cuda` (CUDA_VISIBLE_DEVICES).
+#: The one GPU every node of a configuration uses on `cuda` (CUDA_VISIBLE_DEVICES): one GPU
+#: holds P and D, each with its own share of GPU memory (on `cpu` the cores are partitioned).
 GPU = "0"
 #: Most of the GPU's memory the nodes of one configuration may claim together. vLLM
 #: checks at start-up that free memory >= total x `--gpu-memory-utilization`: with the
@@ -490,8 +489,8 @@ def bundle(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int,
            startup_timeout_s: float, model: str | None = None, device: Device = "cpu",
            engine_args: list[str] | None = None) -> Iterator[Endpoint]:
     """The kvagent bundle on free loopback ports, run directory inside `work_dir`."""
+    from kvagent_server.bundle.supervisor import Bundle
     from kvagent_server.config import validate_config
-    from kvagent_server.supervisor import Bundle
 
     ports = free_ports(2 * config.prefill_count + 3)
     cfg = validate_config(bundle_settings(
@@ -516,7 +515,7 @@ def shared_prefill_binds(cores: list[int], prefill_count: int) -> tuple[list[str
     """CPU binds for several P nodes and one D: the P nodes share the cores one P gets in
     the default 1P+1D bundle, D keeps its own. The comparison with one P then isolates
     placement across P nodes; the cores given to prefill and to decode stay the same."""
-    from kvagent_server.render import format_cpu_list, partition_cores
+    from kvagent_server.bundle.render import format_cpu_list, partition_cores
 
     if len(cores) < 2:
         raise ValueError("P and D need at least two cores between them")
@@ -529,7 +528,7 @@ def aggregated_args(model_path: str, port: int, serve_args: list[str] | None = N
     """What many users run today: one node, prefix caching on, cached-token counts on.
     `serve_args`: the model's own vLLM arguments (default: the demo model's)."""
     if serve_args is None:
-        from kvagent_server import demo_model
+        from kvagent_server.models import demo as demo_model
 
         serve_args = demo_model.demo_serve_args()
     return ["--model", model_path, "--host", "127.0.0.1", "--port", str(port),
@@ -544,7 +543,7 @@ def aggregated_device(device: Device, *, kv_cache_gib: int, serve_env: dict[str,
     (`--kv-cache-memory-bytes`, which is what the bundle renders), a node's share of GPU
     memory, and the bundle's block size; no VLLM_CPU_* variables."""
     if device == "cuda":
-        from kvagent_server.render import DEFAULT_BLOCK_SIZE
+        from kvagent_server.bundle.render import DEFAULT_BLOCK_SIZE
 
         return ({**serve_env, "CUDA_VISIBLE_DEVICES": GPU},
                 ["--kv-cache-memory-bytes", str(kv_cache_gib * 1024**3),
@@ -560,7 +559,7 @@ def aggregated_node(work_dir: Path, *, kv_cache_gib: int, startup_timeout_s: flo
                     device: Device = "cpu", engine_args: list[str] | None = None
                     ) -> Iterator[Endpoint]:
     """A plain `python -m vllm.entrypoints.openai.api_server` serving a built-in model."""
-    from kvagent_server import processes
+    from kvagent_server.bundle import processes
     from kvagent_server.models.builtin import builtin_model
 
     builtin = builtin_model(model)

@@ -46,8 +46,8 @@ import httpx
 
 HERE = Path(__file__).resolve().parent
 
-from kvagent_server.ports import free_port
-from kvagent_server.processes import stop_groups
+from kvagent_server.bundle.processes import stop_groups
+from kvagent_server.common.ports import free_port
 
 from benchmarks._procs import wait_ready
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvagent_server.ports import free_port
-from kvagent_server.processes import stop_groups
+from kvagent_server.bundle.processes import stop_groups
+from kvagent_server.common.ports import free_port
 
 from benchmarks.api import wait_ready
 

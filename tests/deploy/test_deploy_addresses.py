@@ -17,9 +17,9 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
+from kvagent_server.bundle.processes import stop_groups
+from kvagent_server.bundle.render import HostFacts, ModelSource, PlanInputs, plan
 from kvagent_server.config import validate_config
-from kvagent_server.processes import stop_groups
-from kvagent_server.render import HostFacts, ModelSource, PlanInputs, plan
 from kvagent_server.router.__main__ import parse_args
 from support import FAKE_NODE, free_ports
 

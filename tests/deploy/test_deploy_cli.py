@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 from deploy_helpers import NO_PLUGIN, config
-from kvagent_server.cli import app
+from kvagent_server.cli.app import app
 from kvagent_server.config import ConfigError
 from kvagent_server.deploy import DeployOptions, render_compose, render_kubernetes
 from typer.testing import CliRunner

@@ -54,7 +54,7 @@ GREEDY: dict[str, Any] = {"temperature": 0.0}
 class E2E:
     """The running bundle and what the tests need to drive and hurt it."""
 
-    bundle: Any  # kvagent_server.supervisor.Bundle
+    bundle: Any  # kvagent_server.bundle.supervisor.Bundle
     base_url: str
     router_url: str
     model: str
@@ -124,7 +124,7 @@ class E2E:
 
 def session(e: E2E, *, api_key: str = ALPHA_KEY, **kw: Any):
     from kvagent import Session
-    from kvagent_server.demo import TOOLS, system_prompt
+    from kvagent_server.demo.agent import TOOLS, system_prompt
 
     kw.setdefault("system", system_prompt())
     return Session(e.base_url, e.model, api_key=api_key, tools=list(TOOLS), timeout=600,
@@ -141,7 +141,7 @@ TEXT_TURN: dict[str, Any] = {"tool_choice": "none", "max_tokens": 16}
 def run_tools(s: Any, result: Any) -> None:
     """Execute the demo tools the model asked for and add their results to the history."""
     from kvagent import ToolResultMessage
-    from kvagent_server.demo import TOOLS
+    from kvagent_server.demo.agent import TOOLS
 
     by_name = {f.__name__: f for f in TOOLS}
     assert result.tool_calls, f"expected a tool call, got text {result.text!r}"
@@ -160,7 +160,7 @@ def reference(e: E2E, messages: Any, content: Any, opts: dict[str, Any]) -> Any:
     under a fresh random cache salt, so no block any earlier request computed can be hit;
     asserts P reports 0 cached prompt tokens."""
     from kvagent import Session
-    from kvagent_server.demo import TOOLS
+    from kvagent_server.demo.agent import TOOLS
 
     extra = {**opts.get("extra_body", {}), "cache_salt": uuid.uuid4().hex}
     with Session(f"{e.prefill_url}/v1", e.model, tools=list(TOOLS), timeout=600,

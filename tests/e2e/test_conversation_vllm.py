@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from kvagent import AssistantMessage, SystemMessage, UserMessage
-from kvagent_server.demo import USER_TURNS
+from kvagent_server.demo.agent import USER_TURNS
 
 from .e2e_helpers import (
     ALPHA_KEY,
@@ -219,7 +219,7 @@ def test_orphaned_prefill_leg_is_released(e2e: E2E) -> None:
     reads = "vllm:nixl_xfer_time_seconds_count"
     before_rel = e2e.metric(e2e.router_url, releases)
     before_reads = e2e.metric(e2e.decode_url, reads)
-    from kvagent_server.demo import system_prompt
+    from kvagent_server.demo.agent import system_prompt
 
     body = {"model": e2e.model, "max_tokens": 4, "logprobs": True, "top_logprobs": 25,
             "messages": [{"role": "system", "content": system_prompt()},

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from kvagent import APIStatusError, StreamInterrupted, TextDelta
-from kvagent_server.demo import USER_TURNS
+from kvagent_server.demo.agent import USER_TURNS
 from support import start_redis
 
 from .e2e_helpers import (

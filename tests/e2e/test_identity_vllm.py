@@ -31,7 +31,7 @@ class Chat:
     """One session through the router, raw HTTP (fields the SDK does not send)."""
 
     def __init__(self, e: E2E, first: str) -> None:
-        from kvagent_server.demo import system_prompt
+        from kvagent_server.demo.agent import system_prompt
 
         self.e = e
         self.session = uuid.uuid4().hex

@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Self
 
 import httpx
-from kvagent_server.demo_model import demo_serve_args, demo_serve_env, ensure_demo_model
-from kvagent_server.ports import free_port
-from kvagent_server.processes import stop_groups
+from kvagent_server.bundle.processes import stop_groups
+from kvagent_server.common.ports import free_port
+from kvagent_server.models.demo import demo_serve_args, demo_serve_env, ensure_demo_model
 from kvagent_server.vllm_plugin.env import node_args, node_env
 from support import TEST_ENGINE_ARGS
 

@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
-from kvagent_server import demo_model
+from kvagent_server.models import demo as demo_model
 
 TOOLS = [
     {

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvagent_server.processes import stop_groups
+from kvagent_server.bundle.processes import stop_groups
 from support import start_vllm_node, vllm_available
 
 pytestmark = [

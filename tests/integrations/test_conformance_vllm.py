@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from kvagent_server.processes import stop_groups
+from kvagent_server.bundle.processes import stop_groups
 from support import VLLMNode, start_vllm_node, vllm_available
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from kvagent_server.processes import stop_groups
+from kvagent_server.bundle.processes import stop_groups
 from kvagent_server.router.apis import sse
 from kvagent_server.router.apis.responses import (
     ApiError,

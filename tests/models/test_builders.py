@@ -13,10 +13,10 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+from kvagent_server.bundle.inputs import resolve_model
+from kvagent_server.bundle.render import HostFacts, ModelSource, PlanInputs, plan
 from kvagent_server.config import validate_config
-from kvagent_server.inputs import resolve_model
 from kvagent_server.models import builtin, lora, tekken
-from kvagent_server.render import HostFacts, ModelSource, PlanInputs, plan
 
 
 def _digest(path: Path) -> dict[str, str]:
@@ -297,8 +297,8 @@ def test_vlm_processor_expands_each_image_to_its_patches(vlm_dir: Path) -> None:
 
 
 def test_vlm_template_keeps_the_demo_format_for_text(vlm_dir: Path) -> None:
-    from kvagent_server.demo_model import CHAT_TEMPLATE
     from kvagent_server.models import vlm
+    from kvagent_server.models.demo import CHAT_TEMPLATE
 
     assert vlm.chat_template() != CHAT_TEMPLATE
     assert vlm.chat_template().replace(

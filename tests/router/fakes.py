@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvagent_server.ports import free_port
+from kvagent_server.common.ports import free_port
 from kvagent_server.router.reuse.transfer import EXPECT_KEY, FIRST_TOKEN_KEY, VERIFIED_KEY
 from kvagent_server.vllm_plugin.pull_check import check_offer
 from starlette.applications import Starlette

@@ -23,7 +23,7 @@ from kvagent import (
     tool,
 )
 from kvagent.protocol import CACHE_TOKEN_HEADER, SESSION_HEADER, valid_session_id
-from kvagent_server.ports import free_port
+from kvagent_server.common.ports import free_port
 from sdk_helpers import (
     BASE_URL,
     MODEL,

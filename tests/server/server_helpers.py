@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 import psutil
-from kvagent_server.render import HostFacts, ModelSource, PlanInputs
+from kvagent_server.bundle.render import HostFacts, ModelSource, PlanInputs
 
 
 def fake_inputs(cores: tuple[int, ...] = (0, 1), gpus: int = 0) -> PlanInputs:

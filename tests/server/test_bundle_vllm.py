@@ -15,9 +15,9 @@ import httpx
 import psutil
 import pytest
 import yaml
-from kvagent_server.processes import PROCESS_ENV, RUN_DIR_ENV
-from kvagent_server.render import parse_cpu_list
-from kvagent_server.runstate import load_state
+from kvagent_server.bundle.processes import PROCESS_ENV, RUN_DIR_ENV
+from kvagent_server.bundle.render import parse_cpu_list
+from kvagent_server.bundle.runstate import load_state
 from server_helpers import processes_mentioning
 from support import TEST_ENGINE_ARGS, free_ports
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from kvagent_server.bundle.render import plan
 from kvagent_server.config import (
     BundleConfig,
     ConfigError,
@@ -12,7 +13,6 @@ from kvagent_server.config import (
     load_config,
     validate_config,
 )
-from kvagent_server.render import plan
 from server_helpers import fake_inputs
 
 

@@ -33,7 +33,7 @@ def _run(argv: list[str], timeout: float = 300, **kw: object) -> subprocess.Comp
 
 def test_guard_names_the_extra_when_a_server_dependency_is_missing() -> None:
     code = ("import sys; sys.modules['typer'] = None\n"
-            "from kvagent_server._entry import server_main; server_main()")
+            "from kvagent_server.cli.entry import server_main; server_main()")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=False)
     assert res.returncode == 2, res.stderr
@@ -43,7 +43,7 @@ def test_guard_names_the_extra_when_a_server_dependency_is_missing() -> None:
 
 def test_guard_lets_our_own_import_errors_through() -> None:
     code = ("import sys; sys.modules['kvagent_server.config'] = None\n"
-            "from kvagent_server._entry import demo_main; demo_main()")
+            "from kvagent_server.cli.entry import demo_main; demo_main()")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=60, check=False)
     assert res.returncode == 1 and "ModuleNotFoundError" in res.stderr

@@ -6,7 +6,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from kvagent_server import install
+from kvagent_server.engine import install
 
 ROOT = Path(__file__).resolve().parents[2]
 

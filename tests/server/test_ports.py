@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 
-from kvagent_server import ports
+from kvagent_server.common import ports
 
 
 def test_draw_ranges_leave_out_the_ephemeral_range_and_small_slivers() -> None:

@@ -9,7 +9,7 @@ import sys
 import time
 
 import psutil
-from kvagent_server.processes import stop_groups
+from kvagent_server.bundle.processes import stop_groups
 
 #: A child that ignores SIGTERM (as a stuck engine core would) and then prints its pid.
 CHILD = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "

@@ -9,8 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvagent_server.config import ConfigError, validate_config
-from kvagent_server.render import (
+from kvagent_server.bundle.render import (
     BUILTIN_DEFAULT_MAX_TOKENS,
     HostFacts,
     ModelSource,
@@ -23,6 +22,7 @@ from kvagent_server.render import (
     render_json,
     render_shell,
 )
+from kvagent_server.config import ConfigError, validate_config
 from server_helpers import fake_inputs
 
 KV_P = ('{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu",'
@@ -148,7 +148,7 @@ def test_router_gets_the_models_placeholder_tokens_unless_configured(tmp_path: A
     them, so a changed image stops reuse at its position; a configured list wins."""
     from dataclasses import replace
 
-    from kvagent_server.inputs import placeholder_token_ids
+    from kvagent_server.bundle.inputs import placeholder_token_ids
 
     (tmp_path / "config.json").write_text(json.dumps(
         {"image_token_id": 7, "video_token_index": 9, "vocab_size": 100,
@@ -367,7 +367,7 @@ def test_json_output() -> None:
 
 
 def test_with_engine_id_replaces_only_the_connector_engine_id() -> None:
-    from kvagent_server.render import incarnation_engine_id, with_engine_id
+    from kvagent_server.bundle.render import incarnation_engine_id, with_engine_id
 
     kv = {"kv_connector": "NixlConnector", "engine_id": "b-decode-0", "kv_role": "kv_consumer"}
     argv = ["vllm", "--port", "1", "--kv-transfer-config", json.dumps(kv), "--x"]

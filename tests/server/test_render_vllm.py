@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from kvagent_server.bundle.render import BUILTIN_DEFAULT_MAX_TOKENS, HostFacts, PlanInputs, plan
 from kvagent_server.config import validate_config
-from kvagent_server.render import BUILTIN_DEFAULT_MAX_TOKENS, HostFacts, PlanInputs, plan
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def vllm_parser():
 @pytest.mark.vllm
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_vllm_parses_every_rendered_command(vllm_parser, device: str) -> None:
-    from kvagent_server.inputs import gather_inputs
+    from kvagent_server.bundle.inputs import gather_inputs
 
     cfg = validate_config({
         "device": device, "prefill": {"count": 2, "prefix_caching": False},

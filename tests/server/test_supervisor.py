@@ -18,10 +18,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from kvagent_server.bundle.processes import stop_groups
+from kvagent_server.bundle.runstate import load_state
+from kvagent_server.bundle.supervisor import Bundle, BundleError
 from kvagent_server.config import ConfigError, validate_config
-from kvagent_server.processes import stop_groups
-from kvagent_server.runstate import load_state
-from kvagent_server.supervisor import Bundle, BundleError
 from server_helpers import fake_inputs, processes_mentioning
 from support import free_ports
 
@@ -324,7 +324,7 @@ def test_cli_foreground_ctrl_c_stops_everything(config_file: Path, fake_config: 
 
 def test_stop_handler_raises_once() -> None:
     """A second Ctrl-C while stopping is ignored instead of aborting the stop."""
-    from kvagent_server.supervisor import _StopOnSignal
+    from kvagent_server.bundle.supervisor import _StopOnSignal
 
     handler = _StopOnSignal()
     with pytest.raises(KeyboardInterrupt):

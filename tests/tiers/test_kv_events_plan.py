@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from kvagent_server.bundle.render import HostFacts, ModelSource, PlanInputs, plan
 from kvagent_server.config import ConfigError, validate_config
-from kvagent_server.render import HostFacts, ModelSource, PlanInputs, plan
 from kvagent_server.router.settings import RouterSettings
 
 
@@ -118,7 +118,7 @@ def test_bad_kv_events_settings_are_explained(tmp_path: Path,
 
 
 def test_shell_output_creates_the_socket_directory_first(tmp_path: Path) -> None:
-    from kvagent_server.render import render_shell
+    from kvagent_server.bundle.render import render_shell
 
     run = tmp_path / "run"
     text = render_shell(plan(validate_config({"run_dir": str(run)}), inputs()))
@@ -162,7 +162,7 @@ def test_a_deep_run_dir_puts_the_sockets_in_a_short_temp_dir(tmp_path: Path) -> 
     """A unix socket address holds at most 107 bytes: a deep run dir (a pytest tmp dir, a
     long home) moves the sockets to one short directory per run dir, which the router's
     settings name too, and which `Bundle.start` and the shell script create."""
-    from kvagent_server.render import IPC_PATH_MAX, ipc_socket_dirs, render_shell
+    from kvagent_server.bundle.render import IPC_PATH_MAX, ipc_socket_dirs, render_shell
 
     deep = tmp_path / ("d" * 120)
     bp = plan(validate_config({"run_dir": str(deep)}), inputs())

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from kvagent_server.bundle.render import plan
 from kvagent_server.config import validate_config
-from kvagent_server.render import plan
 from test_kv_events_plan import events_of, inputs
 
 

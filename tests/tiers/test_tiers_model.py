@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvagent_server.tiers import KVTiers, TierConfigError, render_tiers
+from kvagent_server.engine.tiers import KVTiers, TierConfigError, render_tiers
 from pydantic import ValidationError
 
 NIXL_P: dict[str, Any] = {

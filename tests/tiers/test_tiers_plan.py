@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvagent_server.cli import app
+from kvagent_server.bundle.render import HostFacts, ModelSource, PlanInputs, plan
+from kvagent_server.cli.app import app
 from kvagent_server.config import ConfigError, load_config, validate_config
-from kvagent_server.render import HostFacts, ModelSource, PlanInputs, plan
 from typer.testing import CliRunner
 
 

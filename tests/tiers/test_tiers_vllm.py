@@ -1,6 +1,6 @@
 """The rendered tier config against the installed vLLM: its parser, config classes and source.
 
-Each fact `tiers.py` relies on (why MultiConnector, why no engine_id in children, why no
+Each fact `engine/tiers.py` relies on (why MultiConnector, why no engine_id in children, why no
 --kv-offloading-size, why GPU only) is checked here against the real code, so an upgrade
 that changes one fails loudly instead of starting a broken node.
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvagent_server import tiers as tiers_mod
-from kvagent_server.tiers import KVTiers, render_tiers
+from kvagent_server.engine import tiers as tiers_mod
+from kvagent_server.engine.tiers import KVTiers, render_tiers
 
 pytestmark = pytest.mark.vllm
 

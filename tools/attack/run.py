@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from kvagent_server.processes import stop_groups
+from kvagent_server.bundle.processes import stop_groups
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -142,7 +142,7 @@ class Target:
         """A target with the demo's tools and system prompt (the conversations it draws
         are the demo agent's)."""
         from kvagent.tools import as_tools
-        from kvagent_server.demo import TOOLS, system_prompt
+        from kvagent_server.demo.agent import TOOLS, system_prompt
 
         return cls(router_v1=router_v1, prefill_url=prefill_url, model=model,
                    api_key=api_key, tools=[t.to_wire() for t in as_tools(TOOLS).values()],

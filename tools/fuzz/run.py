@@ -29,7 +29,7 @@ from hypothesis import seed as hseed
 
 ROOT = Path(__file__).resolve().parents[2]
 
-from kvagent_server.ports import free_port
+from kvagent_server.common.ports import free_port
 
 from tools.fuzz.differential import Runner, Stats, Target, cases
 
@@ -39,11 +39,11 @@ COLORS = ((200, 20, 20), (20, 20, 200), (20, 160, 20))
 
 
 def start(run_dir: Path, args: argparse.Namespace) -> tuple[Any, Target]:
+    from kvagent_server.bundle.inputs import gather_inputs
+    from kvagent_server.bundle.supervisor import Bundle
     from kvagent_server.config import validate_config
-    from kvagent_server.inputs import gather_inputs
     from kvagent_server.models.builtin import builtin_model
     from kvagent_server.models.lora import builtin_adapter_for
-    from kvagent_server.supervisor import Bundle
 
     data: dict[str, Any] = {
         "name": "fuzz", "device": "cpu", "run_dir": str(run_dir), "kv_cache_gib": 1,

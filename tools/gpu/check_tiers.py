@@ -33,10 +33,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvagent_server.bundle.inputs import gather_inputs
+from kvagent_server.bundle.processes import stop_groups
+from kvagent_server.bundle.render import BundlePlan, HostFacts, PlanInputs, ProcessSpec, plan
 from kvagent_server.config import validate_config
-from kvagent_server.inputs import gather_inputs
-from kvagent_server.processes import stop_groups
-from kvagent_server.render import BundlePlan, HostFacts, PlanInputs, ProcessSpec, plan
 from kvagent_server.router.kv.hashing import BlockHasher
 from kvagent_server.router.turns.prompt_ids import tokenize_request
 

@@ -75,7 +75,7 @@ MODULES = (
     "vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector",
     "nixl._api",
     "kvagent_server.vllm_plugin",
-    "kvagent_server.supervisor",
+    "kvagent_server.bundle.supervisor",
     "kvagent_server.router.__main__",
     "benchmarks.multiturn.run",
 )

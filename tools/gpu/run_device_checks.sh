@@ -160,7 +160,7 @@ fi
 # itself comes from this checkout (PYTHONPATH above).
 if "$PY" - <<'EOF' 2>/dev/null
 from importlib.metadata import entry_points
-import kvagent_server.supervisor, kvagent_server.router.__main__  # noqa: F401
+import kvagent_server.bundle.supervisor, kvagent_server.router.__main__  # noqa: F401
 import starlette, uvicorn, aiohttp, orjson, zmq, msgspec  # noqa: F401
 assert any(e.name == "kvagent" for e in entry_points(group="vllm.general_plugins"))
 EOF

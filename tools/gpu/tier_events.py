@@ -192,7 +192,7 @@ class EventListener:
 
 def vllm_keys(token_ids: Sequence[int], block_size: int, source: KVEventSource) -> list[int]:
     """A's block hashes as vLLM's own scheduler code computes and publishes them, under
-    the node's algorithm and PYTHONHASHSEED (not the router's `kv_hash`)."""
+    the node's algorithm and PYTHONHASHSEED (not the router's `kv.hashing`)."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core import kv_cache_utils as u
 

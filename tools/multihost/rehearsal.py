@@ -27,9 +27,9 @@ from typing import Any, Self
 
 import httpx
 import yaml
+from kvagent_server.bundle.inputs import resolve_model
+from kvagent_server.bundle.processes import stop_groups
 from kvagent_server.config import validate_config
-from kvagent_server.inputs import resolve_model
-from kvagent_server.processes import stop_groups
 from kvagent_server.router.store.factory import KEY_SYNC_INTERVAL_S
 
 from tools.multihost import netns

@@ -2,8 +2,8 @@
 precise errors (`loading`), and its generated reference (`reference`).
 
 Everything `kvagent-server` does is a function of a `BundleConfig` plus a few facts about
-the host (cores, GPUs, see `render.HostFacts`). Checks that need only the config live in
-the model; checks that need the host (no GPU, too few cores) live in `render.plan`. Both
+the host (cores, GPUs, see `bundle.render.HostFacts`). Checks that need only the config live in
+the model; checks that need the host (no GPU, too few cores) live in `bundle.render.plan`. Both
 raise `ConfigError`, whose `problems` are one line each, prefixed with the YAML path.
 """
 
@@ -17,15 +17,13 @@ from kvagent_server.config.loading import (
 )
 from kvagent_server.config.model import (
     DEFAULT_RUN_ROOT,
-    ROLES,
     BundleConfig,
     ConfigError,
     KVEventsConfig,
-    Role,
     RoleConfig,
 )
 from kvagent_server.config.reference import config_reference_markdown
 
-__all__ = ["DEFAULT_RUN_ROOT", "ROLES", "BundleConfig", "ConfigError", "KVEventsConfig", "Role",
-           "RoleConfig", "config_reference_markdown", "dump_config", "format_validation_error",
+__all__ = ["DEFAULT_RUN_ROOT", "BundleConfig", "ConfigError", "KVEventsConfig", "RoleConfig",
+           "config_reference_markdown", "dump_config", "format_validation_error",
            "load_config", "reveal_secrets", "set_dotted", "validate_config"]

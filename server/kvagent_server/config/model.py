@@ -1,8 +1,8 @@
 """The bundle configuration model: one validated `BundleConfig`.
 
 Everything `kvagent-server` does is a function of a `BundleConfig` plus a few facts about
-the host (cores, GPUs, see `render.HostFacts`). Checks that need only the config live here;
-checks that need the host (no GPU, too few cores) live in `render.plan`. Both raise
+the host (cores, GPUs, see `bundle.render.HostFacts`). Checks that need only the config live here;
+checks that need the host (no GPU, too few cores) live in `bundle.render.plan`. Both raise
 `ConfigError`, whose `problems` are one line each, prefixed with the YAML path.
 """
 
@@ -13,11 +13,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from kvagent_server.common.types import ROLES, Role
+from kvagent_server.engine.tiers import KVTiers
 from kvagent_server.router.settings import RouterSettings
-from kvagent_server.tiers import KVTiers
-
-Role = Literal["prefill", "decode"]
-ROLES: tuple[Role, Role] = ("prefill", "decode")
 
 DEFAULT_RUN_ROOT = Path("~/.cache/kvagent/run")
 _NAME_RE = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"

@@ -13,10 +13,10 @@ from typing import Any
 
 import yaml
 
+from kvagent_server.bundle.render import ROUTER_SETTINGS_FILE, ProcessSpec
 from kvagent_server.config import BundleConfig
 from kvagent_server.deploy.options import DeployOptions
 from kvagent_server.deploy.plan import SETTINGS_DIR, DeployPlan, PerRole, deploy_plan
-from kvagent_server.render import ROUTER_SETTINGS_FILE, ProcessSpec
 
 _SETTINGS = "router-settings"
 

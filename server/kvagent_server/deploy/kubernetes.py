@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from kvagent_server.bundle.render import ROUTER_SETTINGS_FILE
 from kvagent_server.config import BundleConfig
 from kvagent_server.deploy.options import DeployOptions
 from kvagent_server.deploy.plan import (
@@ -23,7 +24,6 @@ from kvagent_server.deploy.plan import (
     RoleSpec,
     deploy_plan,
 )
-from kvagent_server.render import ROUTER_SETTINGS_FILE
 
 _PART_OF = "kvagent"
 

@@ -1,6 +1,6 @@
 """The bundle's processes as container specs: one shared core for every deploy target.
 
-The commands come from `render.plan`, the same function `kvagent-server up` runs, fed a
+The commands come from `bundle.render.plan`, the same function `kvagent-server up` runs, fed a
 config rewritten for containers (bind 0.0.0.0, no core pinning, settings under
 /etc/kvagent); only what differs per pod is replaced afterwards: the NIXL engine id
 becomes the pod name and the side-channel host the pod IP (NIXL binds to it).
@@ -12,9 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from kvagent_server.config import ROLES, BundleConfig, ConfigError, Role
-from kvagent_server.deploy.options import UCX_TLS, DeployOptions
-from kvagent_server.render import (
+from kvagent_server.bundle.render import (
     BundlePlan,
     HostFacts,
     ModelSource,
@@ -23,6 +21,9 @@ from kvagent_server.render import (
     plan,
     with_engine_id,
 )
+from kvagent_server.common.types import ROLES, Device, Role
+from kvagent_server.config import BundleConfig, ConfigError
+from kvagent_server.deploy.options import UCX_TLS, DeployOptions
 
 Target = Literal["kubernetes", "compose"]
 SETTINGS_DIR = "/etc/kvagent"
@@ -51,7 +52,7 @@ class RoleSpec:
 class DeployPlan:
     config: BundleConfig
     options: DeployOptions
-    device: Literal["cpu", "cuda"]
+    device: Device
     bundle: BundlePlan
     roles: dict[str, RoleSpec]
     router_argv: tuple[str, ...] | None
@@ -67,7 +68,7 @@ def deploy_plan(cfg: BundleConfig, options: DeployOptions, *, target: Target,
     if cfg.model is None:
         problems.append("model: required for deploy (the demo model is built on the local "
                         "machine; give a model name or a path inside the image/volume)")
-    device: Literal["cpu", "cuda"] = "cpu" if cfg.device == "cpu" else "cuda"
+    device: Device = "cpu" if cfg.device == "cpu" else "cuda"
     redis = _redis_mode(cfg, options, target, problems)
     tiers = cfg.kv_tiers
     if (target == "kubernetes" and tiers.disk is not None
@@ -169,6 +170,6 @@ def _redis_mode(cfg: BundleConfig, options: DeployOptions, target: Target,
 
 
 def _plugin_needs() -> tuple[PerRole, dict[str, tuple[str, ...]]]:
-    from kvagent_server.inputs import plugin_needs
+    from kvagent_server.bundle.inputs import plugin_needs
 
     return plugin_needs()

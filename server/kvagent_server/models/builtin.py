@@ -2,7 +2,7 @@
 `kvagent demo --model` accept besides a path or hub name.
 
 Each entry knows how to build its directory (once, then cached) and the vLLM arguments and
-environment it must be served with; `inputs.resolve_model` turns one into a `ModelSource`.
+environment it must be served with; `bundle.inputs.resolve_model` turns one into a `ModelSource`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ class BuiltinModel:
 
 
 def _demo() -> BuiltinModel:
-    from kvagent_server import demo_model as m
+    from kvagent_server.models import demo as m
 
     return BuiltinModel(m.DEMO_MODEL_NAME, m.DEMO_MODEL_VERSION, m.ensure_demo_model,
                         m.demo_serve_args, m.demo_serve_env, m.DEMO_MAX_MODEL_LEN,

@@ -99,7 +99,7 @@ def write_lora(out: Path, base_model_dir: Path, *, rank: int = LORA_RANK,
 
 def ensure_demo_lora(cache_dir: Path | None = None) -> Path:
     """The demo model's adapter directory, built (deterministically) on first use."""
-    from kvagent_server.demo_model import ensure_demo_model
+    from kvagent_server.models.demo import ensure_demo_model
 
     base = ensure_demo_model(cache_dir)
     return ensure_built(DEMO_LORA_VERSION, lambda out: write_lora(out, base), cache_dir,

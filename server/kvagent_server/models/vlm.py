@@ -53,7 +53,7 @@ def vlm_serve_args(max_model_len: int = VLM_MAX_MODEL_LEN) -> list[str]:
     """vLLM serve arguments the model needs besides `--model PATH`: the demo model's (its
     chat template, so its tool calling, is the demo's) under the VLM's name, and at most 4
     images per prompt, which keeps the encoder's profiling run small."""
-    from kvagent_server.demo_model import demo_serve_args
+    from kvagent_server.models.demo import demo_serve_args
 
     args = demo_serve_args(max_model_len)
     args[args.index("--served-model-name") + 1] = VLM_MODEL_NAME
@@ -62,7 +62,7 @@ def vlm_serve_args(max_model_len: int = VLM_MAX_MODEL_LEN) -> list[str]:
 
 def vlm_serve_env() -> dict[str, str]:
     """The demo model's environment (the same tool-call setup)."""
-    from kvagent_server.demo_model import demo_serve_env
+    from kvagent_server.models.demo import demo_serve_env
 
     return demo_serve_env()
 
@@ -75,7 +75,7 @@ def ensure_vlm_model(cache_dir: Path | None = None) -> Path:
 def chat_template() -> str:
     """The demo model's template, with an `<image>` placeholder for each image part (vLLM
     and the processor expand it to the image's tokens)."""
-    from kvagent_server.demo_model import CHAT_TEMPLATE
+    from kvagent_server.models.demo import CHAT_TEMPLATE
 
     text_only = "{%- if part.text is defined -%}{{ part.text }}{%- endif -%}"
     assert text_only in CHAT_TEMPLATE, "the demo template changed: update the VLM's"
@@ -98,7 +98,7 @@ def _build(out: Path, cache_dir: Path | None) -> None:
         LlamaConfig,
     )
 
-    from kvagent_server.demo_model import DEMO_MAX_MODEL_LEN, ensure_demo_model
+    from kvagent_server.models.demo import DEMO_MAX_MODEL_LEN, ensure_demo_model
 
     tok = AutoTokenizer.from_pretrained(str(ensure_demo_model(cache_dir)))
     # The processor adds <image>, <fake_token_around_image> and <end_of_utterance>; the

@@ -1,13 +1,13 @@
 """What every vLLM node of the bundle needs in its environment and command line.
 
-Pure functions: the bundle's renderer (`kvagent_server.render`) merges these into each node
+Pure functions: the bundle's renderer (`kvagent_server.bundle.render`) merges these into each node
 command it writes, and tests call them directly. Why each setting exists is in
 docs/engine.md ("The idle spin and the hang").
 """
 
 from __future__ import annotations
 
-ROLES = ("prefill", "decode")
+from kvagent_server.common.types import ROLES
 
 #: Enables the plugin (`kvagent_server.vllm_plugin:register`); without it the plugin is inert.
 PLUGIN_ENV = "KVAGENT_PLUGIN"

@@ -396,7 +396,7 @@ async def test_redis_node_index_lives_as_long_as_its_longest_handle(
 
 @pytest.mark.redis
 async def test_redis_ping_fails_cleanly_when_unreachable() -> None:
-    from kvagent_server.ports import free_port
+    from kvagent_server.common.ports import free_port
 
     port = free_port()  # a port nobody listens on
     store = RedisStore.from_url(f"redis://127.0.0.1:{port}/0")

@@ -178,7 +178,7 @@ _HOOKS = {
 
 def _install() -> None:
     global _NODE
-    from kvagent_server.processes import PROCESS_ENV
+    from kvagent_server.bundle.processes import PROCESS_ENV
     from kvagent_server.vllm_plugin.import_hooks import when_imported
 
     _NODE = os.environ.get(PROCESS_ENV, _NODE)

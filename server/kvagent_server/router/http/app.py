@@ -1,8 +1,9 @@
 """The router's HTTP surface: an OpenAI-compatible starlette app in front of P/D nodes.
 
 This module only speaks HTTP: it authenticates, validates, extracts the session and the
-token, enforces limits, and turns a planned `Turn` into a streamed or whole response.
-What to reuse and where to send a turn is decided in `planner`/`placement` (via `turn`).
+token, enforces limits, and turns a turn into a streamed or whole response: it opens the
+turn (`turns.pipeline`: gather, decide, execute), relays D's answer (`turns.relay`),
+settles it (`turns.settle`) and writes the answer's tail.
 """
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any
 
-HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+from kvagent_server.common.types import HashAlgo
 
 #: The seed vLLM uses for the sha256 algorithms when PYTHONHASHSEED is unset.
 DEFAULT_SEED = "vllm-none-hash"

@@ -1,7 +1,7 @@
 """Which KV blocks each node holds, per tier, as its KV events tell (no I/O here).
 
 Nodes publish `BlockStored` / `BlockRemoved` / `AllBlocksCleared` in numbered batches
-(vLLM's ZMQ publisher; `kv_events.py` decodes them). The index keeps, per node and per
+(vLLM's ZMQ publisher; `kv.events` decodes them). The index keeps, per node and per
 tier, the hashes stored there, and answers "how long a prefix of this prompt does each
 node hold, in each tier" for placement (`tiers.NodeTierHits`).
 
@@ -26,7 +26,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvagent_server.router.kv.hashing import HashAlgo
+from kvagent_server.common.types import HashAlgo
 from kvagent_server.router.kv.tiers import NodeTierHits, TierName
 
 MEDIUM_TIERS: dict[str | None, TierName] = {None: "gpu", "GPU": "gpu", "CPU": "cpu",

@@ -17,6 +17,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvagent_server.common.types import Role
 from kvagent_server.router.kv.tiers import NodeTierHits, TierCosts, rank_nodes
 
 #: Why a P node was chosen: by load alone, by a tier hit, by load after the index found
@@ -35,7 +36,7 @@ class NodeState(BaseModel):
 
     node_id: str
     url: str
-    role: Literal["prefill", "decode"]
+    role: Role
     healthy: bool
     in_flight: int = Field(ge=0)
     epoch: str

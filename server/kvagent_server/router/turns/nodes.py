@@ -14,16 +14,14 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
+from kvagent_server.common.types import Role
 from kvagent_server.router.common.periodic import Periodic
 from kvagent_server.router.reuse.placement import NodeState
 from kvagent_server.router.turns.upstream import ConnectFailed, NodeHttp, UpstreamError
 
 log = logging.getLogger("kvagent.router.nodes")
 _BLOCK_SIZE_RE = re.compile(r'[{,]block_size="(\d+)"')
-
-Role = Literal["prefill", "decode"]
 
 
 @dataclass

@@ -17,8 +17,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kvagent_server.config import ROLES, BundleConfig, ConfigError, Role, reveal_secrets
-from kvagent_server.tiers import TierConfigError, render_tiers
+from kvagent_server.common.types import ROLES, Device, Role
+from kvagent_server.config import BundleConfig, ConfigError, reveal_secrets
+from kvagent_server.engine.tiers import TierConfigError, render_tiers
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 ROUTER_MODULE = "kvagent_server.router"
@@ -45,7 +46,6 @@ DEFAULT_DECODE_PROMPT_CAP: dict[str, int] = {"cpu": 128}
 #: (HTTP 400). A request's own `max_tokens` still wins; a role's `extra_args` may override.
 BUILTIN_DEFAULT_MAX_TOKENS = 256
 
-Device = Literal["cpu", "cuda"]
 ProcessRole = Literal["prefill", "decode", "router"]
 
 
@@ -203,7 +203,7 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
         if device == "cuda":
             args += ["--kv-cache-memory-bytes", str(cfg.kv_cache_gib * 1024**3)]
         events = None
-        if (role, i) in event_nodes:  # KV events for tier-aware placement (see kv_index.py)
+        if (role, i) in event_nodes:  # KV events for tier-aware placement (see router/kv/index.py)
             events = _kv_events_endpoints(cfg, role, i, run_dir, host, event_ports)
             args += ["--kv-events-config", json.dumps({
                 "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events[0],

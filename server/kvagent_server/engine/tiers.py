@@ -2,8 +2,8 @@
 
 `KVTiers` is the validated config (the bundle's `kv_tiers:` section); `render_tiers` turns
 it into the extra arguments, environment and `--kv-transfer-config` of one node, combining
-the tier connector with the bundle's NIXL connector through vLLM's `MultiConnector`;
-`tier_score` estimates a node's prefill cost from its per-tier prefix hits (for placement).
+the tier connector with the bundle's NIXL connector through vLLM's `MultiConnector`.
+What a tier hit is worth to placement is the router's (`router.kv.tiers.tier_score`).
 
 Facts this module relies on, read in vLLM 0.32's source (paths under `vllm/`):
 
@@ -36,9 +36,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-Role = Literal["prefill", "decode"]
-Device = Literal["cpu", "cuda"]
-HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+from kvagent_server.common.types import Device, HashAlgo, Role
 
 #: Where vLLM refuses the native tiers off GPU (checked by tests/tiers against the source).
 CPU_OFFLOAD_PLATFORM_CHECK = "vllm/v1/kv_offload/cpu/spec.py:199"

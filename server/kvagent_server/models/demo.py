@@ -12,7 +12,7 @@ understands the model's tool calls.
 
 Usage::
 
-    from kvagent_server.demo_model import demo_serve_args, demo_serve_env, ensure_demo_model
+    from kvagent_server.models.demo import demo_serve_args, demo_serve_env, ensure_demo_model
     path = ensure_demo_model()          # builds once, then returns the cached directory
     argv = ["--model", str(path), *demo_serve_args()]
     env = {**os.environ, **demo_serve_env()}
@@ -21,7 +21,7 @@ The model emits a *complete* tool call when asked with `tool_choice` named or "r
 (with `parallel_tool_calls: false`) and the tool's parameters are bounded (enums,
 booleans); free-text string arguments never end (random weights), and `"auto"` yields text.
 
-or ``python -m kvagent_server.demo_model`` to build it and print its path.
+or ``python -m kvagent_server.models.demo`` to build it and print its path.
 """
 
 from __future__ import annotations

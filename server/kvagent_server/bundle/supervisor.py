@@ -4,7 +4,7 @@
         print(bundle.router_url, bundle.node_urls("decode"))
 
 `kvagent-server up` is this class plus signal handling; `up --detach` runs it in a daemon
-(`python -m kvagent_server.supervisor --config FILE`) and waits on the state file.
+(`python -m kvagent_server.bundle.supervisor --config FILE`) and waits on the state file.
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ from typing import Any
 
 import httpx
 
-from kvagent_server import processes
-from kvagent_server.config import BundleConfig, ConfigError, dump_config, validate_config
-from kvagent_server.render import (
+from kvagent_server.bundle import processes
+from kvagent_server.bundle.render import (
     BundlePlan,
     PlanInputs,
     ProcessSpec,
@@ -36,7 +35,7 @@ from kvagent_server.render import (
     plan,
     with_engine_id,
 )
-from kvagent_server.runstate import (
+from kvagent_server.bundle.runstate import (
     CONFIG_FILE,
     LOG_DIR,
     ProcState,
@@ -45,6 +44,7 @@ from kvagent_server.runstate import (
     restart_delay,
     save_state,
 )
+from kvagent_server.config import BundleConfig, ConfigError, dump_config, validate_config
 
 _TICK_S = 0.25
 _HEALTH_EVERY_S = 0.5
@@ -84,7 +84,7 @@ class Bundle:
     def __init__(self, config: BundleConfig, *, inputs: PlanInputs | None = None,
                  on_event: Callable[[str], None] | None = None) -> None:
         if inputs is None:
-            from kvagent_server.inputs import gather_inputs
+            from kvagent_server.bundle.inputs import gather_inputs
 
             inputs = gather_inputs(config)
         self.config = config
@@ -487,8 +487,8 @@ def run_foreground(bundle: Bundle, *, wait: Callable[[Bundle], None] | None = No
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kvagent_server.supervisor --config FILE`: the detached supervisor daemon."""
-    parser = argparse.ArgumentParser(prog="python -m kvagent_server.supervisor")
+    """`python -m kvagent_server.bundle.supervisor --config FILE`: the detached daemon."""
+    parser = argparse.ArgumentParser(prog="python -m kvagent_server.bundle.supervisor")
     parser.add_argument("--config", required=True, type=Path,
                         help="a config JSON written by `kvagent-server up --detach`")
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""`kvagent-server install-engine` / `python -m kvagent_server.install`: the vLLM engine.
+"""`kvagent-server install-engine` / `python -m kvagent_server.engine.install`: the vLLM engine.
 
 One command on a fresh machine: pip-installs the engine of the chosen device into the
 running interpreter (CPU: plus the `nixl` meta package without its dependencies), then
@@ -16,9 +16,9 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Any
 
-Device = Literal["cpu", "cuda"]
+from kvagent_server.common.types import Device
 
 #: Keep in sync with the `cpu` / `gpu` extras in pyproject.toml (a test checks it).
 REQUIREMENTS: dict[str, tuple[str, ...]] = {
@@ -186,7 +186,7 @@ def install(device: Device = "cpu", *, torch_index: str = DEFAULT_TORCH_INDEX,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvagent_server.install",
+        prog="python -m kvagent_server.engine.install",
         description="Install the vLLM engine kvagent-server runs (idempotent).")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--torch-index", default=DEFAULT_TORCH_INDEX,

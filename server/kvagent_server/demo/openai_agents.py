@@ -1,6 +1,6 @@
 """`kvagent demo --agent openai-agents`: the demo's agent as a stock OpenAI Agents SDK agent.
 
-The same on-call scenario and tools as the SDK demo (`demo`), but run by `agents.Agent`
+The same on-call scenario and tools as the SDK demo (`agent`), but run by `agents.Agent`
 with its default model (the Responses API), pointed at the router by a base URL and
 nothing else: no session id, no cache token. The router finds each turn's conversation by
 its content (docs/agents/index.md), and the table shows what the SDK itself reports: its
@@ -16,7 +16,7 @@ from typing import Any
 
 from rich.live import Live
 
-from kvagent_server.demo import TOOLS, USER_TURNS, Row, console, system_prompt, table
+from kvagent_server.demo.agent import TOOLS, USER_TURNS, Row, console, system_prompt, table
 
 #: Events of a Responses stream that carry the first generated token.
 _FIRST_TOKEN_EVENTS = ("response.output_text.delta", "response.function_call_arguments.delta",

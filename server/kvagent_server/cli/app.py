@@ -1,7 +1,8 @@
 """`kvagent-server`: up, down, status, render, deploy, install-engine (and the `kvagent` demo app).
 
-A thin shell: configuration in `config`, commands in `render`, supervision in `supervisor`,
-the detached supervisor in `daemon`; this module only parses flags and prints.
+A thin shell: configuration in `config`, commands in `bundle.render`, supervision in
+`bundle.supervisor`, the detached supervisor in `bundle.daemon`; this module only parses
+flags and prints.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import typer
 import yaml
@@ -18,18 +19,20 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from kvagent_server import __version__, processes
+from kvagent_server import __version__
+from kvagent_server.bundle import processes
+from kvagent_server.bundle.runstate import (
+    STATE_FILE,
+    SUPERVISOR_LOG,
+    RunState,
+    load_state,
+)
+from kvagent_server.common.types import Device
 from kvagent_server.config import (
     DEFAULT_RUN_ROOT,
     BundleConfig,
     ConfigError,
     load_config,
-)
-from kvagent_server.runstate import (
-    STATE_FILE,
-    SUPERVISOR_LOG,
-    RunState,
-    load_state,
 )
 
 app = typer.Typer(
@@ -189,8 +192,8 @@ def up(
 
     Foreground by default: Ctrl-C stops everything. With --detach, stop with `down`.
     """
-    from kvagent_server.inputs import gather_inputs
-    from kvagent_server.supervisor import Bundle, BundleError, run_foreground
+    from kvagent_server.bundle.inputs import gather_inputs
+    from kvagent_server.bundle.supervisor import Bundle, BundleError, run_foreground
 
     cfg = _config(config, name=name, run_dir=run_dir, model=model,
                   served_model_name=served_model_name, device=device, prefill=prefill,
@@ -228,8 +231,8 @@ def up(
 
 def _up_detached(cfg: BundleConfig, bundle: Any) -> int:
     """Run the supervisor as a daemon and wait (with progress) until it reports healthy."""
-    from kvagent_server import daemon as detached
-    from kvagent_server.supervisor import BundleError
+    from kvagent_server.bundle import daemon as detached
+    from kvagent_server.bundle.supervisor import BundleError
 
     run_dir = cfg.resolved_run_dir()
     try:
@@ -275,7 +278,7 @@ def down(config: ConfigOpt = None, name: NameOpt = None, run_dir: RunDirOpt = No
          grace: Annotated[float, typer.Option(help="SIGTERM → SIGKILL grace, s.")] = 15.0,
          ) -> None:
     """Stop a bundle (its supervisor, nodes, router and all their children)."""
-    from kvagent_server import daemon as detached
+    from kvagent_server.bundle import daemon as detached
 
     rd = _run_dir(config, name, run_dir)
     with console.status("Stopping…"):
@@ -300,7 +303,7 @@ def status(config: ConfigOpt = None, name: NameOpt = None, run_dir: RunDirOpt = 
 
     Exit code 0 when every process is healthy, 1 otherwise.
     """
-    from kvagent_server.supervisor import probe
+    from kvagent_server.bundle.supervisor import probe
 
     rd = _run_dir(config, name, run_dir)
     state = load_state(rd)
@@ -364,8 +367,8 @@ def render(
 
     For running the nodes on other machines; nothing is started.
     """
-    from kvagent_server.inputs import gather_inputs
-    from kvagent_server.render import plan, render_json, render_shell
+    from kvagent_server.bundle.inputs import gather_inputs
+    from kvagent_server.bundle.render import plan, render_json, render_shell
 
     if fmt not in ("shell", "json"):
         err.print(f"--format: {fmt!r} is not one of shell, json")
@@ -434,12 +437,12 @@ def install_engine(
     force: Annotated[bool, typer.Option(help="Reinstall even when it already works.")] = False,
 ) -> None:
     """Install the vLLM engine (and NIXL) into this Python environment."""
-    from kvagent_server.install import DEFAULT_TORCH_INDEX, install
+    from kvagent_server.engine.install import DEFAULT_TORCH_INDEX, install
 
     if device not in ("cpu", "cuda"):
         err.print(f"--device: {device!r} is not one of cpu, cuda")
         raise typer.Exit(2)
-    dev: Literal["cpu", "cuda"] = "cpu" if device == "cpu" else "cuda"
+    dev: Device = "cpu" if device == "cpu" else "cuda"
     raise typer.Exit(install(dev, torch_index=DEFAULT_TORCH_INDEX if torch_index is None
                              else torch_index, force=force, console=console))
 
@@ -490,13 +493,13 @@ def demo(
     ] = "sdk",
 ) -> None:
     """Bring up 1 P + 1 D + the router, run a tool-using agent, show per-turn reuse and TTFT."""
-    from kvagent_server.demo import Driver, run_demo
+    from kvagent_server.demo.agent import Driver, run_demo
 
     if agent not in ("sdk", "openai-agents"):
         raise typer.BadParameter("must be `sdk` or `openai-agents`", param_hint="--agent")
     driver: Driver | None = None
     if agent == "openai-agents":
-        from kvagent_server import demo_openai_agents
+        from kvagent_server.demo import openai_agents as demo_openai_agents
 
         missing = demo_openai_agents.missing_message()
         if missing is not None:
@@ -506,6 +509,3 @@ def demo(
     raise typer.Exit(run_demo(model=model, keep_running=keep_running, turns=turns, port=port,
                               baseline=baseline, driver=driver))
 
-
-if __name__ == "__main__":
-    app()

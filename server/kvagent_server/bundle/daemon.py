@@ -1,6 +1,6 @@
 """The detached supervisor: start it, find out how it is doing, stop it and its bundle.
 
-`kvagent-server up --detach` runs the supervisor (`python -m kvagent_server.supervisor`) as
+`kvagent-server up --detach` runs the supervisor (`python -m kvagent_server.bundle.supervisor`) as
 a daemon in its own session; `down` stops it and anything left of the bundle. The daemon
 reports through the run directory's state file (`runstate`); processes are found by the
 markers every bundle process carries (`processes`), so a stop never misses a child.
@@ -16,10 +16,16 @@ import sys
 import time
 from pathlib import Path
 
-from kvagent_server import processes
+from kvagent_server.bundle import processes
+from kvagent_server.bundle.runstate import (
+    CONFIG_FILE,
+    SUPERVISOR_LOG,
+    RunState,
+    load_state,
+    save_state,
+)
+from kvagent_server.bundle.supervisor import write_private
 from kvagent_server.config import BundleConfig, dump_config
-from kvagent_server.runstate import CONFIG_FILE, SUPERVISOR_LOG, RunState, load_state, save_state
-from kvagent_server.supervisor import write_private
 
 
 def start(cfg: BundleConfig) -> subprocess.Popen[bytes]:
@@ -30,7 +36,7 @@ def start(cfg: BundleConfig) -> subprocess.Popen[bytes]:
     write_private(cfg_path, json.dumps(dump_config(cfg), indent=2))
     with open(run_dir / SUPERVISOR_LOG, "ab") as log:
         return subprocess.Popen(
-            [sys.executable, "-m", "kvagent_server.supervisor", "--config", str(cfg_path)],
+            [sys.executable, "-m", "kvagent_server.bundle.supervisor", "--config", str(cfg_path)],
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, close_fds=True,
         )

@@ -15,7 +15,7 @@ _INSTALL_HINT = "pip install 'kvagent[server]'"
 
 def _cli_attr(script: str, name: str) -> Any:
     try:
-        from kvagent_server import cli
+        from kvagent_server.cli import app
     except ModuleNotFoundError as exc:
         missing = (exc.name or "").partition(".")[0]
         if not missing or missing.startswith("kvagent"):
@@ -23,7 +23,7 @@ def _cli_attr(script: str, name: str) -> Any:
         sys.stderr.write(f"{script}: needs the server extra (module {missing!r} is not "
                          f"installed); install it with: {_INSTALL_HINT}\n")
         raise SystemExit(2) from None
-    return getattr(cli, name)
+    return getattr(app, name)
 
 
 def server_main() -> None:

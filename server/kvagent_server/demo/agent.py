@@ -26,7 +26,7 @@ from rich.console import Console, JustifyMethod
 from rich.live import Live
 from rich.table import Table
 
-from kvagent_server.ports import free_port, port_free
+from kvagent_server.common.ports import free_port, port_free
 
 console = Console()
 
@@ -224,7 +224,7 @@ def demo_config(model: str | None, run_dir: Path | None, port: int) -> Any:
 
 
 #: Another driver of the demo's agent than kvagent's SDK: (router URL, served model, user
-#: turns) -> one row per model call (`demo_openai_agents.run_agent`: a stock framework's
+#: turns) -> one row per model call (`openai_agents.run_agent`: a stock framework's
 #: agent that knows nothing of kvagent).
 Driver = Callable[[str, str, int], Sequence[Row]]
 
@@ -233,9 +233,9 @@ def run_demo(*, model: str | None = None, keep_running: bool = False, turns: int
              port: int = 8000, run_dir: Path | None = None, baseline: bool = True,
              driver: Driver | None = None) -> int:
     """Start the bundle, run the agent, print the table, stop everything (also on Ctrl-C)."""
+    from kvagent_server.bundle.inputs import gather_inputs
+    from kvagent_server.bundle.supervisor import Bundle, BundleError
     from kvagent_server.config import ConfigError
-    from kvagent_server.inputs import gather_inputs
-    from kvagent_server.supervisor import Bundle, BundleError
 
     if not 1 <= turns <= len(USER_TURNS):
         console.print(f"[red]--turns must be between 1 and {len(USER_TURNS)}[/]")
@@ -288,6 +288,6 @@ def run_demo(*, model: str | None = None, keep_running: bool = False, turns: int
 
 
 def _served_name(config: Any) -> str:
-    from kvagent_server.demo_model import DEMO_MODEL_NAME
+    from kvagent_server.models.demo import DEMO_MODEL_NAME
 
     return DEMO_MODEL_NAME if config.model is None else str(config.model)

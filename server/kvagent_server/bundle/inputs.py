@@ -12,8 +12,9 @@ import os
 import sys
 from pathlib import Path
 
-from kvagent_server.config import ROLES, BundleConfig, ConfigError
-from kvagent_server.render import HostFacts, ModelSource, PlanInputs
+from kvagent_server.bundle.render import HostFacts, ModelSource, PlanInputs
+from kvagent_server.common.types import ROLES
+from kvagent_server.config import BundleConfig, ConfigError
 
 #: Flags the plan sets itself; dropped from the demo model's own argument list.
 _PLAN_FLAGS = {"--served-model-name": 1, "--max-model-len": 1, "--model": 1}

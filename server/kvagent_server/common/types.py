@@ -1,0 +1,18 @@
+"""The literal types the config, the plan, the engine helpers and the router all use.
+
+Defined once so that a new role or device is added in one place and checked everywhere.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+#: A vLLM node's part in P/D disaggregation.
+Role = Literal["prefill", "decode"]
+ROLES: tuple[Role, Role] = ("prefill", "decode")
+
+#: Where a node runs: vLLM's CPU backend or a CUDA GPU.
+Device = Literal["cpu", "cuda"]
+
+#: vLLM's `--prefix-caching-hash-algo`: how block hashes are computed.
+HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
