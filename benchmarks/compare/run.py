@@ -212,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
                   "think_s": nw.think_s, "stagger_s": nw.stagger_s, "quick": args.quick},
         slo=slo, arms={a.name: a.description for a in arms},
         order=[{"position": r.position, "rep": r.rep, "arm": r.arm, "status": r.status,
-                "error": r.error, "startup_s": r.startup_s, "wall_s": r.wall_s} for r in runs],
+                "error": r.error, "startup_s": r.startup_s, "wall_s": r.wall_s,
+                "ttft_later_p50_ms": summary_mod.later_ttft_p50_ms(r)} for r in runs],
         flags=flags, runs=runs, subject=KVAGENT, raw_records=str(raw))
     (out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
     (out / "report.md").write_text(summary_mod.report_md(s))

@@ -69,6 +69,13 @@ def session_verdicts(records: Sequence[RequestRecord], slo: Slo) -> dict[str, bo
     return {"ttft": ttft, "itl": itl_ok, "both": ttft and itl_ok}
 
 
+def later_ttft_p50_ms(run: ArmRun) -> float | None:
+    """One run's later-turn TTFT p50: read along the run order, it shows drift (the
+    machine, other load) that the ABBA order is there to balance."""
+    return _ms([r.ttft_s for r in run.records
+                if r.turn > 0 and r.error is None and r.ttft_s is not None], 50)
+
+
 def arm_figures(runs: Sequence[ArmRun], slo: Slo) -> dict[str, Any]:
     """One arm's figures over all its runs (records pooled; sessions are per run)."""
     recs = [r for run in runs for r in run.records]
@@ -244,12 +251,13 @@ def report_md(s: dict[str, Any]) -> str:
                   for k in cols[0] if k not in ("arm", "node")]
         lines += ["", DEFAULTS_NOTE]
     lines += ["", "## Run order", "",
-              "| # | repetition | arm | status | up (s) | workload (s) |",
-              "|---|---|---|---|---|---|"]
+              "| # | repetition | arm | status | up (s) | workload (s) | later TTFT p50 ms |",
+              "|---|---|---|---|---|---|---|"]
     for o in s["order"]:
         lines.append(f"| {o['position']} | {o['rep']} | {o['arm']} | {o['status']}"
                      f"{': ' + o['error'] if o.get('error') else ''} | "
-                     f"{_fmt(o.get('startup_s'))} | {_fmt(o.get('wall_s'))} |")
+                     f"{_fmt(o.get('startup_s'))} | {_fmt(o.get('wall_s'))} | "
+                     f"{_fmt(o.get('ttft_later_p50_ms'))} |")
     lines += ["", "Descriptions:", ""]
     lines += [f"- `{n}`: {a['description']}" for n, a in s["arms"].items()]
     if s.get("raw_records"):

@@ -120,6 +120,7 @@ def test_summary_follows_schema_1_and_names_where_kvagent_loses() -> None:
     md = sm.report_md(s)
     assert md.index("SLOs (set before the run)") < md.index("| arm |")
     assert "Test CPU" in md and "/tmp/x.jsonl.gz" in md and "boom" in md
+    assert sm.later_ttft_p50_ms(runs[1]) == pytest.approx(3000)
 
 
 def test_a_failed_session_meets_no_slo() -> None:
