@@ -190,11 +190,18 @@ def main(argv: list[str] | None = None) -> int:
     runs = [summary_mod.ArmRun(arm=a, rep=rep, position=i) for i, (rep, a) in enumerate(order)]
     previous = signal.signal(signal.SIGTERM, _sigterm)
     t_start = time.perf_counter()
+    interrupted = False
     try:
         for run in runs:
             drive_arm(ARMS[run.arm], nw, wl, run, out / "work", args, kv)
             _log(f"compare: {run.position + 1}/{len(runs)} runs done, "
                  f"{time.perf_counter() - t_start:.0f} s in")
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the arm is stopped; report what ran
+        interrupted = True
+        for run in runs:
+            if run.wall_s is None and run.status == "ok":
+                run.status, run.error = "interrupted", "not run to the end"
+        _log("compare: interrupted; writing the report of what ran")
     finally:
         signal.signal(signal.SIGTERM, previous)
     raw = out / "raw" / "records.jsonl.gz"
@@ -219,4 +226,6 @@ def main(argv: list[str] | None = None) -> int:
     (out / "report.md").write_text(summary_mod.report_md(s))
     _log(f"wrote {out / 'report.md'} and {out / 'summary.json'}")
     print(summary_mod.report_md(s))
+    if interrupted:
+        return 130
     return 0 if all(r.status == "ok" for r in runs) else 1

@@ -37,7 +37,7 @@ class ArmRun:
     arm: str
     rep: int
     position: int  # in the run order, from 0
-    status: str = "ok"  # ok, failed
+    status: str = "ok"  # ok, failed, interrupted
     error: str | None = None
     startup_s: float | None = None
     wall_s: float | None = None

@@ -4,6 +4,7 @@ workloads, and the summary's schema and report."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -136,3 +137,35 @@ def test_the_command_parses_and_the_dispatcher_lists_it(capsys: pytest.CaptureFi
     assert benchmarks_main(["--help"]) == 0
     assert "compare" in capsys.readouterr().err
     assert benchmarks_main(["nope"]) == 2
+
+
+def test_the_command_writes_one_report_even_when_interrupted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole command with each arm's run faked: ABBA order, report and summary in
+    `--out`, the records under its raw/, an interruption reported, not lost."""
+    from benchmarks.compare import run as run_mod
+
+    seen: list[str] = []
+
+    def fake_drive(arm, nw, wl, run, work_dir, args, kv) -> None:  # type: ignore[no-untyped-def]
+        if run.position == 3:
+            raise KeyboardInterrupt
+        seen.append(arm.name)
+        run.startup_s, run.wall_s = 1.0, 2.0
+        run.records = [_rec(c.id, t, 0.1, [0.01] * 3) for c in wl.conversations
+                       for t in range(len(c.turns))]
+
+    monkeypatch.setattr(run_mod, "drive_arm", fake_drive)
+    monkeypatch.setattr(run_mod, "flag_rows", lambda arms, **kw: [
+        {"arm": a.name, "node": "n", "--block-size": "128"} for a in arms])
+    rc = run_mod.main(["--quick", "--arms", "aggregated,kvagent", "--out", str(tmp_path)])
+    assert rc == 130 and seen == ["aggregated", "kvagent", "kvagent"]
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert s["schema"] == 1 and s["command"][:4] == ["python", "-m", "benchmarks", "compare"]
+    assert [(o["arm"], o["status"]) for o in s["order"]] == [
+        ("aggregated", "ok"), ("kvagent", "ok"), ("kvagent", "ok"),
+        ("aggregated", "interrupted")]
+    assert s["slo"] == {"ttft_later_p90_ms": 2000.0, "itl_p99_ms": 40.0,
+                        "judged": "per session; goodput = sessions meeting the SLO"}
+    assert (tmp_path / "raw" / "records.jsonl.gz").exists()
+    assert "| `--block-size` | 128 | 128 |" in (tmp_path / "report.md").read_text()
