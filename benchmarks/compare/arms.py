@@ -160,7 +160,7 @@ def serve_arm(arm: Arm, work_dir: Path, *, kv: KvBudget, startup_timeout_s: floa
             work_dir / f"node{i}", kv_cache_gib=kv.node_gib(arm.nodes),
             startup_timeout_s=startup_timeout_s, cpu_bind=format_cpu_list(part), model=model,
             name=f"affine{i}", engine_args=[*aggregated_step_args(), *kv.node_args(arm.nodes)],
-            extra_env=aggregated_plugin_env()))
+            extra_env=aggregated_plugin_env(), pin_process=True))
             for i, part in enumerate(halves(cores))]
         yield eps, sticky_round_robin([e.base_url for e in eps])
 

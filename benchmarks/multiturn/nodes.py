@@ -561,11 +561,12 @@ def aggregated_node(work_dir: Path, *, kv_cache_gib: int, startup_timeout_s: flo
                     cpu_bind: str | None = None, model: str | None = None,
                     device: Device = "cpu", engine_args: list[str] | None = None,
                     extra_env: dict[str, str] | None = None, name: str = "aggregated",
-                    ) -> Iterator[Endpoint]:
+                    pin_process: bool = False) -> Iterator[Endpoint]:
     """A plain `python -m vllm.entrypoints.openai.api_server` serving a built-in model.
-    `extra_env`: over its own environment. With `cpu_bind` on CPU every thread of the
-    node runs on those cores, as the bundle pins its nodes (`pin_processes`), so two
-    nodes beside each other do not share a core. `name`: its log's and process mark's."""
+    `extra_env`: over its own environment. `pin_process` with `cpu_bind` on CPU: every
+    thread of the node runs on those cores, as the bundle pins its nodes
+    (`pin_processes`), so two nodes beside each other do not share a core; without it
+    only the compute threads are bound. `name`: its log's and process mark's."""
     from kvagent_server import processes
     from kvagent_server.models.builtin import builtin_model
     from kvagent_server.render import parse_cpu_list
@@ -580,7 +581,8 @@ def aggregated_node(work_dir: Path, *, kv_cache_gib: int, startup_timeout_s: flo
     env, device_args = aggregated_device(device, kv_cache_gib=kv_cache_gib,
                                          serve_env=builtin.serve_env(), cpu_bind=cpu_bind,
                                          ncpu=len(os.sched_getaffinity(0)))
-    affinity = parse_cpu_list(cpu_bind) if cpu_bind and device == "cpu" else None
+    affinity = (parse_cpu_list(cpu_bind) if pin_process and cpu_bind and device == "cpu"
+                else None)
     popen = processes.launch([sys.executable, "-m", VLLM_MODULE,
                               *aggregated_args(model_path, port,
                                                builtin.serve_args(builtin.max_model_len)),
