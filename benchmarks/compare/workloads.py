@@ -29,10 +29,11 @@ class NamedWorkload:
 
 #: The bundle's KV per node (2 GiB): every arm gets two nodes' worth in all.
 DEFAULT_KV = KvBudget(gib=4)
-#: Small enough that the sessions' prefixes do not all fit: 20,480 tokens per node of a
-#: two-node arm (160 blocks of 128; 160 MiB of the demo model's 8 KiB per token), a
-#: little over the longest prompt it accepts (16,384), which vLLM requires of any cap.
-PRESSURE_KV = KvBudget(gib=2, tokens=40_960)
+#: Small enough that the sessions' prefixes do not all fit, on one node or two: 17,408
+#: tokens per node of a two-node arm (136 blocks of 128; 136 MiB of the demo model's
+#: 8 KiB per token), a little over the longest prompt it accepts (16,384), which vLLM
+#: requires of any cap; 34,816 on the aggregated node.
+PRESSURE_KV = KvBudget(gib=2, tokens=34_816)
 
 
 def workload(name: str, *, quick: bool, seed: int = 0) -> NamedWorkload:
@@ -59,8 +60,8 @@ def _short_tool(quick: bool, seed: int) -> NamedWorkload:
 
 def _pressure(quick: bool, seed: int) -> NamedWorkload:
     if quick:
-        spec = WorkloadSpec(seed=seed, conversations=4, turns=3, concurrency=4,
-                            system_prompt_tokens=200, context_tokens=5000,
+        spec = WorkloadSpec(seed=seed, conversations=6, turns=3, concurrency=6,
+                            system_prompt_tokens=200, context_tokens=6000,
                             tool_result_tokens=(100, 300), max_tokens=8)
     else:
         spec = WorkloadSpec(seed=seed, conversations=8, turns=6, concurrency=8,
@@ -72,10 +73,10 @@ def _pressure(quick: bool, seed: int) -> NamedWorkload:
 
 def _long_wait(quick: bool, seed: int) -> NamedWorkload:
     if quick:
-        spec = WorkloadSpec(seed=seed, conversations=4, turns=3, concurrency=4,
-                            system_prompt_tokens=200, context_tokens=4000,
+        spec = WorkloadSpec(seed=seed, conversations=6, turns=3, concurrency=6,
+                            system_prompt_tokens=200, context_tokens=6000,
                             tool_result_tokens=(100, 300), max_tokens=8)
-        think, stagger = 15.0, 4.0
+        think, stagger = 15.0, 3.0
     else:
         spec = WorkloadSpec(seed=seed, conversations=8, turns=5, concurrency=8,
                             context_tokens=6000, tool_result_tokens=(200, 800))

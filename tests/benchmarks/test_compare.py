@@ -44,9 +44,10 @@ def test_arms_parse_and_sessions_stick_to_one_node() -> None:
 
 
 def test_kv_budget_is_the_same_in_all_for_every_arm() -> None:
-    kv = KvBudget(gib=2, tokens=40_960)
+    kv = workload("pressure", quick=True).kv
     assert kv.node_gib(1) == 2 and kv.node_gib(2) == 1
-    assert kv.node_args(1)[-1] == "320" and kv.node_args(2)[-1] == "160"
+    assert kv.node_args(1)[-1] == "272" and kv.node_args(2)[-1] == "136"
+    assert 136 * 128 >= 16_384  # the longest prompt fits one node's cap
     assert KvBudget(gib=4).node_args(2) == []
     with pytest.raises(ValueError):
         KvBudget(gib=3).node_gib(2)
@@ -74,6 +75,9 @@ def test_every_workload_generates(name: str, quick: bool) -> None:
     assert len(wl.conversations) == nw.spec.conversations and nw.kv.gib % 2 == 0
     if name == "long-wait":
         assert nw.think_s > 0
+    if nw.kv.tokens is not None:  # the sessions' first prompts alone overflow the cap
+        s = nw.spec
+        assert s.conversations * (s.system_prompt_tokens + s.context_tokens) > nw.kv.tokens
 
 
 def _rec(conv: str, turn: int, ttft: float, gaps: list[float], **kw: object) -> RequestRecord:
