@@ -14,6 +14,18 @@ from typing import Any
 #: name -> (module, attribute); attribute None: the module itself.
 NAMES: dict[str, tuple[str, str | None]] = {
     "wait_ready": ("benchmarks._procs", "wait_ready"),
+    "benchmarks_main": ("benchmarks.__main__", "main"),
+    "compare_summary": ("benchmarks.compare.summary", None),
+    "compare_run": ("benchmarks.compare.run", None),
+    "compare_parser": ("benchmarks.compare.run", "parser"),
+    "COMPARE_ARMS": ("benchmarks.compare.arms", "ARMS"),
+    "KvBudget": ("benchmarks.compare.arms", "KvBudget"),
+    "aggregated_step_args": ("benchmarks.compare.arms", "aggregated_step_args"),
+    "flag_rows": ("benchmarks.compare.arms", "flag_rows"),
+    "parse_arms": ("benchmarks.compare.arms", "parse_arms"),
+    "sticky_round_robin": ("benchmarks.compare.arms", "sticky_round_robin"),
+    "WORKLOADS": ("benchmarks.compare.workloads", "WORKLOADS"),
+    "compare_workload": ("benchmarks.compare.workloads", "workload"),
     "calibrate": ("benchmarks.fleet_sim.calibrate", None),
     "Profile": ("benchmarks.fleet_sim.profiles", "Profile"),
     "derive_from_reuse_report": ("benchmarks.fleet_sim.profiles", "derive_from_reuse_report"),

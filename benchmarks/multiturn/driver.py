@@ -29,21 +29,25 @@ async def run_workload(base_url: str, model: str, workload: Workload, *, config:
                        on_record: Callable[[RequestRecord], None] | None = None,
                        transport: httpx.AsyncBaseTransport | None = None,
                        text_with_tool_calls: bool = True, api: str = CHAT,
+                       route: Callable[[int, Conversation], str] | None = None,
                        ) -> tuple[list[RequestRecord], float]:
     """Run every conversation; return the records (conversation, turn order) and wall time.
 
     A failed request ends its conversation: later turns would not be the same workload.
     `api`: which client API sends it (`apis.APIS`). `transport` is the test seam
-    (httpx.MockTransport).
+    (httpx.MockTransport). `route(i, conversation)`: the base URL the i-th conversation
+    (in workload order) is sent to, for every turn, instead of `base_url` (client-side
+    session affinity over several endpoints).
     """
     url = base_url.rstrip("/")
     sem = asyncio.Semaphore(workload.concurrency)
     limits = httpx.Limits(max_connections=workload.concurrency + 2)
     t_start = time.perf_counter()
 
-    async def one(conv: Conversation) -> list[RequestRecord]:
+    async def one(i: int, conv: Conversation) -> list[RequestRecord]:
+        target = url if route is None else route(i, conv).rstrip("/")
         async with sem:
-            return await _conversation(client, url, model, conv, workload.max_tokens,
+            return await _conversation(client, target, model, conv, workload.max_tokens,
                                        config=config, session_id=f"{run_id}.{conv.id}",
                                        keep=keep_recorded_answers, t_start=t_start,
                                        on_record=on_record,
@@ -51,7 +55,8 @@ async def run_workload(base_url: str, model: str, workload: Workload, *, config:
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
                                  limits=limits, transport=transport) as client:
-        results = await asyncio.gather(*(one(c) for c in workload.conversations))
+        results = await asyncio.gather(*(one(i, c) for i, c in
+                                         enumerate(workload.conversations)))
     wall = time.perf_counter() - t_start
     return [r for rs in results for r in rs], wall
 
@@ -72,12 +77,13 @@ async def run_sessions(base_url: str, model: str, sessions: Sequence[ScheduledSe
                        on_record: Callable[[RequestRecord], None] | None = None,
                        transport: httpx.AsyncBaseTransport | None = None,
                        text_with_tool_calls: bool = True,
+                       route: Callable[[int, Conversation], str] | None = None,
                        ) -> tuple[list[RequestRecord], list[str], float]:
     """Open arrival: each session starts at its own offset whatever the others are doing,
     and waits its think time before each later turn. Sessions still running `deadline_s`
     after the start are cancelled (their open request closed), so a level is bounded
     in time however slow the configuration. Returns the records of the turns that ended,
-    the ids of the cancelled conversations, and the wall time.
+    the ids of the cancelled conversations, and the wall time. `route`: as `run_workload`'s.
     """
     url = base_url.rstrip("/")
     limits = httpx.Limits(max_connections=len(sessions) + 2)
@@ -85,9 +91,10 @@ async def run_sessions(base_url: str, model: str, sessions: Sequence[ScheduledSe
     unfinished = {s.conversation.id for s in sessions}
     t_start = time.perf_counter()
 
-    async def one(s: ScheduledSession) -> None:
+    async def one(i: int, s: ScheduledSession) -> None:
+        target = url if route is None else route(i, s.conversation).rstrip("/")
         await asyncio.sleep(max(0.0, s.start_s - (time.perf_counter() - t_start)))
-        await _conversation(client, url, model, s.conversation, max_tokens, config=config,
+        await _conversation(client, target, model, s.conversation, max_tokens, config=config,
                             session_id=f"{run_id}.{s.conversation.id}", keep=False,
                             t_start=t_start, on_record=on_record,
                             text_with_tool_calls=text_with_tool_calls, think_s=s.think_s,
@@ -96,7 +103,7 @@ async def run_sessions(base_url: str, model: str, sessions: Sequence[ScheduledSe
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=10.0),
                                  limits=limits, transport=transport) as client:
-        tasks = [asyncio.create_task(one(s)) for s in sessions]
+        tasks = [asyncio.create_task(one(i, s)) for i, s in enumerate(sessions)]
         if tasks:
             done, pending = await asyncio.wait(tasks, timeout=deadline_s)
             for t in pending:

@@ -78,7 +78,8 @@ class BenchConfig(BaseModel):
     prefill_count: int = Field(default=1, ge=1, le=4)  # P nodes (bundle only)
     #: KV block size in tokens (bundle only); None: the bundle's default (128 on CPU).
     block_size: int | None = None
-    #: Environment for every P and D node (bundle only), over the plugin's defaults.
+    #: Environment for every vLLM node: every P and D node over the plugin's defaults, or
+    #: the aggregated node over its own.
     node_env: dict[str, str] = Field(default_factory=dict)
     #: Environment for the P nodes only (bundle only), over `node_env`.
     prefill_env: dict[str, str] = Field(default_factory=dict)
@@ -130,7 +131,8 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 d_direct_stall_max_ms=40,
                 description="kvagent whose cost model sends a delta to P while streams decode "
                 "on D if D would compute it for over 40 ms (router.d_direct_stall_max_ms; "
-                "set explicitly, the router's default since 2026-12-04 evening)"),
+                "set explicitly: the router's default from 2026-12-04 evening until it was "
+                "set from D's step time)"),
     BenchConfig(name="kvagent_stall_cap_off", kind="bundle", reuse=True, stall_cap_off=True,
                 description="kvagent whose cost model's summed costs alone choose between "
                 "d_direct and pd_reuse, however long a delta stalls D's streams "
@@ -394,7 +396,7 @@ def serve(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int = 2,
     if config.kind == "aggregated":
         with aggregated_node(work_dir, kv_cache_gib=kv_cache_gib,
                              startup_timeout_s=startup_timeout_s, model=model,
-                             device=device,
+                             device=device, extra_env=config.node_env,
                              engine_args=[*(engine_args or []), *config.node_args]) as ep:
             yield ep
     else:
@@ -556,10 +558,16 @@ def aggregated_device(device: Device, *, kv_cache_gib: int, serve_env: dict[str,
 @contextmanager
 def aggregated_node(work_dir: Path, *, kv_cache_gib: int, startup_timeout_s: float,
                     cpu_bind: str | None = None, model: str | None = None,
-                    device: Device = "cpu", engine_args: list[str] | None = None
-                    ) -> Iterator[Endpoint]:
-    """A plain `python -m vllm.entrypoints.openai.api_server` serving a built-in model."""
+                    device: Device = "cpu", engine_args: list[str] | None = None,
+                    extra_env: dict[str, str] | None = None, name: str = "aggregated",
+                    pin_process: bool = False) -> Iterator[Endpoint]:
+    """A plain `python -m vllm.entrypoints.openai.api_server` serving a built-in model.
+    `extra_env`: over its own environment. `pin_process` with `cpu_bind` on CPU: every
+    thread of the node runs on those cores, as the bundle pins its nodes
+    (`pin_processes`), so two nodes beside each other do not share a core; without it
+    only the compute threads are bound. `name`: its log's and process mark's."""
     from kvagent_server.bundle import processes
+    from kvagent_server.bundle.render import parse_cpu_list
     from kvagent_server.models.builtin import builtin_model
 
     builtin = builtin_model(model)
@@ -568,21 +576,24 @@ def aggregated_node(work_dir: Path, *, kv_cache_gib: int, startup_timeout_s: flo
     model_path = str(builtin.ensure(None))
     (port,) = free_ports(1)
     run_dir = work_dir / "run"
-    log_path = run_dir / "logs" / "aggregated.log"
+    log_path = run_dir / "logs" / f"{name}.log"
     env, device_args = aggregated_device(device, kv_cache_gib=kv_cache_gib,
                                          serve_env=builtin.serve_env(), cpu_bind=cpu_bind,
                                          ncpu=len(os.sched_getaffinity(0)))
+    affinity = (parse_cpu_list(cpu_bind) if pin_process and cpu_bind and device == "cpu"
+                else None)
     popen = processes.launch([sys.executable, "-m", VLLM_MODULE,
                               *aggregated_args(model_path, port,
                                                builtin.serve_args(builtin.max_model_len)),
                               *device_args, *(engine_args or [])],
-                             env=env, log_path=log_path, run_dir=run_dir, name="aggregated")
+                             env={**env, **(extra_env or {})}, log_path=log_path,
+                             run_dir=run_dir, name=name, cpu_affinity=affinity)
     root = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + startup_timeout_s
         while True:
             if popen.poll() is not None:
-                raise RuntimeError(f"aggregated vLLM exited with {popen.returncode}; "
+                raise RuntimeError(f"{name} vLLM exited with {popen.returncode}; "
                                    f"see {log_path}")
             try:
                 if httpx.get(f"{root}/health", timeout=2.0).status_code == 200:
@@ -590,13 +601,13 @@ def aggregated_node(work_dir: Path, *, kv_cache_gib: int, startup_timeout_s: flo
             except httpx.HTTPError:
                 pass
             if time.monotonic() >= deadline:
-                raise RuntimeError(f"aggregated vLLM not healthy after {startup_timeout_s:.0f}"
+                raise RuntimeError(f"{name} vLLM not healthy after {startup_timeout_s:.0f}"
                                    f" s; see {log_path}")
             time.sleep(0.5)
         yield Endpoint(base_url=f"{root}/v1", model=builtin.name,
                        log_dir=log_path.parent)
     finally:
-        survivors = processes.terminate([popen.pid], run_dir, name="aggregated", grace=15.0,
+        survivors = processes.terminate([popen.pid], run_dir, name=name, grace=15.0,
                                         reap=[popen])
         if survivors:
             print(f"warning: vLLM processes survived stop: {survivors}", file=sys.stderr)

@@ -71,13 +71,18 @@ class RouterSettings(BaseModel):
         "flight on its node (prompt tokens queued on P, D's queued deltas and decode streams) "
         "and the stall a `d_direct` delta puts on D's streams. False: each path's learned "
         "TTFT line alone, blind to the queues (docs/benchmarks.md runs 5 and 9-11).")
-    d_direct_stall_max_ms: float | None = Field(default=40.0, gt=0,
+    d_direct_stall_max_ms: float | None = Field(default=55.0, gt=0,
         description="With `queue_aware_paths`: while streams decode on the D node, a turn "
         "whose prompt work D would compute for longer than this (its learned `d_direct` "
         "cost: a reused turn's delta, or a `d_fresh` prompt) goes to P instead, so no other "
         "turn's prefill stalls D's streams past this gap; the summed costs alone would "
         "trade one stream's long gap for seconds saved elsewhere. None: the sums alone "
-        "decide (docs/benchmarks.md runs 15, 17 and 18).")
+        "decide (docs/benchmarks.md runs 15, 17 and 18). The default is one step of D "
+        "computing a prompt at its CPU cap of 128 tokens per step at the built-in models' "
+        "longest context (16,384 tokens): a 7.8 ms decode step plus 128 x (20.2 us + 21.1 ns "
+        "per token of context), the lone-engine fit of docs/benchmarks.md's floor benchmark, "
+        "~55 ms; a turn within it stalls D's streams no longer than a step of any prompt D "
+        "computes. It is not a benchmark's inter-token bound, which is an SLO of its own.")
     fresh_on_decode: FreshPolicy = Field(default="auto",
         description="Where a turn with nothing to reuse (a first turn) computes its prompt. "
         "`auto`, with `queue_aware_paths`: on the decode node itself (`d_fresh`, which keeps "

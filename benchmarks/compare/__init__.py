@@ -1,0 +1,2 @@
+"""`python -m benchmarks compare`: kvagent against the baselines a user would pick, on one
+workload, in one report."""
