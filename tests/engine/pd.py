@@ -96,7 +96,7 @@ class Node:
 def launch_node(role: str, *, core: int, log_dir: Path, ttl_s: int, threshold: int,
                 plugin: bool, model: Path, lease_s: int | None = None,
                 extra_env: dict[str, str] | None = None, kv_space_gib: int = 2,
-                max_model_len: int = 16384) -> Node:
+                max_model_len: int = 16384, extra_args: list[str] | None = None) -> Node:
     port, side_port = free_port(), free_port()
     engine_id = f"{role}-{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVAGENT_")}
@@ -121,7 +121,7 @@ def launch_node(role: str, *, core: int, log_dir: Path, ttl_s: int, threshold: i
         "--model", str(model), "--host", HOST, "--port", str(port),
         *demo_serve_args(max_model_len), *TEST_ENGINE_ARGS,
         "--kv-transfer-config", json.dumps(cfg),
-        *args,
+        *args, *(extra_args or []),
     ]
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"{role}.log"

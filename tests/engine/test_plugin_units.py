@@ -506,6 +506,9 @@ def _retention_scheduler() -> Any:
             self._reqs_need_send: dict[str, float] = {}
             self._reqs_in_batch: set[str] = set()
 
+        def on_new_request(self, request: Any) -> None:
+            return None
+
         def request_finished(self, request: Any, block_ids: Any) -> Any:
             params = request.kv_transfer_params
             if not params:
@@ -560,6 +563,25 @@ def test_a_release_only_request_is_not_retained() -> None:
         False, None)
     assert "r" not in sched._reqs_need_send and "r" not in sched._reqs_in_batch
     assert "a" in sched._reqs_need_send
+
+
+def test_a_pure_release_frees_as_the_scheduler_adds_it() -> None:
+    """A full KV cache cannot run the release request (nor a request queued before it):
+    it must act before any queue or allocation."""
+    sched = _retention_scheduler()
+    sched.request_finished(_req("a", {"do_remote_prefill": False}), ([1],))
+    sched._reqs_need_send.clear()
+    before = time.perf_counter()
+    sched.on_new_request(_req("r", {"kvagent_release": ["a"]}))
+    assert before <= sched._reqs_need_send["a"] <= time.perf_counter()
+    sched._reqs_need_send.clear()  # named again: released once only
+    sched.on_new_request(_req("r2", {"kvagent_release": ["a"]}))
+    assert sched._reqs_need_send == {}
+    # a release riding on a real request waits for it to finish (it reuses those blocks)
+    sched.request_finished(_req("b", {"do_remote_prefill": False}), ([2],))
+    sched._reqs_need_send.clear()
+    sched.on_new_request(_req("c", {"do_remote_prefill": False, "kvagent_release": ["b"]}))
+    assert "b" not in sched._reqs_need_send
 
 
 def test_release_ids_are_bounded_and_typed() -> None:

@@ -22,6 +22,16 @@ itself retained (and whose deadline has not passed) are released: a running requ
 an unknown id is ignored, so a wrong id can never free blocks that are in use. A request
 whose `kv_transfer_params` hold nothing but `kvagent_release` is a pure release and is not
 retained itself.
+
+**A pure release acts as soon as the scheduler sees it.** When retained blocks fill D's
+KV cache, no new request can be allocated, so a release carried by a request that must
+first run would wait for the TTL to free the very blocks it names (seen with a bounded KV
+cache: a turn waited 480 s). So a pure release (what the router's retention guard sends)
+frees its ids as the scheduler adds the request (the connector's `on_new_request`, before
+any queue or allocation: a waiting request ahead of it could otherwise hold it back), and
+the worker frees them on the next step, scheduled tokens or not. A release riding on a real request (a `d_direct` turn
+naming the handle it supersedes) still waits for that request to finish: the request
+reuses those very blocks through D's prefix cache.
 """
 
 from __future__ import annotations
@@ -94,9 +104,36 @@ class Retained:
         return len(self._deadlines)
 
 
+#: The tag of the wrapper that applies a pure release on sight (`wrapped`).
+EARLY_TAG = "retention-early-release"
+
+
+def release_now(scheduler: Any, ids: Iterable[str], now: float) -> list[str]:
+    """Move the deadline of those of `ids` this scheduler retained to `now` (the worker
+    frees them on its next step); the ids released."""
+    retained: Retained = scheduler.__dict__.setdefault("_kvagent_retained", Retained())
+    released = retained.take(ids, now)
+    for rid in released:
+        scheduler._reqs_need_send[rid] = now
+        logger.debug("kvagent: releasing retained blocks of %s early", rid)
+    return released
+
+
 def patch_module(module: ModuleType) -> bool:
-    """Wrap `NixlPullConnectorScheduler.request_finished` (see the module docstring)."""
+    """Wrap `NixlPullConnectorScheduler.request_finished`, and `on_new_request` for pure
+    releases (see the module docstring)."""
     cls = module.NixlPullConnectorScheduler
+    added = cls.on_new_request
+    if not is_wrapped(added, EARLY_TAG):
+        @functools.wraps(added)
+        def on_new_request(self: Any, request: Any) -> Any:
+            params = getattr(request, "kv_transfer_params", None)
+            if release_only(params) and getattr(self, "is_bidirectional_kv_xfer_enabled",
+                                                False):
+                release_now(self, release_ids(params), time.perf_counter())
+            return added(self, request)
+
+        cls.on_new_request = mark_wrapped(on_new_request, EARLY_TAG)
     original = cls.request_finished
     if is_wrapped(original):
         return False
@@ -118,9 +155,7 @@ def patch_module(module: ModuleType) -> bool:
             self._reqs_in_batch.add(request.request_id)
             deadline = self._reqs_need_send.get(request.request_id, now)
             retained.add(request.request_id, deadline)
-        for rid in retained.take((r for r in releases if r != request.request_id), now):
-            self._reqs_need_send[rid] = now  # the worker frees it on its next step
-            logger.debug("kvagent: releasing retained blocks of %s early", rid)
+        release_now(self, (r for r in releases if r != request.request_id), now)
         return delay_free, out
 
     mark_wrapped(request_finished)
