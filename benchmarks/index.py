@@ -31,7 +31,7 @@ SCHEMA = 1
 #: `git show <this>:benchmarks/multiturn/results/<run>/results.json.gz > results.json.gz`.
 RAW_RECORDS_COMMIT = "b7cb55e69738da42d499748b013bcecb480948dc"
 
-Kind = Literal["multiturn", "multiturn-load", "first-token-ab", "router-overhead", "load",
+Kind = Literal["compare", "multiturn", "multiturn-load", "first-token-ab", "router-overhead", "load",
                "nixl-bandwidth", "fleet-sim", "fuzz", "attack", "soak", "multihost", "gpu",
                "idle-stability"]
 Figure = float | int | str | bool | None
@@ -202,6 +202,33 @@ def entry_from_results(folder: Path, report: dict[str, Any], *, root: Path = ROO
                          in_tree=True))
 
 
+def entry_from_compare(folder: Path, s: dict[str, Any], *, root: Path = ROOT,
+                       label: str | None = None) -> Run:
+    """The line of a `python -m benchmarks compare` folder (its summary.json): per arm the
+    later-turn TTFT p50/p90, ITL p99 and goodput under the SLO `both`."""
+    figures: dict[str, Figure] = {"workload": s["workload"]["name"]}
+    for arm, a in s["arms"].items():
+        f = a["figures"]
+        if not f.get("requests"):
+            continue
+        later = f.get("ttft_later_ms") or {}
+        figures[f"{arm}.later_ttft_p50_ms"] = _round(later.get("p50"))
+        figures[f"{arm}.later_ttft_p90_ms"] = _round(later.get("p90"))
+        figures[f"{arm}.itl_p99_ms"] = _round(f.get("itl_p99_ms"))
+        figures[f"{arm}.goodput_both"] = (f.get("goodput") or {}).get("both", {}).get("fraction")
+    return Run(id=folder.name, kind="compare", date=s["date"], label=label,
+               command=" ".join(s["command"]), commit=s.get("commit"),
+               machine=_machine(s.get("machine")),
+               quiet=s.get("foreign_vllm_max") == 0 if "foreign_vllm_max" in s else None,
+               figures=figures,
+               data=Data(path=folder.resolve().relative_to(root.resolve()).as_posix(),
+                         in_tree=True))
+
+
+def _round(v: Any) -> int | None:
+    return None if v is None else round(v)
+
+
 def _fmt(v: Figure) -> str:
     if isinstance(v, float):
         return f"{v:g}"
@@ -263,7 +290,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--label", help="with --add: what the docs call the run")
     args = ap.parse_args(argv)
     runs = read()
-    if args.add:
+    if args.add and (args.add / "summary.json").is_file():
+        summary = json.loads((args.add / "summary.json").read_text())
+        runs.append(entry_from_compare(args.add, summary, label=args.label))
+        write(sorted(runs, key=lambda r: r.date))
+    elif args.add:
         report = read_results(args.add)
         if report is None:
             print(f"{args.add}: no results.json, results.json.gz or levels.json",

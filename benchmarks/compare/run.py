@@ -146,7 +146,7 @@ def drive_arm(arm: Arm, nw: NamedWorkload, wl: Workload, run: summary_mod.ArmRun
                         eps[0].base_url, eps[0].model, wl, config=arm.name, run_id=run_id,
                         timeout_s=args.request_timeout, on_record=progress,
                         text_with_tool_calls=text_tools, route=route))
-            run.records, run.wall_s = records, wall
+            run.records, run.wall_s, run.foreign_vllm = records, wall, watch.max
         errors = [r.error for r in run.records if r.error]
         if errors:
             run.error = f"{len(errors)} request(s) failed; first: {errors[0]}"
@@ -220,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         slo=slo, arms={a.name: a.description for a in arms},
         order=[{"position": r.position, "rep": r.rep, "arm": r.arm, "status": r.status,
                 "error": r.error, "startup_s": r.startup_s, "wall_s": r.wall_s,
+                "foreign_vllm": r.foreign_vllm,
                 "ttft_later_p50_ms": summary_mod.later_ttft_p50_ms(r)} for r in runs],
         flags=flags, runs=runs, subject=KVAGENT, raw_records=str(raw))
     (out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")

@@ -41,6 +41,8 @@ class ArmRun:
     error: str | None = None
     startup_s: float | None = None
     wall_s: float | None = None
+    #: The most vLLM processes of others seen while it ran (None: not watched).
+    foreign_vllm: int | None = None
     records: list[RequestRecord] = field(default_factory=list)
 
 
@@ -193,6 +195,8 @@ def summary(*, command: list[str], commit: str | None, machine: dict[str, Any], 
         "order": order, "flags": flags, "subject": subject,
         "vs_best_baseline": cmp, "does_not_help": where_it_does_not_help(cmp, subject),
         "raw_records": raw_records,
+        # Quiet: no vLLM process but the arms' own ran during any arm's workload.
+        "foreign_vllm_max": max((r.foreign_vllm or 0 for r in runs), default=0),
     }
 
 
@@ -208,7 +212,8 @@ def report_md(s: dict[str, Any]) -> str:
     lines = [
         "# Comparison: " + ", ".join(s["arms"]), "",
         f"- command: `{' '.join(s['command'])}`",
-        f"- commit: `{s['commit']}`; date: {s['date']}",
+        (f"- commit: `{s['commit']}`; date: {s['date']}; foreign vLLM processes during the "
+         f"workloads: {s.get('foreign_vllm_max', 'not watched')}"),
         (f"- machine: {s['machine'].get('cpu')}, {s['machine'].get('cores')} cores, "
          f"{s['machine'].get('memory_gib')} GiB, GPU {s['machine'].get('gpu')}"),
         (f"- SLOs (set before the run): **ttft**: a session's later-turn TTFT p90 ≤ "

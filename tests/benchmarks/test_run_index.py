@@ -51,3 +51,23 @@ def test_tracked_benchmark_data_is_under_5_mb() -> None:
                            capture_output=True, text=True).stdout.split("\0")
     size = sum((index.ROOT / f).stat().st_size for f in files if f and (index.ROOT / f).exists())
     assert size < 5_000_000, f"benchmarks/ tracks {size / 1e6:.1f} MB"
+
+
+def test_a_comparison_folder_is_indexed_from_its_summary(tmp_path) -> None:
+    folder = index.ROOT / "benchmarks" / "compare" / "results" / "x-test"
+    summary = {
+        "schema": 1, "command": ["python", "-m", "benchmarks", "compare"], "commit": "abc",
+        "machine": {"cpu": "Intel(R) Xeon(R) Processor", "cores": 2, "gpu": "none"},
+        "date": "2026-12-06T07:00:00+00:00", "workload": {"name": "agent"},
+        "foreign_vllm_max": 0,
+        "arms": {"kvagent": {"figures": {
+            "requests": 8, "ttft_later_ms": {"p50": 100.4, "p90": 180.6}, "itl_p99_ms": 41.2,
+            "goodput": {"both": {"fraction": 0.5}}}},
+                 "affine-2": {"figures": {"requests": 0}}}}
+    run = index.entry_from_compare(folder, summary)
+    assert run.kind == "compare" and run.quiet is True and run.machine.gpu is None
+    assert run.figures == {"workload": "agent", "kvagent.later_ttft_p50_ms": 100,
+                           "kvagent.later_ttft_p90_ms": 181, "kvagent.itl_p99_ms": 41,
+                           "kvagent.goodput_both": 0.5}
+    assert run.data.path == "benchmarks/compare/results/x-test"
+    assert index.Run.model_validate_json(run.line()) == run
