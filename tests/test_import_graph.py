@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import re
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -146,17 +147,21 @@ def test_every_server_module_has_a_layer() -> None:
     assert tops == set(SERVER_LAYERS), f"source {sorted(tops)}, layers {SERVER_LAYERS}"
 
 
-def test_server_imports_point_down_its_layers() -> None:
-    upward = []
+def _upward(layer: Callable[[str], int | None]) -> list[str]:
+    """Imports from a module to one of a higher layer (`layer`: None, not layered)."""
+    out = []
     for module, targets in GRAPH.items():
-        here = _server_layer(module)
+        here = layer(module)
         if here is None:
             continue
-        for target in targets:
-            there = _server_layer(target)
-            if there is not None and there > here:
-                upward.append(f"{module} -> {target}")
-    assert not upward, "upward imports in the server: " + ", ".join(sorted(upward))
+        out += [f"{module} -> {t}" for t in targets
+                if (there := layer(t)) is not None and there > here]
+    return sorted(out)
+
+
+def test_server_imports_point_down_its_layers() -> None:
+    upward = _upward(_server_layer)
+    assert not upward, "upward imports in the server: " + ", ".join(upward)
 
 
 def test_common_imports_nothing_of_ours() -> None:
@@ -168,16 +173,8 @@ def test_common_imports_nothing_of_ours() -> None:
 
 
 def test_router_imports_point_down_its_layers() -> None:
-    upward = []
-    for module, targets in GRAPH.items():
-        here = _router_layer(module)
-        if here is None:
-            continue
-        for target in targets:
-            there = _router_layer(target)
-            if there is not None and there > here:
-                upward.append(f"{module} -> {target}")
-    assert not upward, "upward imports in the router: " + ", ".join(sorted(upward))
+    upward = _upward(_router_layer)
+    assert not upward, "upward imports in the router: " + ", ".join(upward)
 
 
 def test_the_architecture_map_names_every_router_module() -> None:

@@ -154,6 +154,21 @@ class CostModelPolicy:
             p_work=facts.p_work, d_work=facts.d_work, d_stall_max_s=c.d_stall_max_s)
 
 
+def _fixed(facts: TurnFacts, params: ReuseParams, *, on_decode: bool) -> TurnPlan:
+    """A verified reuse served always by P (`pd_reuse`) or, where D holds the prefix,
+    always by D (`d_direct`)."""
+    if not facts.req.splittable:
+        return _decode_only()
+    if on_decode and facts.untokenized is not None:
+        u = facts.untokenized
+        return _plan(facts, u.path, u.plan, u.prompt_len)
+    reuse = reuse_plan(facts, params)
+    path = paths.choose_path(reuse, len(facts.prompt_ids), facts.costs,
+                             skip_prefill_max_tokens=(1 << 30) if on_decode else 0,
+                             d_healthy=on_decode and facts.d_holds)
+    return _plan(facts, path, reuse, len(facts.prompt_ids))
+
+
 @dataclasses.dataclass(frozen=True)
 class PdReusePolicy:
     """P computes every prompt; a verified prefix is pulled from the decode node."""
@@ -162,12 +177,7 @@ class PdReusePolicy:
     name: str = "pd_reuse"
 
     def decide(self, facts: TurnFacts) -> TurnPlan:
-        if not facts.req.splittable:
-            return _decode_only()
-        reuse = reuse_plan(facts, self.reuse)
-        path = paths.choose_path(reuse, len(facts.prompt_ids), facts.costs,
-                                 skip_prefill_max_tokens=0, d_healthy=False)
-        return _plan(facts, path, reuse, len(facts.prompt_ids))
+        return _fixed(facts, self.reuse, on_decode=False)
 
     def untokenized_path(self, facts: TurnFacts, plan: planner.ReusePlan,
                          deltas: tuple[int, int], tokenize_s: float) -> paths.Path | None:
@@ -182,15 +192,7 @@ class DDirectPolicy:
     name: str = "d_direct"
 
     def decide(self, facts: TurnFacts) -> TurnPlan:
-        if not facts.req.splittable:
-            return _decode_only()
-        if facts.untokenized is not None:
-            u = facts.untokenized
-            return _plan(facts, u.path, u.plan, u.prompt_len)
-        reuse = reuse_plan(facts, self.reuse)
-        path = paths.choose_path(reuse, len(facts.prompt_ids), facts.costs,
-                                 skip_prefill_max_tokens=1 << 30, d_healthy=facts.d_holds)
-        return _plan(facts, path, reuse, len(facts.prompt_ids))
+        return _fixed(facts, self.reuse, on_decode=True)
 
     def untokenized_path(self, facts: TurnFacts, plan: planner.ReusePlan,
                          deltas: tuple[int, int], tokenize_s: float) -> paths.Path | None:
