@@ -205,7 +205,8 @@ class RouterSettings(BaseModel):
     retention_high_watermark: float | None = Field(default=0.8, gt=0, le=1,
         description="Decode KV usage (0..1, `vllm:kv_cache_usage_perc`) at which the oldest "
         "retained handles on that node are evicted and released, down to the low watermark; "
-        "None: retention is bounded by the TTL only (turns/retention.py).")
+        "None: retention is bounded by the TTL only (turns/retention.py). At this usage the "
+        "`cost_model` path policy also stops sending D prompts to compute (docs/router.md).")
     retention_low_watermark: float = Field(
         default=0.6, gt=0, lt=1,
         description="Decode KV usage the watermark evicts down to (below the high watermark).")

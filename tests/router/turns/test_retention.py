@@ -100,6 +100,9 @@ async def test_decode_over_the_watermark_evicts_and_releases_the_oldest() -> Non
         # Below the high watermark again (down to the low one when the round saw all
         # five; a round that ran after the fourth leaves the fifth on top of the low one).
         await _wait_for(lambda: d.kv_usage() < 0.5)
+        # Each round also tells the router how full D is (what `policy` weighs).
+        node = st.app.state.router.registry.get("d0")
+        await _wait_for(lambda: node.kv_usage is not None and node.kv_usage < 0.5)
         released = [e.detail["id"] for e in cluster.events_of("release")]
         # Oldest first: conversation 0's retained turn went, the newest stayed.
         order = [r.request_id for r in cluster.retained.values() if r.engine_id == d.engine_id]

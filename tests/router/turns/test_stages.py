@@ -248,3 +248,20 @@ async def test_settle_without_a_session_records_nothing() -> None:
                                           choices={0}, usage={"prompt_tokens": 10}))
     assert final.kvagent["cache_token"] is None and final.reused == 0
     assert len(r.store) == 0  # type: ignore[arg-type]  # MemoryStore counts its handles
+
+
+def test_a_decode_node_at_its_kv_high_watermark_computes_no_prompt() -> None:
+    """Its retained turns fill its cache: a prompt it computed (and the release riding on
+    it) would wait in its queue; P's pull frees its blocks without that queue."""
+    policy_ = policy.CostModelPolicy(policy.ReuseParams(), policy.CostParams(d_kv_high=0.8))
+    assert policy_.decide(_facts(costs=D_CHEAP, d_kv_usage=0.5)).path == "d_direct"
+    full = _facts(costs=D_CHEAP, d_kv_usage=0.85)
+    plan = policy_.decide(full)
+    assert plan.path == "pd_reuse" and plan.reuse.reuse_tokens == 128
+    assert policy_.untokenized_path(full, plan.reuse, (10, 20), 0.01) is None
+    busy_first = _facts(handle=None, prompt_ids=(), identity=None, d_holds=False,
+                        est_tokens=500, d_kv_usage=0.9,
+                        p_work=NodeWork(prefill_tokens=50_000, prompts=3),
+                        p_first=Node(name="p0", url="http://p0", role="prefill", healthy=True))
+    assert policy_.decide(busy_first).path == "pd_fresh"
+    assert policy.CostParams.of(RouterSettings()).d_kv_high == 0.8

@@ -308,7 +308,8 @@ def _retention_guard(parts: AppParts, legs: Legs) -> RetentionGuard | None:
         interval_s=settings.retention_check_interval_s,
         on_evicted=metrics.retention_evictions.inc,
         on_released=lambda ok, n: metrics.retention_releases.labels(
-            ok=str(ok).lower()).inc(n))
+            ok=str(ok).lower()).inc(n),
+        on_usage=lambda name, usage: setattr(nodes[name], "kv_usage", usage))
 
 
 async def _served_model(legs: Legs, registry: NodeRegistry) -> str | None:

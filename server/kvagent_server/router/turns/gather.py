@@ -74,6 +74,7 @@ async def gather(r: Router, req: TurnRequest) -> TurnFacts:
         p_first=p_first, d_first=d_first,
         d_holds=d_first is not None and d_first is holder,
         d_healthy=d_first is not None and d_first.healthy,
+        d_kv_usage=d_first.kv_usage if d_first is not None else None,
         prefill_block_size=s.block_size or (p_first.block_size if p_first else None),
         costs=costs, p_work=p_work, d_work=d_work, new_identity=new_ident,
         identity=_check_identity(r, handle, new_ident),

@@ -46,6 +46,9 @@ class Node:
     #: The epoch in which the node was seen checking what it pulls (its P leg answered
     #: with `transfer.VERIFIED_KEY`); None: never seen.
     checks_pulls_epoch: str | None = None
+    #: The share of its KV cache in use (0..1) at the retention guard's last read (None:
+    #: not read; decode nodes only).
+    kv_usage: float | None = None
 
     @property
     def checks_pulls(self) -> bool:

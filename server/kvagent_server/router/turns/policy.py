@@ -73,6 +73,9 @@ class CostParams(BaseModel):
 
     skip_prefill_max_tokens: int | None = None
     d_stall_max_s: float | None = None
+    #: At this share of D's KV cache in use (the retention guard's high watermark), D
+    #: computes no prompt (None: no limit).
+    d_kv_high: float | None = None
     fresh_on_decode: FreshPolicy = "auto"
     decode_prompt_step_tokens: int | None = None
 
@@ -81,6 +84,7 @@ class CostParams(BaseModel):
         ms = settings.d_direct_stall_max_ms
         return cls(skip_prefill_max_tokens=settings.skip_prefill_max_tokens,
                    d_stall_max_s=None if ms is None else ms / 1000,
+                   d_kv_high=settings.retention_high_watermark,
                    fresh_on_decode=settings.fresh_on_decode,
                    decode_prompt_step_tokens=settings.decode_prompt_step_tokens)
 
@@ -124,11 +128,12 @@ class CostModelPolicy:
             u = facts.untokenized
             return _plan(facts, u.path, u.plan, u.prompt_len)
         c = self.costs
+        d_free = not self.d_full(facts)
         reuse = reuse_plan(facts, self.reuse)
         prompt_len = len(facts.prompt_ids)
         path = paths.choose_path(
             reuse, prompt_len, facts.costs, skip_prefill_max_tokens=c.skip_prefill_max_tokens,
-            d_healthy=facts.d_holds, p_work=facts.p_work, d_work=facts.d_work,
+            d_healthy=facts.d_holds and d_free, p_work=facts.p_work, d_work=facts.d_work,
             d_stall_max_s=c.d_stall_max_s)
         plan = _plan(facts, path, reuse, prompt_len)
         # Not with reuse switched off: D's prefix cache would then reuse earlier turns' KV
@@ -137,16 +142,28 @@ class CostModelPolicy:
                 and c.fresh_on_decode != "never"):
             fresh = paths.fresh_path(
                 facts.est_tokens, facts.costs, policy=c.fresh_on_decode,
-                d_healthy=facts.d_healthy,
+                d_healthy=facts.d_healthy and d_free,
                 p_work=facts.p_work if facts.p_first is not None else None,
                 d_work=facts.d_work, d_stall_max_s=c.d_stall_max_s,
                 d_prompt_step_tokens=c.decode_prompt_step_tokens)
             plan = dataclasses.replace(plan, path=fresh, est_tokens=facts.est_tokens)
         return plan
 
+    def d_full(self, facts: TurnFacts) -> bool:
+        """D's KV cache is at the retention guard's high watermark: D computes no prompt.
+
+        A prompt D computes waits in D's queue for blocks, and so does the release of the
+        handle it supersedes, while D's retained turns fill the cache: a turn can wait for
+        their TTL. A `pd_reuse` turn's pull frees D's blocks without D's queue, and P
+        computes what D would have."""
+        high, usage = self.costs.d_kv_high, facts.d_kv_usage
+        return high is not None and usage is not None and usage >= high
+
     def untokenized_path(self, facts: TurnFacts, plan: planner.ReusePlan,
                          deltas: tuple[int, int], tokenize_s: float) -> paths.Path | None:
         c = self.costs
+        if self.d_full(facts):
+            return None  # tokenized, the turn goes to P (`decide`)
         return paths.untokenized_path(
             plan, deltas, facts.costs, tokenize_s,
             skip_prefill_max_tokens=c.skip_prefill_max_tokens,

@@ -124,6 +124,7 @@ class RetentionGuard:
                  high: float, low: float, interval_s: float,
                  on_evicted: Callable[[int], None] = lambda n: None,
                  on_released: Callable[[bool, int], None] = lambda ok, n: None,
+                 on_usage: Callable[[str, float], None] = lambda name, usage: None,
                  scan_limit: int = 512, blind_batch: int = 16,
                  timeout_s: float = 30.0) -> None:
         blocks_to_free(NodeKV(usage=0.0, total_blocks=None), high=high, low=low)  # checks
@@ -133,6 +134,7 @@ class RetentionGuard:
         self.model = model
         self.high, self.low, self.interval_s = high, low, interval_s
         self.on_evicted, self.on_released = on_evicted, on_released
+        self.on_usage = on_usage
         self.scan_limit = scan_limit
         self.blind_batch = blind_batch
         self.timeout_s = timeout_s
@@ -152,6 +154,7 @@ class RetentionGuard:
         kv = await self.read_kv(name, url)
         if kv is None:
             return 0
+        self.on_usage(name, kv.usage)
         need = blocks_to_free(kv, high=self.high, low=self.low)
         if need == 0:
             return 0

@@ -122,6 +122,8 @@ class TurnFacts:
     d_holds: bool = False
     #: `d_first` is healthy.
     d_healthy: bool = False
+    #: The share of `d_first`'s KV cache in use at the last read (None: not known).
+    d_kv_usage: float | None = None
     #: P block size, when the router knows it (settings or the node).
     prefill_block_size: int | None = None
     costs: PathCosts = field(default_factory=PathCosts)
