@@ -58,11 +58,16 @@ def _short_tool(quick: bool, seed: int) -> NamedWorkload:
                          "(where kvagent lost before)", spec, DEFAULT_KV)
 
 
+def _pressure_quick(seed: int) -> WorkloadSpec:
+    """The smoke size of both workloads under the pressure KV budget."""
+    return WorkloadSpec(seed=seed, conversations=6, turns=3, concurrency=6,
+                        system_prompt_tokens=200, context_tokens=6000,
+                        tool_result_tokens=(100, 300), max_tokens=8)
+
+
 def _pressure(quick: bool, seed: int) -> NamedWorkload:
     if quick:
-        spec = WorkloadSpec(seed=seed, conversations=6, turns=3, concurrency=6,
-                            system_prompt_tokens=200, context_tokens=6000,
-                            tool_result_tokens=(100, 300), max_tokens=8)
+        spec = _pressure_quick(seed)
     else:
         spec = WorkloadSpec(seed=seed, conversations=8, turns=6, concurrency=8,
                             context_tokens=7000, tool_result_tokens=(200, 800))
@@ -73,9 +78,7 @@ def _pressure(quick: bool, seed: int) -> NamedWorkload:
 
 def _long_wait(quick: bool, seed: int) -> NamedWorkload:
     if quick:
-        spec = WorkloadSpec(seed=seed, conversations=6, turns=3, concurrency=6,
-                            system_prompt_tokens=200, context_tokens=6000,
-                            tool_result_tokens=(100, 300), max_tokens=8)
+        spec = _pressure_quick(seed)
         think, stagger = 15.0, 3.0
     else:
         spec = WorkloadSpec(seed=seed, conversations=8, turns=5, concurrency=8,

@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvagent.protocol import BODY_FIELD, BODY_SESSION_ID, SESSION_HEADER
@@ -64,7 +64,7 @@ from kvagent_server.router.telemetry.spans import record_error, record_outcome, 
 from kvagent_server.router.turns import kv_placement
 from kvagent_server.router.turns.context import Router
 from kvagent_server.router.turns.legs import LegError, Legs
-from kvagent_server.router.turns.nodes import NodeRegistry
+from kvagent_server.router.turns.nodes import Node, NodeRegistry
 from kvagent_server.router.turns.pipeline import open_turn, settle
 from kvagent_server.router.turns.policy import policy_for
 from kvagent_server.router.turns.prompt_ids import TokenizeError, tokenize
@@ -98,10 +98,10 @@ class AppParts:
     metrics: RouterMetrics
     store: SessionStore
     tenants: TenantResolver
+    #: Requests in flight per tenant and per client address (their caps).
+    admission: Admission
     #: The served model's name; None until a node answered `/v1/models`.
     model: str | None = None
-    #: Requests in flight per tenant and per client address (their caps).
-    admission: Admission = field(default_factory=lambda: Admission(1))
     router: Router | None = None
 
 
@@ -309,7 +309,12 @@ def _retention_guard(parts: AppParts, legs: Legs) -> RetentionGuard | None:
         on_evicted=metrics.retention_evictions.inc,
         on_released=lambda ok, n: metrics.retention_releases.labels(
             ok=str(ok).lower()).inc(n),
-        on_usage=lambda name, usage: setattr(nodes[name], "kv_usage", usage))
+        on_usage=functools.partial(_record_kv_usage, nodes))
+
+
+def _record_kv_usage(nodes: dict[str, Node], name: str, usage: float) -> None:
+    """What the guard read of a decode node's KV usage (`policy` weighs it)."""
+    nodes[name].kv_usage = usage
 
 
 async def _served_model(legs: Legs, registry: NodeRegistry) -> str | None:

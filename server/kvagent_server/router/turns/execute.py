@@ -75,8 +75,7 @@ async def _run_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
             req.budget.add("decode", time.perf_counter() - t0)
         span.set_attribute("kvagent.node", start.node.name)
     r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
-    turn = Turn(r.work, facts, plan, None, start, started,
-                body_chars=req.body_chars if plan.path == "d_fresh" else 0)
+    turn = Turn(r.work, facts, plan, None, start, started)
     if plan.d_work is not None:
         turn.ahead = paths.tokens_ahead(plan.path, plan.d_work)
         turn.d_ticket = r.work.begin(start.node.name, prefill_tokens=tokens, stream=True,

@@ -171,56 +171,39 @@ class CostModelPolicy:
             p_work=facts.p_work, d_work=facts.d_work, d_stall_max_s=c.d_stall_max_s)
 
 
-def _fixed(facts: TurnFacts, params: ReuseParams, *, on_decode: bool) -> TurnPlan:
-    """A verified reuse served always by P (`pd_reuse`) or, where D holds the prefix,
-    always by D (`d_direct`)."""
-    if not facts.req.splittable:
-        return _decode_only()
-    if on_decode and facts.untokenized is not None:
-        u = facts.untokenized
-        return _plan(facts, u.path, u.plan, u.prompt_len)
-    reuse = reuse_plan(facts, params)
-    path = paths.choose_path(reuse, len(facts.prompt_ids), facts.costs,
-                             skip_prefill_max_tokens=(1 << 30) if on_decode else 0,
-                             d_healthy=on_decode and facts.d_holds)
-    return _plan(facts, path, reuse, len(facts.prompt_ids))
-
-
 @dataclasses.dataclass(frozen=True)
-class PdReusePolicy:
-    """P computes every prompt; a verified prefix is pulled from the decode node."""
+class FixedPolicy:
+    """A verified reuse served always by P (`pd_reuse`: P computes every prompt and pulls
+    the prefix from D) or, where D holds the prefix, always by D (`d_direct`: the holding
+    decode node extends every later turn it can; first turns use P)."""
 
     reuse: ReuseParams
-    name: str = "pd_reuse"
+    name: str
+    on_decode: bool
 
     def decide(self, facts: TurnFacts) -> TurnPlan:
-        return _fixed(facts, self.reuse, on_decode=False)
+        if not facts.req.splittable:
+            return _decode_only()
+        if self.on_decode and facts.untokenized is not None:
+            u = facts.untokenized
+            return _plan(facts, u.path, u.plan, u.prompt_len)
+        reuse = reuse_plan(facts, self.reuse)
+        path = paths.choose_path(reuse, len(facts.prompt_ids), facts.costs,
+                                 skip_prefill_max_tokens=(1 << 30) if self.on_decode else 0,
+                                 d_healthy=self.on_decode and facts.d_holds)
+        return _plan(facts, path, reuse, len(facts.prompt_ids))
 
     def untokenized_path(self, facts: TurnFacts, plan: planner.ReusePlan,
                          deltas: tuple[int, int], tokenize_s: float) -> paths.Path | None:
-        return None  # the router verifies every offer it makes P
-
-
-@dataclasses.dataclass(frozen=True)
-class DDirectPolicy:
-    """The holding decode node extends every later turn it can; first turns use P."""
-
-    reuse: ReuseParams
-    name: str = "d_direct"
-
-    def decide(self, facts: TurnFacts) -> TurnPlan:
-        return _fixed(facts, self.reuse, on_decode=True)
-
-    def untokenized_path(self, facts: TurnFacts, plan: planner.ReusePlan,
-                         deltas: tuple[int, int], tokenize_s: float) -> paths.Path | None:
-        return "d_direct"  # D's own prefix cache matches the real tokens
+        # D's own prefix cache matches the real tokens; an offer to P the router verifies
+        return "d_direct" if self.on_decode else None
 
 
 #: Policy name -> factory from the router's settings.
 POLICIES: dict[str, Callable[[RouterSettings], PathPolicy]] = {
     "cost_model": lambda s: CostModelPolicy(ReuseParams.of(s), CostParams.of(s)),
-    "pd_reuse": lambda s: PdReusePolicy(ReuseParams.of(s)),
-    "d_direct": lambda s: DDirectPolicy(ReuseParams.of(s)),
+    "pd_reuse": lambda s: FixedPolicy(ReuseParams.of(s), "pd_reuse", on_decode=False),
+    "d_direct": lambda s: FixedPolicy(ReuseParams.of(s), "d_direct", on_decode=True),
 }
 
 

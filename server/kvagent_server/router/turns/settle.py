@@ -68,8 +68,8 @@ def _account(r: Router, turn: Turn, prompt_tokens: int, cached: int, reused: int
         m.miss("node_recomputed")  # planned, but the node reports nothing cached
     elif plan.reuse.reason not in planner.FRESH_REASONS:
         m.miss(plan.reuse.reason.value)
-    if turn.body_chars and prompt_tokens:
-        r.chars.observe(turn.body_chars, max(0, prompt_tokens - cached))
+    if plan.path == "d_fresh" and prompt_tokens:  # D computed a prompt it was estimated by
+        r.chars.observe(turn.req.body_chars, max(0, prompt_tokens - cached))
     if turn.first_byte_at is not None and prompt_tokens and plan.path != "decode_only":
         ttft = turn.first_byte_at - turn.started
         try:

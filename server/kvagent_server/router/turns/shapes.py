@@ -204,8 +204,6 @@ class Turn:
     ahead: float = 0.0
     #: The D leg in the router's `WorkLedger` (None: not counted).
     d_ticket: int | None = None
-    #: A `d_fresh` prompt's body size: with D's usage it teaches `Router.chars`.
-    body_chars: int = 0
 
     @property
     def req(self) -> TurnRequest:
