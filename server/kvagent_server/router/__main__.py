@@ -83,6 +83,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     host = args.host or settings.host
     port = args.port or settings.port
+    # The router's own loggers at the level asked for (uvicorn configures only its own):
+    # evictions, releases and fallbacks are INFO.
+    logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
+    logging.getLogger("kvagent").setLevel(args.log_level.upper())
     warn_if_open(host, settings)
     app = create_app(settings, args.prefill, args.decode, model=args.model)
     # loop "auto": uvloop (the `server` extra installs it); httptools with the head and

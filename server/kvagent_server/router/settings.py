@@ -212,6 +212,10 @@ class RouterSettings(BaseModel):
         description="Decode KV usage the watermark evicts down to (below the high watermark).")
     retention_check_interval_s: float = Field(default=2.0, gt=0,
         description="How often each decode node's KV usage is read for the watermark.")
+    decode_room_wait_s: float = Field(default=300.0, gt=0,
+        description="How long a turn waits for KV room on its decode node (every leg "
+        "there is admitted only when the node can allocate it: docs/router.md, \"KV room "
+        "on decode nodes\") before it is refused with 503. Needs the retention guard.")
     node_max_in_flight: int = Field(default=64, ge=1,
         description="A node with this many legs in flight is saturated (placement looks "
         "elsewhere).")

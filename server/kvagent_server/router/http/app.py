@@ -69,7 +69,8 @@ from kvagent_server.router.turns.pipeline import open_turn, settle
 from kvagent_server.router.turns.policy import policy_for
 from kvagent_server.router.turns.prompt_ids import TokenizeError, tokenize
 from kvagent_server.router.turns.relay import Scrubber, SseRelay, rewrite_response
-from kvagent_server.router.turns.retention import RetentionGuard
+from kvagent_server.router.turns.retention import NodeKV, RetentionGuard
+from kvagent_server.router.turns.room import DecodeGate
 from kvagent_server.router.turns.shapes import Turn, TurnRequest
 from kvagent_server.router.turns.upstream import UpstreamError
 
@@ -204,6 +205,7 @@ async def _lifespan(parts: AppParts, app: Starlette) -> AsyncIterator[None]:
         registry.start(legs.client)
         stack.push_async_callback(registry.stop)
         router.retention = _retention_guard(parts, legs)
+        router.gate = _decode_gate(router)
         router.key_sync = key_sync_for(settings, store, codec)
         for background in (router.key_sync, router.retention):
             if background is not None:
@@ -309,12 +311,33 @@ def _retention_guard(parts: AppParts, legs: Legs) -> RetentionGuard | None:
         on_evicted=metrics.retention_evictions.inc,
         on_released=lambda ok, n: metrics.retention_releases.labels(
             ok=str(ok).lower()).inc(n),
-        on_usage=functools.partial(_record_kv_usage, nodes))
+        on_kv=functools.partial(_record_kv, nodes, parts))
 
 
-def _record_kv_usage(nodes: dict[str, Node], name: str, usage: float) -> None:
-    """What the guard read of a decode node's KV usage (`policy` weighs it)."""
-    nodes[name].kv_usage = usage
+def _record_kv(nodes: dict[str, Node], parts: AppParts, name: str, kv: NodeKV,
+               read_at: float) -> None:
+    """What the guard read of a decode node's KV: its usage (`policy` weighs it) and, with
+    its block count, its free blocks (`DecodeRoom`)."""
+    nodes[name].kv_usage, nodes[name].kv_stalled = kv.usage, kv.stalled
+    if kv.total_blocks and parts.router is not None:
+        parts.router.room.observe(name, total_blocks=kv.total_blocks, usage=kv.usage,
+                                  read_at=read_at)
+
+
+def _decode_gate(router: Router) -> DecodeGate | None:
+    """Admits legs to decode nodes by their KV room (turns/room.py); needs the guard's reads."""
+    guard = router.retention
+    if guard is None:
+        return None
+
+    def busy(node: Node) -> bool:
+        return router.work.work(node.name, now=time.monotonic(), per_token_s=0.0).streams > 0
+
+    return DecodeGate(router.room, make_room=guard.make_room, refresh=guard.refresh,
+                      release=guard.release, busy=busy,
+                      max_wait_s=router.settings.decode_room_wait_s,
+                      on_wait=router.metrics.room_waits.inc,
+                      on_revoke=router.metrics.room_revocations.inc)
 
 
 async def _served_model(legs: Legs, registry: NodeRegistry) -> str | None:

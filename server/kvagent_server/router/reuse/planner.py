@@ -49,6 +49,9 @@ class Reason(StrEnum):
     DECODE_FAILED = "decode_failed"
     #: P could not pull the prefix from D and recomputed.
     PULL_FAILED = "pull_failed"
+    #: The decode node had no KV room while turns waited, and the handle was released
+    #: to make some (`turns.room`): the prompt is recomputed.
+    NO_ROOM = "no_kv_room"
     #: A request P/D cannot split (see `decode_only`).
     UNSUPPORTED_SHAPE = "unsupported_shape"
     #: The KV was made for another model/adapter or salt (detail `model`, `salt`), or its

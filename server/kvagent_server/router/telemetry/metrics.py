@@ -78,6 +78,13 @@ class RouterMetrics:
             "kvagent_router_retention_releases",
             "Retained decode requests released early (evicted), by delivery.", ["ok"],
             registry=r)
+        self.room_waits = Counter(
+            "kvagent_router_decode_room_waits",
+            "Turns that waited for KV room on their decode node.", registry=r)
+        self.room_revocations = Counter(
+            "kvagent_router_decode_room_revocations",
+            "Handles of waiting turns released to make KV room (those turns recompute).",
+            registry=r)
         self.store_handles = Gauge("kvagent_router_store_handles",
                                    "Live session handles in this router's store.", registry=r)
         self.store_tokens = Gauge("kvagent_router_store_tokens",

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvagent_server.router.auth.cache_token import TokenCodec
+from kvagent_server.router.kv.room import DecodeRoom
 from kvagent_server.router.reuse.paths import CostModel
 from kvagent_server.router.reuse.queue import CharsPerToken, WorkLedger
 from kvagent_server.router.settings import RouterSettings
@@ -16,6 +17,7 @@ from kvagent_server.router.turns.legs import Legs
 from kvagent_server.router.turns.nodes import NodeRegistry
 from kvagent_server.router.turns.policy import PathPolicy
 from kvagent_server.router.turns.retention import RetentionGuard
+from kvagent_server.router.turns.room import DecodeGate
 
 
 @dataclass
@@ -35,6 +37,10 @@ class Router:
     work: WorkLedger = field(default_factory=WorkLedger)
     #: Tokens per body character of P legs whose prompt the router did not tokenize.
     chars: CharsPerToken = field(default_factory=CharsPerToken)
+    #: Prompt tokens (all of them, cached or not) per body character of untokenized turns:
+    #: the blocks a decode node must hold for one (turns/room.py). Starts high (1 token per
+    #: 3 bytes): too much room promised makes a turn wait, too little can stall D.
+    prompt_chars: CharsPerToken = field(default_factory=lambda: CharsPerToken(prior=1 / 3))
     #: Prompt tokens per byte of a chat turn's messages (a turn that skips `/tokenize`
     #: estimates its delta from its new messages with it).
     message_chars: CharsPerToken = field(default_factory=CharsPerToken)
@@ -45,5 +51,10 @@ class Router:
     tiers: TierPlacement | None = None
     #: Bounds what decode nodes retain (turns/retention.py; None: TTL only).
     retention: RetentionGuard | None = None
+    #: Each decode node's free KV blocks, less what legs on their way were promised.
+    room: DecodeRoom = field(default_factory=DecodeRoom)
+    #: Admits a leg to a decode node only when it has room (turns/room.py; None: the
+    #: retention guard is off, so nothing reads the nodes' KV figures).
+    gate: DecodeGate | None = None
     #: Shares signing keys with other replicas through Redis (None: configured keys).
     key_sync: KeySync | None = None

@@ -13,13 +13,16 @@ import time
 import uuid
 from typing import Any
 
+from kvagent_server.router.kv import room
 from kvagent_server.router.reuse import identity, paths, planner, transfer
 from kvagent_server.router.settings import RouterSettings
+from kvagent_server.router.store.handle import Handle, handle_blocks
 from kvagent_server.router.telemetry.spans import leg_span
 from kvagent_server.router.turns.context import Router
 from kvagent_server.router.turns.legs import LegError, decode_body, usage_stream_options
 from kvagent_server.router.turns.nodes import Node
 from kvagent_server.router.turns.retention import remote_request_id
+from kvagent_server.router.turns.room import Admitted, NoRoom
 from kvagent_server.router.turns.shapes import Turn, TurnFacts, TurnPlan, TurnRequest
 
 log = logging.getLogger("kvagent.router.turn")
@@ -36,7 +39,9 @@ async def execute(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
         return await _whole_on_decode(r, facts, plan, started)
     if plan.path in paths.ON_DECODE:
         try:
-            return await _run_on_decode(r, facts, plan, started)
+            turn = await _run_on_decode(r, facts, plan, started)
+        except NoRoom:
+            raise  # P would need the same room on D
         except LegError as exc:
             if exc.status < 500:
                 raise
@@ -45,14 +50,52 @@ async def execute(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
                      failed.name if failed else "no decode node",
                      "P computes the prompt" if plan.path == "d_fresh" else "recomputing")
             plan = plan.after_decode_failure(exc.tried)
+        else:
+            if turn is not None:
+                return turn
+            plan = plan.without_room()
     return await _run_pd(r, facts, plan, started)
 
 
+#: vLLM's default block size, for a node that has not said its own yet.
+_VLLM_BLOCK_SIZE = 16
+
+
+def _block_size(r: Router, node: Node) -> int:
+    return node.block_size or r.settings.block_size or _VLLM_BLOCK_SIZE
+
+
+async def _admit(r: Router, node: Node | None, blocks: int, *,
+                 pinned: Handle | None = None, freed_by_p: bool = False) -> Admitted | None:
+    """Room for `blocks` blocks on `node` (turns/room.py); None without a gate. `NoRoom`
+    (a 503) when the node found none in time."""
+    if r.gate is None or node is None:
+        return None
+    rid = remote_request_id(pinned) if pinned is not None else None
+    return await r.gate.admit(node, blocks, pinned=rid,
+                              pinned_blocks=handle_blocks(pinned) if pinned else 0,
+                              freed_by_p=freed_by_p)
+
+
+def _promised(r: Router, turn: Turn, admitted: Admitted | None) -> Turn:
+    """Hand the D leg's promised room to the turn (kept if the leg went to that node)."""
+    if admitted is None or admitted.ticket is None:
+        return turn
+    if turn.decode.node.name == admitted.node:
+        turn.room, turn.room_ticket = r.room, admitted.ticket
+    else:
+        r.room.cancel(admitted.ticket)
+    return turn
+
+
 async def _run_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
-                         started: float) -> Turn:
+                         started: float) -> Turn | None:
     """The one leg of a turn whose prompt D computes: `d_direct` on the node holding the
     handle (D's prefix cache has the reused prefix), `d_fresh` on the chosen decode node
-    (any healthy one on a retry). D keeps the finished sequence for the next turn."""
+    (any healthy one on a retry). D keeps the finished sequence for the next turn.
+
+    None: the handle was given up, while the turn waited for room, to make room for
+    another (it recomputes)."""
     req = facts.req
     if plan.path == "d_direct":
         assert plan.holder is not None
@@ -62,20 +105,34 @@ async def _run_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
         rid = remote_request_id(plan.handle) if plan.handle is not None else None
         params = transfer.with_release(transfer.d_direct(), [rid] if rid else [])
         tokens = plan.prompt_len - plan.reuse.reuse_tokens
+        pinned = plan.handle
     else:
         nodes = r.registry.ranked("decode", _healthy(plan.d_first))
-        params, tokens = transfer.d_direct(), plan.est_tokens
-    with leg_span(req.span, "decode") as span:
-        t0 = time.perf_counter()
-        try:
-            start = await r.legs.decode(nodes, req.endpoint,
-                                        decode_body(req.body, params),
-                                        stream=req.stream)
-        finally:
-            req.budget.add("decode", time.perf_counter() - t0)
-        span.set_attribute("kvagent.node", start.node.name)
+        params, tokens, pinned = transfer.d_direct(), plan.est_tokens, None
+    target = nodes[0] if nodes else None
+    held = tokens if plan.path == "d_direct" else _prompt_tokens(r, req, plan)
+    admitted = await _admit(r, target, room.blocks_for(held, _block_size(r, target))
+                            if target else 0, pinned=pinned)
+    if admitted is not None and admitted.revoked:
+        if admitted.ticket is not None:
+            r.room.cancel(admitted.ticket)
+        return None
+    try:
+        with leg_span(req.span, "decode") as span:
+            t0 = time.perf_counter()
+            try:
+                start = await r.legs.decode(nodes, req.endpoint,
+                                            decode_body(req.body, params),
+                                            stream=req.stream)
+            finally:
+                req.budget.add("decode", time.perf_counter() - t0)
+            span.set_attribute("kvagent.node", start.node.name)
+    except BaseException:
+        if admitted is not None and admitted.ticket is not None:
+            r.room.cancel(admitted.ticket)
+        raise
     r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
-    turn = Turn(r.work, facts, plan, None, start, started)
+    turn = _promised(r, Turn(r.work, facts, plan, None, start, started), admitted)
     if plan.d_work is not None:
         turn.ahead = paths.tokens_ahead(plan.path, plan.d_work)
         turn.d_ticket = r.work.begin(start.node.name, prefill_tokens=tokens, stream=True,
@@ -107,6 +164,46 @@ async def _run_pd(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
         assert handle is not None  # only a pd_reuse plan is ever unverified
         plan = plan.recomputed(planner.Reason.NODE_UNHEALTHY, "prefill")
         p_params, p_nodes = transfer.release_transfer_params(handle), ranked
+    d_nodes = r.registry.ranked("decode", _healthy(plan.d_first))
+    # Stable: the rest keep their rank, the nodes that just failed the prompt go last.
+    d_nodes.sort(key=lambda n: n.name in plan.d_failed)
+    admitted = await _admit_pd(r, req, plan, d_nodes[0] if d_nodes else None)
+    if admitted is not None and admitted.revoked:  # its handle is gone: nothing to reuse
+        if plan.path == "pd_reuse":
+            plan = plan.without_room()
+        p_params = transfer.fresh()
+    try:
+        return await _pd_legs(r, facts, plan, started, body, p_params, p_nodes, d_nodes,
+                              admitted)
+    except BaseException:
+        if admitted is not None and admitted.ticket is not None:
+            r.room.cancel(admitted.ticket)
+        raise
+
+
+async def _admit_pd(r: Router, req: TurnRequest, plan: TurnPlan,
+                    target: Node | None) -> Admitted | None:
+    """Room on the decode node for a P/D turn's D leg, before its P leg leases P's blocks
+    to it. The handle it reuses or releases is freed by its own P leg before its D leg
+    allocates (when the same node holds it)."""
+    if target is None:
+        return None
+    handle = plan.handle if plan.holder is target else None
+    return await _admit(r, target, room.blocks_for(_prompt_tokens(r, req, plan),
+                                                   _block_size(r, target)),
+                        pinned=handle, freed_by_p=handle is not None)
+
+
+def _prompt_tokens(r: Router, req: TurnRequest, plan: TurnPlan) -> int:
+    """The whole prompt's tokens: as tokenized, or estimated from the body's size by the
+    ratio of whole prompts (`est_tokens` counts only what P computes)."""
+    return plan.prompt_len or r.prompt_chars.tokens(req.body_chars)
+
+
+async def _pd_legs(r: Router, facts: TurnFacts, plan: TurnPlan, started: float,
+                   body: dict[str, Any], p_params: dict[str, Any], p_nodes: list[Node],
+                   d_nodes: list[Node], admitted: Admitted | None) -> Turn:
+    req = facts.req
     queued = plan.p_work is not None and bool(p_nodes)
     chars = 0
     if not queued:
@@ -138,13 +235,15 @@ async def _run_pd(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
     r.metrics.leg_latency.labels(leg="prefill").observe(prefill.elapsed_s)
     if chars and prefill.prompt_tokens:
         r.chars.observe(chars, prefill.prompt_tokens - (prefill.cached_tokens or 0))
+        r.prompt_chars.observe(chars, prefill.prompt_tokens)
     if p_nodes and prefill.node is not p_nodes[0]:
         r.metrics.retries.labels(leg="prefill").inc()
     if prefill.pull_failed and plan.path == "pd_reuse":
         plan = plan.recomputed(planner.Reason.PULL_FAILED)
-    d_nodes = r.registry.ranked("decode", _healthy(plan.d_first))
-    # Stable: the rest keep their rank, the nodes that just failed the prompt go last.
-    d_nodes.sort(key=lambda n: n.name in plan.d_failed)
+    if admitted is not None and admitted.ticket is not None and prefill.prompt_tokens:
+        # the prompt's real size, where the promise may have been an estimate
+        r.room.resize(admitted.ticket, room.blocks_for(
+            prefill.prompt_tokens, _block_size(r, d_nodes[0])))
     # P's lease on its blocks started about now: a D that sees the leg later recomputes.
     read_by = time.time() + r.settings.prefill_lease_s - r.settings.prefill_lease_margin_s
     d_params = transfer.with_read_by(prefill.kv_params, read_by)
@@ -174,7 +273,7 @@ async def _run_pd(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
     r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
     if d_nodes and start.node is not d_nodes[0]:
         r.metrics.retries.labels(leg="decode").inc()
-    turn = Turn(r.work, facts, plan, prefill, start, started)
+    turn = _promised(r, Turn(r.work, facts, plan, prefill, start, started), admitted)
     if queued:
         assert plan.p_work is not None
         turn.ahead = paths.tokens_ahead(plan.path, plan.p_work)

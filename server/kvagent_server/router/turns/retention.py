@@ -28,6 +28,7 @@ import asyncio
 import logging
 import math
 import re
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -35,11 +36,14 @@ from dataclasses import dataclass
 from kvagent_server.router.common.periodic import Periodic
 from kvagent_server.router.reuse import transfer
 from kvagent_server.router.store.handle import Handle, handle_blocks
+from kvagent_server.router.turns.nodes import Node
 from kvagent_server.router.turns.upstream import NodeHttp, UpstreamError
 
 log = logging.getLogger("kvagent.router.retention")
 
 _USAGE_RE = re.compile(r"^vllm:kv_cache_usage_perc(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
+_RUNNING_RE = re.compile(r"^vllm:num_requests_running(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
+_WAITING_RE = re.compile(r"^vllm:num_requests_waiting(?:\{[^}]*\})? (\S+)$", re.MULTILINE)
 _BLOCKS_RE = re.compile(r'^vllm:cache_config_info\{[^}]*\bnum_gpu_blocks="(\d+)"', re.MULTILINE)
 
 
@@ -55,6 +59,14 @@ class NodeKV:
 
     usage: float  # 0..1
     total_blocks: int | None
+    #: Requests running and waiting (None: not reported).
+    running: int | None = None
+    waiting: int | None = None
+
+    @property
+    def stalled(self) -> bool:
+        """Nothing runs while requests wait: the node has no blocks for any of them."""
+        return self.running == 0 and bool(self.waiting)
 
 
 def parse_node_kv(metrics_text: str) -> NodeKV | None:
@@ -67,7 +79,19 @@ def parse_node_kv(metrics_text: str) -> NodeKV | None:
     except ValueError:
         return None
     blocks = _BLOCKS_RE.search(metrics_text)
-    return NodeKV(usage=usage, total_blocks=int(blocks.group(1)) if blocks else None)
+    return NodeKV(usage=usage, total_blocks=int(blocks.group(1)) if blocks else None,
+                  running=_count(_RUNNING_RE, metrics_text),
+                  waiting=_count(_WAITING_RE, metrics_text))
+
+
+def _count(pattern: re.Pattern[str], text: str) -> int | None:
+    found = pattern.search(text)
+    if found is None:
+        return None
+    try:
+        return int(float(found.group(1)))
+    except ValueError:
+        return None
 
 
 def blocks_to_free(kv: NodeKV, *, high: float, low: float) -> int:
@@ -124,7 +148,7 @@ class RetentionGuard:
                  high: float, low: float, interval_s: float,
                  on_evicted: Callable[[int], None] = lambda n: None,
                  on_released: Callable[[bool, int], None] = lambda ok, n: None,
-                 on_usage: Callable[[str, float], None] = lambda name, usage: None,
+                 on_kv: Callable[[str, NodeKV, float], None] = lambda name, kv, at: None,
                  scan_limit: int = 512, blind_batch: int = 16,
                  timeout_s: float = 30.0) -> None:
         blocks_to_free(NodeKV(usage=0.0, total_blocks=None), high=high, low=low)  # checks
@@ -134,7 +158,7 @@ class RetentionGuard:
         self.model = model
         self.high, self.low, self.interval_s = high, low, interval_s
         self.on_evicted, self.on_released = on_evicted, on_released
-        self.on_usage = on_usage
+        self.on_kv = on_kv
         self.scan_limit = scan_limit
         self.blind_batch = blind_batch
         self.timeout_s = timeout_s
@@ -143,33 +167,63 @@ class RetentionGuard:
                                   name="kvagent-retention", log=log, what="retention round")
 
     async def read_kv(self, name: str, url: str) -> NodeKV | None:
+        """The node's KV figure, also handed to `on_kv` with the time the read began."""
+        began = time.monotonic()
         try:
             resp = await self.client(name).get(f"{url}/metrics", timeout_s=self.timeout_s)
         except UpstreamError:
             return None
-        return parse_node_kv(resp.text) if resp.status_code == 200 else None
+        kv = parse_node_kv(resp.text) if resp.status_code == 200 else None
+        if kv is not None:
+            self.on_kv(name, kv, began)
+        return kv
 
     async def check(self, name: str, url: str, epoch: str) -> int:
         """One round for one node: returns how many handles were evicted."""
         kv = await self.read_kv(name, url)
         if kv is None:
             return 0
-        self.on_usage(name, kv.usage)
         need = blocks_to_free(kv, high=self.high, low=self.low)
         if need == 0:
             return 0
-        evicted = await self.evict(name, need, self.scan_limit if need > 0
-                                   else self.blind_batch)
+        evicted = await self._evict(name, url, epoch, need,
+                                    self.scan_limit if need > 0 else self.blind_batch)
+        if evicted:
+            log.info("decode %s at %.0f%% KV: evicted %d retained handle(s) (%d blocks)",
+                     name, kv.usage * 100, len(evicted), sum(map(handle_blocks, evicted)))
+        return len(evicted)
+
+    async def _evict(self, name: str, url: str, epoch: str, blocks: int,
+                     max_handles: int) -> list[Handle]:
+        """Evict the node's oldest unclaimed handles holding `blocks` blocks from the store
+        and release them on the node."""
+        evicted = await self.evict(name, blocks, max_handles)
         if not evicted:
-            return 0
+            return []
         ids = [rid for h in evicted if h.decode_epoch == epoch
                and (rid := remote_request_id(h)) is not None]
         self.queue.add(name, ids)
         self.on_evicted(len(evicted))
-        log.info("decode %s at %.0f%% KV: evicted %d retained handle(s) (%d blocks)",
-                 name, kv.usage * 100, len(evicted), sum(map(handle_blocks, evicted)))
         await self.flush(name, url)
-        return len(evicted)
+        return evicted
+
+    async def make_room(self, node: Node, blocks: int) -> int:
+        """Free about `blocks` blocks on `node` for a turn waiting there (turns.room):
+        its oldest unclaimed handles go; returns the blocks they held."""
+        evicted = await self._evict(node.name, node.url, node.epoch, max(blocks, 1),
+                                    self.scan_limit)
+        if evicted:
+            log.info("decode %s: evicted %d retained handle(s) (%d blocks) for a waiting "
+                     "turn", node.name, len(evicted), sum(map(handle_blocks, evicted)))
+        return sum(map(handle_blocks, evicted))
+
+    async def refresh(self, node: Node) -> None:
+        await self.read_kv(node.name, node.url)
+
+    async def release(self, node: Node, ids: list[str]) -> None:
+        """Release decode request ids on `node` now (handles already out of the store)."""
+        self.queue.add(node.name, ids)
+        await self.flush(node.name, node.url)
 
     async def flush(self, name: str, url: str) -> bool:
         """Send the node's queued releases in one tiny completion (not retained itself)."""

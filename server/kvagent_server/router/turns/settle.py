@@ -70,6 +70,7 @@ def _account(r: Router, turn: Turn, prompt_tokens: int, cached: int, reused: int
         m.miss(plan.reuse.reason.value)
     if plan.path == "d_fresh" and prompt_tokens:  # D computed a prompt it was estimated by
         r.chars.observe(turn.req.body_chars, max(0, prompt_tokens - cached))
+        r.prompt_chars.observe(turn.req.body_chars, prompt_tokens)
     if turn.first_byte_at is not None and prompt_tokens and plan.path != "decode_only":
         ttft = turn.first_byte_at - turn.started
         try:

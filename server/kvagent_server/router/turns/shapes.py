@@ -19,6 +19,7 @@ from typing import Any
 
 from kvagent_server.router.auth.tenancy import Tenant
 from kvagent_server.router.common import fastjson
+from kvagent_server.router.kv.room import DecodeRoom
 from kvagent_server.router.reuse import identity, planner
 from kvagent_server.router.reuse.paths import Path, PathCosts
 from kvagent_server.router.reuse.queue import NodeWork, WorkLedger
@@ -177,6 +178,13 @@ class TurnPlan:
             self, path="recompute", holder=None, d_first=None, d_failed=tried,
             reuse=planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.DECODE_FAILED))
 
+    def without_room(self) -> TurnPlan:
+        """The plan once the handle it would reuse was given up for another turn's room
+        (`turns.room`): its blocks are gone, P recomputes the prompt."""
+        return dataclasses.replace(
+            self, path="recompute", holder=None,
+            reuse=planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.NO_ROOM))
+
     def recomputed(self, reason: planner.Reason, detail: str | None = None) -> TurnPlan:
         """The plan when its reuse cannot happen after all: P recomputes the prompt."""
         return dataclasses.replace(self, path="recompute", reuse=planner.ReusePlan(
@@ -204,6 +212,9 @@ class Turn:
     ahead: float = 0.0
     #: The D leg in the router's `WorkLedger` (None: not counted).
     d_ticket: int | None = None
+    #: The room promised to the D leg on its node (`DecodeRoom`; None: none promised).
+    room: DecodeRoom | None = None
+    room_ticket: int | None = None
 
     @property
     def req(self) -> TurnRequest:
@@ -218,13 +229,19 @@ class Turn:
         self.first_byte_at = time.perf_counter()
         if self.d_ticket is not None:
             self.work.prefilled(self.d_ticket, time.monotonic())
+        if self.room is not None and self.room_ticket is not None:
+            self.room.allocated(self.room_ticket, time.monotonic())
         return self.first_byte_at
 
     def end_work(self) -> None:
-        """The D leg is over (idempotent): it no longer counts as a stream on D."""
+        """The D leg is over (idempotent): it no longer counts as a stream on D, and room
+        promised to it that it never allocated is free again."""
         if self.d_ticket is not None:
             self.work.end(self.d_ticket, time.monotonic())
             self.d_ticket = None
+        if self.room is not None and self.room_ticket is not None:
+            self.room.cancel(self.room_ticket)
+            self.room_ticket = None
 
     async def close(self) -> None:
         """Idempotent: the D leg is over; closing D's response aborts its request if it

@@ -1,0 +1,163 @@
+"""Admit a turn to a decode node only when the node has KV room for it.
+
+Every leg the router sends to a decode node waits here first, in arrival order per node,
+until the node's free blocks (`kv.room.DecodeRoom`) cover what the leg will allocate.
+That is what keeps P and D from deadlocking under KV pressure: a P leg leases P's blocks
+only for a D leg that D can take, so P's leases always end, and D's blocks held for P's
+pulls are freed by P legs that always run.
+
+A waiting turn may hold a claimed handle on the node (blocks it means to reuse). While
+it waits those blocks are the gate's to take back: when the first turn in line cannot get
+room any other way (the store's unclaimed handles evicted, nothing in flight on the node
+to finish), the gate releases the newest waiter's handle, and that turn recomputes its
+prompt (`Admitted.revoked`). Releasing is safe as always: the handle was claimed, so no
+one else can present it. Room held by what the router cannot see (another router
+replica's turns) is waited for up to `max_wait_s`, then the turn is refused (503).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from kvagent_server.router.kv.room import DecodeRoom
+from kvagent_server.router.turns.legs import LegError
+from kvagent_server.router.turns.nodes import Node
+
+log = logging.getLogger("kvagent.router.room")
+
+
+class NoRoom(LegError):
+    """The node found no KV room for the turn within the wait (503: try again later)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, status=503, leg="decode")
+
+
+@dataclass
+class Waiter:
+    """A turn in line for a node's room."""
+
+    blocks: int
+    #: The decode request id of the handle it claimed on this node (None: none): blocks
+    #: the gate may release to make room, the turn then recomputes.
+    pinned: str | None = None
+    #: Blocks that handle holds.
+    pinned_blocks: int = 0
+    #: Whether the turn's own P leg frees them before its D leg allocates (a pull reads
+    #: them out, a recompute releases them); a `d_direct` leg reuses them in place.
+    freed_by_p: bool = False
+    revoked: bool = False
+
+    @property
+    def credit(self) -> int:
+        return self.pinned_blocks if self.freed_by_p and not self.revoked else 0
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """Room promised on the node (`ticket` for `DecodeRoom.allocated`/`cancel`; None when
+    the node's size is unknown and nothing was promised)."""
+
+    node: str
+    ticket: int | None
+    #: The turn's pinned handle was released while it waited: it must not be reused.
+    revoked: bool = False
+
+
+#: `make_room(node, blocks)` evicts and releases the node's oldest unclaimed handles
+#: holding about `blocks` blocks, returning the blocks freed; `refresh(node)` reads the
+#: node's figure into the ledger (and `Node.kv_stalled`); `release(node, ids)` frees
+#: decode request ids; `busy(node)` says whether legs run there.
+MakeRoom = Callable[[Node, int], Awaitable[int]]
+Refresh = Callable[[Node], Awaitable[None]]
+Release = Callable[[Node, list[str]], Awaitable[None]]
+Busy = Callable[[Node], bool]
+
+
+class DecodeGate:
+    def __init__(self, room: DecodeRoom, *, make_room: MakeRoom, refresh: Refresh,
+                 release: Release, busy: Busy, max_wait_s: float, poll_s: float = 0.25,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_wait: Callable[[], None] = lambda: None,
+                 on_revoke: Callable[[], None] = lambda: None) -> None:
+        if max_wait_s <= 0 or poll_s <= 0:
+            raise ValueError("max_wait_s and poll_s must be positive")
+        self.room = room
+        self.make_room, self.refresh, self.release, self.busy = (
+            make_room, refresh, release, busy)
+        self.max_wait_s, self.poll_s, self.clock = max_wait_s, poll_s, clock
+        self._lines: dict[str, list[Waiter]] = {}
+        self._turn: dict[str, asyncio.Lock] = {}
+        self.on_wait, self.on_revoke = on_wait, on_revoke
+
+    async def admit(self, node: Node, blocks: int, *, pinned: str | None = None,
+                    pinned_blocks: int = 0, freed_by_p: bool = False) -> Admitted:
+        """Wait, in line, until `node` has room for `blocks` blocks, and promise them."""
+        me = Waiter(blocks, pinned, pinned_blocks if pinned else 0, freed_by_p)
+        line = self._lines.setdefault(node.name, [])
+        line.append(me)
+        lock = self._turn.setdefault(node.name, asyncio.Lock())
+        try:
+            async with lock:  # one turn at a time takes room: the others keep their order
+                return await self._take(node, me)
+        finally:
+            line.remove(me)
+
+    async def _take(self, node: Node, me: Waiter) -> Admitted:
+        deadline = self.clock() + self.max_wait_s
+        refreshed = waited = False
+        while True:
+            now = self.clock()
+            free, total = self.room.free(node.name, now), self.room.total(node.name)
+            credit = me.credit
+            if free is None and not refreshed:  # not read yet (the router just started)
+                refreshed = True
+                await self.refresh(node)
+                continue
+            # Unknown size, or more than the node holds (vLLM refuses or preempts: not ours)
+            if free is None or total is None or me.blocks > total or free + credit >= me.blocks:
+                ticket = None if free is None else self.room.promise(node.name, me.blocks, now)
+                return Admitted(node.name, ticket, revoked=me.revoked)
+            if not refreshed:  # the figure may predate legs that ended: read it first
+                refreshed = True
+                await self.refresh(node)
+                continue
+            if not waited:
+                waited = True
+                self.on_wait()
+            short = me.blocks - credit - free
+            freed = await self.make_room(node, short)
+            if freed <= 0 and self._stuck(node):
+                freed = await self._revoke(node, short)
+            if freed <= 0:
+                if now >= deadline:
+                    raise NoRoom(f"decode node {node.name} had no KV room for "
+                                 f"{me.blocks} blocks within {self.max_wait_s:.0f} s")
+                await asyncio.sleep(self.poll_s)
+            await self.refresh(node)
+
+    def _stuck(self, node: Node) -> bool:
+        """Nothing the router sent will free room by itself: the node is stalled (nothing
+        runs, requests wait), or no leg runs there and none is on its way."""
+        return node.kv_stalled or not (self.busy(node) or self.room.promised(node.name))
+
+    async def _revoke(self, node: Node, short: int) -> int:
+        """Release waiters' pinned handles, newest first, until about `short` blocks are
+        freed; returns the blocks released."""
+        freed = 0
+        for waiter in reversed(self._lines.get(node.name, [])):
+            if freed >= short:
+                break
+            if waiter.pinned is None or waiter.revoked:
+                continue
+            waiter.revoked = True
+            self.on_revoke()
+            await self.release(node, [waiter.pinned])
+            freed += max(waiter.pinned_blocks, 1)
+            log.info("decode %s: no KV room; released a waiting turn's handle (it "
+                     "recomputes)", node.name)
+        return freed

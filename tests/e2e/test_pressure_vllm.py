@@ -1,0 +1,106 @@
+"""Under KV pressure, concurrent conversations on real vLLM all finish, and every greedy
+answer equals the same request recomputed.
+
+P and D get 24 blocks of 128 tokens each; four conversations of ~1,000-token prompts run
+at once. Each retained turn takes a third of D or more; each P leg leases as much of P
+to its D leg. Before the router admitted legs by D's room, D filled with retained
+turns whose next turns waited on P to pull them, while P filled with blocks leased to D
+legs that D could not allocate: nothing moved until the 480 s TTL. Now the router
+evicts, waits or gives a waiting turn's handle up (docs/router.md, "KV room on decode
+nodes") and the run takes a minute or two.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from support import bundle_config, free_port, metric_sum, start_bundle, vllm_available
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+BLOCKS = 24
+CONVERSATIONS = 4
+TURNS = 3
+#: Far longer than any answer here takes: a turn that needs it is a deadlock.
+REQUEST_TIMEOUT_S = 150
+GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 8}
+
+
+class Served:
+    def __init__(self, handle: Any) -> None:
+        self.base_url, self.router_url = handle.base_url, handle.router_url
+        self.prefill_url, self.model = handle.prefill_urls[0], handle.model
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    if not vllm_available():
+        pytest.skip("vLLM is not installed (./dev test installs the CPU engine)")
+    nodes = {"extra_args": ["--num-gpu-blocks-override", str(BLOCKS)]}
+    config = bundle_config(
+        tmp_path_factory.mktemp("pressure"), max_model_len=2048,
+        prefill={"ports": [free_port()], "side_channel_ports": [free_port()], **nodes},
+        decode={"ports": [free_port()], "side_channel_ports": [free_port()], **nodes},
+        router={"port": free_port(), "decode_room_wait_s": 120})
+    handle, bundle = start_bundle(config)
+    try:
+        yield Served(handle)
+    finally:
+        bundle.stop()
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join("".join(rng.choice("etaoinshrdlucmfw") for _ in range(rng.randint(2, 7)))
+                    for _ in range(n))
+
+
+def _conversation(s: Served, seed: int) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Its turns, one after another: (request body, answer)."""
+    rng = random.Random(seed)
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a terse agent. Read the document."},
+        {"role": "user", "content": f"Document {seed}: {_words(rng, 240)}"}]
+    session, token, turns = uuid.uuid4().hex, None, []
+    for _ in range(TURNS):
+        body = {"model": s.model, "messages": list(messages), **GREEDY}
+        headers = {"X-Session-ID": session, **({"X-KVAgent-Cache-Token": token} if token
+                                               else {})}
+        r = httpx.post(f"{s.base_url}/chat/completions", json=body, headers=headers,
+                       timeout=REQUEST_TIMEOUT_S)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        token = out["kvagent"]["cache_token"]
+        turns.append((body, out))
+        messages += [{"role": "assistant", "content": out["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": f"Tool result: {_words(rng, 50)}"}]
+    return turns
+
+
+def _recomputed(s: Served, body: dict[str, Any]) -> str:
+    """The request on P alone, a fresh salt: nothing cached (asserted)."""
+    r = httpx.post(f"{s.prefill_url}/v1/chat/completions", timeout=REQUEST_TIMEOUT_S,
+                   json={**body, "cache_salt": uuid.uuid4().hex})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    return str(out["choices"][0]["message"]["content"])
+
+
+def test_concurrent_conversations_under_kv_pressure_finish_and_match(served: Served) -> None:
+    with concurrent.futures.ThreadPoolExecutor(CONVERSATIONS) as pool:
+        runs = list(pool.map(lambda seed: _conversation(served, seed), range(CONVERSATIONS)))
+    firsts = [run[0][1]["usage"]["prompt_tokens"] for run in runs]
+    # The shape that deadlocked: one turn of each conversation does not fit on D.
+    assert sum(firsts) > BLOCKS * 128 and min(firsts) > 900, firsts
+    # The router had to wait for D's room: the pressure was real.
+    assert metric_sum(served.router_url, "kvagent_router_decode_room_waits_total") >= 1
+    for run in runs:
+        for body, out in run:
+            assert out["choices"][0]["message"]["content"] == _recomputed(served, body), (
+                out["kvagent"])
