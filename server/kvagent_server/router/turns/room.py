@@ -79,6 +79,8 @@ Busy = Callable[[Node], bool]
 
 
 class DecodeGate:
+    """Admits legs to decode nodes by their room, one node's turns in arrival order."""
+
     def __init__(self, room: DecodeRoom, *, make_room: MakeRoom, refresh: Refresh,
                  release: Release, busy: Busy, max_wait_s: float, poll_s: float = 0.25,
                  clock: Callable[[], float] = time.monotonic,
@@ -114,18 +116,18 @@ class DecodeGate:
             now = self.clock()
             free, total = self.room.free(node.name, now), self.room.total(node.name)
             credit = me.credit
-            if free is None and not refreshed:  # not read yet (the router just started)
-                refreshed = True
-                await self.refresh(node)
-                continue
-            # Unknown size, or more than the node holds (vLLM refuses or preempts: not ours)
-            if free is None or total is None or me.blocks > total or free + credit >= me.blocks:
+            # More than the node holds is not ours to wait for (vLLM refuses or preempts);
+            # a node that reports no size leaves nothing to promise against.
+            fits = free is not None and total is not None and (
+                me.blocks > total or free + credit >= me.blocks)
+            if fits or (free is None and refreshed):
                 ticket = None if free is None else self.room.promise(node.name, me.blocks, now)
                 return Admitted(node.name, ticket, revoked=me.revoked)
-            if not refreshed:  # the figure may predate legs that ended: read it first
+            if not refreshed:  # not read yet, or read before legs that have ended since
                 refreshed = True
                 await self.refresh(node)
                 continue
+            assert free is not None
             if not waited:
                 waited = True
                 self.on_wait()
