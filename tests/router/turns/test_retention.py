@@ -50,6 +50,16 @@ def test_parse_node_kv_reads_vllm_metrics() -> None:
     assert parse_node_kv('vllm:kv_cache_usage_perc{model_name="m"} 0.5\n') == NodeKV(0.5, None)
     assert parse_node_kv("process_start_time_seconds 1\n") is None
     assert parse_node_kv("vllm:kv_cache_usage_perc nan-ish\n") is None
+    # Nothing running while requests wait: no blocks for any of them (the decode gate's cue).
+    queue = ('vllm:num_requests_running{engine="0",model_name="m"} 0.0\n'
+             'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0\n'
+             'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 2.0\n')
+    kv = parse_node_kv(text + queue)
+    assert kv is not None and (kv.running, kv.waiting, kv.stalled) == (0, 2, True)
+    kv = parse_node_kv(text + queue.replace("} 0.0", "} 1.0", 1))
+    assert kv is not None and not kv.stalled
+    kv = parse_node_kv(text)
+    assert kv is not None and not kv.stalled  # not reported: not stalled
 
 
 def test_handle_helpers() -> None:
