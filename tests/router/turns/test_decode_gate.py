@@ -26,6 +26,7 @@ class FakeDecode:
     other: int = 0
     busy: bool = False
     reports: bool = True  # its /metrics has the block count
+    stalled: bool = False  # nothing runs while requests wait
     released: list[str] = field(default_factory=list)
     evictions: list[int] = field(default_factory=list)
 
@@ -38,7 +39,7 @@ def _gate(d: FakeDecode, room: DecodeRoom, *, max_wait_s: float = 2.0) -> Decode
     async def refresh(node: Node) -> None:
         if d.reports:
             room.observe(node.name, total_blocks=d.total, usage=d.used / d.total,
-                         read_at=time.monotonic())
+                         read_at=time.monotonic(), stalled=d.stalled)
 
     async def make_room(node: Node, blocks: int) -> int:
         freed = 0
@@ -165,13 +166,12 @@ async def test_refused_when_what_holds_the_room_is_not_the_routers() -> None:
 async def test_a_stalled_node_gives_up_a_waiters_handle_though_legs_are_on_it() -> None:
     # A leg on D waits for blocks (nothing runs): it will not end by itself, so waiting
     # for it is no way to room.
-    d = FakeDecode(total=100, pinned={"h": 60}, other=30, busy=True)
+    d = FakeDecode(total=100, pinned={"h": 60}, other=30, busy=True, stalled=True)
     room = DecodeRoom()
     gate = _gate(d, room, max_wait_s=1.0)
     await gate.refresh(NODE)
-    stalled = Node(name="d0", url="http://d0", role="decode", healthy=True, kv_stalled=True)
-    first = asyncio.create_task(gate.admit(stalled, 40))
-    waiter = asyncio.create_task(gate.admit(stalled, 5, pinned="h", pinned_blocks=60))
+    first = asyncio.create_task(gate.admit(NODE, 40))
+    waiter = asyncio.create_task(gate.admit(NODE, 5, pinned="h", pinned_blocks=60))
     a = await asyncio.wait_for(first, 2)
     assert a.ticket is not None and d.released == ["h"]
     assert (await asyncio.wait_for(waiter, 2)).revoked

@@ -318,10 +318,10 @@ def _record_kv(nodes: dict[str, Node], parts: AppParts, name: str, kv: NodeKV,
                read_at: float) -> None:
     """What the guard read of a decode node's KV: its usage (`policy` weighs it) and, with
     its block count, its free blocks (`DecodeRoom`)."""
-    nodes[name].kv_usage, nodes[name].kv_stalled = kv.usage, kv.stalled
+    nodes[name].kv_usage = kv.usage
     if kv.total_blocks and parts.router is not None:
         parts.router.room.observe(name, total_blocks=kv.total_blocks, usage=kv.usage,
-                                  read_at=read_at)
+                                  read_at=read_at, stalled=kv.stalled)
 
 
 def _decode_gate(router: Router) -> DecodeGate | None:

@@ -41,6 +41,8 @@ class _Promise:
 class _Reading:
     total: int
     used: int
+    #: Nothing ran while requests waited (no blocks for any of them).
+    stalled: bool
     #: When the read of the node's figure began: an allocation before it is in the figure.
     at: float
 
@@ -58,15 +60,17 @@ class DecodeRoom:
         self._promises: dict[int, _Promise] = {}
         self._ids = itertools.count(1)
 
-    def observe(self, node: str, *, total_blocks: int, usage: float, read_at: float) -> None:
-        """The node reported `usage` (0..1) of `total_blocks`, read from `read_at` on."""
+    def observe(self, node: str, *, total_blocks: int, usage: float, read_at: float,
+                stalled: bool = False) -> None:
+        """The node reported `usage` (0..1) of `total_blocks` (and whether it is
+        `stalled`), read from `read_at` on."""
         if total_blocks <= 0:
             return
         used = min(total_blocks, max(0, round(usage * total_blocks)))
         last = self._readings.get(node)
         if last is not None and last.at > read_at:
             return  # an older read answered late
-        self._readings[node] = _Reading(total_blocks, used, read_at)
+        self._readings[node] = _Reading(total_blocks, used, stalled, read_at)
         for ticket in [t for t, p in self._promises.items()
                        if p.node == node and p.allocated is not None and p.allocated <= read_at]:
             del self._promises[ticket]
@@ -74,6 +78,11 @@ class DecodeRoom:
     def total(self, node: str) -> int | None:
         reading = self._readings.get(node)
         return reading.total if reading is not None else None
+
+    def stalled(self, node: str) -> bool:
+        """At its last read, nothing ran on the node while requests waited."""
+        reading = self._readings.get(node)
+        return reading is not None and reading.stalled
 
     def free(self, node: str, now: float) -> int | None:
         """Blocks nothing holds or was promised on `node`; None until it reported its size."""

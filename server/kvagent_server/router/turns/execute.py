@@ -84,8 +84,14 @@ def _promised(r: Router, turn: Turn, admitted: Admitted | None) -> Turn:
     if turn.decode.node.name == admitted.node:
         turn.room, turn.room_ticket = r.room, admitted.ticket
     else:
-        r.room.cancel(admitted.ticket)
+        _give_back(r, admitted)
     return turn
+
+
+def _give_back(r: Router, admitted: Admitted | None) -> None:
+    """The promised room is not taken (no D leg, or one on another node)."""
+    if admitted is not None and admitted.ticket is not None:
+        r.room.cancel(admitted.ticket)
 
 
 async def _run_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
@@ -114,8 +120,7 @@ async def _run_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
     admitted = await _admit(r, target, room.blocks_for(held, _block_size(r, target))
                             if target else 0, pinned=pinned)
     if admitted is not None and admitted.revoked:
-        if admitted.ticket is not None:
-            r.room.cancel(admitted.ticket)
+        _give_back(r, admitted)
         return None
     try:
         with leg_span(req.span, "decode") as span:
@@ -128,8 +133,7 @@ async def _run_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
                 req.budget.add("decode", time.perf_counter() - t0)
             span.set_attribute("kvagent.node", start.node.name)
     except BaseException:
-        if admitted is not None and admitted.ticket is not None:
-            r.room.cancel(admitted.ticket)
+        _give_back(r, admitted)
         raise
     r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
     turn = _promised(r, Turn(r.work, facts, plan, None, start, started), admitted)
@@ -176,8 +180,7 @@ async def _run_pd(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
         return await _pd_legs(r, facts, plan, started, body, p_params, p_nodes, d_nodes,
                               admitted)
     except BaseException:
-        if admitted is not None and admitted.ticket is not None:
-            r.room.cancel(admitted.ticket)
+        _give_back(r, admitted)
         raise
 
 

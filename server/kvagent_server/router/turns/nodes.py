@@ -49,8 +49,6 @@ class Node:
     #: The share of its KV cache in use (0..1) at the retention guard's last read (None:
     #: not read; decode nodes only).
     kv_usage: float | None = None
-    #: At that read, nothing ran while requests waited (no blocks for any of them).
-    kv_stalled: bool = False
 
     @property
     def checks_pulls(self) -> bool:

@@ -70,7 +70,7 @@ class Admitted:
 
 #: `make_room(node, blocks)` evicts and releases the node's oldest unclaimed handles
 #: holding about `blocks` blocks, returning the blocks freed; `refresh(node)` reads the
-#: node's figure into the ledger (and `Node.kv_stalled`); `release(node, ids)` frees
+#: node's figure into the ledger; `release(node, ids)` frees
 #: decode request ids; `busy(node)` says whether legs run there.
 MakeRoom = Callable[[Node, int], Awaitable[int]]
 Refresh = Callable[[Node], Awaitable[None]]
@@ -145,7 +145,8 @@ class DecodeGate:
     def _stuck(self, node: Node) -> bool:
         """Nothing the router sent will free room by itself: the node is stalled (nothing
         runs, requests wait), or no leg runs there and none is on its way."""
-        return node.kv_stalled or not (self.busy(node) or self.room.promised(node.name))
+        return self.room.stalled(node.name) or not (self.busy(node)
+                                                    or self.room.promised(node.name))
 
     async def _revoke(self, node: Node, short: int) -> int:
         """Release waiters' pinned handles, newest first, until about `short` blocks are
