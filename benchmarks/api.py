@@ -15,6 +15,7 @@ from typing import Any
 NAMES: dict[str, tuple[str, str | None]] = {
     "wait_ready": ("benchmarks._procs", "wait_ready"),
     "benchmarks_main": ("benchmarks.__main__", "main"),
+    "BENCHMARKS": ("benchmarks.__main__", "BENCHMARKS"),
     "compare_summary": ("benchmarks.compare.summary", None),
     "compare_run": ("benchmarks.compare.run", None),
     "compare_parser": ("benchmarks.compare.run", "parser"),

@@ -230,3 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     if interrupted:
         return 130
     return 0 if all(r.status == "ok" for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
