@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 from kvagent_server.router.reuse.pauses import PauseStats
 from kvagent_server.router.reuse.retention_policy import (
+    AWAY,
     RETENTION_POLICIES,
+    SOON,
     ExpectedReturn,
     ExpectedReturnParams,
     NoParams,
@@ -77,7 +79,7 @@ def test_the_furthest_expected_return_goes_first_and_the_soonest_is_kept() -> No
     assert ids(policy.choose(facts(hs, pauses=pauses, waiting=True))) == [
         "slow", "unseen", "quick"]
     ranks = {h.handle_id: rank for rank, h in policy.rank(facts(hs, pauses=pauses))}
-    assert ranks["quick"][0] == 3 and ranks["slow"][0] == 2
+    assert ranks["quick"][0] == SOON and ranks["slow"][0] == AWAY
 
 
 def test_a_session_long_past_its_tools_pause_counts_as_gone() -> None:
@@ -98,24 +100,26 @@ def test_parallel_tools_wait_for_the_slowest_and_tenants_learn_apart() -> None:
               ("t", "b"): PauseStats(mean_s=300, dev_s=10, samples=3),
               ("u", "a"): PauseStats(mean_s=900, dev_s=10, samples=3)}
     policy = ExpectedReturn()
-    both = held("both", ended_ago=0, kind="tool_call", tools=("a", "b"))
-    assert policy.expected_pause(both, pauses) == (300, 10)
-    assert policy.expected_pause(held("x", ended_ago=0, kind="tool_call", tools=("a",)),
-                                 pauses) == (5, 1)
-    other = held("y", ended_ago=0, kind="tool_call", tools=("a",), tenant="u")
-    assert policy.expected_pause(other, pauses) == (900, 10)
-    unseen = held("z", ended_ago=0, kind="tool_call", tools=("zz",))
-    assert policy.expected_pause(unseen, pauses) == (30, 15)
-    # A turn cut short, or a handle that records no end: the `other_end_pause_s` prior.
-    assert policy.expected_pause(held("c", ended_ago=0, kind="other"), pauses) == (60, 0)
-    assert policy.expected_pause(held("n", ended_ago=0, kind=None), pauses) == (60, 0)
+    assert policy.expected_pause(("a", "b"), "t", pauses) == (300, 10)
+    assert policy.expected_pause(("a",), "t", pauses) == (5, 1)
+    assert policy.expected_pause(("a",), "u", pauses) == (900, 10)
+    assert policy.expected_pause(("zz",), "t", pauses) == (30, 15)  # the prior
+    assert policy.expected_pause((), "t", pauses) == (30, 15)  # no name relayed
 
 
-def test_unknown_ends_rank_between_answers_and_soon_returns() -> None:
+def test_turns_that_ended_otherwise_go_by_age_after_answers_and_gone_sessions() -> None:
+    pauses = {("t", "grep"): PauseStats(mean_s=5, dev_s=1, samples=20)}
     hs = [held("soon", ended_ago=25, kind="tool_call", tools=("t",)),  # prior 30: back in 5
-          held("cut", ended_ago=0, kind="other"), held("answered", ended_ago=0)]
-    assert ids(ExpectedReturn().choose(facts(hs, waiting=True))) == [
-        "answered", "cut", "soon"]
+          held("away", ended_ago=0, kind="tool_call", tools=("t",)),   # back in 30
+          held("gone", ended_ago=100, kind="tool_call", tools=("grep",)),
+          held("cut-new", ended_ago=1, kind="other"), held("unrecorded", ended_ago=9, kind=None),
+          held("answered", ended_ago=0)]
+    assert ids(ExpectedReturn().choose(facts(hs, pauses=pauses, waiting=True))) == [
+        "answered", "gone", "unrecorded", "cut-new", "away", "soon"]
+    # With no end recorded anywhere (an older router's handles) it is oldest_first.
+    plain = [held(f"h{i}", ended_ago=i, kind=None) for i in range(5)]
+    assert ids(ExpectedReturn().choose(facts(plain, 25))) == ids(
+        OldestFirst().choose(facts(plain, 25))) == ["h4", "h3", "h2"]
 
 
 def test_policies_are_chosen_by_name_with_their_own_checked_params() -> None:

@@ -9,8 +9,10 @@ released. Policies are registered by name with their own parameters model;
 
 - `expected_return` (the default) keeps what is expected back soonest. A session whose
   turn ended on a final answer may be over: those go first, the longest idle first.
-  Then sessions overdue well past their tool's expected pause (the agent is gone), then
-  the rest by how far away their expected return is, furthest first; the pause is
+  Then sessions overdue well past their tool's expected pause (the agent is gone); then
+  turns that ended otherwise (cut by `max_tokens`, a completions prompt, a handle that
+  records no end: no sign either way), the longest idle first; then sessions waiting
+  on tools by how far away their expected return is, furthest first. The pause is
   learned per tool name (`reuse.pauses`), with a prior for a tool not seen yet. A
   session whose tool is expected back within `keep_soon_s` is not dropped to tidy up
   (the watermark), only, last of all, for a turn that waits for room now.
@@ -104,10 +106,6 @@ class ExpectedReturnParams(BaseModel):
 
     unseen_tool_pause_s: float = Field(default=30.0, ge=0,
         description="The pause expected of a tool no turn has come back from yet.")
-    other_end_pause_s: float = Field(default=60.0, ge=0,
-        description="The pause expected after a turn that ended neither on tool calls nor "
-        "on a final answer (cut by `max_tokens`, a completions prompt, a handle that "
-        "records no end).")
     keep_soon_s: float = Field(default=10.0, ge=0,
         description="A session expected back within this many seconds is not dropped by "
         "the watermark; a turn waiting for room takes it last.")
@@ -118,52 +116,59 @@ class ExpectedReturnParams(BaseModel):
         description="See `overdue_devs`.")
 
 
+#: `ExpectedReturn.rank`'s classes, dropped in this order.
+FINAL, GONE, UNKNOWN, AWAY, SOON = range(5)
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpectedReturn:
-    """Final answers first, then sessions gone past their tools' pauses, then the
-    furthest expected return; the soonest back are kept (module docstring)."""
+    """Final answers first, then sessions gone past their tools' pauses, then turns that
+    ended otherwise (the longest idle first), then the furthest expected return; the
+    soonest back are kept (module docstring)."""
 
     params: ExpectedReturnParams = dataclasses.field(default_factory=ExpectedReturnParams)
     name: str = "expected_return"
 
-    def expected_pause(self, handle: Retained,
+    def expected_pause(self, tools: Sequence[str], tenant: str,
                        pauses: Mapping[ToolKey, PauseStats]) -> tuple[float, float]:
         """(mean, deviation) of the pause before the session's next turn: the slowest of
         the tools its turn called (they come back together), a prior for one unseen."""
-        p, end = self.params, handle.end
-        if end is None or end.kind != "tool_call":
-            return p.other_end_pause_s, 0.0
-        known = [pauses.get((handle.tenant, tool)) for tool in end.tools] or [None]
-        mean = max(s.mean_s if s is not None else p.unseen_tool_pause_s for s in known)
-        dev = max(s.dev_s if s is not None else p.unseen_tool_pause_s / 2 for s in known)
+        prior = self.params.unseen_tool_pause_s
+        known = [pauses.get((tenant, tool)) for tool in tools] or [None]
+        mean = max(s.mean_s if s is not None else prior for s in known)
+        dev = max(s.dev_s if s is not None else prior / 2 for s in known)
         return mean, dev
 
     def rank(self, facts: RetentionFacts) -> list[tuple[tuple[int, float], Retained]]:
-        """Every handle with its drop rank (lower goes first), in that order; rank class
-        3 is a session expected back soon."""
+        """Every handle with its drop rank (lower goes first), in that order."""
         p, now = self.params, facts.now
         ranked: list[tuple[tuple[int, float], Retained]] = []
         for handle in facts.handles:
+            end = handle.end
             ended = _ended_at(handle)
-            if handle.end is not None and handle.end.kind == "final":
-                rank = (0, ended)  # the longest idle first
+            if end is not None and end.kind == "final":
+                rank = (FINAL, ended)  # the longest idle first
+            elif end is None or end.kind != "tool_call":
+                # Cut short, or not recorded: no sign either way, so by age, as before
+                # the router knew how turns end; after those that called a tool.
+                rank = (UNKNOWN, ended)
             else:
-                mean, dev = self.expected_pause(handle, facts.pauses)
+                mean, dev = self.expected_pause(end.tools, handle.tenant, facts.pauses)
                 back_in = ended + mean - now  # negative: due already
                 overdue = -back_in - p.overdue_devs * dev - p.overdue_grace_s
                 if overdue > 0:
-                    rank = (1, -overdue)  # the longest gone first
+                    rank = (GONE, -overdue)  # the longest gone first
                 elif back_in > p.keep_soon_s:
-                    rank = (2, -back_in)  # the furthest away first
+                    rank = (AWAY, -back_in)  # the furthest away first
                 else:
-                    rank = (3, -back_in)
+                    rank = (SOON, -back_in)
             ranked.append((rank, handle))
         ranked.sort(key=lambda item: (item[0], item[1].created_at, item[1].key))
         return ranked
 
     def choose(self, facts: RetentionFacts) -> list[Retained]:
         ranked = [h for rank, h in self.rank(facts)
-                  if rank[0] < 3 or facts.for_waiting_turn]
+                  if rank[0] != SOON or facts.for_waiting_turn]
         return take(ranked, facts.need_blocks, facts.max_handles)
 
 
