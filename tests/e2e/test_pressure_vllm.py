@@ -161,7 +161,8 @@ def test_a_session_waiting_on_a_tool_keeps_its_kv_while_finished_ones_go(
         *doc, {"role": "assistant", "content": None, "tool_calls": calls},
         {"role": "tool", "tool_call_id": calls[0]["id"], "content": "build ok"}]}
     back = _chat(served, "waits-on-a-tool", nxt, waiting["kvagent"]["cache_token"])
-    assert back["kvagent"]["reused_tokens"] > 900, back["kvagent"]
+    kva = back["kvagent"]
+    assert kva["reused_tokens"] > 900, (kva["reason"], kva["path"], kva["reused_tokens"])
     assert back["choices"][0]["message"]["content"] == _recomputed(served, nxt)
     # The first finished session's KV went for the others' room: it recomputes.
     session, body, out = finished[0]

@@ -21,6 +21,8 @@ from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.handle import Retained, TurnEnd
 
 NOW = 10_000.0
+#: Keeps only what is back within 10 s (the default keeps an unseen tool's 30 s prior).
+SHORT_KEEP = ExpectedReturn(ExpectedReturnParams(keep_soon_s=10))
 
 
 def held(hid: str, *, ended_ago: float, kind: str | None = "final", tools: tuple = (),
@@ -73,13 +75,15 @@ def test_the_furthest_expected_return_goes_first_and_the_soonest_is_kept() -> No
     hs = [held("quick", ended_ago=15, kind="tool_call", tools=("quick",)),  # back in 5 s
           held("slow", ended_ago=15, kind="tool_call", tools=("slow",)),    # in 585 s
           held("unseen", ended_ago=0, kind="tool_call", tools=("new",))]    # prior: 30 s
-    policy = ExpectedReturn()
+    policy = SHORT_KEEP
     assert ids(policy.choose(facts(hs, pauses=pauses))) == ["slow", "unseen"]
     # The watermark keeps `quick` (back within keep_soon_s); a waiting turn takes it last.
     assert ids(policy.choose(facts(hs, pauses=pauses, waiting=True))) == [
         "slow", "unseen", "quick"]
     ranks = {h.handle_id: rank for rank, h in policy.rank(facts(hs, pauses=pauses))}
     assert ranks["quick"][0] == SOON and ranks["slow"][0] == AWAY
+    # By default a session that just called a tool not seen yet is kept too.
+    assert ids(ExpectedReturn().choose(facts(hs, pauses=pauses))) == ["slow"]
 
 
 def test_a_session_long_past_its_tools_pause_counts_as_gone() -> None:
@@ -88,10 +92,10 @@ def test_a_session_long_past_its_tools_pause_counts_as_gone() -> None:
           held("late", ended_ago=40, kind="tool_call", tools=("grep",)),  # 5+4+30 = 39 s
           held("due", ended_ago=20, kind="tool_call", tools=("grep",)),   # due, not gone
           held("final", ended_ago=1)]
-    policy = ExpectedReturn()
+    policy = SHORT_KEEP
     assert ids(policy.choose(facts(hs, pauses=pauses))) == ["final", "late", "far"]
     # A larger grace keeps `late` as merely due (kept by the watermark).
-    lenient = ExpectedReturn(ExpectedReturnParams(overdue_grace_s=120))
+    lenient = ExpectedReturn(ExpectedReturnParams(overdue_grace_s=120, keep_soon_s=10))
     assert ids(lenient.choose(facts(hs, pauses=pauses))) == ["final", "far"]
 
 
@@ -114,7 +118,7 @@ def test_turns_that_ended_otherwise_go_by_age_after_answers_and_gone_sessions() 
           held("gone", ended_ago=100, kind="tool_call", tools=("grep",)),
           held("cut-new", ended_ago=1, kind="other"), held("unrecorded", ended_ago=9, kind=None),
           held("answered", ended_ago=0)]
-    assert ids(ExpectedReturn().choose(facts(hs, pauses=pauses, waiting=True))) == [
+    assert ids(SHORT_KEEP.choose(facts(hs, pauses=pauses, waiting=True))) == [
         "answered", "gone", "unrecorded", "cut-new", "away", "soon"]
     # With no end recorded anywhere (an older router's handles) it is oldest_first.
     plain = [held(f"h{i}", ended_ago=i, kind=None) for i in range(5)]

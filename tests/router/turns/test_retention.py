@@ -8,7 +8,11 @@ import time
 import pytest
 from fakes import FakeCluster, Reply, decode_ids, default_reply, router_stack
 from kvagent_server.router.reuse.pauses import ToolPauses
-from kvagent_server.router.reuse.retention_policy import ExpectedReturn, OldestFirst
+from kvagent_server.router.reuse.retention_policy import (
+    ExpectedReturn,
+    ExpectedReturnParams,
+    OldestFirst,
+)
 from kvagent_server.router.reuse.transfer import (
     RELEASE_KEY,
     REMOTE_BLOCK_IDS,
@@ -267,7 +271,8 @@ async def test_policy_eviction_claims_what_the_policy_ranks_first() -> None:
     await store.put(_held("soon", soon, now - 25))
     await store.put(_held("final", TurnEnd(kind="final", at=now - 1), now - 1))
     await store.put(_held("later", TurnEnd(kind="tool_call", tools=("x",), at=now), now))
-    evict = PolicyEviction(store, ExpectedReturn(), ToolPauses())
+    evict = PolicyEviction(store, ExpectedReturn(ExpectedReturnParams(keep_soon_s=10)),
+                           ToolPauses())
     # The watermark keeps the session expected back soon, whatever it needs.
     assert [h.handle_id for h in await evict("d0", 100, 10)] == ["final", "later"]
     # A turn waiting for room takes it, last.

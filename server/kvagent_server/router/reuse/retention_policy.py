@@ -106,9 +106,12 @@ class ExpectedReturnParams(BaseModel):
 
     unseen_tool_pause_s: float = Field(default=30.0, ge=0,
         description="The pause expected of a tool no turn has come back from yet.")
-    keep_soon_s: float = Field(default=10.0, ge=0,
+    keep_soon_s: float = Field(default=30.0, ge=0,
         description="A session expected back within this many seconds is not dropped by "
-        "the watermark; a turn waiting for room takes it last.")
+        "the watermark; a turn waiting for room takes it last. At least "
+        "`unseen_tool_pause_s` keeps a session that just called a tool not seen yet (the "
+        "watermark counts running requests too, and would otherwise drop it for a turn "
+        "that is only decoding).")
     overdue_devs: float = Field(default=4.0, ge=0,
         description="A session counts as gone once this many mean deviations of its tool's "
         "pause, plus `overdue_grace_s`, have passed beyond its expected return.")
