@@ -34,11 +34,17 @@ import orjson
 from kvagent_server.router.auth.cache_token import TokenCodec, TokenError, verify_binding
 from kvagent_server.router.auth.keys import KeyRing
 from kvagent_server.router.reuse import paths, placement, planner, transfer
+from kvagent_server.router.reuse.pauses import ToolPauses
+from kvagent_server.router.reuse.retention_policy import retention_policy_for
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.handle import Handle, new_handle_id
 from kvagent_server.router.store.memory import MemoryStore
 from kvagent_server.router.store.redis_store import RedisStore
-from kvagent_server.router.turns.retention import RetentionGuard, remote_request_id
+from kvagent_server.router.turns.retention import (
+    PolicyEviction,
+    RetentionGuard,
+    remote_request_id,
+)
 from kvagent_server.router.turns.upstream import NodeResponse
 
 from benchmarks.fleet_sim.nodes import DNode, PNode
@@ -46,7 +52,8 @@ from benchmarks.fleet_sim.profiles import Profile
 from benchmarks.fleet_sim.workload import FleetSpec, Script
 
 TENANT = "sim"
-_STORE_OPS = ("put", "claim", "claim_latest", "peek_latest", "evict_oldest", "drop_node")
+_STORE_OPS = ("put", "claim", "claim_latest", "peek_latest", "retained", "evict_handles",
+              "drop_node")
 
 
 class CountingStore:
@@ -146,10 +153,13 @@ class Simulation:
         self.guard_cpu_s = 0.0
         self.guard_rounds = 0
         self._shared = b""
+        # The router's own retention policy, by the name the settings give.
+        evict = PolicyEviction(self.store, retention_policy_for(self.settings), ToolPauses(),
+                               clock=clock)
         self.guard = (RetentionGuard(
             lambda name: _SimNodeHttp(self, self.by_name[name]),
             nodes=lambda: [(d.name, d.url, d.epoch) for d in self.d_nodes],
-            evict=self.store.evict_oldest, model=lambda: "sim",
+            evict=evict, evict_for_turn=evict.for_turn, model=lambda: "sim",
             high=self.settings.retention_high_watermark, low=self.settings.retention_low_watermark,
             interval_s=self.settings.retention_check_interval_s,
             on_evicted=self._count_evicted)

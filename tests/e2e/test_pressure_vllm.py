@@ -8,6 +8,9 @@ turns whose next turns waited on P to pull them, while P filled with blocks leas
 legs that D could not allocate: nothing moved until the 480 s TTL. Now the router
 evicts, waits or gives a waiting turn's handle up (docs/router.md, "KV room on decode
 nodes") and the run takes a minute or two.
+
+The same small D shows retention that knows agents: a session that stopped on a tool call
+keeps its KV while sessions that ended on a final answer give theirs up for room.
 """
 
 from __future__ import annotations
@@ -104,3 +107,67 @@ def test_concurrent_conversations_under_kv_pressure_finish_and_match(served: Ser
         for body, out in run:
             assert out["choices"][0]["message"]["content"] == _recomputed(served, body), (
                 out["kvagent"])
+
+
+#: Bounded arguments: a random-weight model made to call a tool writes a whole call.
+BUILD_TOOL = [{"type": "function", "function": {
+    "name": "run_build", "description": "Build the project.",
+    "parameters": {"type": "object", "properties": {"target": {
+        "type": "string", "enum": ["all", "docs"]}}, "required": ["target"]}}}]
+#: A final answer that ends by itself (`stop`, not `length`): a random-weight model
+#: constrained to one JSON string ends where the grammar does.
+FINAL = {"temperature": 0.0, "max_tokens": 16, "response_format": {
+    "type": "json_schema", "json_schema": {"name": "verdict", "schema": {
+        "type": "string", "enum": ["done"]}}}}
+
+
+def _chat(s: Served, session: str, body: dict[str, Any],
+          token: str | None = None) -> dict[str, Any]:
+    headers = {"X-Session-ID": session, **({"X-KVAgent-Cache-Token": token} if token else {})}
+    r = httpx.post(f"{s.base_url}/chat/completions", json=body, headers=headers,
+                   timeout=REQUEST_TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def test_a_session_waiting_on_a_tool_keeps_its_kv_while_finished_ones_go(
+        served: Served) -> None:
+    """D holds about two of these conversations. The first one stops on a tool call (it
+    will be back), the next three end on a final answer: each needs room, and the router
+    gives it the finished sessions' blocks, not the waiting one's, which is older. Its
+    next turn then reuses on real vLLM and equals the request recomputed."""
+    rng = random.Random(7)
+    doc = [{"role": "system", "content": "You are a terse agent. Read the document."},
+           {"role": "user", "content": f"Document: {_words(rng, 240)}"}]
+    first = {"model": served.model, "messages": doc, "tools": BUILD_TOOL,
+             "tool_choice": "required", "parallel_tool_calls": False,
+             "temperature": 0.0, "max_tokens": 48}
+    waiting = _chat(served, "waits-on-a-tool", first)
+    calls = waiting["choices"][0]["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["run_build"], waiting
+    finished = []
+    for i in range(3):
+        body = {"model": served.model, **FINAL, "messages": [
+            {"role": "system", "content": "You are a terse agent. Read the document."},
+            {"role": "user", "content": f"Document {i}: {_words(rng, 240)}"}]}
+        out = _chat(served, f"finished-{i}", body)
+        assert out["choices"][0]["finish_reason"] == "stop", out
+        assert out["usage"]["prompt_tokens"] > 900
+        finished.append((f"finished-{i}", body, out))
+    # Room was made on D for them (the gate or the watermark evicted retained turns).
+    assert metric_sum(served.router_url, "kvagent_router_retention_evictions_total") >= 1
+    nxt = {**first, "tool_choice": "none", "max_tokens": 8, "messages": [
+        *doc, {"role": "assistant", "content": None, "tool_calls": calls},
+        {"role": "tool", "tool_call_id": calls[0]["id"], "content": "build ok"}]}
+    back = _chat(served, "waits-on-a-tool", nxt, waiting["kvagent"]["cache_token"])
+    kva = back["kvagent"]
+    assert kva["reused_tokens"] > 900, (kva["reason"], kva["path"], kva["reused_tokens"])
+    assert back["choices"][0]["message"]["content"] == _recomputed(served, nxt)
+    # The first finished session's KV went for the others' room: it recomputes.
+    session, body, out = finished[0]
+    again = {**body, "messages": [*body["messages"], {
+        "role": "assistant", "content": out["choices"][0]["message"]["content"]},
+        {"role": "user", "content": "And then?"}]}
+    later = _chat(served, session, again, out["kvagent"]["cache_token"])
+    assert later["kvagent"]["reason"] == "token_rejected:already_used", later["kvagent"]

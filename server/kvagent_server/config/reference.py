@@ -10,7 +10,8 @@ from typing import Any, Literal
 from pydantic.fields import FieldInfo
 
 from kvagent_server.config.model import BundleConfig, KVEventsConfig, LoraModule, RoleConfig
-from kvagent_server.router.settings import RouterSettings
+from kvagent_server.router.reuse.retention_policy import RETENTION_POLICIES
+from kvagent_server.router.settings import RetentionPolicySettings, RouterSettings
 
 
 def config_reference_markdown() -> str:
@@ -29,6 +30,12 @@ def config_reference_markdown() -> str:
         rows.append(_row(f"kv_events.{name}", field))
     for name, field in RouterSettings.model_fields.items():
         rows.append(_row(f"router.{name}", field))
+        if name == "retention_policy":  # a section: its keys, then each policy's params
+            for sub, subfield in RetentionPolicySettings.model_fields.items():
+                rows.append(_row(f"router.{name}.{sub}", subfield))
+            for policy, registered in sorted(RETENTION_POLICIES.items()):
+                for param, pfield in registered.params.model_fields.items():
+                    rows.append(_row(f"router.{name}.params.{param} ({policy})", pfield))
     return "\n".join(rows) + "\n"
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -37,6 +37,21 @@ class TenantSettings(BaseModel):
         description="Derived from the tenant name when unset.")
     max_concurrent_streams: int = Field(
         default=64, ge=1, description="Completions in flight for the whole tenant (429 above).")
+
+
+class RetentionPolicySettings(BaseModel):
+    """Which retention policy ranks a decode node's retained turns when it needs room,
+    and that policy's own parameters (`reuse.retention_policy`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(default="expected_return",
+        description="`expected_return`: final answers first, then sessions long past their "
+        "tool's learned pause, then the furthest expected return; `oldest_first`: the "
+        "longest idle first.")
+    params: dict[str, Any] = Field(default_factory=dict,
+        description="The policy's parameters, checked against its own model at start-up "
+        "(docs/router.md, \"Retention\").")
 
 
 class RouterSettings(BaseModel):
@@ -203,10 +218,16 @@ class RouterSettings(BaseModel):
         description="When a claimed handle is not reused (recompute), let P tell D to free its "
         "blocks now (`remote_num_tokens=0` params) instead of holding them until the TTL.")
     retention_high_watermark: float | None = Field(default=0.8, gt=0, le=1,
-        description="Decode KV usage (0..1, `vllm:kv_cache_usage_perc`) at which the oldest "
-        "retained handles on that node are evicted and released, down to the low watermark; "
-        "None: retention is bounded by the TTL only (turns/retention.py). At this usage the "
+        description="Decode KV usage (0..1, `vllm:kv_cache_usage_perc`) at which retained "
+        "handles on that node, in `retention_policy`'s order, are evicted and released, "
+        "down to the low watermark; None: retention is bounded by the TTL only (turns/retention.py). At this usage the "
         "`cost_model` path policy also stops sending D prompts to compute (docs/router.md).")
+    retention_policy: RetentionPolicySettings = Field(
+        default_factory=RetentionPolicySettings,
+        description="Which retained turns go first when a decode node needs room, the "
+        "watermark's or a waiting turn's (`name`, and its `params`): by when each session "
+        "is expected back, from how its last turn ended and its tools' learned pauses "
+        "(`expected_return`), or by age (`oldest_first`). docs/router.md, \"Retention\".")
     retention_low_watermark: float = Field(
         default=0.6, gt=0, lt=1,
         description="Decode KV usage the watermark evicts down to (below the high watermark).")

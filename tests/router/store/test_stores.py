@@ -22,6 +22,7 @@ from kvagent_server.router.store.base import SessionStore
 from kvagent_server.router.store.factory import key_ring_for, make_store
 from kvagent_server.router.store.handle import (
     Handle,
+    TurnEnd,
     handle_meta,
     new_handle_id,
     pack_handle,
@@ -559,3 +560,80 @@ async def test_redis_down_at_start_gives_a_process_key_not_a_crash() -> None:
         assert ring.key(ring.active_kid)
     finally:
         await store.close()
+
+
+# ------------------------------------------------------------------ retention's reads
+
+
+def test_turn_end_is_read_from_the_relayed_answer() -> None:
+    end = TurnEnd.of("tool_calls", ["grep", "", "grep", "x" * 500, "ls"], 5.0)
+    assert end.kind == "tool_call" and end.tools == ("grep", "x" * 128, "ls")
+    assert TurnEnd.of("stop", ["run"], 1.0).kind == "tool_call"  # a forced tool_choice
+    assert TurnEnd.of("stop", [], 1.0) == TurnEnd(kind="final", at=1.0)
+    assert TurnEnd.of("length", [], 1.0).kind == "other"
+    assert TurnEnd.of(None, [], 1.0).kind == "other"
+    assert len(TurnEnd.of("tool_calls", [f"t{i}" for i in range(50)], 1.0).tools) == 8
+
+
+def test_pack_round_trip_keeps_the_turn_end_and_omits_it_when_unknown() -> None:
+    clock = FakeClock()
+    h = handle(clock).model_copy(update={"end": TurnEnd(kind="tool_call", tools=("grep",),
+                                                         at=clock.now)})
+    assert unpack_handle(pack_handle(h)) == h
+    assert handle_meta(pack_handle(h))["end"]["tools"] == ["grep"]
+    assert "end" not in handle_meta(pack_handle(handle(clock)))  # readable by older routers
+
+
+async def test_retained_lists_a_nodes_live_handles_with_their_ends(
+        store: SessionStore, clock: FakeClock) -> None:
+    tool = TurnEnd(kind="tool_call", tools=("search", "fetch"), at=clock.now)
+    await store.put(handle(clock, "t", session="s0").model_copy(update={"end": tool}))
+    await store.put(handle(clock, "f", session="s1", ttl=300).model_copy(
+        update={"end": TurnEnd(kind="final", at=clock.now)}))
+    await store.put(handle(clock, "u", session="s2", ttl=600))  # no end recorded
+    await store.put(handle(clock, "gone", session="s3", ttl=5))
+    await store.put(handle(clock, "other", session="s4", node="d1"))
+    clock.advance(10)  # "gone" expired
+    got = await store.retained("d0", 100)
+    assert [r.handle_id for r in got] == ["f", "t", "u"]  # soonest to expire first
+    by_id = {r.handle_id: r for r in got}
+    assert by_id["t"].end == tool and by_id["f"].end is not None
+    assert by_id["f"].end.kind == "final" and by_id["u"].end is None
+    assert {r.blocks for r in got} == {3} and by_id["t"].key == ("acme", "t")
+    assert by_id["t"].created_at == clock.now - 10 and by_id["t"].session == "s0"
+    assert [r.handle_id for r in await store.retained("d0", 2)] == ["f", "t"]
+    # A read claims nothing.
+    assert await store.claim("acme", "t") is not None
+    assert [r.handle_id for r in await store.retained("d0", 100)] == ["f", "u"]
+
+
+async def test_evict_handles_claims_exactly_those_still_there(
+        store: SessionStore, clock: FakeClock) -> None:
+    for i in range(4):
+        await store.put(handle(clock, f"a{i}", session=f"s{i}"))
+    await store.put(handle(clock, "b0", session="t0", node="d1"))
+    assert await store.claim("acme", "a1") is not None  # a turn took it first
+    evicted = await store.evict_handles(
+        "d0", [("acme", "a2"), ("acme", "a1"), ("acme", "nope"), ("acme", "b0"),
+               ("other", "a3"), ("acme", "a0")])
+    assert [h.handle_id for h in evicted] == ["a2", "a0"]  # in the order asked
+    for hid in ("a0", "a2"):  # evicted is claimed: no turn can present it any more
+        assert await store.claim("acme", hid) is None
+    assert await store.claim_latest("acme", "s0") is None
+    assert await store.claim("acme", "b0") is not None  # another node's: untouched
+    assert [r.handle_id for r in await store.retained("d0", 10)] == ["a3"]
+    assert await store.evict_handles("d0", []) == []
+    assert await store.evict_handles("d0", [("acme", "a:3")]) == []
+
+
+async def test_evict_handles_races_a_claim_with_one_winner(
+        store: SessionStore, clock: FakeClock) -> None:
+    await warm(store)
+    for i in range(20):
+        await store.put(handle(clock, f"h{i}", session=f"s{i}"))
+    keys = [("acme", f"h{i}") for i in range(20)]
+    results = await asyncio.gather(store.evict_handles("d0", keys),
+                                   *(store.claim("acme", f"h{i}") for i in range(20)))
+    evicted = {h.handle_id for h in results[0]}
+    claimed = {h.handle_id for h in results[1:] if h is not None}
+    assert not evicted & claimed and evicted | claimed == {f"h{i}" for i in range(20)}

@@ -209,6 +209,7 @@ def test_non_streamed_rewrite() -> None:
     s.scrub(body)
     out = rewrite_response(body, s, Final(kvagent={"path": "pd_fresh"}, cached_tokens=0))
     assert s.capture.sequence == [9, 9, 9, 9, 1, 2]
+    assert s.capture.tool_names == ["f"] and s.capture.finish_reason == "tool_calls"
     assert out["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "f"
     assert out["choices"][0]["logprobs"] == {"content": []}
     assert out["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
@@ -261,3 +262,34 @@ async def test_chunks_carrying_only_token_ids_dropped_unless_asked(size: int) ->
     assert seen[0].sequence == [1, 2, 7, 8, 7, 5]  # their ids still count
     out, _ = await run(data, size, keep_ids=True)
     assert len(events(out)) == 7
+
+
+@pytest.mark.parametrize("compact", [True, False])
+async def test_the_tools_a_streamed_answer_calls_are_captured(compact: bool) -> None:
+    """How the turn ended (retention weighs it): each call names its function in its first
+    delta; later deltas carry only arguments. Another choice's calls are not choice 0's."""
+    seps = (",", ":") if compact else (", ", ": ")
+
+    def call(k: int, name: str | None, args: str, index: int = 0) -> dict:
+        fn = {"arguments": args} if name is None else {"name": name, "arguments": args}
+        c = chunk(None, ids=[k])
+        c["choices"][0]["index"] = index
+        c["choices"][0]["delta"] = {"tool_calls": [
+            {"index": k, **({"id": f"call{k}", "type": "function"} if name else {}),
+             "function": fn}]}
+        return c
+
+    chunks = [chunk("", ids=[], prompt_token_ids=[1]), call(0, "search", ""),
+              call(0, None, '{"q":'), call(0, None, '"x"}'), call(1, "fetch", "{}"),
+              call(0, "elsewhere", "{}", index=1), chunk(None, ids=[5], finish="tool_calls"),
+              usage_chunk(kv_transfer_params=KV)]
+    data = b"".join(b"data: " + json.dumps(c, separators=seps).encode() + b"\n\n"
+                    for c in chunks) + b"data: [DONE]\n\n"
+    out, seen = await run(data, 10_000)
+    assert seen[0].tool_names == ["search", "fetch"]
+    assert seen[0].finish_reason == "tool_calls"
+    names = [tc["function"].get("name") for e in events(out) if isinstance(e, dict)
+             for c in e["choices"] for tc in (c.get("delta") or {}).get("tool_calls") or ()]
+    assert names == ["search", None, None, "fetch", "elsewhere"]  # relayed as they came
+    _, seen = await run(STREAM, 7)
+    assert seen[0].tool_names == [] and seen[0].finish_reason == "stop"

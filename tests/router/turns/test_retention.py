@@ -6,22 +6,30 @@ import asyncio
 import time
 
 import pytest
-from fakes import FakeCluster, router_stack
+from fakes import FakeCluster, Reply, decode_ids, default_reply, router_stack
+from kvagent_server.router.reuse.pauses import ToolPauses
+from kvagent_server.router.reuse.retention_policy import (
+    ExpectedReturn,
+    ExpectedReturnParams,
+    OldestFirst,
+)
 from kvagent_server.router.reuse.transfer import (
     RELEASE_KEY,
     REMOTE_BLOCK_IDS,
     REMOTE_REQUEST_ID,
     with_release,
 )
-from kvagent_server.router.store.handle import Handle, handle_blocks
+from kvagent_server.router.store.handle import Handle, TurnEnd, handle_blocks
+from kvagent_server.router.store.memory import MemoryStore
 from kvagent_server.router.turns.retention import (
     NodeKV,
+    PolicyEviction,
     ReleaseQueue,
     blocks_to_free,
     parse_node_kv,
     remote_request_id,
 )
-from router_client import LONG, no_wrong_kv, turn
+from router_client import LONG, MODEL, chat_body, no_wrong_kv, turn
 
 
 def _handle(params: dict) -> Handle:
@@ -162,3 +170,133 @@ async def test_blocks_no_handle_records_are_released() -> None:
         await asyncio.sleep(0.3)  # a recorded handle is kept for the next turn
         assert len(st.cluster.events_of("release")) == 1 and kva["cache_token"]
         no_wrong_kv(st)
+
+
+def _tool_or_answer(prompt_ids: list[int]) -> Reply:
+    """Conversations whose prompt asks for a tool end on a call to `build`, the others on
+    a final answer."""
+    if "use a tool" in decode_ids(prompt_ids):
+        return Reply(tool_calls=[{"id": "call_1", "type": "function",
+                                  "function": {"name": "build", "arguments": "{}"}}])
+    return default_reply(prompt_ids)
+
+
+@pytest.mark.parametrize("policy", ["expected_return", "oldest_first"])
+async def test_under_pressure_final_answers_go_before_a_session_waiting_on_a_tool(
+        policy: str) -> None:
+    """The oldest conversation on D ended on a tool call: it will be back. Over the
+    watermark, `expected_return` drops the newer conversations that ended on a final
+    answer and the tool session's next turn reuses its KV; `oldest_first` drops it."""
+    cluster = FakeCluster(kv_blocks=200, reply=_tool_or_answer)
+    async with router_stack(cluster=cluster, skip_prefill_max_tokens=0,
+                            retention_high_watermark=0.5, retention_low_watermark=0.25,
+                            retention_check_interval_s=0.05,
+                            retention_policy={"name": policy}) as st:
+        d = st.decode[0]
+        tool_msgs = [{"role": "user", "content": f"please use a tool: {LONG}"}]
+        tool_kva, _, evs = await turn(st, tool_msgs, session="tool")
+        assert any((e["choices"][0].get("delta") or {}).get("tool_calls")
+                   for e in evs if isinstance(e, dict) and e.get("choices"))
+        store = st.app.state.parts.store
+        (held,) = await store.retained("d0", 10)
+        assert held.end is not None and (held.end.kind, held.end.tools) == (
+            "tool_call", ("build",))
+        tool_rid = next(r.request_id for r in cluster.retained.values()
+                        if r.engine_id == d.engine_id)
+        for i in range(4):  # ~30 blocks each: over 50% of 200 blocks
+            await turn(st, [{"role": "user", "content": f"conversation {i}: {LONG}"}],
+                       session=f"s{i}")
+        await _wait_for(lambda: cluster.events_of("release"))
+        await _wait_for(lambda: d.kv_usage() < 0.5)
+        released = [e.detail["id"] for e in cluster.events_of("release")]
+        ends = {h.session: h.end.kind for h in await store.retained("d0", 10) if h.end}
+        call = {"id": "call_1", "type": "function",
+                "function": {"name": "build", "arguments": "{}"}}
+        nxt = [*tool_msgs, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "built"}]
+        kva, _, _ = await turn(st, nxt, session="tool", token=tool_kva["cache_token"])
+        if policy == "expected_return":
+            assert tool_rid not in released and ends.get("tool") == "tool_call"
+            assert set(ends.values()) <= {"tool_call", "final"} and len(released) >= 2
+            assert kva["path"] == "pd_reuse" and kva["reused_tokens"] > 0
+        else:
+            assert released[0] == tool_rid and "tool" not in ends
+            assert kva["path"] == "recompute" and kva["reused_tokens"] == 0
+        no_wrong_kv(st)
+        # The session came back from `build`: its pause is learned.
+        learned = st.app.state.router.pauses.view()
+        assert [tool for _tenant, tool in learned] == ["build"]
+        assert next(iter(learned.values())).samples == 1
+
+
+async def test_the_turn_end_is_recorded_from_every_front_door() -> None:
+    """Chat, Messages and Responses all run as chat on the nodes: the relay captures how
+    each answer ended, and the handle records it."""
+    cluster = FakeCluster(reply=_tool_or_answer)
+    tools = [{"type": "function", "function": {"name": "build", "parameters": {
+        "type": "object", "properties": {}}}}]
+    async with router_stack(cluster=cluster, skip_prefill_max_tokens=0) as st:
+        store = st.app.state.parts.store
+        r = await st.client.post("/v1/chat/completions", headers={"X-Session-ID": "chat"},
+                                 json=chat_body([{"role": "user", "content": "use a tool"}],
+                                                stream=False, tools=tools))
+        assert r.status_code == 200, r.text
+        r = await st.client.post("/v1/messages", headers={"X-Session-ID": "msgs"}, json={
+            "model": MODEL, "max_tokens": 64, "messages": [
+                {"role": "user", "content": "use a tool " + LONG}],
+            "tools": [{"name": "build", "input_schema": {"type": "object"}}]})
+        assert r.status_code == 200, r.text
+        assert r.json()["stop_reason"] == "tool_use"
+        r = await st.client.post("/v1/responses", headers={"X-Session-ID": "resp"}, json={
+            "model": MODEL, "input": "just answer " + LONG, "stream": True})
+        assert r.status_code == 200, r.text
+        got = {h.session.rsplit("/", 1)[-1]: h.end for h in await store.retained("d0", 10)}
+        assert {k: (e.kind, e.tools) for k, e in got.items() if e is not None} == {
+            "chat": ("tool_call", ("build",)), "msgs": ("tool_call", ("build",)),
+            "resp": ("final", ())}
+
+
+def _held(hid: str, end: TurnEnd | None, at: float, blocks: int = 4) -> Handle:
+    return Handle(handle_id=hid, tenant="t", session=f"s-{hid}", decode_node="d0",
+                  decode_epoch="e", kv_transfer_params={
+                      REMOTE_REQUEST_ID: f"r-{hid}", REMOTE_BLOCK_IDS: [list(range(blocks))]},
+                  token_ids=[1, 2, 3], block_size=16, created_at=at, expires_at=at + 480,
+                  end=end)
+
+
+async def test_policy_eviction_claims_what_the_policy_ranks_first() -> None:
+    now = time.time()
+    store = MemoryStore()
+    soon = TurnEnd(kind="tool_call", tools=("quick",), at=now - 25)  # prior 30 s: back in 5
+    await store.put(_held("soon", soon, now - 25))
+    await store.put(_held("final", TurnEnd(kind="final", at=now - 1), now - 1))
+    await store.put(_held("later", TurnEnd(kind="tool_call", tools=("x",), at=now), now))
+    evict = PolicyEviction(store, ExpectedReturn(ExpectedReturnParams(keep_soon_s=10)),
+                           ToolPauses())
+    # The watermark keeps the session expected back soon, whatever it needs.
+    assert [h.handle_id for h in await evict("d0", 100, 10)] == ["final", "later"]
+    # A turn waiting for room takes it, last.
+    assert [h.handle_id for h in await evict.for_turn("d0", 1, 10)] == ["soon"]
+    assert await store.retained("d0", 10) == []
+
+
+async def test_policy_eviction_passes_again_when_a_turn_claimed_its_choice() -> None:
+    now = time.time()
+    store = MemoryStore()
+    for i in range(4):
+        await store.put(_held(f"h{i}", TurnEnd(kind="final", at=now - 10 + i), now - 10 + i))
+    real_evict = store.evict_handles
+
+    raced: list[str] = []
+
+    async def racing(node: str, keys: list[tuple[str, str]]) -> list[Handle]:
+        if not raced:  # a turn claims the first choice between the read and the eviction
+            raced.append(keys[0][1])
+            await store.claim(*keys[0])
+        return await real_evict(node, keys)
+
+    store.evict_handles = racing  # type: ignore[method-assign]
+    evict = PolicyEviction(store, OldestFirst(), ToolPauses())
+    got = await evict("d0", 8, 10)  # two handles' blocks: h0 went to a turn, so h2 goes
+    assert raced == ["h0"] and [h.handle_id for h in got] == ["h1", "h2"]
+    assert sum(map(handle_blocks, got)) == 8

@@ -54,6 +54,7 @@ from kvagent_server.router.http.request import (
     session_and_token,
     validate,
 )
+from kvagent_server.router.reuse.retention_policy import retention_policy_for
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.base import SessionStore
 from kvagent_server.router.store.factory import key_ring_for, key_sync_for, make_store
@@ -69,7 +70,7 @@ from kvagent_server.router.turns.pipeline import open_turn, settle
 from kvagent_server.router.turns.policy import policy_for
 from kvagent_server.router.turns.prompt_ids import TokenizeError, tokenize
 from kvagent_server.router.turns.relay import Scrubber, SseRelay, rewrite_response
-from kvagent_server.router.turns.retention import NodeKV, RetentionGuard
+from kvagent_server.router.turns.retention import NodeKV, PolicyEviction, RetentionGuard
 from kvagent_server.router.turns.room import DecodeGate
 from kvagent_server.router.turns.shapes import Turn, TurnRequest
 from kvagent_server.router.turns.upstream import UpstreamError
@@ -125,6 +126,7 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
         tenants=TenantResolver(settings), model=model,
         admission=Admission(settings.max_streams_per_client))
     policy_for(settings)  # an unknown policy name fails here, not on the first turn
+    retention_policy_for(settings)  # and so do bad retention parameters
     routes = [
         Route(CHAT, _completions, methods=["POST"]),
         Route(COMPLETIONS, _completions, methods=["POST"]),
@@ -204,7 +206,7 @@ async def _lifespan(parts: AppParts, app: Starlette) -> AsyncIterator[None]:
             parts.model = await _served_model(legs, registry)
         registry.start(legs.client)
         stack.push_async_callback(registry.stop)
-        router.retention = _retention_guard(parts, legs)
+        router.retention = _retention_guard(parts, legs, router)
         router.gate = _decode_gate(router)
         router.key_sync = key_sync_for(settings, store, codec)
         for background in (router.key_sync, router.retention):
@@ -297,15 +299,17 @@ async def _not_allowed(request: Request, exc: Exception) -> Response:
                           code="method_not_allowed")
 
 
-def _retention_guard(parts: AppParts, legs: Legs) -> RetentionGuard | None:
-    """Keeps decode nodes' retained KV under the watermark (turns/retention.py)."""
+def _retention_guard(parts: AppParts, legs: Legs, router: Router) -> RetentionGuard | None:
+    """Keeps decode nodes' retained KV under the watermark, dropping what the retention
+    policy ranks first (turns/retention.py)."""
     settings, metrics, nodes = parts.settings, parts.metrics, parts.registry.nodes
     if settings.retention_high_watermark is None:
         return None
+    evict = PolicyEviction(parts.store, retention_policy_for(settings), router.pauses)
     return RetentionGuard(
         lambda name: legs.client(nodes[name]),
         nodes=lambda: [(n.name, n.url, n.epoch) for n in parts.registry.healthy("decode")],
-        evict=parts.store.evict_oldest, model=lambda: parts.model,
+        evict=evict, evict_for_turn=evict.for_turn, model=lambda: parts.model,
         high=settings.retention_high_watermark, low=settings.retention_low_watermark,
         interval_s=settings.retention_check_interval_s,
         on_evicted=metrics.retention_evictions.inc,

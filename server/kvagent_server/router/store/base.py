@@ -6,10 +6,11 @@ lets several replicas share handles, with claims that stay atomic across replica
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 from kvagent_server.router.auth.keys import KeyRing
-from kvagent_server.router.store.handle import Handle
+from kvagent_server.router.store.handle import Handle, Retained
 from kvagent_server.router.store.records import RecordStore
 
 
@@ -45,6 +46,16 @@ class SessionStore(RecordStore, Protocol):
         """Remove and return the node's oldest live handles until they pin `min_blocks`
         blocks (when negative: just `max_handles` of them), at most `max_handles`.
         Each removal is a claim: a later turn presenting one of them recomputes."""
+
+    async def retained(self, decode_node: str, limit: int) -> list[Retained]:
+        """The node's live handles as retention weighs them (no token ids), at most
+        `limit`, soonest to expire first. A read: nothing is claimed."""
+
+    async def evict_handles(self, decode_node: str,
+                            keys: Sequence[tuple[str, str]]) -> list[Handle]:
+        """Claim the named handles (tenant, handle id) of the node that are still there
+        and live, and return them: each removal is a claim, so of a turn presenting one
+        and this eviction exactly one gets it."""
 
     async def ping(self) -> bool:
         """True when the store answers (readiness)."""

@@ -13,11 +13,21 @@ import secrets
 import struct
 import sys
 from array import array
-from typing import Annotated, Any
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 TokenId = Annotated[int, Field(ge=0, lt=2**32)]
+
+#: How a turn's answer ended: on tool calls (the agent runs them and comes back), on a
+#: final answer (`stop` without tool calls: the session may be over), or otherwise (cut
+#: by `max_tokens`, an abort, a completions prompt).
+EndKind = Literal["tool_call", "final", "other"]
+#: At most this many tool names are kept per turn end, each cut to `MAX_TOOL_NAME` chars:
+#: they come from the model's output and ride on every handle.
+MAX_END_TOOLS = 8
+MAX_TOOL_NAME = 128
 
 
 class MediaItem(BaseModel):
@@ -54,6 +64,29 @@ class KVIdentity(BaseModel):
     history: str | None = None
 
 
+class TurnEnd(BaseModel):
+    """How the turn whose KV a handle names ended, as the router relayed it: what
+    retention weighs (a session waiting on a tool will be back; one that answered may
+    not)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: EndKind
+    #: The tools it called (choice 0's `tool_calls`, in order, without repeats).
+    tools: tuple[str, ...] = Field(default=(), max_length=MAX_END_TOOLS)
+    #: When the answer ended (router wall clock).
+    at: float
+
+    @classmethod
+    def of(cls, finish_reason: str | None, tools: list[str], at: float) -> TurnEnd:
+        """From what the relay saw: tool calls (whatever the finish reason says: a
+        forced `tool_choice` ends on `stop`), else a `stop`, else something else."""
+        names = tuple(dict.fromkeys(t[:MAX_TOOL_NAME] for t in tools if t))[:MAX_END_TOOLS]
+        if names or finish_reason == "tool_calls":
+            return cls(kind="tool_call", tools=names, at=at)
+        return cls(kind="final" if finish_reason == "stop" else "other", at=at)
+
+
 class Handle(BaseModel):
     """KV blocks a decode node retains for a session's next turn (internal, never sent out)."""
 
@@ -74,6 +107,8 @@ class Handle(BaseModel):
     #: What else shaped that KV; None on handles from routers that did not record it
     #: (never reused).
     identity: KVIdentity | None = None
+    #: How the turn ended; None on handles from routers that did not record it.
+    end: TurnEnd | None = None
     created_at: float  # router wall clock
     expires_at: float  # router wall clock, safety margin already subtracted
 
@@ -106,6 +141,8 @@ def pack_handle(handle: Handle) -> bytes:
     if handle.identity is not None and handle.identity.history is None:
         # Left out unless recorded, so routers that predate the field still read it.
         exclude["identity"] = {"history"}
+    if handle.end is None:
+        exclude["end"] = True  # the same for routers that predate the turn's end
     meta = handle.model_dump_json(exclude=exclude).encode()
     ids = array("I", handle.token_ids)
     if sys.byteorder == "big":
@@ -138,8 +175,42 @@ def handle_blocks(handle: Handle) -> int:
     since blocks shared with other sequences are not freed by releasing one of them)."""
     # The key is `reuse.transfer.REMOTE_BLOCK_IDS`, spelled out because `store` sits below
     # `reuse` in the router's layers (tests/router/turns/test_retention.py ties the two).
-    groups = handle.kv_transfer_params.get("remote_block_ids")
+    return _blocks(handle.kv_transfer_params)
+
+
+def _blocks(params: Any) -> int:
+    groups = params.get("remote_block_ids") if isinstance(params, dict) else None
     if not isinstance(groups, list) or not groups:
         return 0
     first = groups[0]
     return len(first) if isinstance(first, list) else len(groups)
+
+
+@dataclass(frozen=True)
+class Retained:
+    """One live handle on a decode node as retention weighs it: what it holds and how
+    its turn ended, read from the packed handle's JSON part (no token ids)."""
+
+    tenant: str
+    handle_id: str
+    session: str
+    #: Blocks it pins on its node (`handle_blocks`).
+    blocks: int
+    created_at: float
+    expires_at: float
+    end: TurnEnd | None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(tenant, handle id): what `SessionStore.evict_handles` takes."""
+        return self.tenant, self.handle_id
+
+    @classmethod
+    def of_meta(cls, meta: dict[str, Any]) -> Retained:
+        """From `handle_meta` of a packed handle."""
+        end = meta.get("end")
+        return cls(tenant=meta["tenant"], handle_id=meta["handle_id"],
+                   session=meta["session"], blocks=_blocks(meta.get("kv_transfer_params")),
+                   created_at=float(meta["created_at"]),
+                   expires_at=float(meta["expires_at"]),
+                   end=TurnEnd.model_validate(end) if end is not None else None)

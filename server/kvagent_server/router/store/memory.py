@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 
 from kvagent_server.router.store.handle import (
     Handle,
+    Retained,
     handle_blocks,
     handle_meta,
     pack_handle,
@@ -201,6 +202,24 @@ class MemoryStore:
                 handle = unpack_handle(entry[0])
                 out.append(handle)
                 freed += handle_blocks(handle)
+        return out
+
+    async def retained(self, decode_node: str, limit: int) -> list[Retained]:
+        now = self._clock()
+        live = sorted((entry for entry in self._handles.values()
+                       if entry[3] == decode_node and now < entry[1]), key=lambda e: e[1])
+        return [Retained.of_meta(handle_meta(entry[0])) for entry in live[:max(limit, 0)]]
+
+    async def evict_handles(self, decode_node: str,
+                            keys: Sequence[tuple[str, str]]) -> list[Handle]:
+        out: list[Handle] = []
+        for key in keys:
+            entry = self._handles.get(key)
+            if entry is None or entry[3] != decode_node:
+                continue
+            handle = self._take(key)
+            if handle is not None:
+                out.append(handle)
         return out
 
     async def put_records(self, tenant: str, kind: Kind, items: Sequence[tuple[str, bytes]],

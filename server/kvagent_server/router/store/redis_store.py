@@ -21,6 +21,7 @@ handle keys from the pointer they read, so this layout needs a single (non-clust
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import secrets
 import time
@@ -35,6 +36,7 @@ from kvagent_server.router.auth.keys import KeyRing
 from kvagent_server.router.store.base import StoreUnavailable
 from kvagent_server.router.store.handle import (
     Handle,
+    Retained,
     handle_blocks,
     handle_meta,
     pack_handle,
@@ -94,6 +96,34 @@ if not id then return false end
 return redis.call('GET', ARGV[1] .. id)
 """
 
+# KEYS[1] = node index; ARGV = now, limit. The JSON part of each live handle on the node
+# (after its 4-byte little-endian length), soonest to expire first: no token ids cross.
+_RETAINED = """
+local members = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[1], '+inf',
+                           'LIMIT', 0, tonumber(ARGV[2]))
+local out = {}
+for _, key in ipairs(members) do
+  local head = redis.call('GETRANGE', key, 0, 3)
+  if #head == 4 then
+    local n = struct.unpack('<I4', head)
+    table.insert(out, redis.call('GETRANGE', key, 4, 3 + n))
+  end
+end
+return out
+"""
+
+# KEYS[1] = node index; ARGV = handle keys. Claims (GETDEL) each named handle still
+# indexed on this node, in one script: of this and any claim of a handle, one wins.
+_EVICT = """
+local out = {}
+for _, key in ipairs(ARGV) do
+  if redis.call('ZREM', KEYS[1], key) == 1 then
+    local value = redis.call('GETDEL', key)
+    if value then table.insert(out, value) end
+  end
+end
+return out
+"""
 
 # KEYS[1] = the tenant's record index; ARGV = ttl ms, expires_at, now, max per tenant,
 # then key/value pairs. Each record expires by itself; the index (scored by expiry) bounds
@@ -157,6 +187,8 @@ class RedisStore:
         self._claim_latest = client.register_script(_CLAIM_LATEST)
         self._peek_latest = client.register_script(_PEEK_LATEST)
         self._put_records = client.register_script(_PUT_RECORDS)
+        self._retained = client.register_script(_RETAINED)
+        self._evict = client.register_script(_EVICT)
 
     @classmethod
     def from_url(cls, url: str, **kwargs: Any) -> RedisStore:
@@ -288,6 +320,31 @@ class RedisStore:
                     await self._r.zrem(self._tenant_key(handle.tenant), member)
                     out.append(handle)
                     freed += handle_blocks(handle)
+        return out
+
+    @_unavailable
+    async def retained(self, decode_node: str, limit: int) -> list[Retained]:
+        if limit <= 0:
+            return []
+        metas = await self._retained(keys=[self._node_key(decode_node)],
+                                     args=[repr(self._clock()), limit])
+        return [Retained.of_meta(json.loads(meta)) for meta in metas or ()]
+
+    @_unavailable
+    async def evict_handles(self, decode_node: str,
+                            keys: Sequence[tuple[str, str]]) -> list[Handle]:
+        members = [self._handle_key(tenant, hid) for tenant, hid in keys
+                   if hid and ":" not in hid and "/" not in hid]
+        if not members:
+            return []
+        values = await self._evict(keys=[self._node_key(decode_node)], args=members)
+        out = [h for value in values or () if (h := self._live(value)) is not None]
+        if out:
+            async with self._r.pipeline(transaction=False) as pipe:
+                for handle in out:  # no longer counts against the tenant's quota
+                    pipe.zrem(self._tenant_key(handle.tenant),
+                              self._handle_key(handle.tenant, handle.handle_id))
+                await pipe.execute()
         return out
 
     # -------------------------------------------------------------- RecordStore

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from kvagent_server.router.auth.cache_token import TokenCodec
 from kvagent_server.router.kv.room import DecodeRoom
 from kvagent_server.router.reuse.paths import CostModel
+from kvagent_server.router.reuse.pauses import ToolPauses
 from kvagent_server.router.reuse.queue import CharsPerToken, WorkLedger
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.base import SessionStore
@@ -44,6 +45,9 @@ class Router:
     #: Prompt tokens per byte of a chat turn's messages (a turn that skips `/tokenize`
     #: estimates its delta from its new messages with it).
     message_chars: CharsPerToken = field(default_factory=CharsPerToken)
+    #: How long each tenant's tools keep a session away (learned by settle; retention
+    #: keeps a waiting session's KV by it: `reuse.retention_policy`).
+    pauses: ToolPauses = field(default_factory=ToolPauses)
     #: The `/tokenize` round trip, seconds (running mean; None until one was made): what
     #: a turn that skips it saves.
     tokenize_s: float | None = None

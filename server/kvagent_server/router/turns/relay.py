@@ -36,12 +36,15 @@ from kvagent_server.router.common import fastjson, node_errors
 from kvagent_server.router.reuse.transfer import INTERNAL_FIELDS
 from kvagent_server.router.turns.shapes import Capture, Final
 
+#: Tool names kept from one answer (a handle records at most `store.handle.MAX_END_TOOLS`).
+MAX_CAPTURED_TOOLS = 64
+
 #: Token-id fields the router requests for itself (`return_token_ids`).
 TOKEN_ID_FIELDS = ("prompt_token_ids", "token_ids")
 DONE = b"[DONE]"
 #: A chunk holding any of these takes the JSON path (rewrite, capture or final chunk).
 _SLOW_MARKERS = (b'"kv_transfer_params"', b'"ec_transfer_params"', b'"prompt_token_ids"',
-                 b'"usage"', b'"error"')
+                 b'"usage"', b'"error"', b'"tool_calls"')
 _TOKEN_IDS_RE = re.compile(rb',\s*"token_ids":\s*\[([0-9,\s]*)\]')
 _FINISH_RE = re.compile(rb'"finish_reason":\s*"([a-z_]+)"')
 _INDEX_RE = re.compile(rb'"index":\s*([0-9]+)')
@@ -89,6 +92,7 @@ class Scrubber:
                     cap.output_token_ids.extend(ids)
                 if choice.get("finish_reason"):
                     cap.finish_reason = choice["finish_reason"]
+                _take_tool_names(choice, cap)
         if obj.get("usage"):
             cap.usage = obj["usage"]
         return obj
@@ -141,6 +145,18 @@ class Scrubber:
             obj.pop("usage", None)
         obj["kvagent"] = final.kvagent
         return obj
+
+
+def _take_tool_names(choice: dict[str, Any], cap: Capture) -> None:
+    """The names of the tools choice 0 calls: a streamed call names its function in its
+    first delta, a whole message in each call (how the turn ended: retention weighs it)."""
+    for part in (choice.get("delta"), choice.get("message")):
+        calls = part.get("tool_calls") if isinstance(part, dict) else None
+        for call in calls if isinstance(calls, list) else ():
+            function = call.get("function") if isinstance(call, dict) else None
+            name = function.get("name") if isinstance(function, dict) else None
+            if isinstance(name, str) and name and len(cap.tool_names) < MAX_CAPTURED_TOOLS:
+                cap.tool_names.append(name)
 
 
 def rewrite_response(body: dict[str, Any], scrubber: Scrubber, final: Final) -> dict[str, Any]:

@@ -11,15 +11,18 @@ and wait. Two things keep it bounded:
 - A turn whose blocks no handle records (no session id, reuse off, the store down) is
   released on the next round: D retains every P/D request's blocks, wanted or not.
 - A watermark per decode node: when its KV usage (`vllm:kv_cache_usage_perc`) reaches
-  `retention_high_watermark`, the oldest handles on that node are evicted from the store
-  (claimed, so no turn can use them any more) until the blocks they hold cover the excess
-  over `retention_low_watermark`, and released with one small request to the node.
+  `retention_high_watermark`, handles on that node are evicted from the store (claimed,
+  so no turn can use them any more) until the blocks they hold cover the excess over
+  `retention_low_watermark`, and released with one small request to the node. Which
+  go first is the retention policy's choice (`reuse.retention_policy`: by when each
+  session is expected back, or by age); `PolicyEviction` asks it and claims its choice.
 
 Releasing is only safe for handles no one can present again: every released handle has
-first been removed from the store atomically (`evict_oldest`, or the claim of the turn
+first been removed from the store atomically (`evict_handles`, or the claim of the turn
 that supersedes it), so a token naming it finds nothing and the turn recomputes.
 
-`blocks_to_free`, `ReleaseQueue` and the handle helpers are pure; `RetentionGuard` is the I/O shell.
+`blocks_to_free`, `ReleaseQueue` and the handle helpers are pure; `PolicyEviction` and
+`RetentionGuard` are the I/O shells.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ from dataclasses import dataclass
 
 from kvagent_server.router.common.periodic import Periodic
 from kvagent_server.router.reuse import transfer
+from kvagent_server.router.reuse.pauses import ToolPauses
+from kvagent_server.router.reuse.retention_policy import RetentionFacts, RetentionPolicy
+from kvagent_server.router.store.base import SessionStore
 from kvagent_server.router.store.handle import Handle, handle_blocks
 from kvagent_server.router.turns.nodes import Node
 from kvagent_server.router.turns.upstream import NodeHttp, UpstreamError
@@ -132,19 +138,65 @@ class ReleaseQueue:
         return [n for n, q in self._ids.items() if q]
 
 
-class RetentionGuard:
-    """Watches each decode node's KV usage and evicts/releases the oldest handles.
+#: `evict(node, min_blocks, max_handles)` atomically removes from the store and returns
+#: live handles of the node holding `min_blocks` blocks (any number when negative), at
+#: most `max_handles`.
+Evict = Callable[[str, int, int], Awaitable[list[Handle]]]
 
-    `client(node)` is the named node's HTTP client; `evict(node, min_blocks, max_handles)` must atomically remove and return the node's
-    oldest live handles until they hold `min_blocks` blocks (any number when negative),
-    at most `max_handles` (the store's `evict_oldest`); `nodes()` yields (name, url, epoch)
-    of the healthy decode nodes; `model()` the served model name for release requests.
+
+class PolicyEviction:
+    """Evicts what the retention policy chooses: reads the node's retained handles
+    (`SessionStore.retained`, no token ids), lets the policy rank them on plain facts,
+    and claims its choice (`SessionStore.evict_handles`). A handle a turn claimed in
+    between is simply not evicted; another pass takes the next ones."""
+
+    def __init__(self, store: SessionStore, policy: RetentionPolicy, pauses: ToolPauses, *,
+                 scan_limit: int = 4096, clock: Callable[[], float] = time.time) -> None:
+        self.store, self.policy, self.pauses = store, policy, pauses
+        self.scan_limit, self.clock = scan_limit, clock
+
+    async def __call__(self, node: str, min_blocks: int, max_handles: int, *,
+                       for_waiting_turn: bool = False) -> list[Handle]:
+        out: list[Handle] = []
+        freed = 0
+        for _ in range(3):  # a pass loses only what turns claimed meanwhile
+            need = min_blocks - freed if min_blocks >= 0 else -1
+            left = max_handles - len(out)
+            if left <= 0 or (min_blocks >= 0 and need <= 0):
+                break
+            facts = RetentionFacts(
+                handles=await self.store.retained(node, self.scan_limit), need_blocks=need,
+                max_handles=left, now=self.clock(), pauses=self.pauses.view(),
+                for_waiting_turn=for_waiting_turn)
+            chosen = self.policy.choose(facts)
+            if not chosen:
+                break
+            evicted = await self.store.evict_handles(node, [h.key for h in chosen])
+            out += evicted
+            freed += sum(map(handle_blocks, evicted))
+            if len(evicted) == len(chosen):
+                break
+        return out
+
+    async def for_turn(self, node: str, min_blocks: int, max_handles: int) -> list[Handle]:
+        """For a turn waiting for room now: sessions expected back soon go too, last."""
+        return await self(node, min_blocks, max_handles, for_waiting_turn=True)
+
+
+class RetentionGuard:
+    """Watches each decode node's KV usage and evicts/releases retained handles.
+
+    `client(node)` is the named node's HTTP client; `evict` picks and claims what the
+    watermark frees (`PolicyEviction`, or the store's `evict_oldest`) and
+    `evict_for_turn` what a waiting turn's room frees (default: `evict`); `nodes()`
+    yields (name, url, epoch) of the healthy decode nodes; `model()` the served model
+    name for release requests.
     """
 
     def __init__(self, client: Callable[[str], NodeHttp], *,
                  nodes: Callable[[], Sequence[tuple[str, str, str]]],
-                 evict: Callable[[str, int, int], Awaitable[list[Handle]]],
-                 model: Callable[[], str | None],
+                 evict: Evict, model: Callable[[], str | None],
+                 evict_for_turn: Evict | None = None,
                  high: float, low: float, interval_s: float,
                  on_evicted: Callable[[int], None] = lambda n: None,
                  on_released: Callable[[bool, int], None] = lambda ok, n: None,
@@ -155,6 +207,7 @@ class RetentionGuard:
         self.client = client
         self.nodes = nodes
         self.evict = evict
+        self.evict_for_turn = evict_for_turn or evict
         self.model = model
         self.high, self.low, self.interval_s = high, low, interval_s
         self.on_evicted, self.on_released = on_evicted, on_released
@@ -194,10 +247,11 @@ class RetentionGuard:
         return len(evicted)
 
     async def _evict(self, name: str, url: str, epoch: str, blocks: int,
-                     max_handles: int) -> list[Handle]:
-        """Evict the node's oldest unclaimed handles holding `blocks` blocks from the store
-        and release them on the node."""
-        evicted = await self.evict(name, blocks, max_handles)
+                     max_handles: int, *, for_turn: bool = False) -> list[Handle]:
+        """Evict unclaimed handles of the node holding `blocks` blocks from the store and
+        release them on the node."""
+        evict = self.evict_for_turn if for_turn else self.evict
+        evicted = await evict(name, blocks, max_handles)
         if not evicted:
             return []
         ids = [rid for h in evicted if h.decode_epoch == epoch
@@ -209,9 +263,9 @@ class RetentionGuard:
 
     async def make_room(self, node: Node, blocks: int) -> int:
         """Free about `blocks` blocks on `node` for a turn waiting there (turns.room):
-        its oldest unclaimed handles go; returns the blocks they held."""
+        unclaimed handles go, in the retention policy's order; returns the blocks they held."""
         evicted = await self._evict(node.name, node.url, node.epoch, max(blocks, 1),
-                                    self.scan_limit)
+                                    self.scan_limit, for_turn=True)
         if evicted:
             log.info("decode %s: evicted %d retained handle(s) (%d blocks) for a waiting "
                      "turn", node.name, len(evicted), sum(map(handle_blocks, evicted)))

@@ -68,8 +68,8 @@ class Admitted:
     revoked: bool = False
 
 
-#: `make_room(node, blocks)` evicts and releases the node's oldest unclaimed handles
-#: holding about `blocks` blocks, returning the blocks freed; `refresh(node)` reads the
+#: `make_room(node, blocks)` evicts and releases unclaimed handles of the node holding
+#: about `blocks` blocks, in the retention policy's order (`turns.retention`), returning the blocks freed; `refresh(node)` reads the
 #: node's figure into the ledger; `release(node, ids)` frees
 #: decode request ids; `busy(node)` says whether legs run there.
 MakeRoom = Callable[[Node, int], Awaitable[int]]

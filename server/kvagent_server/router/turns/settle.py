@@ -1,8 +1,9 @@
 """Settle: after the answer is relayed, learn from it and hand the next turn its KV.
 
-From D's answer (`Capture`) a turn teaches the router its costs and token ratios, counts
-its reuse, records D's retained blocks as the session's latest handle (or lets D free
-them when nothing will ever claim them) and mints the cache token naming that handle.
+From D's answer (`Capture`) a turn teaches the router its costs and token ratios and its
+tools' pauses, counts its reuse, records D's retained blocks as the session's latest
+handle with how the turn ended (or lets D free them when nothing will ever claim them)
+and mints the cache token naming that handle.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import time
 
 from kvagent_server.router.reuse import content, identity, planner, transfer
 from kvagent_server.router.store.base import StoreUnavailable
-from kvagent_server.router.store.handle import Handle, new_handle_id
+from kvagent_server.router.store.handle import Handle, TurnEnd, new_handle_id
 from kvagent_server.router.store.records import CONTENT
 from kvagent_server.router.turns.context import Router
 from kvagent_server.router.turns.legs import usage_cached
@@ -49,7 +50,9 @@ async def _settle(r: Router, turn: Turn, capture: Capture) -> Final:
     reused = min(planned, cached) if plan.path == "pd_reuse" else (
         cached if plan.path == "d_direct" else 0)
     _account(r, turn, prompt_tokens, cached, reused)
-    recorded, token, expires_in = await _record(r, turn, capture)
+    end = TurnEnd.of(capture.finish_reason, capture.tool_names, time.time())
+    _learn_pause(r, turn, end)
+    recorded, token, expires_in = await _record(r, turn, capture, end)
     if not recorded:
         _release_unrecorded(r, turn, capture)
     kvagent = {"cache_token": token, "reused_tokens": reused, "expires_in": expires_in,
@@ -80,6 +83,18 @@ def _account(r: Router, turn: Turn, prompt_tokens: int, cached: int, reused: int
             pass
 
 
+def _learn_pause(r: Router, turn: Turn, end: TurnEnd) -> None:
+    """The gap since the session's last turn ended on tool calls is their pause (what
+    retention expects of them next time); then this turn's end is the session's last."""
+    session, tenant = turn.facts.session, turn.req.tenant.name
+    if session is None:
+        return
+    claimed = turn.facts.handle
+    r.pauses.resumed(tenant, session, turn.facts.now,
+                     claimed.end if claimed is not None else None)
+    r.pauses.ended(tenant, session, end)
+
+
 def _release_unrecorded(r: Router, turn: Turn, capture: Capture) -> None:
     """D retained this turn's blocks, but no handle records them (no session, reuse
     off, store down...): nobody can ever reuse them, so let D free them now."""
@@ -101,7 +116,8 @@ def _release_evicted(r: Router, handles: list[Handle] | None) -> None:
             r.retention.queue.add(node.name, [rid])
 
 
-async def _record(r: Router, turn: Turn, capture: Capture) -> tuple[bool, str | None, int]:
+async def _record(r: Router, turn: Turn, capture: Capture,
+                  end: TurnEnd) -> tuple[bool, str | None, int]:
     """Record D's retained blocks as the session's latest handle: whether it was
     recorded, and the cache token naming it (none for a session the client did not
     name: found by content, it has nothing to carry) with its lifetime."""
@@ -127,7 +143,7 @@ async def _record(r: Router, turn: Turn, capture: Capture) -> tuple[bool, str | 
                     decode_node=node.name, decode_epoch=node.epoch,
                     kv_transfer_params=capture.kv_params, token_ids=sequence,
                     block_size=block_size, created_at=now, expires_at=now + ttl,
-                    identity=ident)
+                    identity=ident, end=end)
     if transfer.retained_tokens(handle) is None:
         log.warning("decode node %s returned unusable kv_transfer_params", node.name)
         return False, None, 0

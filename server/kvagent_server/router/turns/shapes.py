@@ -262,6 +262,8 @@ class Capture:
     output_token_ids: list[int] = field(default_factory=list)
     usage: dict[str, Any] | None = None
     finish_reason: str | None = None
+    #: The tools choice 0 called, in order (`relay`).
+    tool_names: list[str] = field(default_factory=list)
     choices: set[int] = field(default_factory=set)
     template: dict[str, Any] = field(default_factory=dict)  # id/object/created/model
 
