@@ -623,3 +623,15 @@ def test_typed_fields_are_converted_as_vllm_converts_them(field: str, sent: Any,
 def test_metadata_within_the_api_s_bounds_is_accepted() -> None:
     meta = {f"k{i:02d}" + "x" * 60: "v" * 512 for i in range(16)}
     to_chat({"input": "hi", "metadata": meta})
+
+
+def test_errors_about_the_chat_body_name_the_responses_field() -> None:
+    from kvagent_server.router.apis.responses import responses_words
+
+    words = ("max_tokens=100000 cannot be greater than max_model_len=16384. Please request "
+             "fewer output tokens. (parameter=max_tokens, value=100000)")
+    said = ("max_output_tokens=100000 cannot be greater than max_model_len=16384. Please "
+            "request fewer output tokens. (parameter=max_output_tokens, value=100000)")
+    assert responses_words(words, "max_tokens") == (said, "max_output_tokens")
+    assert responses_words("temperature must be non-negative", "temperature") == (
+        "temperature must be non-negative", "temperature")

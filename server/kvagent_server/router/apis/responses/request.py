@@ -4,6 +4,7 @@ a chained turn starts with."""
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from typing import Any
 
@@ -440,6 +441,17 @@ def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
             raise _bad(f"{where}[{j}].type", "must be 'input_text' or 'input_image' "
                        "(with an image_url)")
     return parts
+
+
+_CHAT_MAX_TOKENS = re.compile(r"\bmax_tokens\b")
+
+
+def responses_words(message: str, param: str | None) -> tuple[str, str | None]:
+    """An error about the chat body a Responses request became, in the Responses
+    request's terms, as vLLM's own `/v1/responses` words it: the output cap is
+    `max_output_tokens` there."""
+    message = _CHAT_MAX_TOKENS.sub("max_output_tokens", message)
+    return message, "max_output_tokens" if param == "max_tokens" else param
 
 
 def history(chat_body: dict[str, Any], response: dict[str, Any]) -> list[dict[str, Any]]:
