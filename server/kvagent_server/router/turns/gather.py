@@ -42,7 +42,7 @@ async def gather(r: Router, req: TurnRequest) -> TurnFacts:
     picked_p = placement.pick_prefill(r.registry.states())
     p_first = r.registry.get(picked_p.node_id) if picked_p else None
     session, source, known_ids = req.session, req.source, None
-    found = await _find_by_content(r, req, p_first)
+    found: tuple[str, list[int] | None] | None = await _find_by_content(r, req, p_first)
     if found is None:
         found = await _find_branch(r, req, p_first)
     if found is not None:
