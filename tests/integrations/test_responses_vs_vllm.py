@@ -93,14 +93,21 @@ def _via_chat(client: httpx.Client, body: dict[str, Any],
                                     created_at=int(time.time()))
 
 
+def _set(tool: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in tool.items() if v is not None}
+
+
 def _assert_same(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
     assert ours["usage"]["input_tokens"] == theirs["usage"]["input_tokens"]
     assert ours["usage"]["output_tokens"] == theirs["usage"]["output_tokens"]
     assert set(ours["usage"]) == set(theirs["usage"])
     assert _items(ours) == _items(theirs)
     assert ours.keys() - {"kvagent"} == theirs.keys()
-    assert {k: v for k, v in ours.items() if k not in VOLATILE | TOOL_TEXT} == {
-        k: v for k, v in theirs.items() if k not in VOLATILE | TOOL_TEXT}
+    assert {k: v for k, v in ours.items() if k not in VOLATILE | TOOL_TEXT | {"tools"}} == {
+        k: v for k, v in theirs.items() if k not in VOLATILE | TOOL_TEXT | {"tools"}}
+    # vLLM echoes a built-in or custom tool with every field of its model (unset ones as
+    # null); the router echoes what was sent. Function tools echo alike.
+    assert [_set(t) for t in ours["tools"]] == [_set(t) for t in theirs["tools"]]
     if ours["tool_choice"] in ("auto", "none"):
         assert ours["text"] == theirs["text"]
 
@@ -261,7 +268,8 @@ def _shape(event: dict[str, Any]) -> dict[str, Any]:
     if "response" in event:
         response = event["response"]
         keep["response"] = {k: v for k, v in response.items()
-                            if k not in VOLATILE | TOOL_TEXT} | {"output": _items(response)}
+                            if k not in VOLATILE | TOOL_TEXT} | {
+            "output": _items(response), "tools": [_set(t) for t in response["tools"]]}
     return keep
 
 

@@ -635,3 +635,27 @@ def test_errors_about_the_chat_body_name_the_responses_field() -> None:
     assert responses_words(words, "max_tokens") == (said, "max_output_tokens")
     assert responses_words("temperature must be non-negative", "temperature") == (
         "temperature must be non-negative", "temperature")
+
+
+@pytest.mark.parametrize(("partial", "payload"), [
+    ('{"inp', ""), ('{"input": "', ""), ('{"input": "ab', "ab"), ('{"input":"a\\nb', "a\nb"),
+    ('{"input": "a\\', "a"), ('{"input": "a\\u00e9', "aé"), ('{"input": "a\\u00', "a"),
+    ('{"input": "\\ud83d', ""), ('{"input": "\\ud83d\\ude00', "😀"),
+    ('{"input": "done", "x', "done"), ("no json", "")])
+def test_a_custom_call_s_partial_input_decodes_as_vllm_streams_it(partial: str,
+                                                                  payload: str) -> None:
+    from kvagent_server.router.apis.responses.output import custom_input_prefix
+
+    assert custom_input_prefix(partial) == payload
+
+
+def test_a_truncated_custom_call_resends_its_input_whole_as_vllm_does() -> None:
+    request = {"input": "hi", "tools": CODEX_TOOLS}
+    stream = ResponseStream(request=request, response_id="resp_1", created_at=0)
+    raw: list[bytes] = []
+    for piece in ('{"input": "ab', "cd"):  # cut by max tokens: never valid JSON
+        raw += stream.feed(_chunk({"tool_calls": [{"index": 0, "id": "call_1", "function": {
+            "name": "apply_patch", "arguments": piece}}]}))
+    raw += stream.feed(_chunk(finish="length")) + stream.feed(None)
+    deltas = [e["delta"] for k, e in _events(raw) if k == "response.custom_tool_call_input.delta"]
+    assert deltas == ["ab", "cd", '{"input": "abcd']

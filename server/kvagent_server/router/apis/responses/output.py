@@ -4,6 +4,7 @@ request fields, shared by whole answers and the stream."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from kvagent_server.router.apis.responses.request import (
@@ -150,6 +151,38 @@ def custom_input(arguments: str) -> str:
         return arguments
     value = parsed.get(CUSTOM_INPUT_KEY) if isinstance(parsed, dict) else None
     return value if isinstance(value, str) else arguments
+
+
+_CUSTOM_OPEN = re.compile(r'\s*\{\s*"' + CUSTOM_INPUT_KEY + r'"\s*:\s*"')
+_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r",
+            "t": "\t"}
+
+
+def custom_input_prefix(arguments: str) -> str:
+    """The longest part of a custom call's input that partial arguments already decode
+    to (vLLM streams it as it grows): the string begun by `{"input": "`, up to its last
+    complete character."""
+    opened = _CUSTOM_OPEN.match(arguments)
+    if opened is None:
+        return ""
+    out: list[str] = []
+    text, i = arguments, opened.end()
+    while i < len(text) and text[i] != '"':
+        if text[i] != "\\":
+            out.append(text[i])
+            i += 1
+        elif i + 1 < len(text) and text[i + 1] != "u":
+            out.append(_ESCAPES.get(text[i + 1], text[i + 1]))
+            i += 2
+        elif i + 6 <= len(text):
+            out.append(chr(int(text[i + 2:i + 6], 16)))
+            i += 6
+        else:
+            break
+    payload = "".join(out)
+    if payload and "\ud800" <= payload[-1] <= "\udbff":
+        payload = payload[:-1]  # half a pair: its other half is still to come
+    return payload.encode("utf-16", "surrogatepass").decode("utf-16", "surrogatepass")
 
 
 def new_call_id(given: Any) -> str:

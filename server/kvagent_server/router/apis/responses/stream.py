@@ -8,6 +8,7 @@ from kvagent_server.router.apis import sse
 from kvagent_server.router.apis.responses.output import (
     call_item,
     custom_call_item,
+    custom_input_prefix,
     message_item,
     namespaced,
     new_call_id,
@@ -101,7 +102,8 @@ class ResponseStream:
                 out += self._close() + self._open_call(value[0])
             args = "".join((tc.get("function") or {}).get("arguments") or "" for tc in value)
             if args and self._call.get("custom"):
-                self._text += args  # its input is sent whole when the call closes
+                self._text += args
+                out += self._custom_delta(custom_input_prefix(self._text))
             elif args:
                 self._text += args
                 out.append(self._event("response.function_call_arguments.delta",
@@ -121,6 +123,18 @@ class ResponseStream:
                                    output_index=len(self._items), item_id=self._item_id,
                                    delta=value, logprobs=[]))
         return out
+
+    def _custom_delta(self, payload: str) -> list[bytes]:
+        """A custom call's input as vLLM streams it: what it grew by, or all of it again
+        when it is not an extension of what was sent (a delta cannot be taken back)."""
+        sent = self._call.get("sent", "")
+        if payload == sent:
+            return []
+        self._call["sent"] = payload
+        delta = payload.removeprefix(sent)
+        return [self._event("response.custom_tool_call_input.delta",
+                            output_index=len(self._items), item_id=self._item_id,
+                            delta=delta)]
 
     def _start(self, kind: str, prefix: str) -> str:
         self._open = kind
@@ -179,9 +193,7 @@ class ResponseStream:
         elif kind == "function_call" and self._call.get("custom"):
             item = custom_call_item(item_id, self._call["call_id"], self._call["name"], text)
             payload = item["input"]
-            if payload:
-                out.append(self._event("response.custom_tool_call_input.delta",
-                                       output_index=index, item_id=item_id, delta=payload))
+            out += self._custom_delta(payload)
             out.append(self._event("response.custom_tool_call_input.done", output_index=index,
                                    item_id=item_id, input=payload))
         elif kind == "function_call":
