@@ -224,22 +224,25 @@ async def _find_branch(r: Router, req: TurnRequest,
     except TokenizeError as exc:
         log.info("no branch lookup this turn: %s", exc)
         return branch, None
-    try:
-        found = await _held_session(r, req, prompt_ids)
+    try:  # never the session it branches from: that handle is the owner's
+        found = await _held_session(r, req, prompt_ids, exclude=req.session)
     except StoreUnavailable:
         found = None
     return found or branch, prompt_ids
 
 
-async def _held_session(r: Router, req: TurnRequest, prompt_ids: list[int]) -> str | None:
+async def _held_session(r: Router, req: TurnRequest, prompt_ids: list[int],
+                        exclude: str | None = None) -> str | None:
     """The session of the caller's held turn this prompt extends: the longest indexed
     prefix of the prompt, then the newest turn under it whose whole prompt the new one
-    repeats (`content.extends`)."""
+    repeats (`content.extends`); never `exclude`."""
     tenant = req.tenant
     keys = [content.caller_key(tenant.caller, k)
             for k in content.lookup_keys(prompt_ids, tenant.cache_salt)]
     found = await r.store.find_record(tenant.name, CONTENT, keys) if keys else None
     for prompt_len, session in content.entries(found[1]) if found is not None else ():
+        if session == exclude:
+            continue
         held = await r.store.peek_latest(tenant.name, session)
         if held is not None and content.extends(prompt_ids, held.token_ids, prompt_len):
             return session
