@@ -33,7 +33,7 @@ CUSTOM_PARAMETERS = {
     "required": [CUSTOM_INPUT_KEY],
     "additionalProperties": False,
 }
-#: Request fields vLLM refuses (in its default configuration), with its words.
+#: Request fields vLLM refuses too (in its default configuration).
 _UNSERVED = {
     "background": "background responses are not served by this router; omit 'background'",
     "prompt": "prompt template is not supported",
