@@ -174,6 +174,37 @@ def test_responses_chained_turns_equal_stock_vllm_and_reuse(e2e: E2E) -> None:
     assert all(n > 0 for n in cached[1:]), cached  # every later turn reused D's KV
 
 
+def test_a_turn_chained_onto_another_s_response_branches(e2e: E2E) -> None:
+    """An intruder chains onto the owner's first response after the owner has moved on:
+    it gets its own branch, and the owner's next turn still reuses its latest handle, with
+    stock vLLM's greedy answer."""
+    base = {"model": e2e.model, "instructions": SYSTEM, "temperature": 0.0,
+            "max_output_tokens": 8}
+    one = post(f"{e2e.router_url}/v1/responses",
+               {**base, "input": "Describe the repository layout."}, alpha())
+    two_input = [{"role": "user", "content": "Now list its tests, one by one, with what each "
+                  "of them checks and which module it imports. " * 4}]
+    two = post(f"{e2e.router_url}/v1/responses",
+               {**base, "input": two_input, "previous_response_id": one["id"]}, alpha())
+    assert two["kvagent"]["reused_tokens"] > 0
+    intruder = post(f"{e2e.router_url}/v1/responses",
+                    {**base, "input": "Something else: write a poem.",
+                     "previous_response_id": one["id"]}, alpha())
+    assert intruder["status"] in ("completed", "incomplete")
+    three_input = [{"role": "user", "content": "And the README?"}]
+    three = post(f"{e2e.router_url}/v1/responses",
+                 {**base, "input": three_input, "previous_response_id": two["id"]}, alpha())
+    # More than the intruder's handle could give it (turn 1 and its answer): the owner's
+    # own latest handle, turn 2 and its answer.
+    turn_one = one["usage"]["input_tokens"] + one["usage"]["output_tokens"]
+    assert three["kvagent"]["reused_tokens"] > turn_one, (three["kvagent"], turn_one)
+    full = [{"role": "user", "content": "Describe the repository layout."},
+            *[o for o in one["output"] if o["type"] == "message"], *two_input,
+            *[o for o in two["output"] if o["type"] == "message"], *three_input]
+    ref = post(f"{e2e.prefill_url}/v1/responses", {**base, "input": full, "store": False})
+    assert items(three) == items(ref)
+
+
 # ------------------------------------------------------------------ chat without identity
 
 

@@ -33,6 +33,9 @@ CITY = {"type": "function", "name": "get_weather", "description": "Weather for a
         "parameters": {"type": "object", "required": ["city", "metric"],
                        "properties": {"city": {"type": "string", "enum": ["paris", "rome"]},
                                       "metric": {"type": "boolean"}}}}
+#: Codex's freeform tool.
+PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
+         "format": {"type": "text"}}
 CLOCK = {"type": "function", "name": "get_time", "description": "The time",
          "parameters": {"type": "object", "properties": {}}}
 HISTORY = [
@@ -90,14 +93,21 @@ def _via_chat(client: httpx.Client, body: dict[str, Any],
                                     created_at=int(time.time()))
 
 
+def _set(tool: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in tool.items() if v is not None}
+
+
 def _assert_same(ours: dict[str, Any], theirs: dict[str, Any]) -> None:
     assert ours["usage"]["input_tokens"] == theirs["usage"]["input_tokens"]
     assert ours["usage"]["output_tokens"] == theirs["usage"]["output_tokens"]
     assert set(ours["usage"]) == set(theirs["usage"])
     assert _items(ours) == _items(theirs)
     assert ours.keys() - {"kvagent"} == theirs.keys()
-    assert {k: v for k, v in ours.items() if k not in VOLATILE | TOOL_TEXT} == {
-        k: v for k, v in theirs.items() if k not in VOLATILE | TOOL_TEXT}
+    assert {k: v for k, v in ours.items() if k not in VOLATILE | TOOL_TEXT | {"tools"}} == {
+        k: v for k, v in theirs.items() if k not in VOLATILE | TOOL_TEXT | {"tools"}}
+    # vLLM echoes a built-in or custom tool with every field of its model (unset ones as
+    # null); the router echoes what was sent. Function tools echo alike.
+    assert [_set(t) for t in ours["tools"]] == [_set(t) for t in theirs["tools"]]
     if ours["tool_choice"] in ("auto", "none"):
         assert ours["text"] == theirs["text"]
 
@@ -128,6 +138,23 @@ CASES: dict[str, dict[str, Any]] = {
         {"type": "reasoning", "id": "rs_2", "encrypted_content": None,
          "summary": [{"type": "summary_text", "text": "Now answer."}]}], "tools": [CITY]},
     "incomplete": {"input": "tell me a long story", "max_output_tokens": 8},
+    # What vLLM accepts and shows the model differently from the request (docs/conformance.md)
+    "builtin_tools": {"input": "weather?", "tools": [
+        CITY, {"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["vs_1"]},
+        {"type": "local_shell"}, {"type": "mcp", "server_label": "x",
+                                  "server_url": "http://127.0.0.1:1"}]},
+    "builtin_only": {"input": "weather?", "tools": [{"type": "web_search"}]},
+    "custom_tool": {"input": "patch it", "tools": [CITY, PATCH]},
+    "custom_tool_named": {"input": "patch it", "tools": [CITY, PATCH], "max_output_tokens": 48,
+                          "tool_choice": {"type": "custom", "name": "apply_patch"}},
+    "allowed_tools": {"input": "weather?", "tools": [CITY], "tool_choice": {
+        "type": "allowed_tools", "mode": "required",
+        "tools": [{"type": "function", "name": "get_weather"}]}},
+    "hosted_tool_choice": {"input": "weather?", "tools": [CITY],
+                           "tool_choice": {"type": "web_search_preview"}},
+    "conversation": {"input": "hi", "conversation": {"id": "conv_1"}},
+    "lax_scalars": {"input": "hi", "max_output_tokens": "12", "temperature": "0",
+                    "top_k": "5", "stream": "false"},
     "echoes": {"input": "hi", "max_output_tokens": 12, "stop": ["."], "top_p": 0.9,
                "metadata": {"k": "v"}, "user": "u1", "reasoning": {"effort": "low"},
                "text": {"format": {"type": "text"}}, "truncation": "disabled"},
@@ -146,6 +173,8 @@ def test_whole_answers_match_vllm(client: httpx.Client, node: VLLMNode, case: st
         assert ours["status"] == "incomplete"
     if case in ("tools_required", "tools_named"):
         assert [i["type"] for i in ours["output"]] == ["function_call"]
+    if case == "custom_tool_named":
+        assert [i["type"] for i in ours["output"]] == ["custom_tool_call"]
 
 
 def test_encrypted_reasoning_is_refused_by_both(client: httpx.Client, node: VLLMNode) -> None:
@@ -239,7 +268,8 @@ def _shape(event: dict[str, Any]) -> dict[str, Any]:
     if "response" in event:
         response = event["response"]
         keep["response"] = {k: v for k, v in response.items()
-                            if k not in VOLATILE | TOOL_TEXT} | {"output": _items(response)}
+                            if k not in VOLATILE | TOOL_TEXT} | {
+            "output": _items(response), "tools": [_set(t) for t in response["tools"]]}
     return keep
 
 
@@ -258,7 +288,7 @@ def _joined(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("case", ["string", "tools_auto", "tools_required", "tools_named",
-                                  "tool_history", "incomplete"])
+                                  "tool_history", "incomplete", "custom_tool_named"])
 def test_streams_match_vllm(client: httpx.Client, node: VLLMNode, case: str) -> None:
     body = _body(node, **CASES[case])
     theirs = _vllm_stream(client, body)

@@ -301,7 +301,7 @@ async def test_create_app_keeps_an_empty_store() -> None:
         assert app.state.router.store is store
 
 
-async def test_node_error_message_is_allow_listed() -> None:
+async def test_a_node_error_naming_internals_is_hidden() -> None:
     async with router_stack() as st:
         node = st.decode[0]
         node.fail_next = [400]
@@ -313,7 +313,7 @@ async def test_node_error_message_is_allow_listed() -> None:
         assert_clean(st, r.text)
 
 
-async def test_a_streamed_error_event_is_allow_listed() -> None:
+async def test_a_streamed_error_event_is_rebuilt_from_safe_parts() -> None:
     """vLLM reports a failure mid-stream as an error event; its message can name the
     engine and the side channel. The client gets the event, rebuilt from safe parts."""
     async with router_stack() as st:

@@ -515,7 +515,7 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
 
 def _leg_error(exc: LegError) -> HTTPError:
     if 400 <= exc.status < 500 and exc.body and isinstance(exc.body.get("error"), dict):
-        err = exc.body["error"]  # a node's words reach the client only when allow-listed
+        err = exc.body["error"]  # a node's words, unless they name something internal
         return HTTPError(exc.status, node_errors.client_message(err.get("message")),
                          type_=node_errors.client_type(err.get("type")),
                          param=node_errors.client_param(err.get("param")))

@@ -167,7 +167,9 @@ class ResponsesFront:
         return Prepared(self._chat, session if isinstance(session, str) else None)
 
     def error(self, exc: HTTPError) -> Response:
-        return exc.response()
+        message, param = responses.responses_words(exc.message, exc.param)
+        return HTTPError(exc.status, message, type_=exc.type, code=exc.code,
+                         param=param).response()
 
     async def whole(self, out: dict[str, Any], session: str | None) -> dict[str, Any]:
         response = responses.response_from_chat(out, request=self._raw,

@@ -15,7 +15,13 @@ only its text), so both styles get one prompt and reuse each other's KV (`histor
 """
 
 from kvagent_server.router.apis.responses.output import response_from_chat
-from kvagent_server.router.apis.responses.request import ApiError, history, to_chat
+from kvagent_server.router.apis.responses.request import (
+    ApiError,
+    history,
+    responses_words,
+    to_chat,
+)
 from kvagent_server.router.apis.responses.stream import ResponseStream
 
-__all__ = ["ApiError", "ResponseStream", "history", "response_from_chat", "to_chat"]
+__all__ = ["ApiError", "ResponseStream", "history", "response_from_chat", "responses_words",
+           "to_chat"]
