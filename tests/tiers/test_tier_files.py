@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from kvagent_server.engine import tier_files as tf
+from kvagent_server.vllm_plugin import tier_files as tf
 
 
 def fields(**kw: Any) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """vLLM's `fs` secondary tier, kept, with the three things kvagent adds to a disk tier:
 
 - **a namespace**: blocks live under `<root>/kvagent-v<N>-<digest>/`, the digest covering
-  everything that makes stored bytes compatible (`engine.tier_files.namespace_fields`:
+  everything that makes stored bytes compatible (`tier_files.namespace_fields`:
   model and its files, dtype, KV and offload block sizes, chunk bytes, platform and KV
   layout, hash algorithm and seed, kvagent's format version). vLLM's own file naming
   covers the model *string*, dtype, block sizes and layer names, but not the platform or
@@ -39,7 +39,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.tiering.base import JobResult, TransferJob
 from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager, FsAsyncLookupManager
 
-from kvagent_server.engine.tier_files import (
+from kvagent_server.vllm_plugin.tier_files import (
     namespace_dir,
     namespace_fields,
     scan_block_files,

@@ -42,8 +42,8 @@ from vllm.v1.kv_offload.config import OffloadingConfig
 from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
 from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-from kvagent_server.engine.tier_files import sweep_stale_regions
 from kvagent_server.vllm_plugin import version
+from kvagent_server.vllm_plugin.tier_files import sweep_stale_regions
 
 logger = logging.getLogger("vllm.kvagent")
 
