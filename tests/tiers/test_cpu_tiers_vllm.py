@@ -1,7 +1,8 @@
 """KV tiers on real vLLM-CPU nodes: a prefix loaded back from the host tier, from the disk
 tier, and from a directory another node wrote gives the same greedy answer as the prompt
 recomputed; a damaged file changes the answer (the loaded KV is used), a truncated file
-is a miss, and a node with another hash seed finds nothing.
+is a miss, a node with another hash seed finds nothing, and the host region a killed node
+leaves in /dev/shm is swept.
 
 Three nodes start together (the tiers rendered by `render_tiers` for `device: cpu`, so this
 also proves the rendered config): `one` and `two` share a disk directory; `seeded` shares
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +30,7 @@ import httpx
 import pytest
 from kvagent_server.bundle.processes import stop_groups
 from kvagent_server.engine.tiers import KVTiers, render_tiers
+from kvagent_server.vllm_plugin.tier_files import HOST_REGION_RE, sweep_stale_regions
 from support import VLLMNode, start_vllm_node, vllm_available
 
 pytestmark = pytest.mark.vllm
@@ -72,7 +75,8 @@ def nodes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         if errors:
             raise RuntimeError("; ".join(errors))
         print(f"three tiered nodes started in {time.monotonic() - t0:.0f} s")
-        yield {"disk": disk, **{name: node for name, (node, _) in started.items()}}
+        yield {"disk": disk, "procs": {name: proc for name, (_, proc) in started.items()},
+               **{name: node for name, (node, _) in started.items()}}
     finally:
         for _, proc in started.values():
             stop_groups(proc)
@@ -192,3 +196,34 @@ def test_another_hash_seed_finds_nothing(nodes: dict[str, Any]) -> None:
     assert cached(seeded, "disk") + cached(seeded, "host") == hits0
     namespaces = {p.name for p in disk.iterdir() if p.is_dir()}
     assert len(namespaces) == 2, namespaces  # the seed is part of the directory's key
+
+
+def regions_of(group: int) -> set[str]:
+    """The host-region files the processes of one process group hold open."""
+    held: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getpgid(int(pid)) != group:
+                continue
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if HOST_REGION_RE.match(os.path.basename(target)):
+                    held.add(target)
+        except OSError:
+            continue
+    return held
+
+
+def test_a_killed_nodes_host_region_is_swept(nodes: dict[str, Any]) -> None:
+    """Last: kills `seeded`. vLLM deletes its region only on a clean shutdown."""
+    proc = nodes["procs"]["seeded"]
+    (region,) = regions_of(proc.pid)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(30)
+    deadline = time.monotonic() + 30
+    while regions_of(proc.pid) and time.monotonic() < deadline:  # the group's last exits
+        time.sleep(0.2)
+    assert os.path.exists(region), "vLLM removed the region of a killed node after all"
+    assert region in sweep_stale_regions()  # what every tiered CPU node runs at start
+    assert not os.path.exists(region)
+    assert all(os.path.exists(r) for r in regions_of(nodes["procs"]["one"].pid))
