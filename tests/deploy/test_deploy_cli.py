@@ -84,7 +84,9 @@ def test_compose_binds_the_tier(tmp_path: Path) -> None:
     assert f"{kv}:{kv}" in doc["services"]["prefill-0"]["volumes"]
 
 
-def test_tiers_on_cpu_cannot_deploy(tmp_path: Path) -> None:
+def test_tiers_on_cpu_deploy_with_kvagents_spec(tmp_path: Path) -> None:
     cfg = config(device="cpu", kv_tiers={"cpu": {"size_gib": 4}})
+    assert "KvagentTieringSpec" in render_kubernetes(cfg, plugin=NO_PLUGIN)
+    lmcache = config(device="cpu", kv_tiers={"backend": "lmcache", "cpu": {"size_gib": 4}})
     with pytest.raises(ConfigError, match="needs device=cuda"):
-        render_kubernetes(cfg, plugin=NO_PLUGIN)
+        render_kubernetes(lmcache, plugin=NO_PLUGIN)

@@ -380,3 +380,14 @@ def test_missing_router_command_fails_the_start(fake_config: dict) -> None:
     fake_config["router_command"] = ["/nonexistent/router"]
     with pytest.raises(BundleError, match=r"^router cannot run '/nonexistent/router'"):
         bundle_of(fake_config).start()
+
+
+def test_stop_sweeps_host_regions_a_tiered_bundle_left(fake_config: dict) -> None:
+    """vLLM kills its engine core on shutdown, leaving /dev/shm/vllm_offload_*.mmap."""
+    fake_config.update(device="cpu", kv_tiers={"cpu": {"size_gib": 0.01}})
+    left = Path(f"/dev/shm/vllm_offload_kvagent-test-{os.getpid()}-{time.time_ns()}.mmap")
+    if not left.parent.is_dir():
+        pytest.skip("no /dev/shm here")
+    with bundle_of(fake_config):
+        left.write_bytes(b"\0" * 4096)  # as a node killed meanwhile would leave it
+    assert not left.exists()

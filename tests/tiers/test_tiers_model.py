@@ -91,9 +91,16 @@ def test_native_disk_needs_cpu_tier(tmp_path: Path) -> None:
     assert "kv_tiers.disk" in msg and "add cpu" in msg
 
 
-def test_native_disk_has_no_budget(tmp_path: Path) -> None:
-    msg = errors({"cpu": {"size_gib": 1}, "disk": {"path": str(tmp_path), "size_gib": 10}})
-    assert "no size limit" in msg
+def test_native_disk_budget_is_cpu_only(tmp_path: Path) -> None:
+    t = tiers(tmp_path, disk={"path": str(tmp_path), "size_gib": 10})
+    with pytest.raises(TierConfigError, match="no size limit"):  # vLLM's fs tier (GPU)
+        render_tiers(t, role="prefill", device="cuda", base_kv_transfer_config=None,
+                     block_size=16)
+    out = render_tiers(t, role="prefill", device="cpu", base_kv_transfer_config=None,
+                       block_size=128)
+    assert out.kv_transfer_config is not None
+    (tier,) = out.kv_transfer_config["kv_connector_extra_config"]["secondary_tiers"]
+    assert tier["size_bytes"] == 10 * 2**30
 
 
 def test_store_threshold_not_with_tiering(tmp_path: Path) -> None:
@@ -124,16 +131,47 @@ def test_hash_seed_range_is_pythons(seed: int) -> None:
     errors({"cpu": {"size_gib": 1}, "hash_seed": seed})
 
 
-def test_cpu_device_is_refused_with_the_reason(tmp_path: Path) -> None:
-    with pytest.raises(TierConfigError) as info:
-        render_tiers(tiers(tmp_path), role="prefill", device="cpu",
-                     base_kv_transfer_config=NIXL_P, block_size=128)
-    msg = str(info.value)
-    assert "cpu tier needs device=cuda" in msg
-    assert "vllm/v1/kv_offload/cpu/spec.py:199" in msg
+def test_cpu_nodes_get_kvagents_spec_and_disk_tier(tmp_path: Path) -> None:
+    """NIXL first; kvagent's tiering spec (CPU worker) and namespaced disk tier; 2+2
+    I/O threads; the hash algorithm goes to the tier for its namespace."""
+    nixl_cpu = {**NIXL_P, "kv_buffer_device": "cpu"}
+    out = render_tiers(tiers(tmp_path, hash_algo="sha256_cbor"), role="prefill",
+                       device="cpu", base_kv_transfer_config=nixl_cpu, block_size=128)
+    kv = out.kv_transfer_config
+    assert kv is not None and kv["kv_connector"] == "MultiConnector"
+    nixl, off = kv["kv_connector_extra_config"]["connectors"]
+    assert nixl["kv_connector"] == "NixlConnector"
+    extra = off["kv_connector_extra_config"]
+    assert (extra["spec_name"], extra["spec_module_path"]) == (
+        "KvagentTieringSpec", "kvagent_server.vllm_plugin.host_tier")
+    assert extra["secondary_tiers"] == [{
+        "type": "KvagentFsTier", "module_path": "kvagent_server.vllm_plugin.disk_tier",
+        "root_dir": str(tmp_path / "kv"), "n_read_threads": 2, "n_write_threads": 2,
+        "locality": "LOCAL", "hash_algo": "sha256_cbor"}]
+    assert off["kv_buffer_device"] == "cpu"
+    cpu_only = render_tiers(KVTiers(cpu={"size_gib": 1}), role="decode", device="cpu",
+                            base_kv_transfer_config=None, block_size=128).kv_transfer_config
+    assert cpu_only is not None
+    assert cpu_only["kv_connector_extra_config"]["spec_name"] == "KvagentTieringSpec"
+    assert "secondary_tiers" not in cpu_only["kv_connector_extra_config"]
+
+
+def test_cpu_device_refuses_what_it_cannot_run(tmp_path: Path) -> None:
     with pytest.raises(TierConfigError, match="lmcache needs device=cuda"):
         render_tiers(KVTiers(backend="lmcache", cpu={"size_gib": 1}), role="prefill",
                      device="cpu", base_kv_transfer_config=None, block_size=128)
+    with pytest.raises(TierConfigError, match="store_after_hits"):
+        render_tiers(KVTiers(cpu={"size_gib": 1}, store_after_hits=2), role="prefill",
+                     device="cpu", base_kv_transfer_config=None, block_size=128)
+
+
+def test_io_threads_can_be_set(tmp_path: Path) -> None:
+    t = tiers(tmp_path, disk={"path": str(tmp_path), "read_threads": 3, "write_threads": 1})
+    kv = render_tiers(t, role="prefill", device="cpu", base_kv_transfer_config=None,
+                      block_size=128).kv_transfer_config
+    assert kv is not None
+    (tier,) = kv["kv_connector_extra_config"]["secondary_tiers"]
+    assert (tier["n_read_threads"], tier["n_write_threads"]) == (3, 1)
 
 
 def test_role_without_tiers_is_untouched_even_on_cpu(tmp_path: Path) -> None:

@@ -62,13 +62,16 @@ def test_user_env_still_wins(tmp_path: Path) -> None:
     assert d.env["PYTHONHASHSEED"] == "7"
 
 
-def test_cpu_plan_is_refused(tmp_path: Path) -> None:
+def test_cpu_plan_runs_the_tiers_on_kvagents_worker(tmp_path: Path) -> None:
     data = tiered(tmp_path)
     data["device"] = "auto"
-    with pytest.raises(ConfigError) as info:
-        plan(validate_config(data), inputs(gpus=0))
-    (line,) = info.value.problems
-    assert line.startswith("kv_tiers: the cpu tier needs device=cuda")
+    for node in plan(validate_config(data), inputs(gpus=0)).nodes:
+        nixl, off = kv_of(node.argv)["kv_connector_extra_config"]["connectors"]
+        assert nixl["kv_connector"] == "NixlConnector"
+        extra = off["kv_connector_extra_config"]
+        assert extra["spec_name"] == "KvagentTieringSpec"
+        (tier,) = extra["secondary_tiers"]
+        assert tier["type"] == "KvagentFsTier" and tier["n_read_threads"] == 2
 
 
 def test_default_config_is_unchanged() -> None:
@@ -87,10 +90,10 @@ def test_yaml_errors_name_the_key(tmp_path: Path) -> None:
     assert "kv_tiers.cpu.size_gib" in text and "kv_tiers.disk.path" in text
 
 
-def test_cli_render_reports_the_platform_error(tmp_path: Path) -> None:
+def test_cli_render_reports_what_cpu_cannot_run(tmp_path: Path) -> None:
     path = tmp_path / "b.yaml"
-    path.write_text(f"model: /models/m\ndevice: cpu\nkv_tiers:\n  cpu: {{size_gib: 1}}\n"
-                    f"run_dir: {tmp_path / 'run'}\n")
+    path.write_text(f"model: /models/m\ndevice: cpu\nkv_tiers:\n  backend: lmcache\n"
+                    f"  cpu: {{size_gib: 1}}\nrun_dir: {tmp_path / 'run'}\n")
     result = CliRunner().invoke(app, ["render", "-c", str(path)])
     assert result.exit_code == 2
-    assert "needs device=cuda" in result.output and "cpu/spec.py:199" in result.output
+    assert "lmcache needs device=cuda" in result.output

@@ -45,6 +45,7 @@ from kvagent_server.bundle.runstate import (
     save_state,
 )
 from kvagent_server.config import BundleConfig, ConfigError, dump_config, validate_config
+from kvagent_server.vllm_plugin.tier_files import sweep_stale_regions
 
 _TICK_S = 0.25
 _HEALTH_EVERY_S = 0.5
@@ -205,6 +206,10 @@ class Bundle:
                         if popen is not None:
                             ps.exit_code = popen.poll()
         survivors += processes.terminate([], self.run_dir, grace=self.config.stop_grace_s)
+        if self.config.kv_tiers.enabled:
+            # vLLM's own shutdown kills its engine core without a grace period, so a
+            # stopped node leaves its host-tier region in /dev/shm: delete the unowned ones
+            sweep_stale_regions()
         with self._lock:
             self.state.phase = "stopped"
             if survivors:

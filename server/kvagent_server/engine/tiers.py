@@ -8,8 +8,13 @@ What a tier hit is worth to placement is the router's (`router.kv.tiers.tier_sco
 Facts this module relies on, read in vLLM 0.32's source (paths under `vllm/`):
 
 - The native tiers are `OffloadingConnector` with `CPUOffloadingSpec` (CPU only) or
-  `TieringOffloadingSpec` (CPU primary tier plus `secondary_tiers`, e.g. `{"type": "fs"}`);
-  both need a GPU platform (`CPU_OFFLOAD_PLATFORM_CHECK`).
+  `TieringOffloadingSpec` (CPU primary tier plus `secondary_tiers`, e.g. `{"type": "fs"}`).
+  vLLM's worker for them needs a GPU platform (`CPU_OFFLOAD_PLATFORM_CHECK`); on CPU nodes
+  the bundle names kvagent's subclass of the tiering spec instead (`spec_name` /
+  `spec_module_path`, read by `OffloadingSpecFactory.get_spec_cls`, `SPEC_MODULE_PATH_READ`),
+  whose worker copies blocks with torch (`vllm_plugin/host_tier.py`), and kvagent's
+  subclass of the `fs` tier (namespaced directory, size check, budget:
+  `vllm_plugin/disk_tier.py`).
 - `--kv-offloading-size` is not used: `VllmConfig._post_init_kv_transfer_config`
   (`KV_OFFLOADING_SIZE_CLOBBERS`) replaces whatever `kv_connector` is configured (NIXL
   here) by `OffloadingConnector` and sets `kv_role` to `kv_both`. An explicit
@@ -38,8 +43,20 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvagent_server.common.types import Device, HashAlgo, Role
 
-#: Where vLLM refuses the native tiers off GPU (checked by tests/tiers against the source).
+#: Where vLLM refuses its own offloading worker off GPU (checked by tests/tiers against the
+#: source): CPU nodes get kvagent's worker instead.
 CPU_OFFLOAD_PLATFORM_CHECK = "vllm/v1/kv_offload/cpu/spec.py:199"
+#: Where vLLM imports an offloading spec it does not know from `spec_module_path`.
+SPEC_MODULE_PATH_READ = "vllm/v1/kv_offload/factory.py:35"
+#: kvagent's CPU offloading spec and disk tier (vllm_plugin.host_tier / .disk_tier; those
+#: modules import vLLM, so the names are repeated here and checked equal by the tests).
+CPU_SPEC_NAME = "KvagentTieringSpec"
+CPU_SPEC_MODULE = "kvagent_server.vllm_plugin.host_tier"
+CPU_DISK_TIER_TYPE = "KvagentFsTier"
+CPU_DISK_TIER_MODULE = "kvagent_server.vllm_plugin.disk_tier"
+#: fs tier I/O threads when unset: vLLM's 16 + 16 on GPU hosts, 2 + 2 on CPU nodes, whose
+#: few cores also run the model.
+DEFAULT_IO_THREADS: dict[str, int] = {"cuda": 16, "cpu": 2}
 #: Where vLLM's LMCache adapter puts its buffers on `cuda:<index>`.
 LMCACHE_CUDA_DEVICE = (
     "vllm/distributed/kv_transfer/kv_connector/v1/lmcache_integration/vllm_v1_adapter.py:491")
@@ -87,13 +104,18 @@ class DiskTier(BaseModel):
         "node stored is a hit on the others (needs a common hash seed, set for you).")
     size_gib: float | None = Field(
         default=None, gt=0,
-        description="Disk budget per node, GiB (LMCache `max_local_disk_size`). vLLM's "
-        "native fs tier has no budget or eviction: leave it unset there and size the "
-        "filesystem instead.")
-    read_threads: int = Field(default=16, ge=1, le=256,
-                              description="Native fs tier read threads (`n_read_threads`).")
-    write_threads: int = Field(default=16, ge=1, le=256,
-                               description="Native fs tier write threads (`n_write_threads`).")
+        description="Disk budget, GiB: LMCache `max_local_disk_size`; on CPU nodes (native) "
+        "the oldest block files are deleted past it (per node, counting the whole "
+        "namespace directory). vLLM's fs tier on GPU nodes has no budget or eviction: "
+        "leave it unset there and size the filesystem instead.")
+    read_threads: int | None = Field(
+        default=None, ge=1, le=256,
+        description="Native fs tier read threads (`n_read_threads`); null: 16 on GPU "
+        "nodes, 2 on CPU nodes.")
+    write_threads: int | None = Field(
+        default=None, ge=1, le=256,
+        description="Native fs tier write threads (`n_write_threads`); null: 16 on GPU "
+        "nodes, 2 on CPU nodes.")
     check_writable: bool = Field(
         default=True,
         description="Create the directory and check it is writable when the config is "
@@ -171,10 +193,6 @@ class KVTiers(BaseModel):
                 problems.append(
                     "disk: the native backend stages every block through a CPU tier "
                     "(TieringOffloadingSpec's primary tier): add cpu: {size_gib: ...}")
-            if self.disk.size_gib is not None:
-                problems.append(
-                    "disk.size_gib: vLLM's native fs tier has no size limit or eviction; "
-                    "remove it and size the filesystem, or use backend: lmcache")
             if self.store_after_hits >= 2:
                 problems.append(
                     "store_after_hits: not supported with a disk tier on the native "
@@ -228,7 +246,8 @@ def render_tiers(tiers: KVTiers, *, role: Role, device: Device,
                  base_kv_transfer_config: Mapping[str, Any] | None,
                  block_size: int, kv_events: bool = False) -> TierRendering:
     """The tier part of one node's command. Pure; raises `TierConfigError` when the
-    device cannot run the tiers (vLLM would otherwise start and fail at first use).
+    device cannot run the tiers as configured (vLLM would otherwise start and fail at
+    first use).
 
     With `kv_events` (the node publishes KV events) the native tiers announce every
     block of an offloaded chunk, not only its last (`self_describing_kv_events`), so the
@@ -245,8 +264,8 @@ def render_tiers(tiers: KVTiers, *, role: Role, device: Device,
             f"KV block size ({block_size}); use {up}")
 
     buffer_device = (base or {}).get("kv_buffer_device", device)
-    child = (_native_connector(tiers, kv_events=kv_events) if tiers.backend == "native"
-             else _lmcache_connector())
+    child = (_native_connector(tiers, device=device, kv_events=kv_events)
+             if tiers.backend == "native" else _lmcache_connector())
     child["kv_buffer_device"] = buffer_device
     env = _lmcache_env(tiers) if tiers.backend == "lmcache" else {}
     if tiers.hash_seed is not None:
@@ -275,20 +294,28 @@ def render_tiers(tiers: KVTiers, *, role: Role, device: Device,
 
 def _check_device(tiers: KVTiers, device: Device) -> None:
     if device == "cuda":
+        if tiers.backend == "native" and tiers.disk is not None and tiers.disk.size_gib:
+            raise TierConfigError(
+                "kv_tiers.disk.size_gib: vLLM's fs tier on GPU nodes has no size limit or "
+                "eviction; remove it and size the filesystem, or use backend: lmcache")
         return
     what = "cpu tier" if tiers.cpu is not None else "disk tier"
-    if tiers.backend == "native":
+    if tiers.backend == "lmcache":
         raise TierConfigError(
-            f"kv_tiers: the {what} needs device=cuda: vLLM's OffloadingConnector "
-            f"requires a GPU platform ({CPU_OFFLOAD_PLATFORM_CHECK}: \"CPU Offloading is "
-            "currently only supported on CUDA-alike and XPU GPUs\"); on CPU nodes the KV "
-            "cache already lives in host memory (kv_cache_gib)")
-    raise TierConfigError(
-        f"kv_tiers: the {what} with backend lmcache needs device=cuda: vLLM's LMCache "
-        f"adapter allocates on cuda ({LMCACHE_CUDA_DEVICE})")
+            f"kv_tiers: the {what} with backend lmcache needs device=cuda: vLLM's LMCache "
+            f"adapter allocates on cuda ({LMCACHE_CUDA_DEVICE}); use backend: native")
+    if tiers.store_after_hits >= 2:
+        raise TierConfigError(
+            "kv_tiers.store_after_hits: not supported on CPU nodes (their tiers always run "
+            f"vLLM's tiering spec, {TIERING_NO_STORE_THRESHOLD})")
 
 
-def _native_connector(tiers: KVTiers, *, kv_events: bool = False) -> dict[str, Any]:
+def _native_connector(tiers: KVTiers, *, device: Device,
+                      kv_events: bool = False) -> dict[str, Any]:
+    """vLLM's OffloadingConnector. GPU nodes: vLLM's own specs and fs tier. CPU nodes:
+    kvagent's tiering spec (vLLM's, with a CPU worker) and disk tier (vLLM's fs tier,
+    namespaced, size-checked, with a budget), always, since only the tiering spec maps
+    the host region the CPU worker copies into."""
     assert tiers.cpu is not None  # validated: native always has a CPU tier
     extra: dict[str, Any] = {
         "cpu_bytes_to_use": int(tiers.cpu.size_gib * _GIB),
@@ -301,17 +328,28 @@ def _native_connector(tiers: KVTiers, *, kv_events: bool = False) -> dict[str, A
         extra["store_threshold"] = tiers.store_after_hits
     if kv_events:
         extra["self_describing_kv_events"] = True
-    if tiers.disk is not None:
+    if device == "cpu":
+        extra["spec_name"] = CPU_SPEC_NAME
+        extra["spec_module_path"] = CPU_SPEC_MODULE
+    elif tiers.disk is not None:
         extra["spec_name"] = "TieringOffloadingSpec"
-        extra["secondary_tiers"] = [{
+    if tiers.disk is not None:
+        threads = DEFAULT_IO_THREADS[device]
+        tier: dict[str, Any] = {
             "type": "fs",
             "root_dir": str(tiers.disk.path),
-            "n_read_threads": tiers.disk.read_threads,
-            "n_write_threads": tiers.disk.write_threads,
+            "n_read_threads": tiers.disk.read_threads or threads,
+            "n_write_threads": tiers.disk.write_threads or threads,
             "locality": "REMOTE" if tiers.disk.shared else "LOCAL",
-        }]
+        }
+        if device == "cpu":
+            tier.update(type=CPU_DISK_TIER_TYPE, module_path=CPU_DISK_TIER_MODULE,
+                        hash_algo=tiers.hash_algo)
+            if tiers.disk.size_gib:
+                tier["size_bytes"] = int(tiers.disk.size_gib * _GIB)
         if kv_events:  # the fs tier publishes (medium STORAGE) only when asked to
-            extra["secondary_tiers"][0]["enable_kv_events"] = True
+            tier["enable_kv_events"] = True
+        extra["secondary_tiers"] = [tier]
     return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
             "kv_connector_extra_config": extra}
 

@@ -18,6 +18,10 @@ Inert unless `KVAGENT_PLUGIN=1` (the bundle sets it on the nodes it starts). Whe
 - makes `/tokenize` prepare a Mistral-tokenizer chat as the chat endpoint does, so the
   router's prompt ids exist for histories with tool calls (`tokenize_render`).
 
+The package also holds the CPU nodes' KV tiers, which vLLM loads by name from
+`kv_connector_extra_config` whether or not the plugin is enabled: an offloading spec and
+worker (`host_tier`) and a disk tier (`disk_tier`), see docs/tiers.md.
+
 vLLM calls `register()` in every process it starts; each patch is applied lazily when vLLM
 imports the module it patches, and applying it twice is a no-op.
 """
