@@ -62,7 +62,7 @@ class _SizedLookup(FsAsyncLookupManager):  # type: ignore[misc]  # vLLM is untyp
         return [tier.usable(tier.file_mapper.get_file_name(k)) for k in keys]
 
 
-class KvagentFsTier(FileSystemTierManager):  # type: ignore[misc]
+class KvagentFsTier(FileSystemTierManager):  # type: ignore[misc]  # vLLM is untyped here
     """`FileSystemTierManager` in a namespaced directory, with a size check and a budget."""
 
     def __init__(self, offloading_spec: Any, primary_kv_view: memoryview, tier_type: str,

@@ -162,7 +162,7 @@ class HostCopyWorker(OffloadingWorker):  # type: ignore[misc]  # vLLM is untyped
             self._region = None
 
 
-class KvagentTieringSpec(TieringOffloadingSpec):  # type: ignore[misc]
+class KvagentTieringSpec(TieringOffloadingSpec):  # type: ignore[misc]  # vLLM is untyped here
     """vLLM's tiering spec (host region + secondary tiers) with a CPU worker; on GPUs,
     vLLM's own worker."""
 
