@@ -1,8 +1,8 @@
 """A tiny, deterministic Llama-architecture model for demos and tests.
 
 No model hub is reachable where kvagent is developed and tested, so the bundle builds its own
-model: random weights (fixed seed) and a byte-level BPE tokenizer trained locally on a
-generated corpus. Greedy output of a fixed model is deterministic, which turns "reuse on vs
+model: random weights (fixed seed, shaped by hand so that answers end) and a byte-level BPE
+tokenizer trained locally on a generated corpus. Greedy output of a fixed model is deterministic, which turns "reuse on vs
 reuse off gives the same answer" into a real correctness test.
 
 The chat template is Hermes/Qwen style (`<|im_start|>role ... <|im_end|>`, tools listed in the
@@ -20,6 +20,13 @@ Usage::
 The model emits a *complete* tool call when asked with `tool_choice` named or "required"
 (with `parallel_tool_calls: false`) and the tool's parameters are bounded (enums,
 booleans); free-text string arguments never end (random weights), and `"auto"` yields text.
+
+Answers end: a level chain written into the weights (models/ending.py) makes every greedy
+answer 33..224 tokens of the vocabulary's rarest tokens followed by `<|im_end|>`, so clients
+see `stop` / `end_turn`, never a max-tokens stop. Which tokens, and how many, is still the
+random model's choice from the whole context (the head has the mean answer-start state taken
+out, so the first token follows the prompt, not the common `assistant\n` suffix). No answer
+ends before 33 tokens: a request capped at 32 or fewer still stops at its cap.
 
 or ``python -m kvagent_server.models.demo`` to build it and print its path.
 """
