@@ -16,17 +16,24 @@ to `max_tokens` (and an agent reading `max_tokens` as an error gives up). Instea
   the whole context: the first token (so also the answer's length) and every later one depend
   on the prompt's KV exactly as before.
 
-Mechanism: `CONTROL_DIMS` residual dimensions (the last ones) form a side channel from the
-current token to the head. The embedding writes the token's level there (one-hot of
+Mechanism: `control_dims(levels)` residual dimensions (the last ones) form a side channel
+from the current token to the head. The embedding writes the token's level there (one-hot of
 `level // 16` and of `level % 16`, or one "start" dimension), the layers neither read it (their
 input norms are zero there) nor write it (`o_proj`/`down_proj` rows zero), and the head's row
 of each answer token reads the level before its own, EOS's the last level. A candidate of the
 right level gets two units of bias, one sharing half of the level code one unit, any other
 token none. One unit is `gain / rms(x)` and two random logits differ by at most
-`max_random_spread * |x_ctx| / rms(x)`, so a gain several times `max_random_spread` times
-the largest `|x_ctx|` (the residual outside the control dims, measured offline) makes the
-level rule hold at every step; the random logits among same-level candidates are untouched,
-so argmax margins (and their robustness to float noise) are those of the random head.
+`max_random_spread * |x_ctx| / rms(x)` (Cauchy-Schwarz; `x_ctx` is the residual outside the
+control dims), so `gain = max_random_spread * bound` makes the level rule hold at every step
+for every context with `|x_ctx| <= bound`; each model sets `bound` to about twice the largest
+`|x_ctx|` measured offline (tools/model_endings/check.py). The random logits among
+same-level candidates are untouched, so the choice within a level is the random head's; the
+bias only shifts them all by the same few hundred, whose float32 rounding (~1e-5) is far
+below their usual gaps.
+
+`center_head` takes the mean answer-start state out of the head, so that the first token
+(and with it the answer's length) follows the context rather than the fixed suffix every
+chat prompt ends with.
 """
 
 from __future__ import annotations
