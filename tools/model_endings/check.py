@@ -60,7 +60,7 @@ def chats(n: int, long: int, seed: int = 7) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i in range(n):
         is_long = i >= n - long
-        words = rng.randint(3000, 9000) if is_long else rng.choice([1, 3, 10, 40, 200, 1500])
+        words = rng.randint(10000, 28000) if is_long else rng.choice([1, 3, 10, 40, 200, 1500])
         msgs: list[dict[str, Any]] = []
         if rng.random() < 0.6:
             msgs.append({"role": "system", "content": _text(rng, rng.randint(3, 60))})
