@@ -174,18 +174,24 @@ def test_namespaced_tools_are_flattened_as_vllm_shows_them() -> None:
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"input": "hi", "background": True}, "background"),
-    ({"input": "hi", "conversation": {"id": "conv_1"}}, "conversation"),
     ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt"),
-    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-    ({"input": "hi", "tools": [WEATHER, {"type": "file_search"}]}, "tools[1].type"),
-    ({"input": "hi", "tools": [{"type": "code_interpreter"}]}, "tools[0].type"),
-    ({"input": "hi", "tools": [{"type": "custom", "name": "patch"}]}, "tools[0].type"),
     ({"input": "hi", "tools": [{"type": "function"}]}, "tools[0].name"),
+    ({"input": "hi", "tools": [{"type": "gizmo"}]}, "tools[0].type"),
+    ({"input": "hi", "tools": [{"type": "custom", "name": "patch",
+                                "format": {"type": "grammar", "syntax": "lark"}}]}, "tools"),
+    ({"input": "hi", "tools": [{"type": "web_search"}], "tool_choice": "required"},
+     "tool_choice"),
+    ({"input": "hi", "max_output_tokens": "many"}, "max_output_tokens"),
+    ({"input": "hi", "max_output_tokens": 4.5}, "max_output_tokens"),
+    ({"input": "hi", "metadata": "x"}, "metadata"),
+    ({"input": "hi", "metadata": {"a": {"b": "c"}}}, "metadata.a"),
+    ({"input": "hi", "metadata": {"a": 1}}, "metadata.a"),
+    ({"input": "hi", "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+    ({"input": "hi", "metadata": {"k" * 65: "v"}}, "metadata"),
+    ({"input": "hi", "metadata": {"k": "v" * 513}}, "metadata.k"),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice"),
     ({"input": "hi", "tool_choice": {"type": "function", "name": "x"}}, "tool_choice"),
     ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "function", "name": "x"}},
-     "tool_choice"),
-    ({"input": "hi", "tools": [WEATHER], "tool_choice": {"type": "allowed_tools"}},
      "tool_choice"),
     ({"input": "hi", "tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
     ({}, "input"),
@@ -199,7 +205,6 @@ def test_namespaced_tools_are_flattened_as_vllm_shows_them() -> None:
     ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
      "input[0].content[0].type"),
-    ({"input": "hi", "max_output_tokens": "8"}, "max_output_tokens"),
     ({"input": "hi", "instructions": ["x"]}, "instructions"),
     ({"input": "hi", "text": {"format": {"type": "grammar"}}}, "text.format.type"),
 ])
@@ -507,3 +512,114 @@ def test_stream_events_validate_as_openai_s_event_types() -> None:
                      {"input": "x", "tools": [WEATHER]})
     for _, data in events:
         assert adapter.validate_python(data).type == data["type"]
+
+
+# ------------------------------------------------------------ what vLLM accepts, so do we
+
+CODEX_TOOLS = [WEATHER, {"type": "web_search", "external_web_access": False},
+               {"type": "custom", "name": "apply_patch", "description": "Patch files.",
+                "format": {"type": "text"}}]
+
+
+@pytest.mark.parametrize("builtin", [
+    {"type": "web_search"}, {"type": "web_search_preview"},
+    {"type": "file_search", "vector_store_ids": ["vs_1"]}, {"type": "local_shell"},
+    {"type": "mcp", "server_label": "x", "server_url": "http://127.0.0.1:1"},
+    {"type": "code_interpreter", "container": "auto"}, {"type": "image_generation"}])
+def test_built_in_tools_are_accepted_and_shown_to_the_model_as_vllm_shows_them(
+        builtin: dict[str, Any]) -> None:
+    """vLLM renders function tools only; a built-in beside one changes nothing."""
+    alone = to_chat({"input": "hi", "tools": [builtin]})
+    assert "tools" not in alone and "tool_choice" not in alone
+    beside = to_chat({"input": "hi", "tools": [builtin, WEATHER]})
+    assert beside == to_chat({"input": "hi", "tools": [WEATHER]})
+
+
+def test_codex_default_request_is_served_with_apply_patch_as_vllm_s_one_string_function(
+) -> None:
+    chat = to_chat({"input": "hi", "tools": CODEX_TOOLS, "tool_choice": "auto",
+                    "parallel_tool_calls": False, "include": [], "prompt_cache_key": "k"})
+    names = [t["function"]["name"] for t in chat["tools"]]
+    assert names == ["get_weather", "apply_patch"]
+    patch = chat["tools"][1]["function"]
+    assert patch["parameters"]["required"] == ["input"]
+    assert patch["parameters"]["properties"]["input"]["type"] == "string"
+    named = to_chat({"input": "hi", "tools": CODEX_TOOLS,
+                     "tool_choice": {"type": "custom", "name": "apply_patch"}})
+    assert named["tool_choice"] == {"type": "function", "function": {"name": "apply_patch"}}
+
+
+def test_a_custom_tool_call_answers_as_a_custom_tool_call_item_whole_and_streamed() -> None:
+    request = {"input": "hi", "tools": CODEX_TOOLS}
+    args = json.dumps({"input": "*** Begin Patch\n*** End Patch"})
+    chat = {"model": "m", "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+        "role": "assistant", "tool_calls": [{"id": "call_1", "type": "function",
+                                             "function": {"name": "apply_patch",
+                                                          "arguments": args}}]}}]}
+    out = response_from_chat(chat, request=request, response_id="resp_1", created_at=0)
+    item = out["output"][0]
+    assert item["type"] == "custom_tool_call" and item["id"].startswith("ctc_")
+    assert (item["call_id"], item["name"], item["input"]) == (
+        "call_1", "apply_patch", "*** Begin Patch\n*** End Patch")
+    stream = ResponseStream(request=request, response_id="resp_1", created_at=0)
+    raw: list[bytes] = []
+    for piece in (args[:10], args[10:]):
+        raw += stream.feed(_chunk({"tool_calls": [{"index": 0, "id": "call_1", "function": {
+            "name": "apply_patch", "arguments": piece}}]}))
+    raw += stream.feed(_chunk(finish="tool_calls")) + stream.feed(None)
+    events = _events(raw)
+    kinds = [k for k, _ in events]
+    assert "response.function_call_arguments.delta" not in kinds
+    done = next(e for k, e in events if k == "response.custom_tool_call_input.done")
+    assert done["input"] == item["input"]
+    assert "".join(e["delta"] for k, e in events
+                   if k == "response.custom_tool_call_input.delta") == item["input"]
+    final = events[-1][1]["response"]["output"][0]
+    assert final["type"] == "custom_tool_call" and final["input"] == item["input"]
+    # Sent back, the call renders as vLLM renders it: the one-string function's arguments.
+    again = to_chat({"input": [{"type": "custom_tool_call", "call_id": "call_1",
+                                "name": "apply_patch", "input": item["input"]}],
+                     "tools": CODEX_TOOLS})
+    assert json.loads(again["messages"][0]["tool_calls"][0]["function"]["arguments"]) == {
+        "input": item["input"]}
+
+
+@pytest.mark.parametrize("choice", [
+    {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function",
+                                                             "name": "get_weather"}]},
+    {"type": "web_search_preview"}, {"type": "file_search"}, {"type": "mcp",
+                                                              "server_label": "x"}])
+def test_tool_choices_that_name_no_function_are_served_as_auto(choice: dict[str, Any]
+                                                               ) -> None:
+    assert to_chat({"input": "hi", "tools": [WEATHER], "tool_choice": choice})[
+        "tool_choice"] == "auto"
+    assert "tool_choice" not in to_chat({"input": "hi", "tool_choice": choice})
+
+
+def test_conversation_is_ignored_as_vllm_ignores_it() -> None:
+    plain = to_chat({"input": "hi"})
+    assert to_chat({"input": "hi", "conversation": "conv_1"}) == plain
+    assert to_chat({"input": "hi", "conversation": {"id": "conv_1"}}) == plain
+
+
+def test_an_assistant_message_with_no_parts_is_an_empty_message() -> None:
+    chat = to_chat({"input": [{"role": "user", "content": "hi"},
+                              {"type": "message", "role": "assistant", "content": []},
+                              {"role": "user", "content": "again"}]})
+    assert chat["messages"][1] == {"role": "assistant", "content": ""}
+
+
+@pytest.mark.parametrize(("field", "sent", "served"), [
+    ("max_output_tokens", "4", 4), ("max_output_tokens", 4.0, 4),
+    ("temperature", "0.5", 0.5), ("top_k", "5", 5), ("stream", "yes", True),
+    ("parallel_tool_calls", "false", False), ("seed", "7", 7)])
+def test_typed_fields_are_converted_as_vllm_converts_them(field: str, sent: Any,
+                                                          served: Any) -> None:
+    chat = to_chat({"input": "hi", "tools": [WEATHER], field: sent})
+    key = "max_tokens" if field == "max_output_tokens" else field
+    assert chat[key] == served and type(chat[key]) is type(served)
+
+
+def test_metadata_within_the_api_s_bounds_is_accepted() -> None:
+    meta = {f"k{i:02d}" + "x" * 60: "v" * 512 for i in range(16)}
+    to_chat({"input": "hi", "metadata": meta})

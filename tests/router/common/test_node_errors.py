@@ -59,3 +59,45 @@ def test_an_internal_value_still_hides_the_message() -> None:
     leaky = ("This model's maximum context length is 16384 tokens. (parameter=input_tokens, "
              "value=10.0.0.5)")
     assert client_message(leaky) == GENERIC
+
+
+@pytest.mark.parametrize("message", [
+    # vLLM 0.32's words, recorded from a stock node (docs/conformance.md)
+    ("max_completion_tokens=100000 cannot be greater than max_model_len=16384. Please "
+     "request fewer output tokens. (parameter=max_completion_tokens, value=100000)"),
+    ("max_output_tokens=100000 cannot be greater than max_model_len=16384. Please request "
+     "fewer output tokens. (parameter=max_output_tokens, value=100000)"),
+    "The model `nope` does not exist. Valid aliases: kvagent-demo.",
+    "The model `nope` does not exist. Valid aliases: meta-llama/Llama-3.1-8B, llama.",
+    "kvagent-demo is not a multimodal model",
+    "The engine prompt length 20000 exceeds the max_model_len 16384. Please reduce prompt.",
+    ("1 validation error:\n  {'type': 'int_from_float', 'loc': 'body.max_tokens', 'msg': "
+     "'Input should be a valid integer, got a number with a fractional part', "
+     "'input': '4.5'}"),
+])
+def test_vllm_s_own_words_reach_the_client(message: str) -> None:
+    from kvagent_server.router.common.node_errors import client_message
+
+    assert client_message(message) == message
+
+
+@pytest.mark.parametrize("message", [
+    "connection to 10.0.0.5 refused",
+    "prefill at localhost:8100 failed",
+    "cannot load http://models.internal/x",
+    "file /opt/models/llama/config.json not found",
+    "error in C:\\models\\x",
+    "engine-7f3a9c0d1e2f died",
+    "EngineCore failed",
+    "kv_transfer_params.remote_host is invalid",
+    "cache_salt must be a string",
+    "Traceback (most recent call last)",
+    "request cmpl-0123456789abcdef0123 failed",
+    "node [fe80::1]:8000 is gone",
+    "x" * 1001,
+    "bad\x00byte",
+])
+def test_internal_shapes_hide_the_whole_message(message: str) -> None:
+    from kvagent_server.router.common.node_errors import GENERIC, client_message
+
+    assert client_message(message) == GENERIC

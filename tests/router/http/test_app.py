@@ -547,7 +547,8 @@ async def test_errors_are_openai_shaped() -> None:
 
 async def test_upstream_4xx_passed_as_openai_error() -> None:
     async with router_stack() as st:
-        st.prefill[0].fail_next = [400]  # a message vLLM is not known to send: not passed
+        st.prefill[0].fail_next = [400]  # a message that names a node's address: not passed
+        st.prefill[0].fail_message = "prefill at 127.0.0.1:8100 refused the pull"
         r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST))
         assert r.status_code == 400
         assert r.json()["error"]["message"] == "the model server rejected the request"

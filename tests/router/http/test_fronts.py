@@ -80,10 +80,24 @@ async def test_store_false_keeps_nothing_and_a_ttl_of_zero_stores_none() -> None
 
 async def test_unserved_responses_features_are_clear_400s() -> None:
     async with router_stack(settings=settings()) as st:
-        for extra in ({"background": True}, {"tools": [{"type": "web_search"}]}):
+        for extra in ({"background": True}, {"prompt": {"id": "pmpt_1"}},
+                      {"metadata": {"k": "v" * 513}}):
             r = await st.client.post("/v1/responses", headers=KEYS["a"], json={
                 "model": MODEL, "input": "hello", **extra})
             assert r.status_code == 400 and r.json()["error"]["message"], r.text
+
+
+async def test_what_vllm_accepts_the_responses_door_serves() -> None:
+    """Codex's default tools (a built-in and a custom tool), a `conversation`, numbers as
+    strings: vLLM answers them, so the router does."""
+    async with router_stack(settings=settings()) as st:
+        for extra in ({"tools": [{"type": "web_search"}, {"type": "custom",
+                                                          "name": "apply_patch"}]},
+                      {"conversation": "conv_1"}, {"max_output_tokens": "8"},
+                      {"stream": "false", "temperature": "0.5"}):
+            r = await st.client.post("/v1/responses", headers=KEYS["a"], json={
+                "model": MODEL, "input": "hello", **extra})
+            assert r.status_code == 200, (extra, r.text)
 
 
 async def test_a_websocket_attempt_is_refused_at_once() -> None:

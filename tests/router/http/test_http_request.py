@@ -41,7 +41,9 @@ def test_kvagent_field_must_be_an_object() -> None:
     ({"messages": "hi"}, True, "messages"),
     ({"messages": ["hi"]}, True, "messages"),
     ({}, False, "prompt"),
-    ({"prompt": "x", "stream": "yes"}, False, "stream"),
+    ({"prompt": "x", "stream": "sometimes"}, False, "stream"),
+    ({"prompt": "x", "max_tokens": 4.5}, False, "max_tokens"),
+    ({"prompt": "x", "top_k": "five"}, False, "top_k"),
     ({"prompt": "x", "max_tokens": -1}, False, "max_tokens"),
     ({"prompt": "x", "n": 0}, False, "n"),
     ({"prompt": "x", "stream_options": []}, False, "stream_options"),
@@ -50,3 +52,16 @@ def test_validation_names_the_field(body: dict, chat: bool, param: str) -> None:
     with pytest.raises(HTTPError) as info:
         validate(body, chat=chat)
     assert info.value.status == 400 and info.value.param == param
+
+
+@pytest.mark.parametrize(("field", "sent", "served"), [
+    ("max_tokens", "4", 4), ("max_tokens", 4.0, 4), ("top_k", "5", 5),
+    ("stream", "yes", True), ("temperature", "0.5", 0.5), ("seed", "3", 3), ("n", "1", 1),
+    ("logprobs", "true", True), ("parallel_tool_calls", "false", False)])
+def test_values_vllm_converts_are_converted_and_forwarded(field: str, sent: object,
+                                                          served: object) -> None:
+    """vLLM's pydantic models convert these (lax mode): the router converts them the same
+    way and forwards the converted value, instead of refusing them."""
+    body = {"messages": [{"role": "user", "content": "hi"}], field: sent}
+    validate(body, chat=True)
+    assert body[field] == served and type(body[field]) is type(served)

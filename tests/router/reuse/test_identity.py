@@ -310,3 +310,44 @@ def test_a_handle_without_history_packs_as_before_the_field_existed() -> None:
     assert unpack_handle(packed) == plain
     recorded = Handle(**fields, identity=_held(_chat(HELD)))
     assert unpack_handle(pack_handle(recorded)).identity.history == recorded.identity.history
+
+
+# ------------------------------------------------------------------ branches
+
+
+def _turns() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """An owner's turns 1 and 2 (2 repeats 1 and its answer), and an intruder's turn chained
+    onto turn 1's answer with its own question (what a `previous_response_id` of another
+    conversation, or a shared session id, sends)."""
+    sys_msg = {"role": "system", "content": "You are terse."}
+    one = {"model": "m", "messages": [sys_msg, {"role": "user", "content": "hi"}]}
+    answer = {"role": "assistant", "content": "hello"}
+    two = {**one, "messages": [*one["messages"], answer, {"role": "user", "content": "more"}]}
+    three = {**two, "messages": [*two["messages"], answer, {"role": "user", "content": "go"}]}
+    intruder = {**one, "messages": [*one["messages"], answer,
+                                    {"role": "user", "content": "something else"}]}
+    return one, two, three, intruder
+
+
+def test_a_turn_continues_the_held_turn_whose_messages_it_repeats() -> None:
+    one, two, three, intruder = _turns()
+    held_one = ident(one, history=True)
+    held_two = ident(two, history=True)
+    assert identity.continues(held_one, two) is True
+    assert identity.continues(held_one, intruder) is True  # a fork of turn 1: it continues
+    assert identity.continues(held_two, three) is True
+    assert identity.continues(held_two, two) is True  # a retry of the same turn
+    # The owner's turn 2 is held: a turn chained onto turn 1 does not continue it.
+    assert identity.continues(held_two, intruder) is False
+    # Another history under the same session id, and other rendering inputs.
+    assert identity.continues(held_two, {**three, "messages": [
+        {"role": "user", "content": "a different conversation"}]}) is False
+    assert identity.continues(held_two, {**three, "tools": [
+        {"type": "function", "function": {"name": "f"}}]}) is False
+
+
+def test_without_a_recorded_digest_nothing_tells() -> None:
+    one, two, _, _ = _turns()
+    assert identity.continues(None, two) is None
+    assert identity.continues(ident(one), two) is None  # history not recorded
+    assert identity.continues(ident(one, history=True), {"prompt": "x"}) is None

@@ -69,3 +69,16 @@ async def test_memory_records_expire_and_stay_under_their_bytes() -> None:
     assert records.stored_bytes <= 1000 and len(records) == 3
     assert await records.get_record("t", RESPONSES, "b4") is not None
     assert await records.get_record("t", RESPONSES, "b0") is None
+
+
+async def test_one_tenant_s_large_records_evict_its_own_not_another_s() -> None:
+    """Over the byte bound the biggest holder's oldest record goes first: a flood of large
+    Responses (a long history each) does not push out a quiet tenant's chain."""
+    records = MemoryRecords(max_per_tenant=100, max_bytes=1000)
+    await records.put_records("quiet", RESPONSES, [("q", b"x" * 100)], 60)
+    for i in range(10):
+        await records.put_records("flood", RESPONSES, [(f"f{i}", b"x" * 300)], 60)
+    assert records.stored_bytes <= 1000
+    assert await records.get_record("quiet", RESPONSES, "q") == b"x" * 100
+    assert await records.get_record("flood", RESPONSES, "f9") is not None
+    assert await records.get_record("flood", RESPONSES, "f0") is None

@@ -1,10 +1,15 @@
-"""What of a node's error message a client may see: an allow-list, not a deny-list.
+"""What of a node's error message a client may see: vLLM's own words, unless they name
+something internal.
 
-A node's 4xx message can name its engine id, its side-channel host and port, or echo the
-router's own fields back (pydantic's `input_value=...`). Only messages of the shapes below,
-vLLM's own validation messages about the client's request, reach the client; anything
-else becomes a generic message with the node's status. An error event in a streamed
-answer is rebuilt from the same parts (`client_error_event`).
+vLLM's 4xx messages are about the client's request (a context-length overflow, an unknown
+model with the names it serves, a field out of range), and a client served by stock vLLM
+reads them as they are: so does a client of the router. What a node's message must never
+carry to a client is the deployment behind the router: a node's address or side-channel
+port, a URL, a file path, an engine's id, a traceback, or the router's own fields echoed
+back (`kv_transfer_params`, `cache_salt`, pydantic's `input_value=...`). A message that
+shows any of those becomes a generic one with the node's status, whole: it is never cut
+or redacted, so nothing half-hidden leaks. An error event in a streamed answer is rebuilt
+from the same parts (`client_error_event`).
 """
 
 from __future__ import annotations
@@ -15,35 +20,24 @@ from typing import Any
 GENERIC = "the model server rejected the request"
 #: For an error a node reports in the middle of a streamed answer.
 STREAM_GENERIC = "the model server failed while answering"
-MAX_LEN = 400
+MAX_LEN = 1000
 
-#: vLLM's messages about the client's request that name nothing internal. Each matches the
-#: whole message, and only from a narrow alphabet (no `/`, no `@`, no quotes but `'`).
-_ALLOWED = tuple(re.compile(p, re.ASCII) for p in (
-    # vLLM 0.32 ends it with "(parameter=input_tokens, value=16385)": hence `=`.
-    r"This model's maximum context length is \d+ tokens\.[\w ,.()'=-]*",
-    r"'?(max_tokens|max_completion_tokens)'? [\w ,.()'<>=-]*",
-    r"[A-Za-z_]{1,40} must be [\w ,.()'<>=+-]{1,120}",
-    r"[A-Za-z_]{1,40} is not (supported|allowed)[\w ,.()'-]*",
-    r"The model `[\w.-]{1,128}` does not exist\.",
-    r"Expected [\w ,.()'<>=-]{1,160}",
-))
-#: Shapes that are never a client's business even inside an allowed sentence.
+#: Shapes that are never a client's business: addresses and ports, URLs, absolute paths,
+#: engine ids and long hex ids, tracebacks, and the fields only the router sets.
 _INTERNAL = re.compile(
-    r"\d{1,3}(\.\d{1,3}){3}|:\d{2,5}\b|https?:|engine|remote_|kv_transfer|do_remote"
-    r"|cache_salt|input_value|request_id|[0-9a-f]{12,}", re.IGNORECASE)
+    r"\d{1,3}(\.\d{1,3}){3}|\[[0-9a-f:]*:[0-9a-f:]*\]|:\d{2,5}\b|[a-z][a-z0-9+.-]*://"
+    r"|(^|[\s'\"`(=:,])(/|~/|[A-Za-z]:\\)[\w.~-]+[/\\]|\.py\b|traceback"
+    r"|engine(?:[-_:]|\s?id\b|core)|remote_|kv_transfer|ec_transfer|do_remote|side_channel"
+    r"|nixl|cache_salt|input_value|request_id|[0-9a-f]{12,}", re.IGNORECASE)
 
 
 def client_message(message: object, default: str = GENERIC) -> str:
-    """`message` when it is one of vLLM's known messages naming nothing internal, else
-    `default`."""
-    if not isinstance(message, str) or not message or len(message) > MAX_LEN:
+    """`message` as vLLM wrote it when it names nothing internal, else `default`."""
+    if not isinstance(message, str) or not message.strip() or len(message) > MAX_LEN:
         return default
-    if _INTERNAL.search(message):
+    if _INTERNAL.search(message) or any(ord(c) < 32 and c not in "\n\t" for c in message):
         return default
-    if any(p.fullmatch(message) for p in _ALLOWED):
-        return message
-    return default
+    return message
 
 
 _PARAM = re.compile(r"[A-Za-z_][\w.\[\]]{0,63}", re.ASCII)
@@ -63,7 +57,8 @@ def client_type(type_: object, default: str = "invalid_request_error") -> str:
     """The node's error `type` (vLLM's class-like names, e.g. `BadRequestError`,
     `NotFoundError`), so the client sees what vLLM itself would send; `default` (OpenAI's
     name) when it is anything else."""
-    if isinstance(type_, str) and _TYPE.fullmatch(type_) and not _INTERNAL.search(type_):
+    if (isinstance(type_, str) and _TYPE.fullmatch(type_) and not _INTERNAL.search(type_)
+            and "engine" not in type_.lower()):
         return type_
     return default
 

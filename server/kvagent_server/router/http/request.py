@@ -25,6 +25,7 @@ from kvagent.protocol import (
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from kvagent_server.router.common.lax import coerce
 from kvagent_server.router.reuse.transfer import INTERNAL_FIELDS
 
 #: Body fields a client must not set: they would make a node pull or push KV blocks the
@@ -130,7 +131,9 @@ def _short(exc: ValueError) -> str:
 #
 # The router checks the types of the OpenAI fields it knows, so a wrong type gets a 400
 # naming the field before any node is contacted (a node's error would come after a P leg
-# ran, and a fake or older server might answer 500). Unknown top-level fields pass through
+# ran, and a fake or older server might answer 500). A value vLLM's pydantic model
+# converts (`"4"`, `4.0`, `"yes"`) is converted first, as vLLM would (`common.lax`), so
+# the router is never stricter than the node. Unknown top-level fields pass through
 # unchanged: vLLM accepts many of its own (`top_k`, `min_p`, `guided_json`, ...) and
 # ignores, with a warning in its log, those it does not know.
 
@@ -167,7 +170,9 @@ def validate(body: dict[str, Any], *, chat: bool, max_tokens_limit: int = 1 << 2
     """Type checks of the OpenAI fields the router knows; 400 naming the first bad field.
 
     vLLM still validates values against the model (context length, vocabulary).
+    Converts, in place, what vLLM's model would convert (`lax`).
     """
+    lax(body, chat=chat)
     if chat:
         _messages(body.get("messages"))
         if max_messages is not None and len(body["messages"]) > max_messages:
@@ -216,6 +221,16 @@ def validate(body: dict[str, Any], *, chat: bool, max_tokens_limit: int = 1 << 2
     bias = body.get("logit_bias")
     if bias is not None and not all(_is_number(v) for v in bias.values()):
         raise _bad("logit_bias", "must map token ids to numbers")
+
+
+def lax(body: dict[str, Any], *, chat: bool) -> None:
+    """Convert the typed fields the router knows as vLLM's request models do."""
+    coerce(body, _NUMBERS, "number")
+    coerce(body, (*_INTS, "n", "best_of", "max_tokens", "max_completion_tokens"), "int")
+    coerce(body, _BOOLS, "bool")
+    coerce(body, ("logprobs",), "bool" if chat else "int")
+    if isinstance(body.get("stream_options"), dict):
+        coerce(body["stream_options"], ("include_usage", "continuous_usage_stats"), "bool")
 
 
 def _scalars(body: dict[str, Any]) -> None:

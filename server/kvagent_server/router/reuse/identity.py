@@ -173,6 +173,16 @@ def extension_chars(held: KVIdentity, body: Mapping[str, Any]) -> int | None:
     return message_chars(messages[held.messages:])
 
 
+def continues(held: KVIdentity | None, body: Mapping[str, Any]) -> bool | None:
+    """Whether a chat body continues the conversation of a held turn: it repeats the held
+    prompt's messages under the same rendering inputs (True), or provably not (False: a
+    turn chained onto an earlier response than the session's latest, another history
+    under a shared session id). None when the held turn recorded no digest to tell."""
+    if held is None or held.history is None or not isinstance(body.get("messages"), list):
+        return None
+    return history_digest(body, held.messages) == held.history
+
+
 def message_chars(messages: Any) -> int:
     """The size of `messages` as compact UTF-8 JSON (what tokens-per-byte ratios use)."""
     return len(json.dumps(messages, separators=(",", ":"), ensure_ascii=False).encode())

@@ -8,7 +8,10 @@ Two things a turn may look up besides its session's handle:
   sends no conversation id at all still finds the turn its prompt extends.
 
 Records are per tenant, expire (TTL), and are bounded per tenant (count) and, in memory,
-in bytes overall; the oldest go first. `MemoryRecords` serves one router process; the
+in bytes overall; the oldest go first, and over the byte bound the oldest of the tenant
+holding the most bytes, so one tenant's large records never evict another's. A stored
+Response counts whole: its history, its output and the request fields it echoes
+(`metadata` among them, bounded by the Responses translation). `MemoryRecords` serves one router process; the
 Redis store implements the same three methods (`redis_store`).
 """
 
@@ -41,7 +44,8 @@ class RecordStore(Protocol):
 
 
 class MemoryRecords:
-    """`RecordStore` in one process: an LRU by insertion, bounded per tenant and in bytes.
+    """`RecordStore` in one process: an LRU by insertion, bounded per tenant and in bytes
+    (over the byte bound, the biggest holder's oldest record goes first).
 
     Under asyncio every method runs without awaiting, so each is atomic."""
 
@@ -56,6 +60,8 @@ class MemoryRecords:
         self._items: OrderedDict[tuple[str, str, str], tuple[bytes, float]] = OrderedDict()
         #: tenant -> its keys, oldest stored first (for the per-tenant bound)
         self._by_tenant: dict[str, OrderedDict[tuple[str, str, str], None]] = {}
+        #: tenant -> the bytes its records hold
+        self._tenant_bytes: dict[str, int] = {}
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -69,11 +75,14 @@ class MemoryRecords:
         entry = self._items.pop(full, None)
         if entry is None:
             return
-        self._bytes -= len(entry[0]) + len(full[2])
+        size = len(entry[0]) + len(full[2])
+        self._bytes -= size
+        self._tenant_bytes[full[0]] -= size
         mine = self._by_tenant[full[0]]
         del mine[full]
         if not mine:
             del self._by_tenant[full[0]]
+            del self._tenant_bytes[full[0]]
 
     async def put_records(self, tenant: str, kind: Kind, items: Sequence[tuple[str, bytes]],
                           ttl_s: float) -> None:
@@ -86,6 +95,8 @@ class MemoryRecords:
             self._items[full] = (value, now + ttl_s)
             self._by_tenant.setdefault(tenant, OrderedDict())[full] = None
             self._bytes += len(value) + len(key)
+            self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + len(value) + len(
+                key)
         while self._items:  # expired first: oldest stored first, stop at a live one
             oldest = next(iter(self._items))
             if now < self._items[oldest][1]:
@@ -95,7 +106,8 @@ class MemoryRecords:
         while mine and len(mine) > self._max_per_tenant:
             self._drop(next(iter(mine)))
         while self._bytes > self._max_bytes and self._items:
-            self._drop(next(iter(self._items)))
+            biggest = max(self._tenant_bytes, key=self._tenant_bytes.__getitem__)
+            self._drop(next(iter(self._by_tenant[biggest])))
 
     async def get_record(self, tenant: str, kind: Kind, key: str) -> bytes | None:
         entry = self._items.get((tenant, kind, key))
@@ -117,4 +129,5 @@ class MemoryRecords:
     def clear(self) -> None:
         self._items.clear()
         self._by_tenant.clear()
+        self._tenant_bytes.clear()
         self._bytes = 0

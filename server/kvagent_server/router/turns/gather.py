@@ -43,6 +43,8 @@ async def gather(r: Router, req: TurnRequest) -> TurnFacts:
     p_first = r.registry.get(picked_p.node_id) if picked_p else None
     session, source, known_ids = req.session, req.source, None
     found = await _find_by_content(r, req, p_first)
+    if found is None:
+        found = await _find_branch(r, req, p_first)
     if found is not None:
         session, known_ids = found
         source = "content"
@@ -194,6 +196,39 @@ async def _find_by_content(r: Router, req: TurnRequest,
     name = session or req.tenant.session_key(f"anon-{uuid.uuid4().hex}")
     assert name is not None  # session_key names any given id
     return name, prompt_ids
+
+
+async def _find_branch(r: Router, req: TurnRequest,
+                       p_first: Node | None) -> tuple[str, list[int] | None] | None:
+    """For a turn of a named session, sent without a cache token, that does not continue
+    the session's latest held turn (it chains onto an earlier response than the latest,
+    or another conversation shares the session id): its own branch, so it neither claims
+    nor replaces the owner's handle. The branch's earlier turn is found by content, as for
+    a caller that names no conversation; else the turn starts a new branch. None: the turn
+    continues the latest (or nothing tells), and claims it as before."""
+    if (req.session is None or req.token is not None or not req.chat
+            or not r.settings.reuse):
+        return None
+    try:
+        held = await r.store.peek_latest(req.tenant.name, req.session)
+    except StoreUnavailable:
+        return None
+    if held is None or identity.continues(held.identity, req.body) is not False:
+        return None
+    log.debug("turn does not continue its session's latest handle: a branch")
+    branch = f"{req.session}~{uuid.uuid4().hex[:16]}"
+    if not r.settings.content_reuse or p_first is None:
+        return branch, None
+    try:
+        prompt_ids = await _tokenize(r, req, p_first)
+    except TokenizeError as exc:
+        log.info("no branch lookup this turn: %s", exc)
+        return branch, None
+    try:
+        found = await _held_session(r, req, prompt_ids)
+    except StoreUnavailable:
+        found = None
+    return found or branch, prompt_ids
 
 
 async def _held_session(r: Router, req: TurnRequest, prompt_ids: list[int]) -> str | None:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvagent_server.router.common.lax import coerce, ignored_once
+
 #: Claude Code's per-request attribution block: a hash per request, so vLLM drops it from
 #: the system prompt (it would defeat prefix caching).
 BILLING_HEADER = "x-anthropic-billing-header"
@@ -236,8 +238,20 @@ def _check_prompt_fields(body: dict[str, Any]) -> None:
     _optional(body, "chat_template_kwargs", "chat_template_kwargs", "object")
 
 
+def lax(body: dict[str, Any]) -> None:
+    """Convert `body`'s typed fields in place as vLLM's `AnthropicMessagesRequest` does."""
+    coerce(body, ("max_tokens", "top_k"), "int")
+    coerce(body, ("temperature", "top_p"), "number")
+    coerce(body, ("stream", "watermarking"), "bool")
+    for key, name, kind in (("thinking", "budget_tokens", "int"),
+                            ("tool_choice", "disable_parallel_tool_use", "bool")):
+        if isinstance(body.get(key), dict):
+            coerce(body[key], (name,), kind)
+
+
 def _check_request(body: dict[str, Any]) -> None:
     """A Messages request: the shared fields, then sampling."""
+    lax(body)
     _check_prompt_fields(body)
     max_tokens = body.get("max_tokens")
     if max_tokens is None:
@@ -458,7 +472,8 @@ def _tool_fields(body: dict[str, Any]) -> dict[str, Any]:
                 raise _bad("tool_choice.name", f"no tool named {choice['name']!r} in tools")
             out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
         elif kind == "any" and not tools:
-            raise _bad("tool_choice", "type 'any' needs tools")
+            ignored_once("messages:any_without_tools", "served tool_choice 'any' without "
+                         "tools as no tool choice, as vLLM does")
         elif tools or kind == "none":
             out["tool_choice"] = _TOOL_CHOICES[kind]
     if tools:
@@ -540,6 +555,7 @@ def count_tokens_chat(body: dict[str, Any], *, merge_inline_system: bool = False
     `reasoning_effort`, so the effort (and the `enable_thinking` vLLM derives from it)
     rides in `chat_template_kwargs`, where vLLM's chat rendering puts it."""
     _check_options(disabled_thinking_effort)
+    lax(body)
     _check_prompt_fields(body)
     out: dict[str, Any] = {
         "model": body["model"],

@@ -3,9 +3,15 @@ request fields, shared by whole answers and the stream."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-from kvagent_server.router.apis.responses.request import NAMESPACE_SEPARATOR, new_id
+from kvagent_server.router.apis.responses.request import (
+    CUSTOM_INPUT_KEY,
+    NAMESPACE_SEPARATOR,
+    custom_names,
+    new_id,
+)
 
 #: Keys openai's models write as null, so the echoed request fields have vLLM's shape.
 _FUNCTION_TOOL_KEYS = ("name", "parameters", "strict", "type", "allowed_callers", "async",
@@ -129,6 +135,23 @@ def call_item(item_id: str, call_id: str, name: str, namespace: str | None, argu
             "status": status}
 
 
+def custom_call_item(item_id: str, call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A call of a custom (freeform) tool as vLLM reports it: the one-string function's
+    argument as the call's `input` (arguments that are not that shape, as they are)."""
+    return {"call_id": call_id, "input": custom_input(arguments), "name": name,
+            "type": "custom_tool_call", "id": item_id, "async": None, "caller": None,
+            "namespace": None}
+
+
+def custom_input(arguments: str) -> str:
+    try:
+        parsed = json.loads(arguments)
+    except ValueError:
+        return arguments
+    value = parsed.get(CUSTOM_INPUT_KEY) if isinstance(parsed, dict) else None
+    return value if isinstance(value, str) else arguments
+
+
 def new_call_id(given: Any) -> str:
     return given if isinstance(given, str) and given else new_id("chatcmpl-tool-")
 
@@ -146,8 +169,13 @@ def response_from_chat(chat: dict[str, Any], *, request: dict[str, Any], respons
     if message.get("content"):
         output.append(message_item(new_id("msg_"), [text_part(message["content"], None)],
                                    "completed"))
+    custom = custom_names(request.get("tools"))
     for call in message.get("tool_calls") or ():
         fn = call.get("function") or {}
+        if fn.get("name") in custom:
+            output.append(custom_call_item(new_id("ctc_"), new_call_id(call.get("id")),
+                                           fn["name"], fn.get("arguments") or ""))
+            continue
         name, namespace = namespaced(fn.get("name") or "", request)
         output.append(call_item(new_id("fc_"), new_call_id(call.get("id")), name, namespace,
                                 fn.get("arguments") or "", "completed"))

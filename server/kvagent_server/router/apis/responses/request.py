@@ -7,18 +7,49 @@ import json
 import uuid
 from typing import Any
 
-#: Tool types that run on OpenAI's side; the router has nothing to run them with.
-_BUILTIN_TOOLS = ("web_search", "web_search_preview", "web_search_2025_08_26",
-                  "web_search_preview_2025_03_11", "file_search", "code_interpreter",
-                  "computer_use_preview", "computer", "image_generation", "mcp",
-                  "local_shell", "shell", "apply_patch", "tool_search")
-#: Request fields the router does not serve, and why.
+from kvagent_server.router.common.lax import coerce, ignored_once
+
+#: Tool types that run on OpenAI's side (the Responses `Tool` union of the openai package
+#: vLLM 0.32 validates with). vLLM accepts them and shows the model none of them: neither
+#: does the router.
+BUILTIN_TOOLS = frozenset({
+    "web_search", "web_search_2025_08_26", "web_search_preview",
+    "web_search_preview_2025_03_11", "file_search", "code_interpreter", "computer",
+    "computer_use_preview", "image_generation", "mcp", "local_shell", "shell",
+    "apply_patch", "tool_search", "programmatic_tool_calling"})
+#: `tool_choice` object types that name no function: vLLM samples as with "auto" (it
+#: forces a call only for "required" and a named function or custom tool).
+_UNFORCED_CHOICES = frozenset({
+    "allowed_tools", "file_search", "web_search_preview", "web_search_preview_2025_03_11",
+    "computer", "computer_use_preview", "computer_use", "image_generation",
+    "code_interpreter", "mcp", "apply_patch", "shell", "programmatic_tool_calling"})
+#: How vLLM shows the model a `custom` (freeform) tool: a function of one string.
+CUSTOM_INPUT_KEY = "input"
+CUSTOM_PARAMETERS = {
+    "type": "object",
+    "properties": {CUSTOM_INPUT_KEY: {"type": "string",
+                                      "description": "The freeform text payload for this tool."}},
+    "required": [CUSTOM_INPUT_KEY],
+    "additionalProperties": False,
+}
+#: Request fields vLLM refuses (in its default configuration), with its words.
 _UNSERVED = {
     "background": "background responses are not served by this router; omit 'background'",
-    "conversation": "'conversation' objects are not served by this router; chain turns with "
-                    "'previous_response_id' instead",
-    "prompt": "prompt templates are not supported; send 'instructions' and 'input' instead",
+    "prompt": "prompt template is not supported",
 }
+#: Fields vLLM does not know and ignores; the router ignores them too.
+_IGNORED = ("conversation",)
+#: The OpenAI API's bounds on `metadata` (vLLM checks only that it maps strings to strings).
+METADATA_MAX_PAIRS = 16
+METADATA_MAX_KEY = 64
+METADATA_MAX_VALUE = 512
+#: Typed fields, converted as vLLM's request model converts them (`common.lax`).
+_INTS = ("max_output_tokens", "max_tool_calls", "top_logprobs", "top_k", "seed",
+         "priority")
+_NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+            "repetition_penalty")
+_BOOLS = ("stream", "store", "background", "parallel_tool_calls", "ignore_eos",
+          "skip_special_tokens", "include_stop_str_in_output", "include_reasoning")
 #: vLLM sampling and rendering extras that mean the same in a chat request.
 _PASSTHROUGH = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                 "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
@@ -56,7 +87,8 @@ def to_chat(body: dict[str, Any], *, previous: list[dict[str, Any]] | None = Non
     renders for `body`, chained on `previous` (`history` of the previous response)."""
     _check_served(body)
     tools = _chat_tools(body.get("tools"))
-    tool_choice = _tool_choice(body.get("tool_choice"), tools)
+    tool_choice = _tool_choice(body.get("tool_choice"), tools,
+                               declared=bool(body.get("tools")))
     raw_input = body.get("input")
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
@@ -95,10 +127,42 @@ def to_chat(body: dict[str, Any], *, previous: list[dict[str, Any]] | None = Non
     return chat
 
 
+def lax(body: dict[str, Any]) -> None:
+    """Convert `body`'s typed fields in place as vLLM's `ResponsesRequest` does."""
+    coerce(body, _INTS, "int")
+    coerce(body, _NUMBERS, "number")
+    coerce(body, _BOOLS, "bool")
+
+
+def check_metadata(metadata: Any) -> None:
+    """`metadata` as the OpenAI API defines it: at most 16 string pairs, keys up to 64
+    characters, values up to 512. It is stored with the Response, so it is bounded."""
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise _bad("metadata", "must be an object of string keys and string values")
+    if len(metadata) > METADATA_MAX_PAIRS:
+        raise _bad("metadata", f"may hold at most {METADATA_MAX_PAIRS} pairs")
+    for key, value in metadata.items():
+        if len(key) > METADATA_MAX_KEY:
+            raise _bad("metadata", f"keys may be at most {METADATA_MAX_KEY} characters")
+        if not isinstance(value, str):
+            raise _bad(f"metadata.{key[:METADATA_MAX_KEY]}", "must be a string")
+        if len(value) > METADATA_MAX_VALUE:
+            raise _bad(f"metadata.{key}",
+                       f"may be at most {METADATA_MAX_VALUE} characters")
+
+
 def _check_served(body: dict[str, Any]) -> None:
+    lax(body)
     for field, message in _UNSERVED.items():
         if body.get(field):
             raise ApiError(400, message, param=field, code="unsupported_parameter")
+    for field in _IGNORED:
+        if body.get(field) is not None:
+            ignored_once(f"responses:{field}", "ignored the Responses field %r, as vLLM does",
+                         field)
+    check_metadata(body.get("metadata"))
     if "input" not in body:
         raise ApiError(400, "'input' is required", param="input")
     if not isinstance(body["input"], str | list):
@@ -122,15 +186,34 @@ def _chat_tools(tools: Any) -> list[dict[str, Any]]:
                     flat = {**inner, "name": _flat_name(tool["name"], inner.get("name"))}
                     out.append(_chat_function(flat, f"tools[{i}].tools[{j}]"))
         elif kind == "custom":
-            raise ApiError(400, f"'tools[{i}]': custom (freeform) tools are not served by this "
-                           "router; declare it as a function tool", param=f"tools[{i}].type")
-        elif kind in _BUILTIN_TOOLS:
-            raise ApiError(400, f"'tools[{i}]': built-in tool '{kind}' is not served by this "
-                           "router; only function tools are", param=f"tools[{i}].type",
-                           code="unsupported_tool")
+            out.append(_custom_function(tool, f"tools[{i}]"))
+        elif kind in BUILTIN_TOOLS:
+            ignored_once(f"responses:tool:{kind}", "ignored the built-in tool %r (the model "
+                         "is shown function tools only, as vLLM does)", kind)
         else:
-            raise _bad(f"tools[{i}].type", "must be 'function' or 'namespace'")
+            raise _bad(f"tools[{i}].type", "must be a function, namespace, custom or "
+                       "built-in tool type")
     return out
+
+
+def _custom_function(tool: dict[str, Any], where: str) -> dict[str, Any]:
+    """A freeform tool as the one-string function vLLM shows the model; a grammar format
+    is refused in vLLM's words."""
+    fmt = tool.get("format")
+    if isinstance(fmt, dict) and fmt.get("type") == "grammar":
+        raise ApiError(400, "Custom tools with a grammar format are not supported; only "
+                       "free-form text custom tools are accepted.", param="tools")
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise _bad(f"{where}.name", "must be a non-empty string")
+    return {"type": "function", "function": {
+        "name": tool["name"], "description": tool.get("description"),
+        "parameters": CUSTOM_PARAMETERS}}
+
+
+def custom_names(tools: Any) -> frozenset[str]:
+    """The names of a request's custom tools (their calls are `custom_tool_call` items)."""
+    return frozenset(t["name"] for t in tools or () if isinstance(t, dict)
+                     and t.get("type") == "custom" and isinstance(t.get("name"), str))
 
 
 def _chat_function(tool: dict[str, Any], where: str) -> dict[str, Any]:
@@ -152,21 +235,30 @@ def _flat_name(namespace: str, name: Any) -> str:
     return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
 
 
-def _tool_choice(choice: Any, tools: list[dict[str, Any]]) -> Any:
-    """The chat tool_choice; without tools vLLM serves `auto`/`none` as `none`."""
+def _tool_choice(choice: Any, tools: list[dict[str, Any]], *, declared: bool) -> Any:
+    """The chat tool_choice; without tools vLLM serves `auto`/`none` as `none`, and a
+    choice that names no function (allowed tools, a built-in) as `auto`. `declared`:
+    the request listed tools, callable by the model or not."""
     choice = "auto" if choice is None else choice
     names = [t["function"]["name"] for t in tools]
+    if isinstance(choice, dict) and choice.get("type") in _UNFORCED_CHOICES:
+        ignored_once(f"responses:tool_choice:{choice['type']}", "served tool_choice type %r "
+                     "as 'auto', as vLLM does", choice["type"])
+        choice = "auto"
     if isinstance(choice, str):
         if choice not in ("auto", "none", "required"):
             raise _bad("tool_choice", "must be 'auto', 'none', 'required' or a function")
         if not tools and choice == "required":
+            if declared:
+                raise ApiError(400, "tool_choice requires a function call, but tools "
+                               "contains no function tool the model can call.",
+                               param="tool_choice")
             raise ApiError(400, "Tool choice 'required' must be specified with 'tools' "
                            "parameter.", param="tool_choice")
         return choice if tools else "none"
-    if not isinstance(choice, dict) or choice.get("type") != "function":
-        raise ApiError(400, "'tool_choice': only 'auto', 'none', 'required' and "
-                       "{'type': 'function', 'name': ...} are served by this router",
-                       param="tool_choice", code="unsupported_tool_choice")
+    if not isinstance(choice, dict) or choice.get("type") not in ("function", "custom"):
+        raise ApiError(400, "'tool_choice': must be 'auto', 'none', 'required', a function "
+                       "or custom tool, or a tool type", param="tool_choice")
     name = _resolve_tool_name(choice.get("name"), names)
     return {"type": "function", "function": {"name": name}}
 
@@ -314,11 +406,14 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str:
 
 
 def _assistant_text(content: Any, where: str) -> str:
-    """vLLM replays only the first part of an assistant message."""
+    """vLLM replays only the first part of an assistant message. An empty list is an
+    empty message (vLLM 0.32 fails on it with a 500)."""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list) or not content or not isinstance(content[0], dict):
-        raise _bad(where, "must be a string or a non-empty list of parts")
+    if content == [] or content is None:
+        return ""
+    if not isinstance(content, list) or not isinstance(content[0], dict):
+        raise _bad(where, "must be a string or a list of parts")
     text = content[0].get("text", content[0].get("refusal"))
     if not isinstance(text, str):
         raise _bad(f"{where}[0].text", "must be a string")

@@ -7,6 +7,7 @@ from typing import Any
 from kvagent_server.router.apis import sse
 from kvagent_server.router.apis.responses.output import (
     call_item,
+    custom_call_item,
     message_item,
     namespaced,
     new_call_id,
@@ -16,7 +17,7 @@ from kvagent_server.router.apis.responses.output import (
     text_part,
     usage_of,
 )
-from kvagent_server.router.apis.responses.request import new_id
+from kvagent_server.router.apis.responses.request import custom_names, new_id
 
 
 class ResponseStream:
@@ -42,6 +43,7 @@ class ResponseStream:
         self._text = ""
         self._call: dict[str, Any] = {}
         self._response: dict[str, Any] | None = None
+        self._custom = custom_names(request.get("tools"))
 
     @property
     def response(self) -> dict[str, Any] | None:
@@ -98,7 +100,9 @@ class ResponseStream:
                                       and index != self._call["index"]):
                 out += self._close() + self._open_call(value[0])
             args = "".join((tc.get("function") or {}).get("arguments") or "" for tc in value)
-            if args:
+            if args and self._call.get("custom"):
+                self._text += args  # its input is sent whole when the call closes
+            elif args:
                 self._text += args
                 out.append(self._event("response.function_call_arguments.delta",
                                        item_id=self._item_id, output_index=len(self._items),
@@ -142,12 +146,14 @@ class ResponseStream:
                             part={"text": "", "type": "reasoning_text"})]
 
     def _open_call(self, tool_call: dict[str, Any]) -> list[bytes]:
-        item_id = self._start("function_call", "fc")
         fn = tool_call.get("function") or {}
+        custom = fn.get("name") in self._custom
+        item_id = self._start("function_call", "ctc" if custom else "fc")
         name, namespace = namespaced(fn.get("name") or "", self._request)
         self._call = {"index": tool_call.get("index"), "name": name, "namespace": namespace,
-                      "call_id": new_call_id(tool_call.get("id"))}
-        item = call_item(item_id, self._call["call_id"], name, namespace, "", "in_progress")
+                      "call_id": new_call_id(tool_call.get("id")), "custom": custom}
+        item = (custom_call_item(item_id, self._call["call_id"], name, "") if custom else
+                call_item(item_id, self._call["call_id"], name, namespace, "", "in_progress"))
         return [self._event("response.output_item.added", output_index=len(self._items),
                             item=item)]
 
@@ -170,6 +176,14 @@ class ResponseStream:
                                 output_index=index, content_index=0, text=text),
                     self._event("response.content_part.done", item_id=item_id,
                                 output_index=index, content_index=0, part=part)]
+        elif kind == "function_call" and self._call.get("custom"):
+            item = custom_call_item(item_id, self._call["call_id"], self._call["name"], text)
+            payload = item["input"]
+            if payload:
+                out.append(self._event("response.custom_tool_call_input.delta",
+                                       output_index=index, item_id=item_id, delta=payload))
+            out.append(self._event("response.custom_tool_call_input.done", output_index=index,
+                                   item_id=item_id, input=payload))
         elif kind == "function_call":
             call = self._call
             item = call_item(item_id, call["call_id"], call["name"], call["namespace"], text,

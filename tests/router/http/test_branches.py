@@ -1,0 +1,41 @@
+"""A turn that does not continue its session's latest held turn branches: it neither claims
+nor replaces the owner's handle, so the owner's next turn still reuses (fake nodes)."""
+
+from __future__ import annotations
+
+from fakes import router_stack
+from router_client import FIRST, no_wrong_kv, second, turn
+
+
+async def test_an_intruder_under_the_owner_s_session_id_branches() -> None:
+    """Two conversations share one session id and send no cache token: each keeps its own
+    handle (the intruder's is found by its content), and both reuse on their next turns."""
+    async with router_stack(skip_prefill_max_tokens=64) as st:
+        _, answer1, _ = await turn(st, FIRST, session="shared")
+        owner2 = second(answer1, "Now shorter, please.")
+        kva2, answer2, _ = await turn(st, owner2, session="shared")
+        assert kva2["reused_tokens"] > 0
+        # Chained onto the owner's first answer, with a question of its own: the owner's
+        # latest handle (turn 2) is not what it continues.
+        intruder = second(answer1, "Something else entirely, in German.")
+        kva_i, answer_i, _ = await turn(st, intruder, session="shared")
+        assert kva_i["reused_tokens"] == 0 and kva_i["reason"] == "no_handle"
+        owner3 = [*owner2, {"role": "assistant", "content": answer2},
+                  {"role": "user", "content": "And once more."}]
+        kva3, _, _ = await turn(st, owner3, session="shared")
+        assert kva3["reused_tokens"] > 0 and kva3["path"] == "d_direct", kva3
+        # The intruder's own branch is found again by its content.
+        intruder2 = [*intruder, {"role": "assistant", "content": answer_i},
+                     {"role": "user", "content": "Go on."}]
+        kva_i2, _, _ = await turn(st, intruder2, session="shared")
+        assert kva_i2["reused_tokens"] > 0, kva_i2
+        no_wrong_kv(st)
+
+
+async def test_a_turn_that_continues_the_latest_still_claims_it() -> None:
+    async with router_stack(skip_prefill_max_tokens=64) as st:
+        _, answer1, _ = await turn(st, FIRST, session="own")
+        kva2, _, _ = await turn(st, second(answer1, "ok"), session="own")
+        assert kva2["path"] == "d_direct" and kva2["reused_tokens"] > 0
+        assert kva2["cache_token"]  # its own session's turn: a token names its handle
+        no_wrong_kv(st)
