@@ -33,7 +33,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 #: Where installed CLIs are kept (one folder per name and version).
 CACHE_ENV = "KVAGENT_NPM_CACHE"
@@ -87,8 +87,9 @@ def _executable(name: str) -> Path:
 
 def _version_ok(name: str, exe: Path) -> bool:
     try:
-        out = subprocess.run([str(exe), "--version"], capture_output=True, text=True,
-                             timeout=60, env={**os.environ, "HOME": tempfile.gettempdir()})
+        with tempfile.TemporaryDirectory() as home:  # whatever it writes on start goes too
+            out = subprocess.run([str(exe), "--version"], check=False, capture_output=True,
+                                 text=True, timeout=60, env=base_env(Path(home)))
     except (OSError, subprocess.TimeoutExpired):
         return False
     return out.returncode == 0 and PINS[name].version in out.stdout
@@ -133,8 +134,8 @@ def _npm_install(npm: str, name: str, prefix: Path) -> None:
     argv = [npm, "install", "--prefix", str(prefix), "--no-save", "--no-package-lock",
             "--no-audit", "--no-fund", "--loglevel=warn", pin.spec, *pin.extras]
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=INSTALL_TIMEOUT_S,
-                             cwd=prefix)
+        out = subprocess.run(argv, check=False, capture_output=True, text=True,
+                             timeout=INSTALL_TIMEOUT_S, cwd=prefix)
     except subprocess.TimeoutExpired as exc:
         raise InstallError(f"`{' '.join(argv)}` ran over {INSTALL_TIMEOUT_S:.0f}s") from exc
     if out.returncode != 0:
@@ -208,7 +209,7 @@ def base_env(home: Path) -> dict[str, str]:
     """A clean environment with a throw-away home: nothing from the caller's agent
     configuration (keys, base URLs, config folders) leaks in, and nothing is written to
     the real home."""
-    for sub in (".config", ".cache", ".local/share", ".local/state"):
+    for sub in (".config", ".cache", ".local/share", ".local/state", "tmp"):
         (home / sub).mkdir(parents=True, exist_ok=True)
     node_bin = str(Path(shutil.which("node") or "/usr/bin/node").parent)
     return {
@@ -218,7 +219,9 @@ def base_env(home: Path) -> dict[str, str]:
         "XDG_CACHE_HOME": str(home / ".cache"),
         "XDG_DATA_HOME": str(home / ".local/share"),
         "XDG_STATE_HOME": str(home / ".local/state"),
-        "TMPDIR": tempfile.gettempdir(),
+        # Inside the home: Codex refuses to put helpers in its home when that lies under
+        # the temp folder, and nothing a CLI leaves in its temp folder outlives the test.
+        "TMPDIR": str(home / "tmp"),
         "LANG": "C.UTF-8",
         "TERM": "dumb",
         "NO_COLOR": "1",
@@ -245,6 +248,7 @@ class Exchange:
     status: int = 0
     answer: str = ""  # the response body (SSE text or JSON), at most `Recorder.keep` bytes
     mark: int = 0  # which `Recorder.mark()` it came after: the CLI invocation
+    client_closed: bool = False  # the CLI hung up before the answer's end
 
     @property
     def json(self) -> Any:
@@ -264,8 +268,10 @@ class Exchange:
         at = self.answer.rfind('"kvagent":')
         if at < 0:
             return None
+        start = at + len('"kvagent":')
+        start += len(self.answer[start:]) - len(self.answer[start:].lstrip())
         try:
-            value, _ = json.JSONDecoder().raw_decode(self.answer, at + len('"kvagent":'))
+            value, _ = json.JSONDecoder().raw_decode(self.answer, start)
         except ValueError:
             return None
         return value if isinstance(value, dict) else None
@@ -301,7 +307,7 @@ class Recorder:
     def since(self, mark: int) -> list[Exchange]:
         return [x for x in self.exchanges if x.mark == mark]
 
-    def __enter__(self) -> Recorder:
+    def __enter__(self) -> Self:
         from kvagent_server.common.ports import free_port
 
         port = free_port()
@@ -349,11 +355,11 @@ class Recorder:
                         async for chunk in up.content.iter_any():
                             if len(kept) < self.keep:
                                 kept += chunk[: self.keep - len(kept)]
-                            await out.write(chunk)
-                        x.answer = kept.decode("utf-8", "replace")
-                        await out.write_eof()
+                            x.answer = kept.decode("utf-8", "replace")
+                            await _send(out, x, chunk)
+                        await _send(out, x, None)
                         return out
-                except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                except (TimeoutError, aiohttp.ClientError) as exc:
                     x.status = 502
                     x.answer = f"proxy: {type(exc).__name__}: {exc}"
                     return web.Response(status=502, text=x.answer)
@@ -366,6 +372,161 @@ class Recorder:
             started.set()
             await self._stop.wait()
             await runner.cleanup()
+
+
+async def _send(out: Any, x: Exchange, chunk: bytes | None) -> None:
+    """Passes a chunk (None: the end) on to the CLI unless it has hung up: Codex closes the
+    connection once it has `response.completed`, and the router's answer is still read to
+    its end and kept."""
+    if x.client_closed:
+        return
+    try:
+        await (out.write(chunk) if chunk is not None else out.write_eof())
+    except ConnectionError:
+        x.client_closed = True
+
+
+# ------------------------------------------------------------------- each CLI's session
+
+
+@dataclass
+class Session:
+    """How to run one CLI for a multi-turn session: its environment and one command line
+    per turn (the first starts the session, the others continue the latest one)."""
+
+    name: str
+    env: dict[str, str]
+    turns: list[list[str]]
+
+
+def session(name: str, *, home: Path, base_url: str, model: str, api_key: str,
+            prompts: list[str]) -> Session:
+    """The CLI `name` at its defaults, told only the router's root URL (`base_url`, no
+    `/v1`), the model and a key, as a user would tell it, with everything it writes under
+    `home`. Also switched off: anything that would call a host other than the router
+    (update checks, telemetry, OpenCode's model catalogue)."""
+    exe = str(ensure_cli(name))
+    env = base_env(home)
+    first, *later = prompts
+    if name == "claude":
+        env.update({
+            "ANTHROPIC_BASE_URL": base_url, "ANTHROPIC_API_KEY": api_key,
+            "ANTHROPIC_MODEL": model, "CLAUDE_CONFIG_DIR": str(home / ".claude"),
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1", "DISABLE_AUTOUPDATER": "1",
+            "DISABLE_TELEMETRY": "1", "DISABLE_ERROR_REPORTING": "1"})
+        out = ["--output-format", "json"]
+        turns = [[exe, "-p", first, *out]] + [[exe, "-p", "--continue", p, *out] for p in later]
+    elif name == "codex":
+        codex_home = home / ".codex"
+        codex_home.mkdir(parents=True, exist_ok=True)
+        (codex_home / "config.toml").write_text(codex_config(base_url, model))
+        env.update({"CODEX_HOME": str(codex_home), "KVAGENT_API_KEY": api_key})
+        turns = [[exe, "exec", "--json", first]] + [
+            [exe, "exec", "resume", "--last", "--json", p] for p in later]
+    elif name == "opencode":
+        config_dir = home / ".config" / "opencode"
+        config_dir.mkdir(parents=True, exist_ok=True)
+        (config_dir / "opencode.json").write_text(
+            json.dumps(opencode_config(base_url, model, api_key), indent=2))
+        _link_opencode_plugin(config_dir)
+        env.update({"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
+                    "OPENCODE_DISABLE_LSP_DOWNLOAD": "1"})
+        out = ["--format", "json"]
+        turns = [[exe, "run", *out, first]] + [[exe, "run", "--continue", *out, p]
+                                                for p in later]
+    else:
+        raise KeyError(f"no session recipe for {name!r}")
+    return Session(name=name, env=env, turns=turns)
+
+
+def codex_config(base_url: str, model: str) -> str:
+    """`$CODEX_HOME/config.toml`: a model provider whose base URL is the router, the key
+    from `KVAGENT_API_KEY`; every other setting Codex's default."""
+    return (f'model = "{model}"\nmodel_provider = "kvagent"\n\n'
+            f'[model_providers.kvagent]\nname = "kvagent"\nbase_url = "{base_url}/v1"\n'
+            'wire_api = "responses"\nenv_key = "KVAGENT_API_KEY"\n')
+
+
+def opencode_config(base_url: str, model: str, api_key: str) -> dict[str, Any]:
+    """`opencode.json`: the router as an `@ai-sdk/openai-compatible` provider (bundled in
+    OpenCode's binary: nothing is installed for it) and its one model as the default."""
+    return {
+        "$schema": "https://opencode.ai/config.json",
+        "provider": {"kvagent": {
+            "npm": "@ai-sdk/openai-compatible", "name": "kvagent",
+            "options": {"baseURL": f"{base_url}/v1", "apiKey": api_key},
+            "models": {model: {"name": model}}}},
+        "model": f"kvagent/{model}",
+    }
+
+
+def _link_opencode_plugin(config_dir: Path) -> None:
+    """OpenCode runs `npm install @opencode-ai/plugin` in each config folder it reads, in the
+    background, unless the folder already has it: give it the cached copy."""
+    cached = install_dir("opencode") / "node_modules"
+    (config_dir / "package.json").write_text(json.dumps(
+        {"dependencies": {"@opencode-ai/plugin": PINS["opencode"].version}}))
+    modules = config_dir / "node_modules"
+    if not modules.exists():
+        modules.symlink_to(cached, target_is_directory=True)
+
+
+def claude_result(run: Run) -> dict[str, Any]:
+    """Claude Code's `--output-format json` result object ({} when it printed none)."""
+    found = [o for o in run.json_lines() if o.get("type") == "result"]
+    return found[-1] if found else {}
+
+
+#: Codex reports a model it has no metadata for as an `error` item: a note about its own
+#: model catalogue (context window, tool hints), not an error of the request.
+CODEX_NOTES = ("Model metadata for",)
+
+
+def surfaced_errors(name: str, run: Run) -> list[str]:
+    """What the CLI showed as an error in this run (its own JSON events and stderr)."""
+    errors = []
+    events = run.json_lines()
+    if name == "claude":
+        result = claude_result(run)
+        if not result:
+            errors.append("no result object")
+        elif result.get("is_error") or result.get("subtype") != "success" \
+                or result.get("api_error"):
+            errors.append(f"result: is_error={result.get('is_error')} "
+                          f"api_error={result.get('api_error')} {result.get('result')!r}")
+    elif name == "codex":
+        for e in events:
+            item = e.get("item") or {}
+            note = str(item.get("message", "")).startswith(CODEX_NOTES)
+            if e.get("type") in ("error", "turn.failed") or (
+                    item.get("type") == "error" and not note):
+                errors.append(json.dumps(e))
+        if not any(e.get("type") == "turn.completed" for e in events):
+            errors.append("no turn.completed event")
+    elif name == "opencode":
+        errors += [json.dumps(e) for e in events if e.get("type") == "error"]
+        if not any(e.get("type") == "step_finish" for e in events):
+            errors.append("no step_finish event")
+    errors += [line for line in run.stderr.splitlines() if "error" in line.lower()]
+    return errors
+
+
+def cached_tokens(name: str, run: Run) -> int:
+    """The cached input tokens the CLI itself reports for this run (its usage)."""
+    events = run.json_lines()
+    if name == "claude":
+        return int((claude_result(run).get("usage") or {}).get("cache_read_input_tokens") or 0)
+    if name == "codex":
+        return sum(int((e.get("usage") or {}).get("cached_input_tokens") or 0)
+                   for e in events if e.get("type") == "turn.completed")
+    if name == "opencode":
+        return sum(int((((e.get("part") or {}).get("tokens") or {}).get("cache") or {})
+                       .get("read") or 0) for e in events if e.get("type") == "step_finish")
+    raise KeyError(name)
+
+
+#: CLIs whose usage in a resumed session counts the whole session so far, not the run.
+CUMULATIVE_USAGE = frozenset({"codex"})
 
 
 # ------------------------------------------------------------------------------ shell
