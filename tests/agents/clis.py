@@ -7,7 +7,7 @@ Plain functions, no pytest, so a shell can use them too:
     python tests/agents/clis.py path codex         # where the cached `codex` is
 
 `ensure_cli("codex")` installs a pinned CLI once (`npm install` of the pinned version into
-`~/.cache/kvagent/npm/<name>-<version>`, or under `$KVAGENT_NPM_CACHE`) and returns its
+`~/.cache/kvagent/npm/<name>-<version>`, see `cache_dir`) and returns its
 executable; later calls reuse the cached copy. Only the npm registry that `~/.npmrc` names
 is contacted: each CLI's native binary is one of its platform-specific optional
 dependencies, which npm installs from the same registry (their postinstall scripts only
@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Self
 
-#: Where installed CLIs are kept (one folder per name and version).
+#: Where installed CLIs are kept (one folder per name and version); by default `npm/` in
+#: kvagent's cache (`$KVAGENT_CACHE_DIR`, else `~/.cache/kvagent`, beside the demo models).
 CACHE_ENV = "KVAGENT_NPM_CACHE"
 #: How long one `npm install` may take (the CLIs' native binaries are 100-400 MB).
 INSTALL_TIMEOUT_S = 900.0
@@ -73,7 +74,9 @@ class InstallError(RuntimeError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "kvagent" / "npm")
+    from kvagent_server.models.cache import default_cache_dir
+
+    return Path(os.environ.get(CACHE_ENV) or default_cache_dir() / "npm")
 
 
 def install_dir(name: str) -> Path:

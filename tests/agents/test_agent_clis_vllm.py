@@ -20,6 +20,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import shutil
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,8 +30,15 @@ import clis
 import httpx
 import pytest
 import replay
+from kvagent_server.bundle.runstate import LOG_DIR
 from kvagent_server.router.http.conversation import from_agents
-from support import KVAgentBundle, bundle_config, start_bundle, vllm_available
+from support import (
+    KVAgentBundle,
+    bundle_config,
+    skip_unless_required,
+    start_bundle,
+    vllm_available,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -53,6 +61,7 @@ class Played:
     turns: list[list[clis.Exchange]]  # per run, in order
     requests_before: dict[str, float]
     requests_after: dict[str, float]
+    router_log: str  # what the router logged during the session
 
     def report(self) -> str:
         lines = [f"{self.name}:"]
@@ -88,7 +97,9 @@ def played(cli_bundle: KVAgentBundle, tmp_path_factory: pytest.TempPathFactory
 def play(cache: dict[str, Played], b: KVAgentBundle, name: str, root: Path) -> Played:
     if name in cache:
         return cache[name]
-    # A missing CLI fails here (npm's own error), also in CI: never a skip.
+    if shutil.which("npm") is None or shutil.which("node") is None:
+        skip_unless_required("node and npm are not installed (the CLIs install with npm)")
+    # A failed install fails here, with npm's own output: never a skip.
     clis.ensure_cli(name)
     home, work = root / "home", root / "work"
     work.mkdir(parents=True)
@@ -98,14 +109,26 @@ def play(cache: dict[str, Played], b: KVAgentBundle, name: str, root: Path) -> P
         s = clis.session(name, home=home, base_url=rec.url, model=b.model, api_key=API_KEY,
                          prompts=PROMPTS)
         before = _requests_by_status(b.router_url)
+        log = _router_log(b)
+        log_start = log.stat().st_size
         runs, turns = [], []
         for argv in s.turns:
             mark = rec.mark()
             runs.append(clis.run(argv, env=s.env, cwd=work, timeout=TURN_TIMEOUT_S))
             turns.append(rec.since(mark))
         after = _requests_by_status(b.router_url)
-    cache[name] = Played(name, runs, turns, before, after)
+    with open(log, "rb") as f:
+        f.seek(log_start)
+        logged = f.read().decode("utf-8", "replace")
+    cache[name] = Played(name, runs, turns, before, after, logged)
     return cache[name]
+
+
+def _router_log(b: KVAgentBundle) -> Path:
+    assert b.run_dir is not None
+    path = Path(b.run_dir, LOG_DIR, "router.log")
+    assert path.exists(), f"no router log at {path}"
+    return path
 
 
 def _requests_by_status(router_url: str) -> dict[str, float]:
@@ -160,6 +183,9 @@ def test_every_request_answered(session: Played) -> None:
     assert {k: v for k, v in served.items() if v and not k.startswith("2")} == {}, served
     turns = sum(len(p.model_requests(i)) for i in range(len(p.turns)))
     assert sum(v for k, v in served.items() if k.startswith("2")) >= turns, served
+    troubles = [line for line in p.router_log.splitlines()
+                if line.startswith(("ERROR", "CRITICAL")) or "Traceback" in line]
+    assert not troubles, p.router_log[-6000:]
 
 
 def test_no_error_surfaced(session: Played) -> None:
