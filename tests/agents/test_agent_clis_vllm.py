@@ -239,7 +239,9 @@ def test_first_request_size(session: Played) -> None:
     """Records what the CLI sends first (its size shows in the test's output with -rA);
     checks it fits the bundle's context with room to answer."""
     p = session
-    first = max(p.model_requests(0), key=lambda x: len(x.body))
+    # The agent's first turn: the first request with tools (OpenCode titles its session
+    # first, without tools). Nothing is held yet, so its usage counts the whole prompt.
+    first = next(x for x in p.model_requests(0) if (x.json or {}).get("tools"))
     usage_prompt = _prompt_tokens(first)
     print(f"{p.name}: first turn request {len(first.body)} B, {usage_prompt} prompt tokens, "
           f"headers {sorted(first.headers)}")
