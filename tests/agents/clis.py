@@ -44,13 +44,11 @@ INSTALL_TIMEOUT_S = 900.0
 
 @dataclass(frozen=True)
 class Pin:
-    """One CLI at one version: the npm package, the executable it installs, and any other
-    packages it loads at run time that must come from the cache rather than the network."""
+    """One CLI at one version: the npm package and the executable it installs."""
 
     package: str
     version: str
     bin: str
-    extras: tuple[str, ...] = ()
 
     @property
     def spec(self) -> str:
@@ -62,10 +60,7 @@ class Pin:
 PINS: dict[str, Pin] = {
     "claude": Pin("@anthropic-ai/claude-code", "2.1.328", "claude"),
     "codex": Pin("@openai/codex", "0.169.0", "codex"),
-    # OpenCode installs its plugin API into every config folder it reads (in the background,
-    # from npm); the runner links this copy there instead.
-    "opencode": Pin("opencode-ai", "1.18.33", "opencode",
-                    extras=("@opencode-ai/plugin@1.18.33",)),
+    "opencode": Pin("opencode-ai", "1.18.33", "opencode"),
 }
 
 
@@ -135,7 +130,7 @@ def ensure_cli(name: str) -> Path:
 def _npm_install(npm: str, name: str, prefix: Path) -> None:
     pin = PINS[name]
     argv = [npm, "install", "--prefix", str(prefix), "--no-save", "--no-package-lock",
-            "--no-audit", "--no-fund", "--loglevel=warn", pin.spec, *pin.extras]
+            "--no-audit", "--no-fund", "--loglevel=warn", pin.spec]
     try:
         out = subprocess.run(argv, check=False, capture_output=True, text=True,
                              timeout=INSTALL_TIMEOUT_S, cwd=prefix)
@@ -431,7 +426,7 @@ def session(name: str, *, home: Path, base_url: str, model: str, api_key: str,
         config_dir.mkdir(parents=True, exist_ok=True)
         (config_dir / "opencode.json").write_text(
             json.dumps(opencode_config(base_url, model, api_key), indent=2))
-        _link_opencode_plugin(config_dir)
+        _share_npmrc(home)
         env.update({"OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1",
                     "OPENCODE_DISABLE_LSP_DOWNLOAD": "1"})
         out = ["--format", "json"]
@@ -463,15 +458,13 @@ def opencode_config(base_url: str, model: str, api_key: str) -> dict[str, Any]:
     }
 
 
-def _link_opencode_plugin(config_dir: Path) -> None:
-    """OpenCode runs `npm install @opencode-ai/plugin` in each config folder it reads, in the
-    background, unless the folder already has it: give it the cached copy."""
-    cached = install_dir("opencode") / "node_modules"
-    (config_dir / "package.json").write_text(json.dumps(
-        {"dependencies": {"@opencode-ai/plugin": PINS["opencode"].version}}))
-    modules = config_dir / "node_modules"
-    if not modules.exists():
-        modules.symlink_to(cached, target_is_directory=True)
+def _share_npmrc(home: Path) -> None:
+    """OpenCode installs its plugin API (`@opencode-ai/plugin`) into its config folder on
+    start, in the background, with the npm configuration of its home: the throw-away home
+    gets the caller's `~/.npmrc`, so that install asks the same registry as `ensure_cli`."""
+    npmrc = Path.home() / ".npmrc"
+    if npmrc.exists():
+        shutil.copyfile(npmrc, home / ".npmrc")
 
 
 def claude_result(run: Run) -> dict[str, Any]:

@@ -94,9 +94,11 @@ def played(cli_bundle: KVAgentBundle, tmp_path_factory: pytest.TempPathFactory
     return {}
 
 
-def play(cache: dict[str, Played], b: KVAgentBundle, name: str, root: Path) -> Played:
+def play(cache: dict[str, Played], b: KVAgentBundle, name: str,
+         tmp_path_factory: pytest.TempPathFactory) -> Played:
     if name in cache:
         return cache[name]
+    root = tmp_path_factory.mktemp(f"cli-{name}")
     if shutil.which("npm") is None or shutil.which("node") is None:
         skip_unless_required("node and npm are not installed (the CLIs install with npm)")
     # A failed install fails here, with npm's own output: never a skip.
@@ -147,8 +149,7 @@ def _requests_by_status(router_url: str) -> dict[str, float]:
 @pytest.fixture(params=CLIS)
 def session(request: pytest.FixtureRequest, played: dict[str, Played], cli_bundle: KVAgentBundle,
             tmp_path_factory: pytest.TempPathFactory) -> Played:
-    name = request.param
-    return play(played, cli_bundle, name, tmp_path_factory.mktemp(f"cli-{name}"))
+    return play(played, cli_bundle, request.param, tmp_path_factory)
 
 
 def _token_session(report: dict[str, object] | None) -> str | None:
@@ -245,6 +246,11 @@ def test_first_request_size(session: Played) -> None:
     usage_prompt = _prompt_tokens(first)
     print(f"{p.name}: first turn request {len(first.body)} B, {usage_prompt} prompt tokens, "
           f"headers {sorted(first.headers)}")
+    for i, run in enumerate(p.runs):
+        print(f"  run {i + 1}: exit {run.returncode}, {run.seconds:.1f}s, CLI-reported cached "
+              f"{clis.cached_tokens(p.name, run)}; " + "; ".join(
+                  f"{(x.kvagent or {}).get('path')} reused {x.reused_tokens}"
+                  for x in p.model_requests(i)))
     assert usage_prompt and usage_prompt < 32768, first.line()
 
 
@@ -259,6 +265,6 @@ def test_claude_code_ends_turns_cleanly(played: dict[str, Played], cli_bundle: K
                                         name: str) -> None:
     """Claude Code's result is a success on every turn: the model ended its turn itself,
     so Claude Code neither retried past `max_tokens` nor reported `max_output_tokens`."""
-    p = play(played, cli_bundle, name, tmp_path_factory.mktemp(f"cli-{name}-clean"))
+    p = play(played, cli_bundle, name, tmp_path_factory)
     for run in p.runs:
         assert clis.surfaced_errors(name, run) == [], p.report()
