@@ -10,12 +10,19 @@ from pathlib import Path
 import pytest
 
 from benchmarks.api import COMPARE_ARMS as ARMS
+from benchmarks.api import (
+    COMPARE_DEFAULT_ARMS,
+    DEFAULT_TIERS,
+    TIER_DIR,
+    TierBudget,
+    bundle_settings,
+    flag_rows,
+    parse_arms,
+)
 from benchmarks.api import compare_parser as parser
+from benchmarks.api import compare_run as run_mod
 from benchmarks.api import compare_summary as sm
 from benchmarks.api import compare_workload as workload
-from benchmarks.api import flag_rows, parse_arms
-from benchmarks.compare import arms as arms_mod
-from benchmarks.compare import run as run_mod
 
 TIERED = ("aggregated-tier", "kvagent-tiers")
 
@@ -27,11 +34,9 @@ def _bundle_nodes(arm: str, tmp_path: Path) -> dict[str, dict]:
     from kvagent_server.bundle.render import last_flag, plan
     from kvagent_server.config import validate_config
 
-    from benchmarks.multiturn.nodes import bundle_settings
-
     kv = workload("long-wait", quick=True).kv
     a = ARMS[arm]
-    config = a.bench_config(kv, arms_mod.DEFAULT_TIERS, tmp_path / "run" / arms_mod.TIER_DIR)
+    config = a.bench_config(kv, DEFAULT_TIERS, tmp_path / "run" / TIER_DIR)
     cfg = validate_config(bundle_settings(
         config, tmp_path / "run", list(range(1, 6)), cores=sorted(os.sched_getaffinity(0)),
         kv_cache_gib=kv.node_gib(a.nodes), startup_timeout_s=1.0, model=None))
@@ -48,7 +53,7 @@ def _offloading(ktc: dict) -> dict:
 def test_tier_arms_are_named_not_run_by_default() -> None:
     assert [a.name for a in parse_arms(",".join(TIERED))] == list(TIERED)
     default = parser().parse_args([]).arms.split(",")
-    assert default == list(arms_mod.DEFAULT_ARMS) and not set(TIERED) & set(default)
+    assert default == list(COMPARE_DEFAULT_ARMS) and not set(TIERED) & set(default)
     assert {ARMS[a].tier for a in TIERED} == {"local", "shared"}
     assert all(ARMS[a].tier is None for a in default)
 
@@ -72,7 +77,7 @@ def test_kvagent_tiers_gives_p_and_d_one_shared_disk_after_nixl(tmp_path: Path) 
     # the same directory, budget and hash algorithm on both: P finds what D stored
     assert tiers[0] == tiers[1]
     host, root, locality, size, _ = tiers[0]
-    assert root == str(tmp_path / "run" / arms_mod.TIER_DIR) and locality == "REMOTE"
+    assert root == str(tmp_path / "run" / TIER_DIR) and locality == "REMOTE"
     assert host == (1 << 30) // 2 and size == 4 << 30  # 1 GiB split over two nodes
 
 
@@ -84,7 +89,7 @@ def test_untiered_kvagent_keeps_plain_nixl(tmp_path: Path) -> None:
 
 def test_aggregated_tier_gets_the_same_tiers_on_its_own(tmp_path: Path) -> None:
     kv = workload("pressure", quick=True).kv
-    bc = ARMS["aggregated-tier"].bench_config(kv, arms_mod.DEFAULT_TIERS, tmp_path / "t")
+    bc = ARMS["aggregated-tier"].bench_config(kv, DEFAULT_TIERS, tmp_path / "t")
     plain = ARMS["aggregated"].bench_config(kv)
     args = list(bc.node_args)
     assert args[:len(plain.node_args)] == list(plain.node_args)  # same step flags and cap
@@ -121,7 +126,7 @@ def test_flags_table_shows_each_nodes_tiers() -> None:
 
 def test_every_tiered_arm_has_the_same_budgets() -> None:
     kv = workload("pressure", quick=False).kv
-    tiers = arms_mod.TierBudget(host_gib=2.0, disk_gib=8.0)
+    tiers = TierBudget(host_gib=2.0, disk_gib=8.0)
     mem = {a: ARMS[a].memory(kv, tiers) for a in ARMS}
     for a in TIERED:
         assert (mem[a]["host_tier_gib"], mem[a]["disk_tier_gib"]) == (2.0, 8.0)
@@ -130,7 +135,7 @@ def test_every_tiered_arm_has_the_same_budgets() -> None:
     assert {(m["engine_kv_gib"], m["engine_kv_tokens"]) for m in mem.values()} == {
         (2, 34_816)}
     with pytest.raises(ValueError):
-        arms_mod.TierBudget(host_gib=0, disk_gib=1)
+        TierBudget(host_gib=0, disk_gib=1)
     with pytest.raises(SystemExit):
         run_mod.main(["--quick", "--arms", "kvagent-tiers", "--tier-disk-gib", "0"])
 
@@ -152,7 +157,7 @@ def _summary(runs: list[sm.ArmRun], memory: dict | None) -> dict:
 
 def test_the_report_states_the_memory_each_arm_used() -> None:
     kv = workload("long-wait", quick=True).kv
-    tiers = arms_mod.DEFAULT_TIERS
+    tiers = DEFAULT_TIERS
     runs = [sm.ArmRun("aggregated", 0, 0, wall_s=1.0),
             sm.ArmRun("kvagent-tiers", 0, 1, wall_s=1.0, disk_used_bytes=3 << 28,
                       tier_counters={"prefill-0": {"disk": 1536.0, "device": 0.0},
