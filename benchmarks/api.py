@@ -23,6 +23,7 @@ NAMES: dict[str, tuple[str, str | None]] = {
     "DEFAULT_TIERS": ("benchmarks.compare.arms", "DEFAULT_TIERS"),
     "TIER_DIR": ("benchmarks.compare.arms", "TIER_DIR"),
     "TierBudget": ("benchmarks.compare.arms", "TierBudget"),
+    "compare_subject_of": ("benchmarks.compare.arms", "subject_of"),
     "KvBudget": ("benchmarks.compare.arms", "KvBudget"),
     "aggregated_step_args": ("benchmarks.compare.arms", "aggregated_step_args"),
     "flag_rows": ("benchmarks.compare.arms", "flag_rows"),

@@ -207,6 +207,13 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
         "the shared tier)", kind="bundle", reuse=True, tier="shared"),
 )}
 KVAGENT = "kvagent"
+KVAGENT_TIERS = "kvagent-tiers"
+
+
+def subject_of(names: list[str]) -> str:
+    """The arm the report measures the others against: kvagent with tiers when it runs
+    (plain kvagent is then one of its baselines), else kvagent."""
+    return KVAGENT_TIERS if KVAGENT_TIERS in names else KVAGENT
 #: The arms run when `--arms` is not given: the untiered ones (the tiered arms add two
 #: start-ups and two workloads per repetition; name them with `--arms`).
 DEFAULT_ARMS = ("aggregated", "affine-2", "pd-noreuse", "kvagent")

@@ -43,7 +43,6 @@ from .arms import (
     ARMS,
     DEFAULT_ARMS,
     DEFAULT_TIERS,
-    KVAGENT,
     TIER_DIR,
     Arm,
     KvBudget,
@@ -51,6 +50,7 @@ from .arms import (
     flag_rows,
     parse_arms,
     serve_arm,
+    subject_of,
 )
 from .workloads import WORKLOADS, NamedWorkload, workload
 
@@ -301,7 +301,8 @@ def main(argv: list[str] | None = None) -> int:
                 "foreign_vllm": r.foreign_vllm, "disk_used_bytes": r.disk_used_bytes,
                 "tier_counters": r.tier_counters,
                 "ttft_later_p50_ms": summary_mod.later_ttft_p50_ms(r)} for r in runs],
-        flags=flags, runs=runs, subject=KVAGENT, raw_records=str(raw))
+        flags=flags, runs=runs, subject=subject_of([a.name for a in arms]),
+        raw_records=str(raw))
     (out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
     (out / "report.md").write_text(summary_mod.report_md(s))
     _log(f"wrote {out / 'report.md'} and {out / 'summary.json'}")

@@ -21,6 +21,7 @@ from benchmarks.api import (
 )
 from benchmarks.api import compare_parser as parser
 from benchmarks.api import compare_run as run_mod
+from benchmarks.api import compare_subject_of as subject_of
 from benchmarks.api import compare_summary as sm
 from benchmarks.api import compare_workload as workload
 
@@ -56,6 +57,10 @@ def test_tier_arms_are_named_not_run_by_default() -> None:
     assert default == list(COMPARE_DEFAULT_ARMS) and not set(TIERED) & set(default)
     assert {ARMS[a].tier for a in TIERED} == {"local", "shared"}
     assert all(ARMS[a].tier is None for a in default)
+    # the report measures kvagent with tiers when it runs, against every other arm
+    assert subject_of(["aggregated-tier", "kvagent-tiers"]) == "kvagent-tiers"
+    assert subject_of(["kvagent", "kvagent-tiers"]) == "kvagent-tiers"
+    assert subject_of(default) == "kvagent"
 
 
 def test_kvagent_tiers_gives_p_and_d_one_shared_disk_after_nixl(tmp_path: Path) -> None:
