@@ -246,9 +246,18 @@ def serve_arm(arm: Arm, work_dir: Path, *, kv: KvBudget, startup_timeout_s: floa
     `affine`, each session's endpoint. Everything is stopped on exit; a tiered arm's
     disk tier is `work_dir / TIER_DIR` (a fresh one per run: every run starts cold)."""
     if arm.kind != "affine":
-        with serve(arm.bench_config(kv, tiers, work_dir / TIER_DIR), work_dir, kv_cache_gib=kv.node_gib(arm.nodes),
-                   startup_timeout_s=startup_timeout_s, model=model) as ep:
-            yield [ep], None
+        try:
+            with serve(arm.bench_config(kv, tiers, work_dir / TIER_DIR), work_dir,
+                       kv_cache_gib=kv.node_gib(arm.nodes),
+                       startup_timeout_s=startup_timeout_s, model=model) as ep:
+                yield [ep], None
+        finally:
+            if arm.tier and arm.kind == "aggregated":
+                # vLLM's shutdown leaves the node's host region in /dev/shm (the bundle's
+                # stop sweeps its own): a GiB per run would pile up otherwise
+                from kvagent_server.vllm_plugin.tier_files import sweep_stale_regions
+
+                sweep_stale_regions()
         return
     cores = sorted(os.sched_getaffinity(0))
     with contextlib.ExitStack() as stack:
