@@ -8,15 +8,21 @@ from `kv_cache_gib`), and, for budgets under a GiB a node, a number of KV blocks
 The aggregated nodes get the step flags kvagent's decode node gets, since they
 decode too, and the plugin's reader settings; the connector-only patches stay off, as
 there is no connector to patch.
+
+Tiered arms (`aggregated-tier`, `kvagent-tiers`) also get one tier budget (`TierBudget`):
+host memory summed over the arm's nodes and split as the KV budget is, and one disk
+budget, in a directory of the run's work folder (shared by P and D in the bundle).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 from kvagent_server.bundle.render import (
     DEFAULT_BLOCK_SIZE,
@@ -60,6 +66,55 @@ class KvBudget:
         return [BLOCKS_ARG, str(self.tokens // nodes // DEFAULT_BLOCK_SIZE[CPU])]
 
 
+#: Where a tiered arm's disk tier lives, inside the run's work folder.
+TIER_DIR = "kv-tier"
+#: The flag-table stand-in for a run's tier directory (rendered without a run).
+TABLE_TIER_DIR = Path("/run-work-folder") / TIER_DIR
+
+
+@dataclass(frozen=True)
+class TierBudget:
+    """What every tiered arm may hold below its engine KV: host memory summed over its
+    nodes (split evenly, as the KV budget is) and one disk budget (one directory: a
+    shared one counts once, as each node applies the budget to the whole directory)."""
+
+    host_gib: float
+    disk_gib: float
+
+    def __post_init__(self) -> None:
+        if self.host_gib <= 0 or self.disk_gib <= 0:
+            raise ValueError(f"tier budget: host {self.host_gib} GiB and disk "
+                             f"{self.disk_gib} GiB must both be > 0 (the native disk tier "
+                             "stages every block through the host tier)")
+
+    def kv_tiers(self, path: Path, *, nodes: int, shared: bool,
+                 check_writable: bool = True) -> dict[str, Any]:
+        """The bundle's `kv_tiers:` section for one node of an arm of `nodes`. Generated
+        tokens are offloaded too (`offload_prompt_only: false`): an agent's history is
+        mostly its own output, and every tiered arm gets the same tier settings."""
+        return {"cpu": {"size_gib": self.host_gib / nodes},
+                "disk": {"path": str(path), "shared": shared, "size_gib": self.disk_gib,
+                         "check_writable": check_writable},
+                "offload_prompt_only": False}
+
+
+#: The default tier budget: 1 GiB of host memory and 4 GiB of disk per arm, several times
+#: the pressure workloads' engine KV (272 MiB), enough to hold all their conversations.
+DEFAULT_TIERS = TierBudget(host_gib=1.0, disk_gib=4.0)
+
+
+def aggregated_tier_args(tiers: dict[str, Any]) -> tuple[list[str], dict[str, str]]:
+    """An aggregated node's tier flags and environment: the `kv_tiers` section rendered
+    as the bundle renders it for a CPU node, with no NIXL to combine with (so a plain
+    OffloadingConnector with kvagent's CPU spec and disk tier)."""
+    from kvagent_server.engine.tiers import KVTiers, render_tiers
+
+    r = render_tiers(KVTiers.model_validate(tiers), role="decode", device=CPU,
+                     base_kv_transfer_config=None, block_size=DEFAULT_BLOCK_SIZE[CPU])
+    assert r.kv_transfer_config is not None
+    return [*r.args, "--kv-transfer-config", json.dumps(r.kv_transfer_config)], r.env
+
+
 def aggregated_step_args() -> list[str]:
     """The step flags the bundle gives its decode node on CPU: an aggregated node decodes
     as D does, so it gets D's token budget per step and its cap per prompt per step."""
@@ -91,24 +146,48 @@ class Arm:
     kind: str
     reuse: bool = False
     prefill_prefix_caching: bool = True
+    #: KV tiers below engine memory: "local" (a host tier and a disk tier of the node's
+    #: own), "shared" (every node a host tier, one disk directory for all), or none.
+    tier: Literal["local", "shared"] | None = None
 
     @property
     def nodes(self) -> int:
         return 1 if self.kind == "aggregated" else 2
 
-    def bench_config(self, kv: KvBudget) -> BenchConfig:
+    def kv_tiers(self, tiers: TierBudget, tier_dir: Path, *, check_writable: bool = True
+                 ) -> dict[str, Any] | None:
+        """Each node's `kv_tiers` section (None for an arm without tiers)."""
+        if self.tier is None:
+            return None
+        return tiers.kv_tiers(tier_dir, nodes=self.nodes, shared=self.tier == "shared",
+                              check_writable=check_writable)
+
+    def bench_config(self, kv: KvBudget, tiers: TierBudget = DEFAULT_TIERS,
+                     tier_dir: Path = TABLE_TIER_DIR, *, check_writable: bool = True
+                     ) -> BenchConfig:
         """The multi-turn benchmark's configuration for an aggregated or bundle arm (its
-        KV space per node is `kv.node_gib(self.nodes)`, passed to `serve`)."""
+        KV space per node is `kv.node_gib(self.nodes)`, passed to `serve`); a tiered
+        arm's disk tier in `tier_dir`."""
         args = kv.node_args(self.nodes)
+        kv_tiers = self.kv_tiers(tiers, tier_dir, check_writable=check_writable)
         if self.kind == "aggregated":
+            tier_args, tier_env = aggregated_tier_args(kv_tiers) if kv_tiers else ([], {})
             return BenchConfig(name=self.name, description=self.description, kind="aggregated",
-                               node_args=(*aggregated_step_args(), *args),
-                               node_env=aggregated_plugin_env())
+                               node_args=(*aggregated_step_args(), *args, *tier_args),
+                               node_env={**aggregated_plugin_env(), **tier_env})
         if self.kind != "bundle":
             raise ValueError(f"{self.name}: no single configuration for kind {self.kind}")
         return BenchConfig(name=self.name, description=self.description, kind="bundle",
                            reuse=self.reuse, prefill_prefix_caching=self.prefill_prefix_caching,
-                           node_args=tuple(args))
+                           node_args=tuple(args), kv_tiers=kv_tiers)
+
+    def memory(self, kv: KvBudget, tiers: TierBudget) -> dict[str, Any]:
+        """What the arm may hold, summed over its nodes: engine KV (space, and the cap in
+        tokens if any), host tier and disk tier (0 without tiers)."""
+        return {"nodes": self.nodes, "engine_kv_gib": kv.gib, "engine_kv_tokens": kv.tokens,
+                "host_tier_gib": tiers.host_gib if self.tier else 0.0,
+                "disk_tier_gib": tiers.disk_gib if self.tier else 0.0,
+                "disk_shared": self.tier == "shared"}
 
 
 ARMS: dict[str, Arm] = {a.name: a for a in (
@@ -120,8 +199,24 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
         kind="bundle", reuse=False, prefill_prefix_caching=True),
     Arm("kvagent", "kvagent's P/D bundle with its defaults (cross-turn KV reuse)",
         kind="bundle", reuse=True),
+    Arm("aggregated-tier", "`aggregated` plus kvagent's CPU tiers: a host tier and a disk "
+        "tier of its own, generated tokens offloaded too (the same tiers as "
+        "kvagent-tiers: the fair control)", kind="aggregated", tier="local"),
+    Arm("kvagent-tiers", "kvagent's bundle with kv_tiers on P and D: a host tier each, one "
+        "disk tier shared by P and D, generated tokens offloaded too (D's turns reach "
+        "the shared tier)", kind="bundle", reuse=True, tier="shared"),
 )}
 KVAGENT = "kvagent"
+KVAGENT_TIERS = "kvagent-tiers"
+
+
+def subject_of(names: list[str]) -> str:
+    """The arm the report measures the others against: kvagent with tiers when it runs
+    (plain kvagent is then one of its baselines), else kvagent."""
+    return KVAGENT_TIERS if KVAGENT_TIERS in names else KVAGENT
+#: The arms run when `--arms` is not given: the untiered ones (the tiered arms add two
+#: start-ups and two workloads per repetition; name them with `--arms`).
+DEFAULT_ARMS = ("aggregated", "affine-2", "pd-noreuse", "kvagent")
 
 
 def parse_arms(text: str) -> list[Arm]:
@@ -145,14 +240,24 @@ def sticky_round_robin(urls: list[str]) -> Callable[[int, object], str]:
 
 @contextlib.contextmanager
 def serve_arm(arm: Arm, work_dir: Path, *, kv: KvBudget, startup_timeout_s: float,
-              model: str | None
+              model: str | None, tiers: TierBudget = DEFAULT_TIERS
               ) -> Iterator[tuple[list[Endpoint], Callable[[int, object], str] | None]]:
     """The arm running: its endpoints (one, or one per node for `affine`) and, for
-    `affine`, each session's endpoint. Everything is stopped on exit."""
+    `affine`, each session's endpoint. Everything is stopped on exit; a tiered arm's
+    disk tier is `work_dir / TIER_DIR` (a fresh one per run: every run starts cold)."""
     if arm.kind != "affine":
-        with serve(arm.bench_config(kv), work_dir, kv_cache_gib=kv.node_gib(arm.nodes),
-                   startup_timeout_s=startup_timeout_s, model=model) as ep:
-            yield [ep], None
+        try:
+            with serve(arm.bench_config(kv, tiers, work_dir / TIER_DIR), work_dir,
+                       kv_cache_gib=kv.node_gib(arm.nodes),
+                       startup_timeout_s=startup_timeout_s, model=model) as ep:
+                yield [ep], None
+        finally:
+            if arm.tier and arm.kind == "aggregated":
+                # vLLM's shutdown leaves the node's host region in /dev/shm (the bundle's
+                # stop sweeps its own): a GiB per run would pile up otherwise
+                from kvagent_server.vllm_plugin.tier_files import sweep_stale_regions
+
+                sweep_stale_regions()
         return
     cores = sorted(os.sched_getaffinity(0))
     with contextlib.ExitStack() as stack:
@@ -177,7 +282,7 @@ def halves(cores: list[int]) -> list[list[int]]:
 
 #: The flags and variables the table shows (what sets a step's length and the KV budget).
 TABLE_FLAGS = ("--max-num-batched-tokens", "--long-prefill-token-threshold", "--block-size",
-               BLOCKS_ARG)
+               BLOCKS_ARG, "--prefix-caching-hash-algo")
 TABLE_ENV = (plugin_env.PLUGIN_ENV, plugin_env.SPIN_ENV, plugin_env.SPIN_NAP_ENV,
              KV_SPACE_ENV, "VLLM_CPU_OMP_THREADS_BIND")
 
@@ -193,10 +298,33 @@ def node_row(arm: str, node: str, argv: list[str] | tuple[str, ...], env: dict[s
     for var in TABLE_ENV:
         value = env.get(var)
         row[var] = "unset" if value is None else value
+    row["KV tiers"] = tier_cell(last_flag(argv, "--kv-transfer-config"))
     return row
 
 
-def flag_rows(arms: list[Arm], *, kv: KvBudget, model: str | None) -> list[dict[str, str]]:
+def tier_cell(kv_transfer_config: str | None) -> str:
+    """The tiers a node's `--kv-transfer-config` gives it, in short: host GiB, disk GiB,
+    the disk's reach and whether generated tokens are offloaded; `none` without."""
+    if not kv_transfer_config:
+        return "none"
+    cfg = json.loads(kv_transfer_config)
+    children = cfg.get("kv_connector_extra_config", {}).get("connectors") or [cfg]
+    off = next((c for c in children if c.get("kv_connector") == "OffloadingConnector"), None)
+    if off is None:
+        return "none"
+    extra = off.get("kv_connector_extra_config", {})
+    parts = [f"host {extra.get('cpu_bytes_to_use', 0) / (1 << 30):g} GiB"]
+    for t in extra.get("secondary_tiers", []):
+        reach = "shared" if t.get("locality") == "REMOTE" else "local"
+        size = t.get("size_bytes")
+        parts.append(f"disk {size / (1 << 30):g} GiB {reach}" if size else f"disk {reach}")
+    if not extra.get("offload_prompt_only", True):
+        parts.append("generated tokens too")
+    return ", ".join(parts)
+
+
+def flag_rows(arms: list[Arm], *, kv: KvBudget, model: str | None,
+              tiers: TierBudget = DEFAULT_TIERS) -> list[dict[str, str]]:
     """Each node's flags as the arm would start it, rendered without starting anything
     (the bundle's through its own plan, so the table shows what the bundle passes)."""
     from kvagent_server.bundle.inputs import gather_inputs
@@ -210,7 +338,7 @@ def flag_rows(arms: list[Arm], *, kv: KvBudget, model: str | None) -> list[dict[
     for arm in arms:
         if arm.kind == "bundle":
             cfg = validate_config(bundle_settings(
-                arm.bench_config(kv), Path("/nonexistent"), list(range(1, 6)),
+                arm.bench_config(kv, tiers, check_writable=False), Path("/nonexistent"), list(range(1, 6)),
                 cores=cores, kv_cache_gib=kv.node_gib(arm.nodes), startup_timeout_s=1.0,
                 model=model))
             for spec in plan(cfg, gather_inputs(cfg, build_model=False)).nodes:
@@ -221,8 +349,13 @@ def flag_rows(arms: list[Arm], *, kv: KvBudget, model: str | None) -> list[dict[
         for i, bind in enumerate(binds):
             base_env, _ = aggregated_device(CPU, kv_cache_gib=kv.node_gib(arm.nodes),
                                             serve_env={}, cpu_bind=bind)
-            argv = ["--enable-prefix-caching", *aggregated_step_args(),
-                    *kv.node_args(arm.nodes)]
+            if arm.kind == "aggregated":
+                bc = arm.bench_config(kv, tiers, check_writable=False)
+                argv, env = ["--enable-prefix-caching", *bc.node_args], bc.node_env
+            else:
+                argv = ["--enable-prefix-caching", *aggregated_step_args(),
+                        *kv.node_args(arm.nodes)]
+                env = aggregated_plugin_env()
             rows.append(node_row(arm.name, "node" if arm.nodes == 1 else f"node{i}", argv,
-                                 {**base_env, **aggregated_plugin_env()}))
+                                 {**base_env, **env}))
     return rows

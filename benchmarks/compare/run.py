@@ -6,7 +6,7 @@ one report.
 
 Each run brings one arm up, warms it with one unrelated request, drives the workload and
 stops it before the next starts (two arms at once would fight for the cores). The report
-(`report.md`) and its summary (`summary.json`, schema 1) go to `--out`, by default a fresh
+(`report.md`) and its summary (`summary.json`, schema 2) go to `--out`, by default a fresh
 folder under the system's temporary directory; the per-request records go beside them in
 `raw/`, never into the repository unless `--out` points there.
 """
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from benchmarks.multiturn.driver import ScheduledSession, run_sessions, run_workload
-from benchmarks.multiturn.nodes import ContentionWatch, log_tails, wait_until_alone
+from benchmarks.multiturn.nodes import ContentionWatch, Endpoint, log_tails, wait_until_alone
 from benchmarks.multiturn.results import RequestRecord
 from benchmarks.multiturn.run import (
     _log,
@@ -39,7 +39,19 @@ from benchmarks.multiturn.run import (
 from benchmarks.multiturn.workload import Workload, generate
 
 from . import summary as summary_mod
-from .arms import ARMS, KVAGENT, Arm, KvBudget, flag_rows, parse_arms, serve_arm
+from .arms import (
+    ARMS,
+    DEFAULT_ARMS,
+    DEFAULT_TIERS,
+    TIER_DIR,
+    Arm,
+    KvBudget,
+    TierBudget,
+    flag_rows,
+    parse_arms,
+    serve_arm,
+    subject_of,
+)
 from .workloads import WORKLOADS, NamedWorkload, workload
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,8 +67,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="smoke size: the workload's small version, one ABBA pair")
     p.add_argument("--workload", default="agent", choices=list(WORKLOADS))
-    p.add_argument("--arms", default=",".join(ARMS),
-                   help=f"comma-separated (default all: {','.join(ARMS)})")
+    p.add_argument("--arms", default=",".join(DEFAULT_ARMS),
+                   help=f"comma-separated, from {','.join(ARMS)} (default "
+                   f"{','.join(DEFAULT_ARMS)})")
     p.add_argument("--reps", type=int, help="repetitions; odd ones run the arms in reverse "
                    "(default 2, ABBA; --quick 2)")
     p.add_argument("--out", type=Path, help="report folder (default: a new temporary one)")
@@ -71,6 +84,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-tokens", type=int,
                    help="a tighter KV cap of every arm in tokens, over its nodes (default: "
                    "the workload's)")
+    p.add_argument("--tier-host-gib", type=float, default=DEFAULT_TIERS.host_gib,
+                   help="host tier of every tiered arm in GiB, over its nodes, split evenly")
+    p.add_argument("--tier-disk-gib", type=float, default=DEFAULT_TIERS.disk_gib,
+                   help="disk tier of every tiered arm in GiB (one directory per arm)")
     p.add_argument("--model", default=None, help="built-in model id (default kvagent-demo)")
     p.add_argument("--startup-timeout", type=float, default=900.0)
     p.add_argument("--request-timeout", type=float, default=600.0)
@@ -101,8 +118,60 @@ def sessions_of(nw: NamedWorkload, wl: Workload) -> list[ScheduledSession]:
             for i, c in enumerate(wl.conversations)]
 
 
+def dir_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (0 if it does not exist)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
+def tier_counters(roots: dict[str, str]) -> dict[str, dict[str, float]]:
+    """Per node, its prompt tokens cached by source (`vllm:prompt_tokens_cached_by_source`:
+    device, host, disk...) and external prefix cache hits in tokens, from its /metrics;
+    a node that does not answer is left out (the counters describe, they decide nothing)."""
+    import httpx
+
+    out: dict[str, dict[str, float]] = {}
+    for node, root in roots.items():
+        try:
+            text = httpx.get(f"{root}/metrics", timeout=5.0).text
+        except httpx.HTTPError:
+            continue
+        out[node] = parse_tier_counters(text)
+    return out
+
+
+def parse_tier_counters(text: str) -> dict[str, float]:
+    """One node's /metrics text: prompt tokens cached per source (summed over the other
+    labels) and `external_hits` (tokens loaded through a connector: NIXL or a tier)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    counts: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name == "vllm:prompt_tokens_cached_by_source_total":
+                key = sample.labels.get("source", "?")
+            elif sample.name == "vllm:external_prefix_cache_hits_total":
+                key = "external_hits"
+            else:
+                continue
+            counts[key] = counts.get(key, 0.0) + sample.value
+    return counts
+
+
+def node_roots(eps: list[Endpoint]) -> dict[str, str]:
+    """Each vLLM node's root URL: a bundle's P and D nodes, else the endpoints themselves."""
+    roots: dict[str, str] = {}
+    for i, ep in enumerate(eps):
+        if ep.prefill_urls or ep.decode_urls:
+            roots.update({f"prefill-{j}": u.rstrip("/") for j, u in enumerate(ep.prefill_urls)})
+            roots.update({f"decode-{j}": u.rstrip("/") for j, u in enumerate(ep.decode_urls)})
+        else:
+            roots["node" if len(eps) == 1 else f"node{i}"] = ep.base_url.removesuffix("/v1")
+    return roots
+
+
 def drive_arm(arm: Arm, nw: NamedWorkload, wl: Workload, run: summary_mod.ArmRun,
-              work_dir: Path, args: argparse.Namespace, kv: KvBudget) -> None:
+              work_dir: Path, args: argparse.Namespace, kv: KvBudget,
+              tiers: TierBudget = DEFAULT_TIERS) -> None:
     """Up, warm, drive, down; fills `run`. A failure is recorded, not raised."""
     tag = f"[{run.position + 1}] {arm.name} (rep {run.rep})"
     if args.wait_alone > 0:
@@ -121,7 +190,7 @@ def drive_arm(arm: Arm, nw: NamedWorkload, wl: Workload, run: summary_mod.ArmRun
     cdir = work_dir / f"{run.position:02d}-{arm.name}"
     try:
         _log(f"{tag}: starting ({arm.description})")
-        with serve_arm(arm, cdir, kv=kv,
+        with serve_arm(arm, cdir, kv=kv, tiers=tiers,
                        startup_timeout_s=args.startup_timeout, model=args.model) as (eps, route):
             run.startup_s = time.perf_counter() - t0
             _log(f"{tag}: up in {run.startup_s:.0f} s")
@@ -147,6 +216,9 @@ def drive_arm(arm: Arm, nw: NamedWorkload, wl: Workload, run: summary_mod.ArmRun
                         timeout_s=args.request_timeout, on_record=progress,
                         text_with_tool_calls=text_tools, route=route))
             run.records, run.wall_s, run.foreign_vllm = records, wall, watch.max
+            if arm.tier:
+                run.tier_counters = tier_counters(node_roots(eps))
+                run.disk_used_bytes = dir_bytes(cdir / TIER_DIR)
         errors = [r.error for r in run.records if r.error]
         if errors:
             run.error = f"{len(errors)} request(s) failed; first: {errors[0]}"
@@ -170,6 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     reps = args.reps or 2
     kv = KvBudget(gib=args.kv_gib or nw.kv.gib,
                   tokens=args.kv_tokens if args.kv_tokens is not None else nw.kv.tokens)
+    try:
+        tiers = TierBudget(host_gib=args.tier_host_gib, disk_gib=args.tier_disk_gib)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
     wl = generate(nw.spec)
     now = dt.datetime.now(dt.UTC)
     out = args.out or Path(tempfile.gettempdir()) / "kvagent-compare" / (
@@ -182,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
          f"{nw.turns} turns), arms {', '.join(a.name for a in arms)}, {reps} repetition(s); "
          f"SLOs ttft p90 <= {slo.ttft_ms:g} ms, itl p99 <= {slo.itl_ms:g} ms; out {out}")
     try:
-        flags = flag_rows(arms, kv=kv, model=args.model)
+        flags = flag_rows(arms, kv=kv, model=args.model, tiers=tiers)
     except Exception as exc:  # noqa: BLE001 - the table is a description, not the run
         _log(f"flags table not rendered: {exc}")
         flags = []
@@ -193,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     interrupted = False
     try:
         for run in runs:
-            drive_arm(ARMS[run.arm], nw, wl, run, out / "work", args, kv)
+            drive_arm(ARMS[run.arm], nw, wl, run, out / "work", args, kv, tiers)
             _log(f"compare: {run.position + 1}/{len(runs)} runs done, "
                  f"{time.perf_counter() - t_start:.0f} s in")
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the arm is stopped; report what ran
@@ -216,13 +292,17 @@ def main(argv: list[str] | None = None) -> int:
         date=now.isoformat(timespec="seconds"),
         workload={"name": nw.name, "why": nw.why, "spec": nw.spec.model_dump(mode="json"),
                   "fingerprint": wl.fingerprint(), "kv_gib": kv.gib, "kv_tokens": kv.tokens,
-                  "think_s": nw.think_s, "stagger_s": nw.stagger_s, "quick": args.quick},
+                  "think_s": nw.think_s, "stagger_s": nw.stagger_s, "quick": args.quick,
+                  "tier_host_gib": tiers.host_gib, "tier_disk_gib": tiers.disk_gib},
         slo=slo, arms={a.name: a.description for a in arms},
+        memory={a.name: a.memory(kv, tiers) for a in arms},
         order=[{"position": r.position, "rep": r.rep, "arm": r.arm, "status": r.status,
                 "error": r.error, "startup_s": r.startup_s, "wall_s": r.wall_s,
-                "foreign_vllm": r.foreign_vllm,
+                "foreign_vllm": r.foreign_vllm, "disk_used_bytes": r.disk_used_bytes,
+                "tier_counters": r.tier_counters,
                 "ttft_later_p50_ms": summary_mod.later_ttft_p50_ms(r)} for r in runs],
-        flags=flags, runs=runs, subject=KVAGENT, raw_records=str(raw))
+        flags=flags, runs=runs, subject=subject_of([a.name for a in arms]),
+        raw_records=str(raw))
     (out / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
     (out / "report.md").write_text(summary_mod.report_md(s))
     _log(f"wrote {out / 'report.md'} and {out / 'summary.json'}")

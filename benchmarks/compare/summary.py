@@ -18,7 +18,10 @@ from benchmarks.multiturn.goodput import session_itl_p99
 from benchmarks.multiturn.results import RequestRecord
 from benchmarks.multiturn.stats import percentile
 
-SCHEMA = 1
+#: 2: each arm's `memory` (engine KV, host tier, disk tier), and per run in `order` the
+#: disk tier's bytes at the end and the nodes' tier counters. Schema 1 summaries still
+#: read (`memory` absent: the report says so).
+SCHEMA = 2
 SLO_NAMES = ("ttft", "itl", "both")
 
 
@@ -44,6 +47,10 @@ class ArmRun:
     #: The most vLLM processes of others seen while it ran (None: not watched).
     foreign_vllm: int | None = None
     records: list[RequestRecord] = field(default_factory=list)
+    #: A tiered arm's disk tier at the end of the workload, bytes (None: no tier).
+    disk_used_bytes: int | None = None
+    #: Per node, prompt tokens cached by source and external hits (tiered arms).
+    tier_counters: dict[str, dict[str, float]] | None = None
 
 
 def run_order(arms: Sequence[str], reps: int) -> list[tuple[int, str]]:
@@ -181,7 +188,8 @@ def summary(*, command: list[str], commit: str | None, machine: dict[str, Any], 
             workload: dict[str, Any], slo: Slo, arms: dict[str, str],
             order: list[dict[str, Any]],
             flags: list[dict[str, str]], runs: Sequence[ArmRun], subject: str,
-            raw_records: str | None) -> dict[str, Any]:
+            raw_records: str | None, memory: dict[str, dict[str, Any]] | None = None
+            ) -> dict[str, Any]:
     """The summary JSON (schema `SCHEMA`): what ran, under which SLOs, each arm's figures
     and the subject's ratios against the best baseline. No per-request records."""
     figures = {a: arm_figures([r for r in runs if r.arm == a], slo) for a in arms}
@@ -191,13 +199,52 @@ def summary(*, command: list[str], commit: str | None, machine: dict[str, Any], 
         "date": date, "workload": workload,
         "slo": {"ttft_later_p90_ms": slo.ttft_ms, "itl_p99_ms": slo.itl_ms,
                 "judged": "per session; goodput = sessions meeting the SLO"},
-        "arms": {a: {"description": d, "figures": figures[a]} for a, d in arms.items()},
+        "arms": {a: {"description": d, "figures": figures[a],
+                     "memory": _memory_used((memory or {}).get(a),
+                                            [r for r in runs if r.arm == a])}
+                 for a, d in arms.items()},
         "order": order, "flags": flags, "subject": subject,
         "vs_best_baseline": cmp, "does_not_help": where_it_does_not_help(cmp, subject),
         "raw_records": raw_records,
         # Quiet: no vLLM process but the arms' own ran during any arm's workload.
         "foreign_vllm_max": max((r.foreign_vllm or 0 for r in runs), default=0),
     }
+
+
+def _memory_used(budget: dict[str, Any] | None, runs: Sequence[ArmRun]
+                 ) -> dict[str, Any] | None:
+    """An arm's memory budget with what its disk tier held at the end of each run (the
+    engine KV and host tier are allocated whole at start-up: their budget is their use)."""
+    if budget is None:
+        return None
+    used = [r.disk_used_bytes for r in runs if r.disk_used_bytes is not None]
+    return {**budget, "disk_used_gib_max": max(used) / (1 << 30) if used else None}
+
+
+def memory_lines(s: dict[str, Any]) -> list[str]:
+    """The report's memory table: what each arm held, summed over its nodes."""
+    rows = [(n, a.get("memory")) for n, a in s["arms"].items()]
+    if not any(m for _, m in rows):
+        return ["Memory per arm: not recorded (a summary before schema 2)."]
+    lines = [("| arm | nodes | engine KV | host tier | disk tier (budget) | disk used at the "
+             "end (max) | total budget |"), "|---|---|---|---|---|---|---|"]
+    for name, m in rows:
+        if not m:
+            lines.append(f"| {name} | - | - | - | - | - | - |")
+            continue
+        kv = f"{m['engine_kv_gib']:g} GiB" + (
+            f" (≤ {m['engine_kv_tokens']:,} tokens)" if m.get("engine_kv_tokens") else "")
+        disk = (f"{m['disk_tier_gib']:g} GiB" + (" shared" if m.get("disk_shared") else "")
+                if m["disk_tier_gib"] else "none")
+        host = f"{m['host_tier_gib']:g} GiB" if m["host_tier_gib"] else "none"
+        used = m.get("disk_used_gib_max")
+        used_s = "-" if used is None else f"{used:.2f} GiB"
+        total = m["engine_kv_gib"] + m["host_tier_gib"] + m["disk_tier_gib"]
+        lines.append(f"| {name} | {m['nodes']} | {kv} | {host} | {disk} | {used_s} | "
+                     f"{total:g} GiB |")
+    lines += ["", ("Engine KV and the host tier are allocated whole when a node starts (split "
+              "evenly between an arm's nodes); the disk tier grows up to its budget.")]
+    return lines
 
 
 DEFAULTS_NOTE = ("`default`: vLLM's own (on CPU a 2,048-token step budget, no cap per prompt, "
@@ -223,6 +270,8 @@ def report_md(s: dict[str, Any]) -> str:
         f"arm, split evenly between its nodes: {s['workload']['kv_gib']} GiB"
         + (f", at most {s['workload']['kv_tokens']:,} tokens" if s['workload']['kv_tokens']
            else ""),
+        "",
+        *memory_lines(s),
         "",
         ("| arm | runs | requests (errors) | first TTFT p50 / p90 ms | later TTFT p50 / p90 "
          "ms | turn time p50 / p90 ms | ITL p99 ms | goodput ttft | goodput itl | goodput "
@@ -263,6 +312,15 @@ def report_md(s: dict[str, Any]) -> str:
                      f"{': ' + o['error'] if o.get('error') else ''} | "
                      f"{_fmt(o.get('startup_s'))} | {_fmt(o.get('wall_s'))} | "
                      f"{_fmt(o.get('ttft_later_p50_ms'))} |")
+    tiered = [o for o in s["order"] if o.get("tier_counters")]
+    if tiered:
+        lines += ["", ("Tier counters at the end of each tiered run (prompt tokens cached "
+                  "by source, `vllm:prompt_tokens_cached_by_source`; external hits, "
+                  "`vllm:external_prefix_cache_hits`):"), ""]
+        for o in tiered:
+            nodes = "; ".join(f"{n}: " + ", ".join(f"{k} {v:,.0f}" for k, v in sorted(c.items()))
+                              for n, c in o["tier_counters"].items())
+            lines.append(f"- #{o['position']} {o['arm']}: {nodes}")
     lines += ["", "Descriptions:", ""]
     lines += [f"- `{n}`: {a['description']}" for n, a in s["arms"].items()]
     if s.get("raw_records"):

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Self
+from typing import Any, Literal, Self
 
 import httpx
 import psutil
@@ -98,6 +98,9 @@ class BenchConfig(BaseModel):
     #: P's cap per prompt per step while other requests share it (bundle setting
     #: `prefill.long_prefill_token_threshold`, 0 off); None: the bundle's default (off).
     prefill_prompt_cap: int | None = None
+    #: The bundle's `kv_tiers:` section (bundle only; None: no tiers). An aggregated
+    #: node's tiers travel in `node_args`/`node_env` (its own connector flags).
+    kv_tiers: dict[str, Any] | None = None
 
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
@@ -483,6 +486,7 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
         "prefill": prefill,
         "decode": decode,
         "router": router,
+        **({"kv_tiers": config.kv_tiers} if config.kv_tiers else {}),
     }
 
 

@@ -97,7 +97,7 @@ def _runs() -> list[sm.ArmRun]:
             sm.ArmRun("kvagent", 1, 3, status="failed", error="boom")]
 
 
-def test_summary_follows_schema_1_and_names_where_kvagent_loses() -> None:
+def test_summary_follows_schema_2_and_names_where_kvagent_loses() -> None:
     runs = _runs()
     s = sm.summary(command=["python", "-m", "benchmarks", "compare"], commit="abc",
                    machine={"cpu": "Test CPU", "cores": 2}, date="2026-01-01T00:00:00+00:00",
@@ -107,7 +107,7 @@ def test_summary_follows_schema_1_and_names_where_kvagent_loses() -> None:
                            "status": r.status, "error": r.error} for r in runs],
                    flags=[], runs=runs, subject="kvagent", raw_records="/tmp/x.jsonl.gz")
     s = json.loads(json.dumps(s))  # what summary.json holds
-    assert s["schema"] == sm.SCHEMA == 1
+    assert s["schema"] == sm.SCHEMA == 2
     for key in ("command", "commit", "machine", "date", "slo", "arms", "order", "workload",
                 "vs_best_baseline", "does_not_help"):
         assert key in s
@@ -152,7 +152,7 @@ def test_the_command_writes_one_report_even_when_interrupted(
 
     seen: list[str] = []
 
-    def fake_drive(arm, nw, wl, run, work_dir, args, kv) -> None:  # type: ignore[no-untyped-def]
+    def fake_drive(arm, nw, wl, run, work_dir, args, kv, tiers) -> None:  # type: ignore[no-untyped-def]
         if run.position == 3:
             raise KeyboardInterrupt
         seen.append(arm.name)
@@ -166,7 +166,7 @@ def test_the_command_writes_one_report_even_when_interrupted(
     rc = run_mod.main(["--quick", "--arms", "aggregated,kvagent", "--out", str(tmp_path)])
     assert rc == 130 and seen == ["aggregated", "kvagent", "kvagent"]
     s = json.loads((tmp_path / "summary.json").read_text())
-    assert s["schema"] == 1 and s["command"][:4] == ["python", "-m", "benchmarks", "compare"]
+    assert s["schema"] == 2 and s["command"][:4] == ["python", "-m", "benchmarks", "compare"]
     assert [(o["arm"], o["status"]) for o in s["order"]] == [
         ("aggregated", "ok"), ("kvagent", "ok"), ("kvagent", "ok"),
         ("aggregated", "interrupted")]
