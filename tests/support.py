@@ -184,12 +184,24 @@ class KVAgentBundle:
 TEST_ENGINE_ARGS = ("-O0",)
 
 
+def pd_config(data: dict[str, Any]):
+    """`validate_config(data)` with `topology: pd` unless `data` names one: for the tests of
+    the P/D plan (`auto` would run one node on a CPU machine)."""
+    from kvagent_server.config import validate_config
+
+    return validate_config({"topology": "pd", **data})
+
+
 def bundle_config(run_dir: Path, **overrides: object):
-    """A bundle config on free loopback ports, for tests (demo model, CPU, pinned, eager)."""
+    """A bundle config on free loopback ports, for tests (demo model, CPU, pinned, eager).
+
+    P/D unless `topology` says otherwise: most tests are about the P/D mechanism, and
+    `auto` would run one node on this CPU machine."""
     from kvagent_server.config import validate_config
 
     data: dict[str, object] = {
         "name": "test",
+        "topology": "pd",
         "device": "cpu",
         "run_dir": str(run_dir),
         "kv_cache_gib": 1,

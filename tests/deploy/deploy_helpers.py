@@ -11,6 +11,7 @@ NO_PLUGIN: tuple[dict[str, dict[str, str]], dict[str, tuple[str, ...]]] = ({}, {
 
 
 def config(**over: Any) -> BundleConfig:
-    data: dict[str, Any] = {"model": "Qwen/Qwen3-8B", "name": "prod"}
+    """A deployable config, P/D unless `topology` says otherwise (the renderers' P/D tests)."""
+    data: dict[str, Any] = {"model": "Qwen/Qwen3-8B", "name": "prod", "topology": "pd"}
     data.update(over)
     return validate_config(data)

@@ -26,6 +26,7 @@ def fake_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, An
     fake = [sys.executable, str(FAKE_NODE)]
     return {
         "name": "fake",
+        "topology": "pd",
         "model": "/models/fake",  # never loaded: keeps the CLI from building the demo model
         "run_dir": str(tmp_path / "run"),
         "engine_command": fake,

@@ -22,8 +22,9 @@ from kvagent_server.bundle.render import (
     render_json,
     render_shell,
 )
-from kvagent_server.config import ConfigError, validate_config
+from kvagent_server.config import ConfigError
 from server_helpers import fake_inputs
+from support import pd_config
 
 KV_P = ('{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu",'
         '"engine_id":"default-prefill-0","kv_connector_extra_config":{"bidirectional_kv_xfer":'
@@ -31,7 +32,7 @@ KV_P = ('{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_devi
 
 
 def test_default_plan_golden() -> None:
-    bp = plan(validate_config({"run_dir": "/run/x"}), fake_inputs())
+    bp = plan(pd_config({"run_dir": "/run/x"}), fake_inputs())
     p, d = bp.nodes
     py = sys.executable
     assert p.argv == (
@@ -89,7 +90,7 @@ def test_builtin_models_answer_at_most_a_bounded_length_by_default() -> None:
                             model=ModelSource(model="/models/m", served_name=served),
                             python=sys.executable)
         out = []
-        for node in plan(validate_config(cfg), inputs).nodes:
+        for node in plan(pd_config(cfg), inputs).nodes:
             at = [i for i, a in enumerate(node.argv) if a == "--override-generation-config"]
             out.append([a for i in at for a in node.argv[i:i + 2]])
         return out
@@ -109,18 +110,18 @@ def test_builtin_models_answer_at_most_a_bounded_length_by_default() -> None:
 def test_router_settings_follow_the_nodes() -> None:
     from kvagent_server.config import ConfigError
 
-    cfg = validate_config({"block_size": 32, "decoder_kv_blocks_ttl_s": 300,
+    cfg = pd_config({"block_size": 32, "decoder_kv_blocks_ttl_s": 300,
                            "kv_recompute_threshold": 100, "router": {"reuse": False}})
     settings = plan(cfg, fake_inputs()).router_settings
     assert (settings["block_size"], settings["decode_blocks_ttl_s"],
             settings["kv_recompute_threshold"], settings["reuse"]) == (32, 300, 100, False)
-    clash = validate_config({"router": {"block_size": 16}})  # nodes: 128 on CPU
+    clash = pd_config({"router": {"block_size": 16}})  # nodes: 128 on CPU
     with pytest.raises(ConfigError) as info:
         plan(clash, fake_inputs())
     assert info.value.problems == [
         ("router.block_size: 16 disagrees with the nodes' block_size (128); set block_size "
         "instead, the bundle passes it on")]
-    same = validate_config({"router": {"block_size": 16}, "device": "cuda"})
+    same = pd_config({"router": {"block_size": 16}, "device": "cuda"})
     assert plan(same, fake_inputs(gpus=2)).router_settings["block_size"] == 16
 
 
@@ -130,7 +131,7 @@ def test_router_knows_the_decode_nodes_prompt_step() -> None:
     from kvagent_server.config import ConfigError
 
     def step(raw: dict[str, Any], **kw: Any) -> Any:
-        return plan(validate_config(raw), fake_inputs(**kw)).router_settings[
+        return plan(pd_config(raw), fake_inputs(**kw)).router_settings[
             "decode_prompt_step_tokens"]
 
     assert step({}) == 128  # the CPU default
@@ -158,15 +159,15 @@ def test_router_gets_the_models_placeholder_tokens_unless_configured(tmp_path: A
     assert placeholder_token_ids(Path("org/hub-name")) == ()
     inputs = fake_inputs()
     inputs = replace(inputs, model=replace(inputs.model, mm_placeholder_token_ids=(7, 9)))
-    cfg = validate_config({})
+    cfg = pd_config({})
     assert plan(cfg, inputs).router_settings["mm_placeholder_token_ids"] == [7, 9]
     assert plan(cfg, fake_inputs()).router_settings["mm_placeholder_token_ids"] == []
-    own = validate_config({"router": {"mm_placeholder_token_ids": [5]}})
+    own = pd_config({"router": {"mm_placeholder_token_ids": [5]}})
     assert plan(own, inputs).router_settings["mm_placeholder_token_ids"] == [5]
 
 
 def test_every_knob_reaches_the_command() -> None:
-    cfg = validate_config({
+    cfg = pd_config({
         "name": "lab", "served_model_name": "agent", "bind_host": "0.0.0.0",
         "advertise_host": "10.0.0.5", "kv_cache_gib": 6, "max_model_len": 8192,
         "block_size": 32, "decoder_kv_blocks_ttl_s": 300, "kv_recompute_threshold": 128,
@@ -211,7 +212,7 @@ def test_every_knob_reaches_the_command() -> None:
 
 
 def test_gpu_plan() -> None:
-    cfg = validate_config({"device": "auto", "decode": {"count": 2}, "kv_cache_gib": 4})
+    cfg = pd_config({"device": "auto", "decode": {"count": 2}, "kv_cache_gib": 4})
     bp = plan(cfg, fake_inputs(gpus=4))
     assert bp.device == "cuda"
     assert [n.env["CUDA_VISIBLE_DEVICES"] for n in bp.nodes] == ["0", "1", "2"]
@@ -221,16 +222,16 @@ def test_gpu_plan() -> None:
         assert kv["kv_buffer_device"] == "cuda"
         assert n.argv[n.argv.index("--kv-cache-memory-bytes") + 1] == str(4 * 1024**3)
         assert n.argv[n.argv.index("--block-size") + 1] == "16"
-    explicit = validate_config({"device": "cuda", "prefill": {"cuda_devices": ["3"]}})
+    explicit = pd_config({"device": "cuda", "prefill": {"cuda_devices": ["3"]}})
     assert [n.cuda_device for n in plan(explicit, fake_inputs(gpus=4)).nodes] == ["3", "0"]
 
 
 def test_auto_is_cpu_without_gpu() -> None:
-    assert plan(validate_config({}), fake_inputs(gpus=0)).device == "cpu"
+    assert plan(pd_config({}), fake_inputs(gpus=0)).device == "cpu"
 
 
 def test_explicit_cpu_binds_and_core_subset() -> None:
-    cfg = validate_config({"cpu_cores": [2, 3, 4, 5], "decode": {"cpu_binds": ["0-1"]},
+    cfg = pd_config({"cpu_cores": [2, 3, 4, 5], "decode": {"cpu_binds": ["0-1"]},
                            "prefill": {"count": 2}})
     bp = plan(cfg, fake_inputs(cores=tuple(range(6))))
     assert [n.cpu_bind for n in bp.nodes] == ["2-3", "4-5", "0-1"]
@@ -271,7 +272,7 @@ def test_parse_cpu_list() -> None:
 
 def test_process_pinning_follows_the_settings() -> None:
     def affinities(settings: dict[str, Any], **kw: Any) -> list[Any]:
-        return [n.cpu_affinity for n in plan(validate_config(settings),
+        return [n.cpu_affinity for n in plan(pd_config(settings),
                                              fake_inputs(**kw)).nodes]
 
     assert affinities({"cpu_cores": [2, 3, 4, 5]}, cores=tuple(range(6))) == [
@@ -288,7 +289,7 @@ def test_process_pinning_follows_the_settings() -> None:
 
 def test_step_token_budget() -> None:
     def flag_values(flag: str, settings: dict[str, Any], **kw: Any) -> list[str | None]:
-        nodes = plan(validate_config(settings), fake_inputs(**kw)).nodes
+        nodes = plan(pd_config(settings), fake_inputs(**kw)).nodes
         return [n.argv[n.argv.index(flag) + 1] if flag in n.argv else None for n in nodes]
 
     def budgets(settings: dict[str, Any], **kw: Any) -> list[str | None]:
@@ -305,13 +306,13 @@ def test_step_token_budget() -> None:
     assert caps({"prefill": {"long_prefill_token_threshold": 64},
                  "decode": {"long_prefill_token_threshold": 0}}) == ["64", None]  # 0: off
     with pytest.raises(ConfigError, match="max_num_batched_tokens"):
-        validate_config({"decode": {"max_num_batched_tokens": 0}})
+        pd_config({"decode": {"max_num_batched_tokens": 0}})
     with pytest.raises(ConfigError, match="long_prefill_token_threshold"):
-        validate_config({"decode": {"long_prefill_token_threshold": -1}})
+        pd_config({"decode": {"long_prefill_token_threshold": -1}})
 
 
 def test_no_router() -> None:
-    bp = plan(validate_config({"router_enabled": False}), fake_inputs())
+    bp = plan(pd_config({"router_enabled": False}), fake_inputs())
     assert bp.router is None and len(bp.processes) == 2
     assert "router" not in render_shell(bp).split("kvagent bundle")[1].split("\n")[0]
 
@@ -333,7 +334,7 @@ def _shell_commands(text: str) -> list[list[str]]:
 
 
 def test_shell_output_is_the_plan_copy_pasteable() -> None:
-    cfg = validate_config({"run_dir": "/run/y", "prefill": {"extra_args": ["--x", "a b'c"]},
+    cfg = pd_config({"run_dir": "/run/y", "prefill": {"extra_args": ["--x", "a b'c"]},
                            "router": {"signing_keys": {"k": "topsecretvalue-0123456789"}}})
     bp = plan(cfg, fake_inputs())
     text = render_shell(bp)
@@ -357,7 +358,7 @@ def test_shell_output_is_the_plan_copy_pasteable() -> None:
 
 
 def test_json_output() -> None:
-    bp = plan(validate_config({"run_dir": "/run/z"}), fake_inputs())
+    bp = plan(pd_config({"run_dir": "/run/z"}), fake_inputs())
     data = json.loads(render_json(bp))
     assert data == json.loads(json.dumps(plan_to_dict(bp)))
     assert [n["name"] for n in data["nodes"]] == ["prefill-0", "decode-0"]

@@ -209,6 +209,7 @@ def test_cli_detach_status_down(config_file: Path, fake_config: dict, tmp_path: 
     up = cli("up", "-c", str(config_file), "--detach")
     assert up.returncode == 0, up.stdout + up.stderr
     assert "Ready" in up.stdout and f"down --run-dir {run_dir}" in up.stdout
+    assert "topology: pd (set in the config)" in up.stdout
     state = load_state(Path(run_dir))
     assert state.phase == "running" and alive(state.supervisor_pid)
 
@@ -217,8 +218,10 @@ def test_cli_detach_status_down(config_file: Path, fake_config: dict, tmp_path: 
     for p in state.processes:
         assert p.name in st.stdout and p.url in st.stdout
     assert f"Router endpoint: {state.router_url}/v1" in st.stdout
+    assert "topology pd" in st.stdout
     js = json.loads(cli("status", "--run-dir", run_dir, "--json").stdout)
     assert js["healthy"] and [p["healthy_now"] for p in js["processes"]] == [True] * 3
+    assert js["topology"] == "pd"
 
     # A node dies: status reports it (exit 1) until the supervisor has restarted it.
     os.kill(state.proc("decode-0").pid, signal.SIGKILL)
@@ -349,15 +352,35 @@ def test_cli_bad_config_is_one_line_per_problem(tmp_path: Path) -> None:
 
 def test_cli_render_formats() -> None:
     res = cli("render", "--no-router", "--set", "prefill.extra_args=[--enforce-eager]",
-              "--format", "json")
+              "--set", "topology=pd", "--format", "json")
     assert res.returncode == 0, res.stderr
     data = json.loads(res.stdout)
     assert data["router"] is None
     assert data["nodes"][0]["argv"][-1] == "--enforce-eager"
+    assert (data["topology"], data["topology_reason"]) == ("pd", "set in the config")
+    assert "topology: pd (set in the config)" in res.stderr  # stdout stays pure JSON
     shell = cli("render")
     assert shell.returncode == 0 and shell.stdout.startswith("#!/bin/sh\n")
     assert "vllm.entrypoints.openai.api_server" in shell.stdout
     assert cli("render", "--format", "yaml").returncode == 2
+
+
+def test_single_topology_starts_one_node_and_a_router_without_prefill(
+        fake_config: dict, tmp_path: Path) -> None:
+    fake_config["topology"] = "single"
+    with bundle_of(fake_config) as bundle:
+        state = load_state(Path(fake_config["run_dir"]))
+        assert state is not None and state.phase == "running"
+        assert (state.topology, state.topology_reason) == ("single", "set in the config")
+        assert [(p.name, p.status) for p in state.processes] == [
+            ("decode-0", "healthy"), ("router", "healthy")]
+        assert bundle.node_urls("prefill") == []
+        argv = record(tmp_path, "router")["argv"]
+        assert "--prefill" not in argv and argv.count("--decode") == 1
+        assert argv[argv.index("--decode") + 1] == state.proc("decode-0").url
+        node = record(tmp_path, "decode-0")["argv"]
+        kv = json.loads(node[node.index("--kv-transfer-config") + 1])
+        assert kv["kv_role"] == "kv_both"
 
 
 def test_missing_engine_command_is_a_clear_error(fake_config: dict) -> None:

@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 from kvagent_server.bundle.render import HostFacts, ModelSource, PlanInputs, plan
-from kvagent_server.config import ConfigError, validate_config
+from kvagent_server.config import ConfigError
 from kvagent_server.router.settings import RouterSettings
+from support import pd_config
 
 
 def inputs(gpus: int = 0) -> PlanInputs:
@@ -27,7 +28,7 @@ def events_of(argv: tuple[str, ...]) -> dict[str, Any] | None:
 
 
 def test_default_is_ipc_in_the_run_dir_for_every_node(tmp_path: Path) -> None:
-    bp = plan(validate_config({"run_dir": str(tmp_path), "prefill": {"count": 2}}), inputs())
+    bp = plan(pd_config({"run_dir": str(tmp_path), "prefill": {"count": 2}}), inputs())
     sources = bp.router_settings["kv_events"]
     assert len(bp.nodes) == 3 and len(sources) == 3
     for node in bp.nodes:
@@ -41,7 +42,7 @@ def test_default_is_ipc_in_the_run_dir_for_every_node(tmp_path: Path) -> None:
 
 
 def test_wildcard_bind_publishes_on_tcp_ports(tmp_path: Path) -> None:
-    cfg = validate_config({"run_dir": str(tmp_path), "bind_host": "0.0.0.0",
+    cfg = pd_config({"run_dir": str(tmp_path), "bind_host": "0.0.0.0",
                            "advertise_host": "10.1.2.3", "prefill": {"count": 2},
                            "decode": {"hosts": ["10.1.2.9"]},
                            "kv_events": {"port_base": 6100, "topic": "t"}})
@@ -54,20 +55,20 @@ def test_wildcard_bind_publishes_on_tcp_ports(tmp_path: Path) -> None:
 
 
 def test_disabled_roles_and_nodes_without_prefix_caching_do_not_publish(tmp_path: Path) -> None:
-    off = plan(validate_config({"run_dir": str(tmp_path), "kv_events": {"enabled": False}}),
+    off = plan(pd_config({"run_dir": str(tmp_path), "kv_events": {"enabled": False}}),
                inputs())
     assert all(events_of(n.argv) is None for n in off.nodes)
     assert off.router_settings["kv_events"] == {}
-    some = plan(validate_config({"run_dir": str(tmp_path), "kv_events": {"roles": ["prefill"]},
+    some = plan(pd_config({"run_dir": str(tmp_path), "kv_events": {"roles": ["prefill"]},
                                  "prefill": {"count": 2, "prefix_caching": False}}), inputs())
     assert all(events_of(n.argv) is None for n in some.nodes)
-    only_p = plan(validate_config({"run_dir": str(tmp_path),
+    only_p = plan(pd_config({"run_dir": str(tmp_path),
                                    "kv_events": {"roles": ["prefill"]}}), inputs())
     assert [n.role for n in only_p.nodes if events_of(n.argv)] == ["prefill"]
 
 
 def test_the_router_learns_each_nodes_hash_algo_and_seed(tmp_path: Path) -> None:
-    cfg = validate_config({
+    cfg = pd_config({
         "run_dir": str(tmp_path / "run"), "device": "cuda",
         "kv_tiers": {"cpu": {"size_gib": 8}, "hash_algo": "sha256_cbor", "hash_seed": 42},
         "decode": {"extra_env": {"PYTHONHASHSEED": "7"}}})
@@ -80,7 +81,7 @@ def test_the_router_learns_each_nodes_hash_algo_and_seed(tmp_path: Path) -> None
     kv = json.loads(p.argv[p.argv.index("--kv-transfer-config") + 1])
     tier = kv["kv_connector_extra_config"]["connectors"][1]
     assert tier["kv_connector_extra_config"]["self_describing_kv_events"] is True
-    algo_flag = validate_config({"run_dir": str(tmp_path), "prefill": {
+    algo_flag = pd_config({"run_dir": str(tmp_path), "prefill": {
         "extra_args": ["--prefix-caching-hash-algo=sha256_cbor"]}})
     src = plan(algo_flag, inputs()).router_settings["kv_events"]
     assert sorted(s["hash_algo"] for s in src.values()) == ["sha256", "sha256_cbor"]
@@ -89,27 +90,27 @@ def test_the_router_learns_each_nodes_hash_algo_and_seed(tmp_path: Path) -> None
 def test_bad_kv_events_settings_are_explained(tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match="kv_events.transport: tcp needs a wildcard"):
-        validate_config({"kv_events": {"transport": "tcp"}})
+        pd_config({"kv_events": {"transport": "tcp"}})
     with pytest.raises(ConfigError, match="5700 is used by both"):
-        validate_config({"bind_host": "0.0.0.0", "kv_events": {"port_base": 5699},
+        pd_config({"bind_host": "0.0.0.0", "kv_events": {"port_base": 5699},
                          "prefill": {"count": 1}})
     with pytest.raises(ConfigError, match="exceeds 65535"):
-        validate_config({"bind_host": "0.0.0.0", "kv_events": {"port_base": 65535}})
+        pd_config({"bind_host": "0.0.0.0", "kv_events": {"port_base": 65535}})
     with pytest.raises(ConfigError, match="listed twice"):
-        validate_config({"kv_events": {"roles": ["prefill", "prefill"]}})
+        pd_config({"kv_events": {"roles": ["prefill", "prefill"]}})
     with pytest.raises(ConfigError, match="kv_events.endpoint: unknown key"):
-        validate_config({"kv_events": {"endpoint": "tcp://x:1"}})
+        pd_config({"kv_events": {"endpoint": "tcp://x:1"}})
     long_dir = tmp_path / ("d" * 120)
     long_dir.mkdir()  # gettempdir() only takes a TMPDIR that exists
     monkeypatch.setenv("TMPDIR", str(long_dir))
     tempfile.tempdir = None  # re-read TMPDIR
     try:
         with pytest.raises(ConfigError, match="set TMPDIR shorter"):
-            plan(validate_config({"run_dir": str(long_dir)}), inputs())
+            plan(pd_config({"run_dir": str(long_dir)}), inputs())
     finally:
         monkeypatch.delenv("TMPDIR")
         tempfile.tempdir = None
-    given = validate_config({"run_dir": str(tmp_path),
+    given = pd_config({"run_dir": str(tmp_path),
                              "router": {"kv_events": {"http://x:1": {"endpoint": "ipc:///x"}}}})
     with pytest.raises(ConfigError, match="router.kv_events"):
         plan(given, inputs())
@@ -121,9 +122,9 @@ def test_shell_output_creates_the_socket_directory_first(tmp_path: Path) -> None
     from kvagent_server.bundle.render import render_shell
 
     run = tmp_path / "run"
-    text = render_shell(plan(validate_config({"run_dir": str(run)}), inputs()))
+    text = render_shell(plan(pd_config({"run_dir": str(run)}), inputs()))
     assert text.index(f"mkdir -p {run}") < text.index("--kv-events-config")
-    off = validate_config({"run_dir": str(run), "kv_events": {"enabled": False}})
+    off = pd_config({"run_dir": str(run), "kv_events": {"enabled": False}})
     assert "KV event sockets" not in render_shell(plan(off, inputs()))
 
 
@@ -131,7 +132,7 @@ def test_deployments_publish_only_where_the_router_can_listen() -> None:
     from kvagent_server.deploy.options import DeployOptions
     from kvagent_server.deploy.plan import deploy_plan
 
-    cfg = validate_config({"model": "/m", "prefill": {"count": 2}, "decode": {"count": 2}})
+    cfg = pd_config({"model": "/m", "prefill": {"count": 2}, "decode": {"count": 2}})
     k8s = deploy_plan(cfg, DeployOptions(), target="kubernetes", plugin=({}, {}))
     for role in ("prefill", "decode"):  # every pod runs the role's argv: one port per role
         assert events_of(k8s.roles[role].argv)["endpoint"] == "tcp://*:5800"
@@ -148,7 +149,7 @@ def test_the_disk_tier_publishes_its_blocks_when_events_are_on(tmp_path: Path) -
     """vLLM's fs tier emits BlockStored (medium STORAGE) only with `enable_kv_events` on
     its own entry; without it the router would never see a prefix that survives on disk."""
     for on in (True, False):
-        cfg = validate_config({
+        cfg = pd_config({
             "run_dir": str(tmp_path / "run"), "device": "cuda", "kv_events": {"enabled": on},
             "kv_tiers": {"cpu": {"size_gib": 8}, "disk": {"path": str(tmp_path / "kv")}}})
         p = plan(cfg, inputs(gpus=2)).nodes[0]
@@ -165,7 +166,7 @@ def test_a_deep_run_dir_puts_the_sockets_in_a_short_temp_dir(tmp_path: Path) -> 
     from kvagent_server.bundle.render import IPC_PATH_MAX, ipc_socket_dirs, render_shell
 
     deep = tmp_path / ("d" * 120)
-    bp = plan(validate_config({"run_dir": str(deep)}), inputs())
+    bp = plan(pd_config({"run_dir": str(deep)}), inputs())
     endpoints = [src["endpoint"] for src in bp.router_settings["kv_events"].values()]
     assert endpoints and all(e.startswith("ipc://") for e in endpoints)
     paths = [Path(e[len("ipc://"):]) for e in endpoints]
@@ -174,7 +175,7 @@ def test_a_deep_run_dir_puts_the_sockets_in_a_short_temp_dir(tmp_path: Path) -> 
     for spec, path in zip(bp.nodes, paths, strict=True):
         assert any(f"ipc://{path}" in arg for arg in spec.argv)
     assert f"mkdir -p {paths[0].parent}" in render_shell(bp)
-    again = plan(validate_config({"run_dir": str(deep)}), inputs())
+    again = plan(pd_config({"run_dir": str(deep)}), inputs())
     assert ipc_socket_dirs(again) == ipc_socket_dirs(bp)  # every process agrees
-    other = plan(validate_config({"run_dir": str(tmp_path / ("e" * 120))}), inputs())
+    other = plan(pd_config({"run_dir": str(tmp_path / ("e" * 120))}), inputs())
     assert ipc_socket_dirs(other) != ipc_socket_dirs(bp)

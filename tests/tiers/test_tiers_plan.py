@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from kvagent_server.bundle.render import HostFacts, ModelSource, PlanInputs, plan
 from kvagent_server.cli.app import app
-from kvagent_server.config import ConfigError, load_config, validate_config
+from kvagent_server.config import ConfigError, load_config
+from support import pd_config
 from typer.testing import CliRunner
 
 
@@ -32,7 +33,7 @@ def kv_of(argv: tuple[str, ...]) -> dict[str, Any]:
 
 
 def test_plan_wraps_nixl_on_every_node(tmp_path: Path) -> None:
-    bp = plan(validate_config(tiered(tmp_path)), inputs(gpus=2))
+    bp = plan(pd_config(tiered(tmp_path)), inputs(gpus=2))
     for node in bp.nodes:
         kv = kv_of(node.argv)
         assert kv["kv_connector"] == "MultiConnector"
@@ -48,7 +49,7 @@ def test_plan_wraps_nixl_on_every_node(tmp_path: Path) -> None:
 
 
 def test_roles_limit_the_tiers(tmp_path: Path) -> None:
-    bp = plan(validate_config(tiered(tmp_path, roles=["decode"])), inputs(gpus=2))
+    bp = plan(pd_config(tiered(tmp_path, roles=["decode"])), inputs(gpus=2))
     p, d = bp.nodes
     assert kv_of(p.argv)["kv_connector"] == "NixlConnector"
     assert "PYTHONHASHSEED" not in p.env and "--prefix-caching-hash-algo" not in p.argv
@@ -58,14 +59,14 @@ def test_roles_limit_the_tiers(tmp_path: Path) -> None:
 def test_user_env_still_wins(tmp_path: Path) -> None:
     data = tiered(tmp_path)
     data["decode"] = {"extra_env": {"PYTHONHASHSEED": "7"}}
-    _, d = plan(validate_config(data), inputs(gpus=2)).nodes
+    _, d = plan(pd_config(data), inputs(gpus=2)).nodes
     assert d.env["PYTHONHASHSEED"] == "7"
 
 
 def test_cpu_plan_runs_the_tiers_on_kvagents_worker(tmp_path: Path) -> None:
     data = tiered(tmp_path)
     data["device"] = "auto"
-    for node in plan(validate_config(data), inputs(gpus=0)).nodes:
+    for node in plan(pd_config(data), inputs(gpus=0)).nodes:
         nixl, off = kv_of(node.argv)["kv_connector_extra_config"]["connectors"]
         assert nixl["kv_connector"] == "NixlConnector"
         extra = off["kv_connector_extra_config"]
@@ -75,7 +76,7 @@ def test_cpu_plan_runs_the_tiers_on_kvagents_worker(tmp_path: Path) -> None:
 
 
 def test_default_config_is_unchanged() -> None:
-    cfg = validate_config({})
+    cfg = pd_config({})
     assert not cfg.kv_tiers.enabled
     p, _ = plan(cfg, inputs(gpus=0)).nodes
     assert "--prefix-caching-hash-algo" not in p.argv

@@ -12,7 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-from kvagent_server.bundle.render import HostFacts, ModelSource, PlanInputs
+from kvagent_server.bundle.render import ModelSource, PlanInputs
+from kvagent_server.bundle.topology import HostFacts
 from kvagent_server.common.types import ROLES
 from kvagent_server.config import BundleConfig, ConfigError
 

@@ -17,7 +17,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from kvagent_server.common.types import ROLES, Device, Role
+from kvagent_server.bundle.topology import (
+    HostFacts,  # the plan's input (tests and tools import it from here too)
+    TopologyChoice,
+    ignored_settings,
+    resolve_device,
+    resolve_topology,
+)
+from kvagent_server.common.types import Device, Role, Topology
 from kvagent_server.config import BundleConfig, ConfigError, reveal_secrets
 from kvagent_server.engine.tiers import TierConfigError, render_tiers
 
@@ -47,14 +54,6 @@ DEFAULT_DECODE_PROMPT_CAP: dict[str, int] = {"cpu": 128}
 BUILTIN_DEFAULT_MAX_TOKENS = 256
 
 ProcessRole = Literal["prefill", "decode", "router"]
-
-
-@dataclass(frozen=True)
-class HostFacts:
-    """What the plan needs to know about the machine it runs on."""
-
-    cpu_cores: tuple[int, ...]
-    gpu_count: int
 
 
 @dataclass(frozen=True)
@@ -114,6 +113,15 @@ class BundlePlan:
     router: ProcessSpec | None
     router_settings_path: Path
     router_settings: dict[str, Any]  # secrets revealed: write it 0600, print it masked
+    topology: Topology = "pd"
+    topology_reason: str = ""
+    #: Settings of the config this topology does not use, one line each (to print).
+    notes: tuple[str, ...] = ()
+
+    @property
+    def topology_line(self) -> str:
+        """`topology: single (auto: …)`: what `up` and `render` print."""
+        return TopologyChoice(self.topology, self.topology_reason).line()
 
     @property
     def processes(self) -> tuple[ProcessSpec, ...]:
@@ -129,27 +137,20 @@ class BundlePlan:
 # ------------------------------------------------------------------------ plan
 
 
-def resolve_device(cfg: BundleConfig, host: HostFacts) -> Device:
-    if cfg.device == "auto":
-        return "cuda" if host.gpu_count > 0 else "cpu"
-    if cfg.device == "cuda" and host.gpu_count == 0:
-        raise ConfigError([("device: cuda requested but no GPU is visible on this machine "
-                           "(use device: cpu or auto)")])
-    return cfg.device
-
-
 def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
     """The processes `cfg` describes on this host. Raises `ConfigError` for impossible
     combinations that depend on the host (no GPU, too few cores or GPUs)."""
     device = resolve_device(cfg, inputs.host)
-    roles = [(role, i) for role in ROLES for i in range(cfg.role(role).count)]
+    topology, why = resolve_topology(cfg, inputs.host)
+    roles = [(role, i) for role in cfg.roles_of(topology) for i in range(cfg.role(role).count)]
     binds = _cpu_binds(cfg, inputs.host, roles) if device == "cpu" else {}
     gpus = _cuda_devices(cfg, inputs.host, roles) if device == "cuda" else {}
     served = cfg.served_model_name or inputs.model.served_name
     max_len = cfg.max_model_len or inputs.model.default_max_model_len
     block_size = cfg.block_size or DEFAULT_BLOCK_SIZE[device]
     run_dir = cfg.resolved_run_dir()
-    event_nodes = set(cfg.kv_event_nodes())
+    # One node has no placement to inform: no events (and no publisher work) in single.
+    event_nodes = set(cfg.kv_event_nodes()) if topology == "pd" else set()
     event_ports = cfg.kv_event_ports()
     event_sources: dict[str, dict[str, Any]] = {}
 
@@ -163,7 +164,9 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
         engine_id = f"{cfg.name}-{role}-{i}"
         kv_cfg = {
             "kv_connector": "NixlConnector",
-            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            # single: one node both keeps a finished turn's blocks and computes prompts.
+            "kv_role": ("kv_both" if topology == "single" else
+                        "kv_producer" if role == "prefill" else "kv_consumer"),
             "kv_buffer_device": device,
             "engine_id": engine_id,
             "kv_connector_extra_config": {
@@ -275,6 +278,8 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
         name=cfg.name, device=device, run_dir=run_dir, nodes=tuple(nodes), router=router,
         router_settings_path=settings_path,
         router_settings=router_settings,
+        topology=topology, topology_reason=why,
+        notes=tuple(ignored_settings(cfg, topology)),
     )
 
 
@@ -462,9 +467,11 @@ def _cuda_devices(cfg: BundleConfig, host: HostFacts, roles: list[tuple[Role, in
     taken = set(out.values())
     free = [str(g) for g in range(host.gpu_count) if str(g) not in taken]
     if len(todo) > len(free):
+        one_each = cfg.prefill.count == cfg.decode.count == 1 and len(roles) == 2
         raise ConfigError([
             (f"prefill.count + decode.count: {len(todo)} nodes need a GPU each but only "
-            f"{len(free)} GPU(s) are free (of {host.gpu_count} visible)")])
+            f"{len(free)} GPU(s) are free (of {host.gpu_count} visible)"
+            + ("; topology: single runs one node on one GPU" if one_each else ""))])
     for key, gpu in zip(todo, free, strict=False):
         out[key] = gpu
     return out
@@ -533,10 +540,14 @@ def masked_settings(settings: dict[str, Any]) -> dict[str, Any]:
 def render_shell(bp: BundlePlan, *, reveal_secrets: bool = False) -> str:
     """Copy-pasteable shell: one command per process, environment inline."""
     n_p = sum(1 for n in bp.nodes if n.role == "prefill")
+    nodes = ("one node" if bp.topology == "single" else
+             f"{n_p} prefill + {len(bp.nodes) - n_p} decode node(s)")
     lines = [
         "#!/bin/sh",
-        f"# kvagent bundle '{bp.name}': {n_p} prefill + {len(bp.nodes) - n_p} decode "
-        f"node(s) on {bp.device}" + (" + router" if bp.router else ""),
+        f"# kvagent bundle '{bp.name}': {nodes} on {bp.device}"
+        + (" + router" if bp.router else ""),
+        f"# {bp.topology_line}",
+        *(f"# note: {note}" for note in bp.notes),
         "# Start each command on its machine (every one runs in the foreground).",
     ]
     for folder in ipc_socket_dirs(bp):
@@ -595,6 +606,8 @@ def plan_to_dict(bp: BundlePlan, *, reveal_secrets: bool = False) -> dict[str, A
     return {
         "name": bp.name,
         "device": bp.device,
+        "topology": bp.topology,
+        "topology_reason": bp.topology_reason,
         "run_dir": str(bp.run_dir),
         "nodes": [proc(n) for n in bp.nodes],
         "router": None if bp.router is None else {

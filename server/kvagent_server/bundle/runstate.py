@@ -60,6 +60,8 @@ class RunState(BaseModel):
     name: str
     run_dir: str
     device: str
+    topology: str = "pd"  # state files written before topologies existed ran P/D
+    topology_reason: str = ""
     phase: Phase = "starting"
     supervisor_pid: int
     supervisor_create_time: float | None = None

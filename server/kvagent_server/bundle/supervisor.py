@@ -103,6 +103,7 @@ class Bundle:
         now = time.time()
         self.state = RunState(
             name=self.plan.name, run_dir=str(self.run_dir), device=self.plan.device,
+            topology=self.plan.topology, topology_reason=self.plan.topology_reason,
             supervisor_pid=os.getpid(), supervisor_create_time=processes.create_time(os.getpid()),
             started_at=now, updated_at=now, model=inputs.model.served_name
             if config.served_model_name is None else config.served_model_name,

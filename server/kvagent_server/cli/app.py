@@ -11,7 +11,7 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 import yaml
@@ -34,6 +34,9 @@ from kvagent_server.config import (
     ConfigError,
     load_config,
 )
+
+if TYPE_CHECKING:
+    from kvagent_server.bundle.render import BundlePlan
 
 app = typer.Typer(
     name="kvagent-server", no_args_is_help=True, add_completion=False,
@@ -130,6 +133,13 @@ def _run_dir(config: Path | None, name: str | None, run_dir: Path | None) -> Pat
 # ------------------------------------------------------------------------ views
 
 
+def _print_topology(out: Console, bp: BundlePlan) -> None:
+    """The topology the bundle runs and why, then what of the config it ignores."""
+    out.print(f"[bold]{bp.topology_line}[/]", soft_wrap=True)
+    for note in bp.notes:
+        out.print(f"[dim]note: {note}[/]", soft_wrap=True)
+
+
 _STYLE = {"healthy": "green", "starting": "yellow", "pending": "dim", "restarting": "yellow",
           "failed": "bold red", "stopped": "dim"}
 
@@ -208,6 +218,7 @@ def up(
             f"[dim]{time.strftime('%H:%M:%S')}[/] {msg}"))
     except ConfigError as exc:
         _fail_config(exc)
+    _print_topology(console, bundle.plan)
     if detach:
         raise typer.Exit(_up_detached(cfg, bundle))
 
@@ -325,11 +336,14 @@ def status(config: ConfigOpt = None, name: NameOpt = None, run_dir: RunDirOpt = 
     if as_json:
         console.print_json(json.dumps({
             "name": state.name, "run_dir": state.run_dir, "phase": state.phase,
-            "device": state.device, "model": state.model, "router_url": state.router_url,
+            "device": state.device, "topology": state.topology,
+            "topology_reason": state.topology_reason,
+            "model": state.model, "router_url": state.router_url,
             "supervisor_pid": state.supervisor_pid, "supervisor_alive": sup_alive,
             "healthy": all_ok, "processes": rows}))
         raise typer.Exit(0 if all_ok else 1)
-    table = Table(title=f"kvagent bundle '{state.name}' ({state.device}, model "
+    table = Table(title=f"kvagent bundle '{state.name}' ({state.device}, topology "
+                        f"{state.topology}, model "
                         f"{state.model}): {state.phase}, supervisor pid {state.supervisor_pid} "
                         f"{'alive' if sup_alive else 'gone'}", title_justify="left")
     for col in ("process", "state", "health", "url", "pid", "restarts", "log"):
@@ -383,6 +397,7 @@ def render(
         bp = plan(cfg, gather_inputs(cfg, build_model=False))
     except ConfigError as exc:
         _fail_config(exc)
+    _print_topology(err, bp)  # stderr: stdout is the script (or JSON) itself
     out = (render_json if fmt == "json" else render_shell)(bp, reveal_secrets=reveal_secrets)
     sys.stdout.write(out)
 

@@ -11,6 +11,11 @@ from typing import Literal
 Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, Role] = ("prefill", "decode")
 
+#: How the bundle lays out its engines: `pd`, prefill and decode nodes with NIXL between them;
+#: `single`, one node (rendered from the decode role) that serves every turn itself.
+Topology = Literal["pd", "single"]
+TOPOLOGIES: tuple[Topology, Topology] = ("pd", "single")
+
 #: Where a node runs: vLLM's CPU backend or a CUDA GPU.
 Device = Literal["cpu", "cuda"]
 

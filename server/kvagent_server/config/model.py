@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from kvagent_server.common.types import ROLES, Role
+from kvagent_server.common.types import ROLES, Role, Topology
 from kvagent_server.engine.tiers import KVTiers
 from kvagent_server.router.settings import RouterSettings
 
@@ -116,7 +116,8 @@ class KVEventsConfig(BaseModel):
         default=True,
         description="Nodes publish KV cache events (`--kv-events-config`) and the router "
         "subscribes: a fresh prompt goes to the P node that holds its prefix in any tier, "
-        "weighed against load (docs/tiers.md).")
+        "weighed against load (docs/tiers.md). Unused in topology single: one node, "
+        "nothing to place.")
     transport: Literal["auto", "ipc", "tcp"] = Field(
         default="auto",
         description="`ipc`: a socket file in run_dir (nodes and router on one machine). "
@@ -156,8 +157,13 @@ def _decode_default() -> RoleConfig:
     return RoleConfig(**_ROLE_DEFAULTS["decode"])
 
 
+#: What `topology: auto` resolves to, and why, is decided with the host's facts:
+#: `bundle.topology.resolve_topology` (docs/server.md, "Topology").
+TopologySetting = Literal["auto", "pd", "single"]
+
+
 class BundleConfig(BaseModel):
-    """The whole server bundle: P and D vLLM nodes with NIXL, plus the router."""
+    """The whole server bundle: its vLLM nodes (one, or P and D with NIXL) and the router."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -196,8 +202,22 @@ class BundleConfig(BaseModel):
         description="Address others use to reach the nodes (router → node HTTP, node → node "
         "NIXL side channel). NIXL binds its side channel to it, so it must be local.",
     )
-    prefill: RoleConfig = Field(default_factory=_prefill_default, description="Prefill nodes.")
-    decode: RoleConfig = Field(default_factory=_decode_default, description="Decode nodes.")
+    topology: TopologySetting = Field(
+        default="auto",
+        description="`pd`: prefill and decode nodes with NIXL KV transfer between them. "
+        "`single`: one node (the `decode` section, decode.count 1) serves every turn, "
+        "keeping a finished turn's KV for the next; the `prefill` section is ignored. "
+        "`auto`: `pd` when the config asks for more than one node of a role or places "
+        "prefill nodes (prefill.hosts, cuda_devices, cpu_binds), or on cuda with a GPU per "
+        "node; otherwise `single` (one GPU, or a CPU machine, where P/D would split one "
+        "device's compute). `up` and `render` print the choice and why.",
+    )
+    prefill: RoleConfig = Field(
+        default_factory=_prefill_default,
+        description="Prefill nodes (topology pd; ignored in single).")
+    decode: RoleConfig = Field(
+        default_factory=_decode_default,
+        description="Decode nodes; in topology single, the one node.")
     kv_cache_gib: int = Field(
         default=2, ge=1,
         description="KV cache size per node in GiB (VLLM_CPU_KVCACHE_SPACE on CPU, "
@@ -323,6 +343,10 @@ class BundleConfig(BaseModel):
                                ("side_channel_port_base", rc.side_channel_port_base)):
                 if base + rc.count - 1 > 65535:
                     problems.append(f"{role}.{attr}: {base} + {rc.count} nodes exceeds 65535")
+        if self.topology == "single" and self.decode.count != 1:
+            problems.append(
+                f"decode.count: topology single runs exactly one node (got "
+                f"{self.decode.count}); set decode.count: 1, or topology: pd for several")
         if problems:
             raise ValueError("\n".join(problems))
         problems += _port_clashes(self)
@@ -367,6 +391,10 @@ class BundleConfig(BaseModel):
 
     # ----------------------------------------------------------------- derived values
 
+    def roles_of(self, topology: Topology) -> tuple[Role, ...]:
+        """The roles whose nodes run in `topology` (single: the decode role's one node)."""
+        return ("decode",) if topology == "single" else ROLES
+
     def role(self, role: Role) -> RoleConfig:
         return self.prefill if role == "prefill" else self.decode
 
@@ -392,7 +420,7 @@ class BundleConfig(BaseModel):
     def kv_event_nodes(self) -> list[tuple[Role, int]]:
         """The nodes that publish KV events, in port order (prefill first)."""
         ev = self.kv_events
-        if not ev.enabled:
+        if not ev.enabled or self.topology == "single":  # one node: no placement to inform
             return []
         return [(role, i) for role in ROLES if role in ev.roles
                 and self.role(role).prefix_caching for i in range(self.role(role).count)]
@@ -424,7 +452,7 @@ def _binds_tcp(host: str) -> bool:
 def _port_clashes(cfg: BundleConfig) -> list[str]:
     """Every pair of listeners that would share a port, one line per clash."""
     owners: dict[int, list[str]] = {}
-    for role in ROLES:
+    for role in cfg.roles_of("single" if cfg.topology == "single" else "pd"):
         for i, port in enumerate(cfg.node_ports(role)):
             owners.setdefault(port, []).append(f"{role}[{i}].port")
         for i, port in enumerate(cfg.side_channel_ports(role)):

@@ -25,7 +25,8 @@ def render_compose(config: BundleConfig, options: DeployOptions | None = None, *
                    plugin: tuple[PerRole, dict[str, tuple[str, ...]]] | None = None) -> str:
     """The compose file (`docker compose -f - up`)."""
     dp = deploy_plan(config, options or DeployOptions(), target="compose", plugin=plugin)
-    head = "# Rendered by `kvagent-server deploy --target compose`; edit the config, not this.\n"
+    head = ("# Rendered by `kvagent-server deploy --target compose`; edit the config, not this.\n"
+            f"# {dp.topology.line()}\n")
     return head + str(yaml.safe_dump(_escape(compose_document(dp)), sort_keys=False, width=100))
 
 

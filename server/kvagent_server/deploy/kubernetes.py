@@ -1,4 +1,5 @@
-"""Kubernetes manifests for the bundle: P and D StatefulSets, router Deployment, Redis.
+"""Kubernetes manifests for the bundle: P and D StatefulSets (topology single: one decode
+StatefulSet of one pod), router Deployment, Redis.
 
 Nodes are StatefulSets behind headless Services, so every node has a stable DNS name the
 router can list (`<release>-prefill-0.<release>-prefill.<ns>.svc.cluster.local`); NIXL's
@@ -33,11 +34,13 @@ def render_kubernetes(config: BundleConfig, options: DeployOptions | None = None
                       ) -> str:
     """All manifests as one YAML stream (`kubectl apply -f -`)."""
     dp = deploy_plan(config, options or DeployOptions(), target="kubernetes", plugin=plugin)
-    return dump_manifests(kubernetes_objects(dp))
+    return dump_manifests(kubernetes_objects(dp), topology=dp.topology.line())
 
 
-def dump_manifests(objects: list[dict[str, Any]]) -> str:
+def dump_manifests(objects: list[dict[str, Any]], *, topology: str | None = None) -> str:
     head = "# Rendered by `kvagent-server deploy --target kubernetes`; edit the config, not this.\n"
+    if topology:
+        head += f"# {topology}\n"
     return head + str(yaml.safe_dump_all(objects, sort_keys=False, width=100))
 
 

@@ -14,13 +14,13 @@ from typing import Any, Literal
 
 from kvagent_server.bundle.render import (
     BundlePlan,
-    HostFacts,
     ModelSource,
     PlanInputs,
     ProcessSpec,
     plan,
     with_engine_id,
 )
+from kvagent_server.bundle.topology import HostFacts, TopologyChoice, resolve_topology
 from kvagent_server.common.types import ROLES, Device, Role
 from kvagent_server.config import BundleConfig, ConfigError
 from kvagent_server.deploy.options import UCX_TLS, DeployOptions
@@ -53,6 +53,7 @@ class DeployPlan:
     config: BundleConfig
     options: DeployOptions
     device: Device
+    topology: TopologyChoice
     bundle: BundlePlan
     roles: dict[str, RoleSpec]
     router_argv: tuple[str, ...] | None
@@ -109,12 +110,15 @@ def deploy_plan(cfg: BundleConfig, options: DeployOptions, *, target: Target,
                 "ports": [cfg.node_ports(role)[0]] * rc.count,
                 "side_channel_ports": [cfg.side_channel_ports(role)[0]] * rc.count,
             })
-    dcfg = cfg.model_copy(update=update)
     n_nodes = sum(cfg.role(r).count for r in ROLES)
+    host = HostFacts(cpu_cores=tuple(range(max(n_nodes, 1))),
+                     gpu_count=n_nodes * max(options.gpus_per_node, 1)
+                     if target == "kubernetes" else options.gpus)
+    choice = _topology(cfg.model_copy(update={"device": device}), host, target)
+    update["topology"] = choice.topology  # plan() then renders exactly this one
+    dcfg = cfg.model_copy(update=update)
     inputs = PlanInputs(
-        host=HostFacts(cpu_cores=tuple(range(max(n_nodes, 1))),
-                       gpu_count=n_nodes * max(options.gpus_per_node, 1)
-                       if target == "kubernetes" else options.gpus),
+        host=host,
         model=ModelSource(model=cfg.model, served_name=cfg.served_model_name or cfg.model),
         python=CONTAINER_PYTHON, role_env=role_env, role_args=role_args,
     )
@@ -122,7 +126,7 @@ def deploy_plan(cfg: BundleConfig, options: DeployOptions, *, target: Target,
     bundle = plan(dcfg, inputs)
 
     roles: dict[str, RoleSpec] = {}
-    for role in ROLES:
+    for role in dcfg.roles_of(choice.topology):
         nodes = tuple(n for n in bundle.nodes if n.role == role)
         first = nodes[0]
         env = {k: v for k, v in first.env.items()
@@ -139,9 +143,18 @@ def deploy_plan(cfg: BundleConfig, options: DeployOptions, *, target: Target,
             side_channel_port=first.side_channel_port or 0,
             hosts=tuple(n.host for n in nodes))
     return DeployPlan(
-        config=cfg, options=options, device=device, bundle=bundle, roles=roles,
+        config=cfg, options=options, device=device, topology=choice, bundle=bundle,
+        roles=roles,
         router_argv=bundle.router.argv if bundle.router else None,
         router_settings=bundle.router_settings, redis=redis)
+
+
+def _topology(cfg: BundleConfig, host: HostFacts, target: Target) -> TopologyChoice:
+    """The host rule on compose (one machine, `options.gpus`); on Kubernetes every node
+    runs in a pod of its own, so P/D splits no device and `auto` keeps it."""
+    if target == "kubernetes" and cfg.topology == "auto":
+        return TopologyChoice("pd", "auto: every node runs in a pod of its own")
+    return resolve_topology(cfg, host)
 
 
 def pod_dns(options: DeployOptions, role: str, index: int) -> str:
