@@ -479,6 +479,8 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
         **({"device": "cuda", "cpu_pinning": False} if device == "cuda" else {}),
         **({} if config.pin_processes else {"pin_processes": False}),
         "name": f"mtbench-{config.name}".replace("_", "-"),
+        # P/D, whatever `auto` would pick here: these configurations measure P/D.
+        "topology": "pd",
         "model": model,
         "run_dir": str(run_dir),
         "kv_cache_gib": kv_cache_gib,

@@ -81,7 +81,7 @@ def _router(port: int, **extra: object) -> dict:
 def test_cpu_settings_unchanged(tmp_path: Path) -> None:
     """The default device renders exactly what the benchmark rendered before --device."""
     common = {"model": None, "run_dir": str(tmp_path), "kv_cache_gib": 2,
-              "startup_timeout_s": 900.0}
+              "startup_timeout_s": 900.0, "topology": "pd"}
     got = bundle_settings(ALL_CONFIGS["kvagent"], tmp_path, PORTS5, cores=[0, 1],
                           kv_cache_gib=2, startup_timeout_s=900.0)
     assert got == {

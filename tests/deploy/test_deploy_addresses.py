@@ -31,7 +31,7 @@ LOCAL_NAMES = re.compile(r"localhost|127\.0\.0\.1\b|0\.0\.0\.0|::1")
 
 def rehearsal_plan():  # type: ignore[no-untyped-def]
     cfg = validate_config({
-        "model": "/models/m", "device": "cpu", "run_dir": "/run/rehearsal",
+        "model": "/models/m", "topology": "pd", "device": "cpu", "run_dir": "/run/rehearsal",
         "bind_host": "0.0.0.0", "advertise_host": "127.0.0.7",
         "prefill": {"count": 2, "hosts": P_HOSTS},
         "decode": {"count": 2, "hosts": D_HOSTS},
@@ -97,7 +97,8 @@ def test_real_router_reaches_nodes_bound_only_to_their_addresses(tmp_path: Path)
     router becomes ready only if it used exactly the configured addresses."""
     ports = free_ports(5)
     cfg = validate_config({
-        "model": "/models/m", "device": "cpu", "run_dir": str(tmp_path / "run"),
+        "model": "/models/m", "topology": "pd", "device": "cpu",
+        "run_dir": str(tmp_path / "run"),
         "bind_host": "0.0.0.0", "block_size": 16,
         "engine_command": [sys.executable, str(FAKE_NODE)],
         "prefill": {"hosts": ["127.0.0.2"], "ports": [ports[0]],

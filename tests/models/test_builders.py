@@ -180,7 +180,8 @@ def test_builtin_models_by_id() -> None:
 
 
 def test_config_selects_the_tekken_model_by_id() -> None:
-    cfg = validate_config({"model": "kvagent-demo-tekken", "run_dir": "/r"})
+    cfg = validate_config({"model": "kvagent-demo-tekken", "run_dir": "/r",
+                           "topology": "pd"})
     src = resolve_model(cfg, build=False)
     assert src.served_name == "kvagent-demo-tekken"
     assert src.model.endswith(tekken.TEKKEN_MODEL_VERSION)
@@ -193,7 +194,7 @@ def test_config_selects_the_tekken_model_by_id() -> None:
 
 
 def test_lora_modules_render_on_every_node() -> None:
-    cfg = validate_config({"run_dir": "/r", "max_lora_rank": 8, "lora_modules": [
+    cfg = validate_config({"run_dir": "/r", "topology": "pd", "max_lora_rank": 8, "lora_modules": [
         {"name": "kvagent-demo-lora"}, {"name": "mine", "path": "/adapters/mine"}]})
     src = resolve_model(cfg, build=False)
     assert src.lora_modules[1] == ("mine", "/adapters/mine")
@@ -209,7 +210,7 @@ def test_lora_modules_render_on_every_node() -> None:
 
 
 def test_no_lora_no_flags() -> None:
-    cfg = validate_config({"run_dir": "/r"})
+    cfg = validate_config({"run_dir": "/r", "topology": "pd"})
     bp = plan(cfg, PlanInputs(host=HostFacts((0, 1), 0),
                               model=ModelSource("/m", "m"), python=sys.executable))
     assert all("--enable-lora" not in n.argv for n in bp.nodes)

@@ -28,7 +28,7 @@ def test_vllm_parses_every_rendered_command(vllm_parser, device: str) -> None:
     from kvagent_server.bundle.inputs import gather_inputs
 
     cfg = validate_config({
-        "device": device, "prefill": {"count": 2, "prefix_caching": False},
+        "topology": "pd", "device": device, "prefill": {"count": 2, "prefix_caching": False},
         "decode": {"count": 2}, "block_size": 32, "max_model_len": 4096,
         "cpu_pinning": False,
     })

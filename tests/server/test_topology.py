@@ -24,8 +24,8 @@ from kvagent_server.config import ConfigError, validate_config
 from server_helpers import fake_inputs
 from typer.testing import CliRunner
 
-CPU_REASON = ("auto: on CPU, P/D would halve each engine's cores; one node is faster "
-              "(docs/benchmarks.md)")
+CPU_REASON = ("auto: on CPU P/D halves each engine's cores (1.37-2.0x slower than one "
+              "node on 2 cores, docs/benchmarks.md)")
 
 
 def host(cores: int = 2, gpus: int = 0) -> HostFacts:
@@ -179,3 +179,16 @@ def test_cli_render_prints_the_choice_on_stderr(monkeypatch: pytest.MonkeyPatch)
     assert line in res.stderr and line not in res.stdout
     data = json.loads(res.stdout)
     assert data["topology"] == "single" and [n["cuda_device"] for n in data["nodes"]] == ["0"]
+
+
+def test_the_demo_shows_pd_and_says_what_auto_would_run(tmp_path: Any) -> None:
+    from kvagent_server.demo.agent import auto_note, demo_config
+
+    cfg = demo_config(None, tmp_path, 8000)
+    bp = plan(cfg, fake_inputs())
+    assert bp.topology == "pd" and [n.role for n in bp.nodes] == ["prefill", "decode"]
+    assert auto_note(cfg, host()) == (
+        "The demo runs P/D to show the mechanism; on this machine `kvagent-server up` would "
+        f"run topology: single ({CPU_REASON}).")
+    assert auto_note(cfg, host(gpus=2)).endswith(
+        "would run topology: pd (auto: 2 GPUs visible, one per P/D node).")

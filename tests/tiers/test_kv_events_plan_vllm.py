@@ -18,7 +18,8 @@ def test_vllm_parses_the_kv_events_flag(tmp_path: Path, bind: str) -> None:
         from vllm.utils.argparse_utils import FlexibleArgumentParser
     except Exception as exc:  # noqa: BLE001 - any import failure means "not installed"
         pytest.skip(f"vLLM is not importable ({exc!r})")
-    bp = plan(validate_config({"run_dir": str(tmp_path), "bind_host": bind}), inputs())
+    bp = plan(validate_config({"run_dir": str(tmp_path), "bind_host": bind,
+                                    "topology": "pd"}), inputs())
     parser = make_arg_parser(FlexibleArgumentParser())
     for node in bp.nodes:
         ev = parser.parse_args(list(node.argv[3:])).kv_events_config

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from kvagent_server.bundle.render import plan
-from kvagent_server.config import validate_config
+from support import pd_config
 from test_tiers_plan import inputs, tiered
 
 
@@ -18,7 +18,7 @@ def test_planned_argv_parses_with_vllm(tmp_path: Path) -> None:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser())
-    for node in plan(validate_config(tiered(tmp_path)), inputs(gpus=2)).nodes:
+    for node in plan(pd_config(tiered(tmp_path)), inputs(gpus=2)).nodes:
         argv = list(node.argv)
         ns = parser.parse_args(argv[argv.index("--model"):])
         ktc = EngineArgs.from_cli_args(ns).kv_transfer_config

@@ -46,7 +46,8 @@ def start(run_dir: Path, args: argparse.Namespace) -> tuple[Any, Target]:
     from kvagent_server.models.lora import builtin_adapter_for
 
     data: dict[str, Any] = {
-        "name": "fuzz", "device": "cpu", "run_dir": str(run_dir), "kv_cache_gib": 1,
+        "name": "fuzz", "topology": "pd", "device": "cpu", "run_dir": str(run_dir),
+        "kv_cache_gib": 1,
         "startup_timeout_s": 900, "stop_grace_s": 10,
         "prefill": {"ports": [free_port()], "side_channel_ports": [free_port()]},
         "decode": {"ports": [free_port()], "side_channel_ports": [free_port()]},

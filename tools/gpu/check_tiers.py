@@ -57,7 +57,8 @@ def render_bundle(work: Path, model: str | None, gpu_blocks: int, port: int) -> 
     """A 1P+1D bundle with both tiers, exactly as `kvagent-server up` would render it
     (KV events on, the default); the check starts its prefill-0 only."""
     cfg = validate_config({
-        "name": "tiercheck", "model": model, "device": "cuda", "run_dir": str(work / "run"),
+        "name": "tiercheck", "topology": "pd", "model": model, "device": "cuda",
+        "run_dir": str(work / "run"),
         "block_size": BLOCK, "router_enabled": False,
         # GPU KV holds exactly one max-length request: vLLM accepts that, and a few
         # prompts evict everything before them.

@@ -66,7 +66,7 @@ def rehearsal_config(topo: Topology, run_dir: str,
     filesystem, and tcp needs a wildcard bind (see docs/deployment.md).
     """
     return {
-        "name": "mh", "device": "cpu", "run_dir": run_dir,
+        "name": "mh", "topology": "pd", "device": "cpu", "run_dir": run_dir,
         "kv_cache_gib": 1, "max_model_len": 16384,
         # No prefix cache on P: every reused token is then pulled from D over NIXL (with
         # it, P serves the part of the prompt it computed itself last turn from its own

@@ -1,6 +1,8 @@
 """`kvagent demo`: the whole product on one machine, in one command.
 
-Brings up 1 prefill + 1 decode vLLM node and the router (CPU by default, the locally built
+Brings up 1 prefill + 1 decode vLLM node and the router: P/D whatever `topology: auto` would
+pick on the machine, because the demo shows the mechanism (it says what `auto` would run).
+CPU by default, the locally built
 demo model unless `--model` is given), runs a multi-turn, tool-using agent with the SDK and
 prints, per model call, how many prompt tokens were reused, which path the router took, the
 time to first token, and the time to first token of the same request recomputed from scratch
@@ -213,7 +215,7 @@ def demo_config(model: str | None, run_dir: Path | None, port: int) -> Any:
         return p if port_free(p) else free_port()
 
     data: dict[str, Any] = {
-        "name": "demo", "model": model,
+        "name": "demo", "model": model, "topology": "pd",  # the mechanism, on any machine
         "prefill": {"ports": [pick(8100)], "side_channel_ports": [pick(5600)]},
         "decode": {"ports": [pick(8200)], "side_channel_ports": [pick(5700)]},
         "router": {"port": pick(port)},
@@ -221,6 +223,15 @@ def demo_config(model: str | None, run_dir: Path | None, port: int) -> Any:
     if run_dir is not None:
         data["run_dir"] = str(run_dir)
     return validate_config(data)
+
+
+def auto_note(config: Any, host: Any) -> str:
+    """One line: what `kvagent-server up` (topology auto) would run here instead, and why."""
+    from kvagent_server.bundle.topology import resolve_topology
+
+    choice = resolve_topology(config.model_copy(update={"topology": "auto"}), host)
+    return (f"The demo runs P/D to show the mechanism; on this machine `kvagent-server up` "
+            f"would run {choice.line()}.")
 
 
 #: Another driver of the demo's agent than kvagent's SDK: (router URL, served model, user
@@ -250,13 +261,15 @@ def run_demo(*, model: str | None = None, keep_running: bool = False, turns: int
         config = demo_config(model, run_dir, port)
         if config.model is None:
             console.print("[dim]Preparing the demo model (built once, then cached)…[/]")
-        bundle = Bundle(config, inputs=gather_inputs(config), on_event=lambda m: console.print(
+        inputs = gather_inputs(config)
+        bundle = Bundle(config, inputs=inputs, on_event=lambda m: console.print(
             f"[dim]{time.strftime('%H:%M:%S')}[/] {m}"))
     except ConfigError as exc:
         console.print(f"[red]Bad configuration:[/] {exc}")
         return 2
     console.print("[bold]Starting 1 prefill node, 1 decode node and the router[/] "
                   "(first start warms up vLLM: a minute or two on CPU)…")
+    console.print(f"[dim]{auto_note(config, inputs.host)}[/]", soft_wrap=True)
     t0 = time.monotonic()
     try:
         with console.status("waiting for the nodes to become healthy…"):
