@@ -215,3 +215,13 @@ async def test_the_command_line_runs_single_without_prefill(tmp_path: Any) -> No
                 *args, stderr=asyncio.subprocess.PIPE)
             _, err = await asyncio.wait_for(proc.communicate(), 60)
             assert proc.returncode == 2 and says in err, err
+
+
+async def test_the_single_policy_sends_no_leg_to_a_prefill_node_even_where_one_exists() -> None:
+    async with router_stack(path_policy="single") as st:
+        kva, answer, _ = await turn(st, FIRST)
+        kva2, _, _ = await turn(st, second(answer), token=kva["cache_token"])
+        assert (kva["path"], kva2["path"]) == ("d_fresh", "d_direct")
+        assert kva2["reused_tokens"] > 0
+        assert st.prefill[0].requests == []  # P only tokenized (it is the P/D topology)
+        no_wrong_kv(st)
