@@ -3,6 +3,11 @@
     python -m kvagent_server.router --prefill http://127.0.0.1:8100 \\
         --decode http://127.0.0.1:8200 --model demo --settings router.json
 
+Without `--prefill`, one `--decode` node serves every turn (the `single` topology,
+docs/router.md "Topologies"):
+
+    python -m kvagent_server.router --decode http://127.0.0.1:8200 --settings router.json
+
 Binds 127.0.0.1 unless told otherwise; `--host`/`--port` override the settings file.
 """
 
@@ -22,11 +27,13 @@ log = logging.getLogger("kvagent.router")
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m kvagent_server.router",
-                                description="kvagent router: KV-reusing front for vLLM P/D.")
+                                description="kvagent router: KV-reusing front for vLLM nodes "
+                                            "(prefill/decode, or one decode node alone).")
     p.add_argument("--host", help="bind address (default: settings, else 127.0.0.1)")
     p.add_argument("--port", type=int, help="bind port (default: settings, else 8000)")
-    p.add_argument("--prefill", action="append", required=True, metavar="URL",
-                   help="a prefill node's root URL (repeat for several)")
+    p.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="a prefill node's root URL (repeat for several; none: the one "
+                        "decode node serves every turn, the single topology)")
     p.add_argument("--decode", action="append", required=True, metavar="URL",
                    help="a decode node's root URL (repeat for several)")
     p.add_argument("--model", help="served model name (default: asked from the nodes)")
@@ -88,7 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(format="%(levelname)s:     %(name)s: %(message)s")
     logging.getLogger("kvagent").setLevel(args.log_level.upper())
     warn_if_open(host, settings)
-    app = create_app(settings, args.prefill, args.decode, model=args.model)
+    try:
+        app = create_app(settings, args.prefill, args.decode, model=args.model)
+    except ValueError as exc:  # nodes that make no topology, a policy that needs P...
+        print(f"cannot start the router: {exc}", file=sys.stderr)
+        return 2
     # loop "auto": uvloop (the `server` extra installs it); httptools with the head and
     # connection limits (router/http/server.py).
     config = uvicorn_config(app, settings, host=host, port=port, log_level=args.log_level,

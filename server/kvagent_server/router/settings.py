@@ -76,8 +76,9 @@ class RouterSettings(BaseModel):
         "learned per-path costs and each node's queue; the settings below up to "
         "`decode_prompt_step_tokens` are its parameters), `pd_reuse` (P computes every "
         "prompt and pulls a verified prefix from D), `d_direct` (the decode node holding a "
-        "conversation extends its later turns itself). Every policy reuses only verified "
-        "prefixes.")
+        "conversation extends its later turns itself), `single` (never P: the decode node "
+        "computes every prompt; what a router with no prefill node runs in place of "
+        "`cost_model`). Every policy reuses only verified prefixes.")
     skip_prefill_max_tokens: int | None = Field(default=None,
         description="Skip the P leg when the uncached delta is at most this many tokens (0: "
         "never skip, None: decide from measured costs).")

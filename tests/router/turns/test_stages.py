@@ -91,8 +91,13 @@ D_CHEAP = PathCosts(prefill=LinearCost(fixed_s=0.1, per_token_s=1e-3),
 # ------------------------------------------------------------------ decide (pure)
 
 
+#: The policies of a router with prefill nodes (`single` has tests of its own:
+#: tests/router/turns/test_single.py).
+PD_POLICIES = ("cost_model", "pd_reuse", "d_direct")
+
+
 def test_every_policy_reuses_only_the_verified_block_aligned_prefix() -> None:
-    for name in ("cost_model", "pd_reuse", "d_direct"):
+    for name in policy.POLICIES:
         plan = policy.POLICIES[name](RouterSettings()).decide(_facts(costs=D_CHEAP))
         assert plan.reuse.reuse_tokens == 128, name  # 129 held tokens: 8 whole blocks
         assert plan.prompt_len == len(PROMPT) and plan.handle is not None
@@ -102,11 +107,12 @@ def test_policies_differ_only_in_where_the_delta_is_computed() -> None:
     facts = _facts(costs=D_CHEAP)
     paths = {name: factory(RouterSettings()).decide(facts).path
              for name, factory in policy.POLICIES.items()}
-    assert paths == {"cost_model": "d_direct", "pd_reuse": "pd_reuse", "d_direct": "d_direct"}
-    # D not holding the prefix: no policy computes it there
+    assert paths == {"cost_model": "d_direct", "pd_reuse": "pd_reuse", "d_direct": "d_direct",
+                     "single": "d_direct"}
+    # D not holding the prefix: no P/D policy computes it there
     far = dataclasses.replace(facts, d_holds=False)
     assert {policy.POLICIES[n](RouterSettings()).decide(far).path
-            for n in policy.POLICIES} == {"pd_reuse"}
+            for n in PD_POLICIES} == {"pd_reuse"}
 
 
 def test_the_cost_model_sends_a_delta_to_p_when_p_is_cheaper() -> None:
@@ -117,9 +123,10 @@ def test_the_cost_model_sends_a_delta_to_p_when_p_is_cheaper() -> None:
 
 def test_a_diverged_prompt_recomputes_under_every_policy() -> None:
     facts = _facts(prompt_ids=tuple(range(9000, 9160)))
-    for factory in policy.POLICIES.values():
+    for name, factory in policy.POLICIES.items():
         plan = factory(RouterSettings()).decide(facts)
-        assert (plan.path, plan.reuse.reason) == ("recompute", planner.Reason.DIVERGED_AT_0)
+        path = "d_fresh" if name == "single" else "recompute"  # with no P, D recomputes
+        assert (plan.path, plan.reuse.reason) == (path, planner.Reason.DIVERGED_AT_0)
 
 
 def test_a_first_turn_goes_to_d_only_while_p_is_busy() -> None:
@@ -150,7 +157,7 @@ def test_a_failed_tokenize_recomputes() -> None:
 
 def test_policies_are_found_by_name_and_unknown_names_fail_clearly() -> None:
     assert policy.policy_for(RouterSettings(path_policy="pd_reuse")).name == "pd_reuse"
-    with pytest.raises(ValueError, match="known: cost_model, d_direct, pd_reuse"):
+    with pytest.raises(ValueError, match="known: cost_model, d_direct, pd_reuse, single"):
         policy.policy_for(RouterSettings(path_policy="fastest"))
     with pytest.raises(ValueError, match="already registered"):
         policy.register("cost_model", policy.POLICIES["cost_model"])

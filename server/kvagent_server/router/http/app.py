@@ -125,7 +125,8 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
         store=store if store is not None else make_store(settings),
         tenants=TenantResolver(settings), model=model,
         admission=Admission(settings.max_streams_per_client))
-    policy_for(settings)  # an unknown policy name fails here, not on the first turn
+    # An unknown policy name, or one the topology cannot run, fails here, not on a turn.
+    policy_for(settings, parts.registry.topology)
     retention_policy_for(settings)  # and so do bad retention parameters
     routes = [
         Route(CHAT, _completions, methods=["POST"]),
@@ -194,7 +195,9 @@ async def _lifespan(parts: AppParts, app: Starlette) -> AsyncIterator[None]:
                     max_body_bytes=settings.max_upstream_body_bytes)
         stack.push_async_callback(legs.aclose)
         router = Router(settings=settings, registry=registry, legs=legs, store=store,
-                        codec=codec, metrics=parts.metrics, policy=policy_for(settings))
+                        codec=codec, metrics=parts.metrics,
+                        policy=policy_for(settings, registry.topology))
+        log.info("topology %s, path policy %s", registry.topology, router.policy.name)
         parts.router = app.state.router = router
         # KV events feed tier-aware P placement (kv_placement; None without sources)
         router.tiers, kv_events = kv_placement.from_settings(settings, registry)

@@ -4,10 +4,13 @@
 the D leg with P's params (P's blocks are released if D never comes); `decode_only`
 sends the request whole to a decode node. A leg that fails before its first byte falls
 back as `TurnPlan.after_decode_failure` says; a pull P could not make is a recompute.
+With no prefill node (the `single` topology) a recompute is a `d_fresh` leg: no turn
+ever needs P there.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import uuid
@@ -49,12 +52,32 @@ async def execute(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
             log.info("%s on %s failed; %s", plan.path,
                      failed.name if failed else "no decode node",
                      "P computes the prompt" if plan.path == "d_fresh" else "recomputing")
+            if _no_prefill(r) and plan.path == "d_fresh":
+                raise  # D was all there was (and its leg was retried)
             plan = plan.after_decode_failure(exc.tried)
         else:
             if turn is not None:
                 return turn
             plan = plan.without_room()
+        if _no_prefill(r):  # recompute on D: the one decode node computes the prompt
+            return await _recompute_on_decode(r, facts, plan, started)
     return await _run_pd(r, facts, plan, started)
+
+
+def _no_prefill(r: Router) -> bool:
+    return r.registry.topology == "single"
+
+
+async def _recompute_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
+                               started: float) -> Turn:
+    """A `d_direct` turn whose reuse fell through (D failed it, or gave its handle up for
+    room) where there is no P: D computes the prompt whole (`d_fresh`, keeping why the
+    reuse did not happen)."""
+    fresh = dataclasses.replace(plan, path="d_fresh", holder=None,
+                                est_tokens=plan.prompt_len or plan.est_tokens)
+    turn = await _run_on_decode(r, facts, fresh, started)
+    assert turn is not None  # a d_fresh leg pins no handle, so none is revoked
+    return turn
 
 
 #: vLLM's default block size, for a node that has not said its own yet.
@@ -115,6 +138,12 @@ async def _run_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
     else:
         nodes = r.registry.ranked("decode", _healthy(plan.d_first))
         params, tokens, pinned = transfer.d_direct(), plan.est_tokens, None
+        if (plan.handle is not None and plan.holder is not None and nodes
+                and nodes[0] is plan.holder and r.settings.release_unused_handles):
+            # A handle claimed but not reused (`single`: no P leg to release it): D frees
+            # its blocks when this request finishes, as a `d_direct` leg does.
+            rid = remote_request_id(plan.handle)
+            params = transfer.with_release(params, [rid] if rid else [])
     target = nodes[0] if nodes else None
     held = tokens if plan.path == "d_direct" else _prompt_tokens(r, req, plan)
     admitted = await _admit(r, target, room.blocks_for(held, _block_size(r, target))

@@ -5,6 +5,9 @@ placement's lookup): it names the conversation (by content, for a caller that na
 none), claims the session's handle, ranks the nodes, snapshots the learned costs and the
 work in flight, and tokenizes the prompt when a reuse must be verified, unless the path
 the policy would take does not depend on the real tokens (`Untokenized`).
+
+The prompt is tokenized by the P node picked for the turn, or, with no prefill node (the
+`single` topology), by the decode node: vLLM serves `/tokenize` on either.
 """
 
 from __future__ import annotations
@@ -42,9 +45,10 @@ async def gather(r: Router, req: TurnRequest) -> TurnFacts:
     picked_p = placement.pick_prefill(r.registry.states())
     p_first = r.registry.get(picked_p.node_id) if picked_p else None
     session, source, known_ids = req.session, req.source, None
-    found: tuple[str, list[int] | None] | None = await _find_by_content(r, req, p_first)
+    tokenizer = _tokenizer(r, p_first)
+    found: tuple[str, list[int] | None] | None = await _find_by_content(r, req, tokenizer)
     if found is None:
-        found = await _find_branch(r, req, p_first)
+        found = await _find_branch(r, req, tokenizer)
     if found is not None:
         session, known_ids = found
         source = "content"
@@ -104,10 +108,11 @@ async def _prompt_ids(r: Router, facts: TurnFacts,
                 facts.req.span.set_attribute("kvagent.tokenized", False)
             return dataclasses.replace(facts, untokenized=skip)
     if known_ids is None:
-        if facts.p_first is None:
+        tokenizer = _tokenizer(r, facts.p_first, facts.d_first)
+        if tokenizer is None:
             return facts
         try:
-            known_ids = await _tokenize(r, facts.req, facts.p_first)
+            known_ids = await _tokenize(r, facts.req, tokenizer)
         except TokenizeError as exc:
             log.info("no reuse this turn: %s", exc)
             return dataclasses.replace(facts, tokenize_failed=True)
@@ -153,10 +158,24 @@ def _untokenized(r: Router, facts: TurnFacts, handle: Handle,
     return Untokenized(plan=plan, prompt_len=plan.reuse_tokens + tail + new, path=path)
 
 
+def _tokenizer(r: Router, p_first: Node | None, d_first: Node | None = None) -> Node | None:
+    """The node that tokenizes the turn's prompt: the P node picked for it, or with no
+    prefill node (`single`) the decode node (`d_first`, else the least loaded)."""
+    if p_first is not None or r.registry.topology != "single":
+        return p_first
+    if d_first is not None:
+        return d_first
+    ranked = r.registry.ranked("decode")
+    return ranked[0] if ranked else None
+
+
 async def _tier_placement(r: Router, req: TurnRequest, p_first: Node | None,
                           holder: Node | None) -> Node | None:
     """With no D handle to reuse, a P node whose KV cache (any tier) holds the prompt's
-    prefix may beat the least loaded one (`turns.kv_placement`)."""
+    prefix may beat the least loaded one (`turns.kv_placement`). With no prefill node
+    there is nothing to place."""
+    if r.registry.topology == "single":
+        return None
     p_reason: placement.PrefillReason = "least_loaded" if p_first else "no_healthy_node"
     if holder is None and p_first is not None and r.tiers is not None:
         states = r.registry.states()
@@ -171,7 +190,7 @@ async def _tier_placement(r: Router, req: TurnRequest, p_first: Node | None,
 
 
 async def _find_by_content(r: Router, req: TurnRequest,
-                           p_first: Node | None) -> tuple[str, list[int]] | None:
+                           tokenizer: Node | None) -> tuple[str, list[int]] | None:
     """For a turn that names no conversation: tokenize the prompt and name the session of
     the caller's held turn it extends, else a new one (the turn's handle starts it).
 
@@ -179,10 +198,10 @@ async def _find_by_content(r: Router, req: TurnRequest,
     them), or None: the turn names its conversation, content reuse is off, or the prompt
     could not be tokenized (the turn then runs without a session)."""
     if (req.session is not None or req.source is not None or not r.settings.reuse
-            or not r.settings.content_reuse or p_first is None):
+            or not r.settings.content_reuse or tokenizer is None):
         return None
     try:
-        prompt_ids = await _tokenize(r, req, p_first)
+        prompt_ids = await _tokenize(r, req, tokenizer)
     except TokenizeError as exc:
         log.info("no content lookup this turn: %s", exc)
         return None
@@ -199,7 +218,7 @@ async def _find_by_content(r: Router, req: TurnRequest,
 
 
 async def _find_branch(r: Router, req: TurnRequest,
-                       p_first: Node | None) -> tuple[str, list[int] | None] | None:
+                       tokenizer: Node | None) -> tuple[str, list[int] | None] | None:
     """For a turn of a named session, sent without a cache token, that does not continue
     the session's latest held turn (it chains onto an earlier response than the latest,
     or another conversation shares the session id): its own branch, so it neither claims
@@ -217,10 +236,10 @@ async def _find_branch(r: Router, req: TurnRequest,
         return None
     log.debug("turn does not continue its session's latest handle: a branch")
     branch = f"{req.session}~{uuid.uuid4().hex[:16]}"
-    if not r.settings.content_reuse or p_first is None:
+    if not r.settings.content_reuse or tokenizer is None:
         return branch, None
     try:
-        prompt_ids = await _tokenize(r, req, p_first)
+        prompt_ids = await _tokenize(r, req, tokenizer)
     except TokenizeError as exc:
         log.info("no branch lookup this turn: %s", exc)
         return branch, None

@@ -4,6 +4,9 @@ A node's *epoch* names its incarnation: the node's process start time (from its
 `/metrics`, the same for every router replica) or, failing that, a counter that grows
 each time the node comes back after being unhealthy. KV blocks retained in an earlier
 epoch may be gone, so a handle recorded under another epoch is recomputed, not pulled.
+
+The nodes given make the router's *topology*: `pd` (prefill and decode nodes) or
+`single` (one decode node and no prefill node: it computes every prompt itself).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 from kvagent_server.common.types import Role
 from kvagent_server.router.common.periodic import Periodic
@@ -22,6 +26,23 @@ from kvagent_server.router.turns.upstream import ConnectFailed, NodeHttp, Upstre
 
 log = logging.getLogger("kvagent.router.nodes")
 _BLOCK_SIZE_RE = re.compile(r'[{,]block_size="(\d+)"')
+
+#: How the router's nodes serve turns: `pd`, P computes prompts and D decodes (D may
+#: extend what it holds itself); `single`, one decode node serves every turn.
+Topology = Literal["pd", "single"]
+
+
+def topology_of(prefill: Sequence[str], decode: Sequence[str]) -> Topology:
+    """The topology the node URLs make, or a `ValueError` saying why they make none."""
+    if not decode:
+        raise ValueError("the router needs a decode node (--decode URL)")
+    if prefill:
+        return "pd"
+    if len(decode) > 1:
+        raise ValueError(f"several decode nodes with no prefill node ({len(decode)}: "
+                         f"{', '.join(decode)}) are not supported yet: give one --decode "
+                         "URL (the single topology) or add --prefill nodes (P/D)")
+    return "single"
 
 
 @dataclass
@@ -83,13 +104,14 @@ class Node:
 
 
 class NodeRegistry:
-    """All P and D nodes; a background task probes `/health` every `interval_s`."""
+    """All P and D nodes; a background task probes `/health` every `interval_s`.
+
+    No prefill node and one decode node is the `single` topology (`topology_of`)."""
 
     def __init__(self, prefill: list[str], decode: list[str], *, interval_s: float = 2.0,
                  probe_timeout_s: float = 2.0, max_in_flight: int = 64,
                  failures_to_down: int = 2) -> None:
-        if not prefill or not decode:
-            raise ValueError("the router needs at least one prefill and one decode node")
+        self.topology: Topology = topology_of(prefill, decode)
         self.nodes: dict[str, Node] = {}
         roles: tuple[tuple[Role, Sequence[str], str], ...] = (
             ("prefill", prefill, "p"), ("decode", decode, "d"))
@@ -114,8 +136,9 @@ class NodeRegistry:
 
     @property
     def ready(self) -> bool:
-        """At least one healthy P and one healthy D."""
-        return bool(self.healthy("prefill")) and bool(self.healthy("decode"))
+        """At least one healthy D, and one healthy P unless the topology has none."""
+        return bool(self.healthy("decode")) and (
+            self.topology == "single" or bool(self.healthy("prefill")))
 
     def states(self) -> list[NodeState]:
         return [n.state() for n in self.nodes.values()]

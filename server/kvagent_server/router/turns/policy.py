@@ -12,6 +12,9 @@ names a policy instead of flipping switches:
   P/D with bidirectional transfer does without kvagent's D-side paths).
 - `d_direct`: the decode node holding a conversation's KV extends every later turn
   itself (what a session-affine aggregated node does); first turns go through P.
+- `single`: no P leg ever; the decode node computes every prompt, extending a verified
+  prefix it holds (`d_direct`) or computing the prompt whole (`d_fresh`). The policy of
+  the `single` topology (no prefill node), chosen by `policy_for`.
 
 Whatever the policy, only a verified prefix is ever reused: `planner.plan_reuse` decides
 how much, the policy only where it is computed.
@@ -27,6 +30,7 @@ from pydantic import BaseModel, ConfigDict
 
 from kvagent_server.router.reuse import paths, planner
 from kvagent_server.router.settings import FreshPolicy, RouterSettings
+from kvagent_server.router.turns.nodes import Topology
 from kvagent_server.router.turns.shapes import TurnFacts, TurnPlan
 
 #: The path policy a router runs unless `router.path_policy` names another.
@@ -199,12 +203,46 @@ class FixedPolicy:
         return "d_direct" if self.on_decode else None
 
 
+@dataclasses.dataclass(frozen=True)
+class SinglePolicy:
+    """One node serves every turn (the `single` topology): a verified prefix the decode
+    node holds is extended there (`d_direct`); any other turn's prompt it computes whole
+    (`d_fresh`), as an aggregated node would. Never a P leg."""
+
+    reuse: ReuseParams
+    name: str = "single"
+
+    def decide(self, facts: TurnFacts) -> TurnPlan:
+        if not facts.req.splittable:
+            return _decode_only()
+        if facts.untokenized is not None:
+            u = facts.untokenized
+            return _plan(facts, u.path, u.plan, u.prompt_len)
+        reuse = reuse_plan(facts, self.reuse)
+        prompt_len = len(facts.prompt_ids)
+        if reuse.reuses and facts.d_holds:
+            return _plan(facts, "d_direct", reuse, prompt_len)
+        if reuse.reuses:  # verified, but held on a node this turn does not go to
+            reuse = planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.NODE_UNHEALTHY,
+                                      detail="not_placed", cached_tokens=reuse.cached_tokens)
+        plan = _plan(facts, "d_fresh", reuse, prompt_len)
+        return dataclasses.replace(plan, est_tokens=prompt_len or facts.est_tokens)
+
+    def untokenized_path(self, facts: TurnFacts, plan: planner.ReusePlan,
+                         deltas: tuple[int, int], tokenize_s: float) -> paths.Path | None:
+        return "d_direct"  # D's own prefix cache matches the real tokens
+
+
 #: Policy name -> factory from the router's settings.
 POLICIES: dict[str, Callable[[RouterSettings], PathPolicy]] = {
     "cost_model": lambda s: CostModelPolicy(ReuseParams.of(s), CostParams.of(s)),
     "pd_reuse": lambda s: FixedPolicy(ReuseParams.of(s), "pd_reuse", on_decode=False),
     "d_direct": lambda s: FixedPolicy(ReuseParams.of(s), "d_direct", on_decode=True),
+    "single": lambda s: SinglePolicy(ReuseParams.of(s)),
 }
+
+#: Policies that send turns to a prefill node: refused where there is none.
+NEEDS_PREFILL: frozenset[str] = frozenset({"pd_reuse", "d_direct"})
 
 
 def register(name: str, factory: Callable[[RouterSettings], PathPolicy]) -> None:
@@ -214,9 +252,25 @@ def register(name: str, factory: Callable[[RouterSettings], PathPolicy]) -> None
     POLICIES[name] = factory
 
 
-def policy_for(settings: RouterSettings) -> PathPolicy:
-    """The policy `router.path_policy` names, built with its parameters."""
+def policy_name(settings: RouterSettings, topology: Topology = "pd") -> str:
+    """The policy a router of `topology` runs: `router.path_policy`, except that the
+    `single` topology runs `single` where it names the default `cost_model` (with no P
+    there is nothing to weigh), and refuses a policy that needs a prefill node."""
     name = settings.path_policy
+    if topology != "single":
+        return name
+    if name == DEFAULT:
+        return "single"
+    if name in NEEDS_PREFILL:
+        raise ValueError(f"router.path_policy {name!r} needs a prefill node; with no "
+                         "--prefill the router serves the single topology: set it to "
+                         f"'single' or leave it '{DEFAULT}'")
+    return name
+
+
+def policy_for(settings: RouterSettings, topology: Topology = "pd") -> PathPolicy:
+    """The policy a router of `topology` runs (`policy_name`), built with its parameters."""
+    name = policy_name(settings, topology)
     try:
         factory = POLICIES[name]
     except KeyError:
