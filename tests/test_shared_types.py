@@ -1,7 +1,7 @@
 """The literal types several packages share are spelled once, in `kvagent_server.common.types`.
 
 A second `Literal["prefill", "decode"]` elsewhere would drift from the first the day a role
-or device is added; importing `Role`, `Device`, `Topology` and `HashAlgo` keeps every user in step.
+or device is added; importing `Role`, `Device` and `HashAlgo` keeps every user in step.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ HOME = "server/kvagent_server/common/types.py"
 SHARED = {
     frozenset({"prefill", "decode"}): "Role",
     frozenset({"cpu", "cuda"}): "Device",
-    frozenset({"pd", "single"}): "Topology",
     frozenset({"sha256", "sha256_cbor", "xxhash", "xxhash_cbor"}): "HashAlgo",
 }
 

@@ -54,3 +54,23 @@ def test_vllm_parses_every_rendered_command(vllm_parser, device: str) -> None:
         assert args.override_generation_config == {"max_new_tokens": BUILTIN_DEFAULT_MAX_TOKENS}
         if device == "cuda":
             assert args.kv_cache_memory_bytes == 2 * 1024**3
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_vllm_parses_the_single_node(vllm_parser, device: str) -> None:
+    """`topology: single`: one node, NIXL `kv_both`, prefix caching, the plugin's args."""
+    from kvagent_server.bundle.inputs import gather_inputs
+
+    cfg = validate_config({"topology": "single", "device": device, "block_size": 32,
+                           "max_model_len": 4096})
+    real = gather_inputs(cfg, build_model=False)
+    inputs = PlanInputs(host=HostFacts(cpu_cores=(0, 1), gpu_count=1), model=real.model,
+                        python=real.python, role_env=real.role_env, role_args=real.role_args)
+    (node,) = plan(cfg, inputs).nodes
+    args = vllm_parser(list(node.argv[3:]))
+    kv = args.kv_transfer_config
+    assert (kv.kv_connector, kv.kv_role, kv.kv_buffer_device) == (
+        "NixlConnector", "kv_both", device)
+    assert kv.kv_connector_extra_config["decoder_kv_blocks_ttl"] == 480
+    assert args.enable_prefix_caching and args.enable_prompt_tokens_details

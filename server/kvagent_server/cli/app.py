@@ -145,7 +145,8 @@ _STYLE = {"healthy": "green", "starting": "yellow", "pending": "dim", "restartin
 
 
 def _progress_table(state: RunState) -> Table:
-    table = Table(title=f"kvagent bundle '{state.name}' on {state.device}: {state.phase}",
+    table = Table(title=f"kvagent bundle '{state.name}' on {state.device} "
+                        f"({state.topology}): {state.phase}",
                   title_justify="left")
     for col in ("process", "status", "url", "pid", "restarts", "note"):
         table.add_column(col)
