@@ -263,9 +263,11 @@ def greedy_chat(url: str, model: str, messages: list[dict[str, Any]],
 
 
 @contextlib.contextmanager
-def second_router(b: KVAgentBundle, tmp_path: Path, **settings: Any) -> Iterator[str]:
+def second_router(b: KVAgentBundle, tmp_path: Path, *, prefill: bool = True,
+                  **settings: Any) -> Iterator[str]:
     """A second router (`python -m kvagent_server.router`) in front of the bundle's nodes,
-    with its own settings and store; yields its URL."""
+    with its own settings and store; yields its URL. `prefill=False`: in front of the
+    decode node alone (no `--prefill`: the single topology)."""
     from kvagent_server.bundle.supervisor import probe
 
     cfg = tmp_path / "router.json"
@@ -273,7 +275,8 @@ def second_router(b: KVAgentBundle, tmp_path: Path, **settings: Any) -> Iterator
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvagent_server.router", "--port", str(port),
-         "--prefill", *b.prefill_urls, "--decode", *b.decode_urls, "--settings", str(cfg),
+         *(["--prefill", *b.prefill_urls] if prefill else []),
+         "--decode", *b.decode_urls, "--settings", str(cfg),
          "--log-level", "warning"])
     url = f"http://127.0.0.1:{port}"
     try:
