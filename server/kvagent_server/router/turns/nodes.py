@@ -17,19 +17,14 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
-from kvagent_server.common.types import Role
+from kvagent_server.common.types import Role, Topology
 from kvagent_server.router.common.periodic import Periodic
 from kvagent_server.router.reuse.placement import NodeState
 from kvagent_server.router.turns.upstream import ConnectFailed, NodeHttp, UpstreamError
 
 log = logging.getLogger("kvagent.router.nodes")
 _BLOCK_SIZE_RE = re.compile(r'[{,]block_size="(\d+)"')
-
-#: How the router's nodes serve turns: `pd`, P computes prompts and D decodes (D may
-#: extend what it holds itself); `single`, one decode node serves every turn.
-Topology = Literal["pd", "single"]
 
 
 def topology_of(prefill: Sequence[str], decode: Sequence[str]) -> Topology:

@@ -28,9 +28,9 @@ from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict
 
+from kvagent_server.common.types import Topology
 from kvagent_server.router.reuse import paths, planner
 from kvagent_server.router.settings import FreshPolicy, RouterSettings
-from kvagent_server.router.turns.nodes import Topology
 from kvagent_server.router.turns.shapes import TurnFacts, TurnPlan
 
 #: The path policy a router runs unless `router.path_policy` names another.
