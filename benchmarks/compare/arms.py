@@ -149,10 +149,28 @@ class Arm:
     #: KV tiers below engine memory: "local" (a host tier and a disk tier of the node's
     #: own), "shared" (every node a host tier, one disk directory for all), or none.
     tier: Literal["local", "shared"] | None = None
+    #: A bundle arm's topology: "pd", "single", or "auto" (what `kvagent-server up` picks
+    #: on the machine running the benchmark, resolved by the bundle's own rule).
+    topology: Literal["pd", "single", "auto"] = "pd"
+
+    @property
+    def resolved_topology(self) -> Literal["pd", "single"] | None:
+        """The bundle's topology on this machine (None for an arm that is no bundle)."""
+        if self.kind != "bundle":
+            return None
+        if self.topology != "auto":
+            return self.topology
+        from kvagent_server.bundle.inputs import detect_host
+        from kvagent_server.bundle.topology import resolve_topology
+        from kvagent_server.config import validate_config
+
+        return resolve_topology(validate_config({}), detect_host()).topology
 
     @property
     def nodes(self) -> int:
-        return 1 if self.kind == "aggregated" else 2
+        if self.kind == "aggregated" or self.resolved_topology == "single":
+            return 1
+        return 2
 
     def kv_tiers(self, tiers: TierBudget, tier_dir: Path, *, check_writable: bool = True
                  ) -> dict[str, Any] | None:
@@ -179,12 +197,14 @@ class Arm:
             raise ValueError(f"{self.name}: no single configuration for kind {self.kind}")
         return BenchConfig(name=self.name, description=self.description, kind="bundle",
                            reuse=self.reuse, prefill_prefix_caching=self.prefill_prefix_caching,
-                           node_args=tuple(args), kv_tiers=kv_tiers)
+                           node_args=tuple(args), kv_tiers=kv_tiers,
+                           topology=self.resolved_topology or "pd")
 
     def memory(self, kv: KvBudget, tiers: TierBudget) -> dict[str, Any]:
         """What the arm may hold, summed over its nodes: engine KV (space, and the cap in
         tokens if any), host tier and disk tier (0 without tiers)."""
-        return {"nodes": self.nodes, "engine_kv_gib": kv.gib, "engine_kv_tokens": kv.tokens,
+        return {"nodes": self.nodes, "topology": self.resolved_topology,
+                "engine_kv_gib": kv.gib, "engine_kv_tokens": kv.tokens,
                 "host_tier_gib": tiers.host_gib if self.tier else 0.0,
                 "disk_tier_gib": tiers.disk_gib if self.tier else 0.0,
                 "disk_shared": self.tier == "shared"}
@@ -197,8 +217,12 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
         "flags and the plugin's readers; each session pinned to one node", kind="affine"),
     Arm("pd-noreuse", "kvagent's P/D bundle with the router's reuse off, P's prefix cache on",
         kind="bundle", reuse=False, prefill_prefix_caching=True),
-    Arm("kvagent", "kvagent's P/D bundle with its defaults (cross-turn KV reuse)",
-        kind="bundle", reuse=True),
+    Arm("kvagent", "kvagent as `kvagent-server up` runs it on this machine: its defaults, "
+        "topology auto (single on a CPU box or one GPU, P/D with a GPU per node; the "
+        "memory table names the topology that ran)", kind="bundle", reuse=True,
+        topology="auto"),
+    Arm("kvagent-pd", "kvagent's P/D bundle with its defaults (cross-turn KV reuse, NIXL "
+        "between P and D)", kind="bundle", reuse=True),
     Arm("aggregated-tier", "`aggregated` plus kvagent's CPU tiers: a host tier and a disk "
         "tier of its own, generated tokens offloaded too (the same tiers as "
         "kvagent-tiers: the fair control)", kind="aggregated", tier="local"),
@@ -216,7 +240,7 @@ def subject_of(names: list[str]) -> str:
     return KVAGENT_TIERS if KVAGENT_TIERS in names else KVAGENT
 #: The arms run when `--arms` is not given: the untiered ones (the tiered arms add two
 #: start-ups and two workloads per repetition; name them with `--arms`).
-DEFAULT_ARMS = ("aggregated", "affine-2", "pd-noreuse", "kvagent")
+DEFAULT_ARMS = ("aggregated", "affine-2", "pd-noreuse", "kvagent-pd", "kvagent")
 
 
 def parse_arms(text: str) -> list[Arm]:

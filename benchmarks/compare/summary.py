@@ -240,7 +240,8 @@ def memory_lines(s: dict[str, Any]) -> list[str]:
         used = m.get("disk_used_gib_max")
         used_s = "-" if used is None else f"{used:.2f} GiB"
         total = m["engine_kv_gib"] + m["host_tier_gib"] + m["disk_tier_gib"]
-        lines.append(f"| {name} | {m['nodes']} | {kv} | {host} | {disk} | {used_s} | "
+        nodes = f"{m['nodes']}" + (f" ({m['topology']})" if m.get("topology") else "")
+        lines.append(f"| {name} | {nodes} | {kv} | {host} | {disk} | {used_s} | "
                      f"{total:g} GiB |")
     lines += ["", ("Engine KV and the host tier are allocated whole when a node starts (split "
               "evenly between an arm's nodes); the disk tier grows up to its budget.")]

@@ -76,6 +76,9 @@ class BenchConfig(BaseModel):
     #: first token (one more step) instead of emitting and computing from P's.
     forward_first_token: bool = True
     prefill_count: int = Field(default=1, ge=1, le=4)  # P nodes (bundle only)
+    #: The bundle's `topology` (bundle only): `pd` (P and D nodes, what most configurations
+    #: measure) or `single` (one node serves every turn, what `up` picks on a CPU box).
+    topology: Literal["pd", "single"] = "pd"
     #: KV block size in tokens (bundle only); None: the bundle's default (128 on CPU).
     block_size: int | None = None
     #: Environment for every vLLM node: every P and D node over the plugin's defaults, or
@@ -479,13 +482,13 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
         **({"device": "cuda", "cpu_pinning": False} if device == "cuda" else {}),
         **({} if config.pin_processes else {"pin_processes": False}),
         "name": f"mtbench-{config.name}".replace("_", "-"),
-        # P/D, whatever `auto` would pick here: these configurations measure P/D.
-        "topology": "pd",
+        # Named, never `auto`: a configuration measures the same thing on every machine.
+        "topology": config.topology,
         "model": model,
         "run_dir": str(run_dir),
         "kv_cache_gib": kv_cache_gib,
         "startup_timeout_s": startup_timeout_s,
-        "prefill": prefill,
+        **({"prefill": prefill} if config.topology == "pd" else {}),
         "decode": decode,
         "router": router,
         **({"kv_tiers": config.kv_tiers} if config.kv_tiers else {}),

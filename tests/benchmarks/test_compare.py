@@ -10,6 +10,7 @@ import pytest
 
 from benchmarks.api import COMPARE_ARMS as ARMS
 from benchmarks.api import (
+    DEFAULT_TIERS,
     WORKLOADS,
     KvBudget,
     RequestRecord,
@@ -56,7 +57,7 @@ def test_kv_budget_is_the_same_in_all_for_every_arm() -> None:
 
 def test_aggregated_nodes_get_the_step_flags_of_kvagents_decode_node() -> None:
     rows = flag_rows(list(ARMS.values()), kv=KvBudget(gib=4), model=None)
-    d = next(r for r in rows if r["arm"] == "kvagent" and r["node"].startswith("decode"))
+    d = next(r for r in rows if r["arm"] == "kvagent-pd" and r["node"].startswith("decode"))
     step = ("--max-num-batched-tokens", "--long-prefill-token-threshold", "--block-size",
             "KVAGENT_PLUGIN", "KVAGENT_SPIN_MS", "KVAGENT_SPIN_NAP_US")
     for r in rows:
@@ -64,8 +65,30 @@ def test_aggregated_nodes_get_the_step_flags_of_kvagents_decode_node() -> None:
             assert {k: r[k] for k in step} == {k: d[k] for k in step}, r
     assert "--long-prefill-token-threshold" in aggregated_step_args()
     kv_space = {r["arm"]: r["VLLM_CPU_KVCACHE_SPACE"] for r in rows}
-    assert kv_space["aggregated"] == "4" and kv_space["kvagent"] == "2"
+    assert kv_space["aggregated"] == "4" and kv_space["kvagent-pd"] == "2"
     assert kv_space["affine-2"] == "2" and kv_space["pd-noreuse"] == "2"
+    # `kvagent` is what `up` runs here: one node holding the whole budget where that is
+    # `single`, the P/D split otherwise.
+    single = ARMS["kvagent"].resolved_topology == "single"
+    assert kv_space["kvagent"] == ("4" if single else "2")
+
+
+def test_the_kvagent_arm_runs_what_up_picks_on_the_machine(monkeypatch) -> None:
+    from kvagent_server.bundle import inputs
+    from kvagent_server.bundle.topology import HostFacts
+
+    arm = ARMS["kvagent"]
+    for gpus, topology, nodes in ((0, "single", 1), (1, "single", 1), (2, "pd", 2)):
+        monkeypatch.setattr(inputs, "detect_host",
+                            lambda g=gpus: HostFacts(cpu_cores=(0, 1), gpu_count=g))
+        assert (arm.resolved_topology, arm.nodes) == (topology, nodes)
+        assert arm.bench_config(KvBudget(gib=4)).topology == topology
+        assert arm.memory(KvBudget(gib=4), DEFAULT_TIERS)["topology"] == topology
+    monkeypatch.setattr(inputs, "detect_host", lambda: HostFacts(cpu_cores=(0, 1), gpu_count=0))
+    rows = [r for r in flag_rows([arm, ARMS["kvagent-pd"]], kv=KvBudget(gib=4), model=None)]
+    assert [(r["arm"], r["node"]) for r in rows] == [
+        ("kvagent", "decode-0"), ("kvagent-pd", "prefill-0"), ("kvagent-pd", "decode-0")]
+    assert ARMS["kvagent-pd"].resolved_topology == "pd" and ARMS["aggregated"].nodes == 1
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))

@@ -114,11 +114,11 @@ def test_aggregated_tier_gets_the_same_tiers_on_its_own(tmp_path: Path) -> None:
 
 def test_flags_table_shows_each_nodes_tiers() -> None:
     kv = workload("long-wait", quick=True).kv
-    rows = flag_rows([ARMS[a] for a in ("aggregated", "aggregated-tier", "kvagent",
+    rows = flag_rows([ARMS[a] for a in ("aggregated", "aggregated-tier", "kvagent-pd",
                                          "kvagent-tiers")], kv=kv, model=None)
     cell = {(r["arm"], r["node"]): r["KV tiers"] for r in rows}
     assert cell[("aggregated", "node")] == "none"
-    assert cell[("kvagent", "decode-0")] == "none"
+    assert cell[("kvagent-pd", "decode-0")] == "none"
     assert cell[("aggregated-tier", "node")] == (
         "host 1 GiB, disk 4 GiB local, generated tokens too")
     for node in ("prefill-0", "decode-0"):
@@ -126,7 +126,7 @@ def test_flags_table_shows_each_nodes_tiers() -> None:
             "host 0.5 GiB, disk 4 GiB shared, generated tokens too")
     blocks = {r["arm"]: r["--num-gpu-blocks-override"] for r in rows}
     assert blocks["aggregated-tier"] == blocks["aggregated"] == "272"
-    assert blocks["kvagent-tiers"] == blocks["kvagent"] == "136"
+    assert blocks["kvagent-tiers"] == blocks["kvagent-pd"] == "136"
 
 
 def test_every_tiered_arm_has_the_same_budgets() -> None:
@@ -174,7 +174,7 @@ def test_the_report_states_the_memory_each_arm_used() -> None:
     assert s["arms"]["aggregated"]["memory"]["disk_used_gib_max"] is None
     md = sm.report_md(s)
     assert "| aggregated | 1 | 2 GiB (≤ 34,816 tokens) | none | none | - | 2 GiB |" in md
-    assert ("| kvagent-tiers | 2 | 2 GiB (≤ 34,816 tokens) | 1 GiB | 4 GiB shared | "
+    assert ("| kvagent-tiers | 2 (pd) | 2 GiB (≤ 34,816 tokens) | 1 GiB | 4 GiB shared | "
             "0.75 GiB | 7 GiB |") in md
     assert md.index("| arm | nodes | engine KV") < md.index("| arm | runs |")
     assert "#1 kvagent-tiers: prefill-0: device 0, disk 1,536; decode-0: external_hits 4,096" \

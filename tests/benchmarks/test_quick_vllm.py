@@ -1,8 +1,10 @@
 """The multi-turn benchmark's quick mode end to end, on real vLLM nodes and the real router.
 
-Checks structure and correctness only (every configuration ran, the JSON validates, the
-plot exists, kvagent reused KV on later turns, reuse-off configurations did not, greedy
-answers with reuse equal those without); never timings.
+Checks structure and correctness only (every configuration asked for ran, the JSON
+validates, the plot exists, kvagent reused KV on later turns, the reuse-off configuration
+did not, greedy answers with reuse equal those without); never timings. A bounded slice:
+three of the four configurations (`pd_noreuse_pcache_on` is `pd_noreuse_pcache_off` with
+one P flag flipped, which tests/benchmarks/test_mt_nodes.py checks without starting it).
 """
 
 from __future__ import annotations
@@ -37,15 +39,19 @@ pytestmark = [
 ]
 
 
-def test_quick_mode_runs_every_configuration(tmp_path) -> None:
+#: The configurations the slice runs, in the benchmark's own order.
+SLICE = [name for name in CONFIGS if name != "pd_noreuse_pcache_on"]
+
+
+def test_quick_mode_runs_the_configurations_asked_for(tmp_path) -> None:
     out = tmp_path / "results"
-    rc = main(["--quick", "--out", str(out), "--node-trace"])
+    rc = main(["--quick", "--out", str(out), "--node-trace", "--configs", ",".join(SLICE)])
 
     rep = BenchmarkReport.model_validate_json((out / JSON_NAME).read_text())
     failed = {c.name: (c.error, c.logs) for c in rep.configs if c.status != "ok"}
     assert not failed, failed
     assert rc == 0
-    assert [c.name for c in rep.configs] == list(CONFIGS)
+    assert [c.name for c in rep.configs] == SLICE
     assert (out / PLOT_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / BUDGET_PLOT_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| kvagent | ok |" in (out / SUMMARY_NAME).read_text()
@@ -59,7 +65,7 @@ def test_quick_mode_runs_every_configuration(tmp_path) -> None:
 
     # The router's per-stage budget reached every routed record (Server-Timing is on in the
     # benchmark's bundles), and a P leg shows up only where there was one.
-    for name in ("kvagent", "pd_noreuse_pcache_off", "pd_noreuse_pcache_on"):
+    for name in ("kvagent", "pd_noreuse_pcache_off"):
         for r in by[name].records:
             assert {"receive", "plan", "decode", "total"} <= r.stages_s.keys(), (name, r)
             assert ("prefill" in r.stages_s) == (r.path not in ("d_direct", "d_fresh")), (
@@ -73,8 +79,7 @@ def test_quick_mode_runs_every_configuration(tmp_path) -> None:
     assert kva.reuse_rate_later_turns is not None and kva.reuse_rate_later_turns > 0
     assert kva.tokens.reused > 0
     assert all(r.got_cache_token for r in by["kvagent"].records)
-    for name in ("pd_noreuse_pcache_off", "pd_noreuse_pcache_on"):
-        assert by[name].summary.tokens.reused == 0, name
+    assert by["pd_noreuse_pcache_off"].summary.tokens.reused == 0
     # Greedy decoding: reusing KV must not change a single answer.
     assert rep.reference_config == "pd_noreuse_pcache_off"
     assert kva.answers_compared == 8 and kva.answers_matching_reference == 8
