@@ -51,6 +51,10 @@ _CLAUDE_NEEDS_ENDING = pytest.mark.xfail(
     "max_output_tokens and its retry is refused")
 CLIS = (pytest.param("claude", marks=_CLAUDE_NEEDS_ENDING), "codex", "opencode")
 PROMPTS = ["Say hello.", "Now say goodbye.", "Thanks, that is all."]
+#: Claude Code's invocations while the demo model cannot end a turn: one. Each of its runs
+#: decodes to the context's end and retries (about two minutes on CPU), and the runs after
+#: the first add only more of the failure its marker expects.
+CLAUDE_TURNS = 1
 #: One CLI invocation's limit (a turn on the CPU demo model takes well under a minute).
 TURN_TIMEOUT_S = 420.0
 API_KEY = "sk-kvagent-live-cli"
@@ -115,8 +119,9 @@ def play(cache: dict[str, Played], b: KVAgentBundle, name: str,
     # A project, as a user runs an agent in (Codex refuses to run outside a git repository).
     subprocess.run(["git", "init", "-q", str(work)], check=True, timeout=60)
     with clis.Recorder(b.router_url) as rec:
+        prompts = PROMPTS[:CLAUDE_TURNS] if name == "claude" else PROMPTS
         s = clis.session(name, home=home, base_url=rec.url, model=b.model, api_key=API_KEY,
-                         prompts=PROMPTS)
+                         prompts=prompts)
         before = _requests_by_status(b.router_url)
         log = _router_log(b)
         log_start = log.stat().st_size
@@ -210,7 +215,9 @@ def test_later_turns_reuse(session: Played) -> None:
     """Every model request of turns 2 and 3 continued held KV (the router's report), and
     the CLI's own usage counts cached input tokens on those turns."""
     p = session
-    for turn in (1, 2):
+    if len(p.runs) < 2:
+        pytest.skip(f"{p.name} played {len(p.runs)} turn(s) (CLAUDE_TURNS)")
+    for turn in range(1, len(p.runs)):
         requests = p.model_requests(turn)
         missed = [x for x in requests if not (
             x.kvagent and x.kvagent.get("path") in replay.REUSE_PATHS and x.reused_tokens > 0)]
