@@ -3,10 +3,12 @@ and the checks every turn gets (no internal field reaches the client, no wrong K
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 from typing import Any
 
+import httpx
 from fakes import Stack
 
 MODEL = "fake-model"
@@ -76,3 +78,16 @@ FIRST = [{"role": "user", "content": LONG}]
 
 def second(answer: str, text: str = "Now shorter, and in French please.") -> list[dict]:
     return [*FIRST, {"role": "assistant", "content": answer}, {"role": "user", "content": text}]
+
+
+async def wait_ready(client: httpx.AsyncClient, *, tries: int = 300,
+                     interval_s: float = 0.1) -> None:
+    """Poll a router started as a process until `/ready` answers 200 (its first turn may
+    still find a node unhealthy otherwise); the caller's next request says if it never did."""
+    for _ in range(tries):
+        try:
+            if (await client.get("/ready")).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        await asyncio.sleep(interval_s)

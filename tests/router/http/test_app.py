@@ -25,6 +25,7 @@ from router_client import (
     no_wrong_kv,
     second,
     turn,
+    wait_ready,
 )
 
 # --------------------------------------------------------------------------- the flow
@@ -675,13 +676,7 @@ async def test_cli_serves_with_settings_file(tmp_path: Any) -> None:
             p_url, "--decode", d_url, "--settings", str(cfg), "--log-level", "warning")
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
-                for _ in range(200):
-                    try:
-                        if (await c.get("/ready")).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    await asyncio.sleep(0.1)
+                await wait_ready(c, tries=200)
                 models = (await c.get("/v1/models")).json()
                 assert models["data"][0]["id"] == MODEL  # asked from the nodes
                 r = await c.post("/v1/chat/completions", json=chat_body(FIRST, stream=False),

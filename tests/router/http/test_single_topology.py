@@ -13,7 +13,17 @@ from typing import Any
 import httpx
 from fakes import FakeCluster, FakeNode, free_port, router_stack, serve
 from kvagent_server.router.reuse.transfer import RELEASE_KEY
-from router_client import FIRST, LONG, MODEL, assert_clean, chat_body, no_wrong_kv, second, turn
+from router_client import (
+    FIRST,
+    LONG,
+    MODEL,
+    assert_clean,
+    chat_body,
+    no_wrong_kv,
+    second,
+    turn,
+    wait_ready,
+)
 
 
 def _d_params(st: Any) -> dict[str, Any]:
@@ -191,13 +201,7 @@ async def test_the_command_line_runs_single_without_prefill(tmp_path: Any) -> No
             "--decode", d_url, "--log-level", "warning")
         try:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as c:
-                for _ in range(300):
-                    try:
-                        if (await c.get("/ready")).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    await asyncio.sleep(0.1)
+                await wait_ready(c)
                 r = await c.post("/v1/chat/completions", json=chat_body(FIRST, stream=False),
                                  headers={"X-Session-ID": "cli"})
                 assert r.status_code == 200 and r.json()["kvagent"]["path"] == "d_fresh"

@@ -117,6 +117,18 @@ def _decode_only() -> TurnPlan:
         reuse_tokens=0, reason=planner.Reason.UNSUPPORTED_SHAPE))
 
 
+def _settled_early(facts: TurnFacts, *, untokenized: bool = True) -> TurnPlan | None:
+    """The plan every policy gives before weighing anything: a request P/D cannot split
+    goes whole to D; with `untokenized`, an extension gather priced without `/tokenize`
+    takes the path it was priced for."""
+    if not facts.req.splittable:
+        return _decode_only()
+    if untokenized and facts.untokenized is not None:
+        u = facts.untokenized
+        return _plan(facts, u.path, u.plan, u.prompt_len)
+    return None
+
+
 @dataclasses.dataclass(frozen=True)
 class CostModelPolicy:
     """The learned costs and queues choose the path (module docstring)."""
@@ -126,11 +138,8 @@ class CostModelPolicy:
     name: str = "cost_model"
 
     def decide(self, facts: TurnFacts) -> TurnPlan:
-        if not facts.req.splittable:
-            return _decode_only()
-        if facts.untokenized is not None:
-            u = facts.untokenized
-            return _plan(facts, u.path, u.plan, u.prompt_len)
+        if (early := _settled_early(facts)) is not None:
+            return early
         c = self.costs
         d_free = not self.d_full(facts)
         reuse = reuse_plan(facts, self.reuse)
@@ -186,11 +195,8 @@ class FixedPolicy:
     on_decode: bool
 
     def decide(self, facts: TurnFacts) -> TurnPlan:
-        if not facts.req.splittable:
-            return _decode_only()
-        if self.on_decode and facts.untokenized is not None:
-            u = facts.untokenized
-            return _plan(facts, u.path, u.plan, u.prompt_len)
+        if (early := _settled_early(facts, untokenized=self.on_decode)) is not None:
+            return early
         reuse = reuse_plan(facts, self.reuse)
         path = paths.choose_path(reuse, len(facts.prompt_ids), facts.costs,
                                  skip_prefill_max_tokens=(1 << 30) if self.on_decode else 0,
@@ -213,11 +219,8 @@ class SinglePolicy:
     name: str = "single"
 
     def decide(self, facts: TurnFacts) -> TurnPlan:
-        if not facts.req.splittable:
-            return _decode_only()
-        if facts.untokenized is not None:
-            u = facts.untokenized
-            return _plan(facts, u.path, u.plan, u.prompt_len)
+        if (early := _settled_early(facts)) is not None:
+            return early
         reuse = reuse_plan(facts, self.reuse)
         prompt_len = len(facts.prompt_ids)
         if reuse.reuses and facts.d_holds:
