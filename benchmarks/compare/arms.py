@@ -31,6 +31,7 @@ from kvagent_server.bundle.render import (
     format_cpu_list,
     last_flag,
 )
+from kvagent_server.common.types import Topology
 from kvagent_server.vllm_plugin import env as plugin_env
 
 from benchmarks.multiturn.nodes import (
@@ -151,10 +152,10 @@ class Arm:
     tier: Literal["local", "shared"] | None = None
     #: A bundle arm's topology: "pd", "single", or "auto" (what `kvagent-server up` picks
     #: on the machine running the benchmark, resolved by the bundle's own rule).
-    topology: Literal["pd", "single", "auto"] = "pd"
+    topology: Topology | Literal["auto"] = "pd"
 
     @property
-    def resolved_topology(self) -> Literal["pd", "single"] | None:
+    def resolved_topology(self) -> Topology | None:
         """The bundle's topology on this machine (None for an arm that is no bundle)."""
         if self.kind != "bundle":
             return None

@@ -18,7 +18,7 @@ from typing import Any, Literal, Self
 
 import httpx
 import psutil
-from kvagent_server.common.types import Device
+from kvagent_server.common.types import Device, Topology
 from kvagent_server.vllm_plugin.env import (
     CPU_SPIN_NAP_US,
     DEFAULT_SPIN_MS,
@@ -78,7 +78,7 @@ class BenchConfig(BaseModel):
     prefill_count: int = Field(default=1, ge=1, le=4)  # P nodes (bundle only)
     #: The bundle's `topology` (bundle only): `pd` (P and D nodes, what most configurations
     #: measure) or `single` (one node serves every turn, what `up` picks on a CPU box).
-    topology: Literal["pd", "single"] = "pd"
+    topology: Topology = "pd"
     #: KV block size in tokens (bundle only); None: the bundle's default (128 on CPU).
     block_size: int | None = None
     #: Environment for every vLLM node: every P and D node over the plugin's defaults, or
