@@ -65,7 +65,7 @@ def test_up_detach_status_down_with_real_vllm(tmp_path: Path) -> None:
     p, d, ps, ds = free_ports(4)
     config = tmp_path / "bundle.yaml"
     config.write_text(yaml.safe_dump({
-        "name": "realtest", "run_dir": str(run_dir),
+        "name": "realtest", "run_dir": str(run_dir), "topology": "pd",
         "prefill": {"ports": [p], "side_channel_ports": [ps],
                     "extra_args": list(TEST_ENGINE_ARGS)},
         "decode": {"ports": [d], "side_channel_ports": [ds],
