@@ -391,8 +391,9 @@ class BundleConfig(BaseModel):
 
     # ----------------------------------------------------------------- derived values
 
-    def roles_of(self, topology: Topology) -> tuple[Role, ...]:
-        """The roles whose nodes run in `topology` (single: the decode role's one node)."""
+    def roles_of(self, topology: Topology | Literal["auto"]) -> tuple[Role, ...]:
+        """The roles whose nodes may run in `topology` (single: the decode role's one node;
+        `auto`, not yet resolved against a host: both)."""
         return ("decode",) if topology == "single" else ROLES
 
     def role(self, role: Role) -> RoleConfig:
@@ -452,7 +453,7 @@ def _binds_tcp(host: str) -> bool:
 def _port_clashes(cfg: BundleConfig) -> list[str]:
     """Every pair of listeners that would share a port, one line per clash."""
     owners: dict[int, list[str]] = {}
-    for role in cfg.roles_of("single" if cfg.topology == "single" else "pd"):
+    for role in cfg.roles_of(cfg.topology):
         for i, port in enumerate(cfg.node_ports(role)):
             owners.setdefault(port, []).append(f"{role}[{i}].port")
         for i, port in enumerate(cfg.side_channel_ports(role)):
