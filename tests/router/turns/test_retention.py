@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 from fakes import FakeCluster, Reply, decode_ids, default_reply, router_stack
@@ -25,10 +26,12 @@ from kvagent_server.router.turns.retention import (
     NodeKV,
     PolicyEviction,
     ReleaseQueue,
+    RetentionGuard,
     blocks_to_free,
     parse_node_kv,
     remote_request_id,
 )
+from kvagent_server.router.turns.upstream import UpstreamError
 from router_client import LONG, MODEL, chat_body, no_wrong_kv, turn
 
 
@@ -94,6 +97,56 @@ def test_release_queue_per_node_and_bounded() -> None:
     assert q.pending("d0") == 3 and sorted(q.nodes()) == ["d0", "d1"]
     assert q.drain("d0", limit=2) == ["b", "c"] and q.drain("d0") == ["d"]
     assert q.drain("d0") == [] and q.nodes() == ["d1"]
+
+
+def test_release_queue_retries_a_failed_send_then_gives_up() -> None:
+    q = ReleaseQueue(max_tries=2)
+    q.add("d0", ["a", "b", "c"])
+    sent = q.drain("d0", limit=2)
+    assert q.failed("d0", sent) == [] and q.drain("d0") == ["a", "b", "c"]  # in order
+    assert q.failed("d0", ["a", "b"]) == ["a", "b"]  # a second failure: the TTL frees them
+    q.sent("d0", ["c"])
+    assert q.pending("d0") == 0
+    q.add("d0", ["c"])  # a success forgot c's failed try: it gets its own tries again
+    assert q.failed("d0", q.drain("d0")) == [] and q.pending("d0") == 1
+    with pytest.raises(ValueError):
+        ReleaseQueue(max_tries=0)
+
+
+class _FlakyNode:
+    """A decode node's HTTP client whose first release request fails (busy past the
+    timeout); it records every release it accepts."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.released: list[list[str]] = []
+
+    async def post(self, url: str, body: dict[str, Any], *, stream: bool,
+                   headers: dict[str, str] | None = None,
+                   timeout_s: float | None = None) -> Any:
+        self.calls += 1
+        if self.calls == 1:
+            raise UpstreamError("timed out")
+        self.released.append(list(body["kv_transfer_params"][RELEASE_KEY]))
+        return type("Answer", (), {"status_code": 200})()
+
+
+async def test_a_release_the_node_did_not_take_is_sent_again_next_round() -> None:
+    node = _FlakyNode()
+
+    async def evict(name: str, blocks: int, max_handles: int) -> list[Any]:
+        return []
+
+    outcomes: list[tuple[bool, int]] = []
+    guard = RetentionGuard(lambda name: node, nodes=list, evict=evict,
+                           model=lambda: "m", high=0.9, low=0.5, interval_s=60,
+                           on_released=lambda ok, n: outcomes.append((ok, n)))
+    guard.queue.add("d0", ["r1", "r2"])
+    assert await guard.flush("d0", "http://d0") is False
+    assert guard.queue.pending("d0") == 2 and node.released == []
+    assert await guard.flush("d0", "http://d0") is True
+    assert node.released == [["r1", "r2"]] and guard.queue.pending("d0") == 0
+    assert outcomes == [(False, 2), (True, 2)]
 
 
 async def _wait_for(cond, timeout: float = 10.0) -> None:

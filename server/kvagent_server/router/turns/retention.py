@@ -115,15 +115,47 @@ def blocks_to_free(kv: NodeKV, *, high: float, low: float) -> int:
 
 class ReleaseQueue:
     """Decode request ids waiting to be released, per node (bounded: what falls off the
-    end is freed by the node's TTL anyway)."""
+    end is freed by the node's TTL anyway).
 
-    def __init__(self, max_per_node: int = 4096) -> None:
+    A release the node did not answer (busy past the timeout, restarting) is retried on
+    the next round, up to `max_tries` sends per id: blocks nobody will claim would
+    otherwise hold the node's memory until the TTL, exactly when it is short."""
+
+    def __init__(self, max_per_node: int = 4096, *, max_tries: int = 3) -> None:
+        if max_tries < 1:
+            raise ValueError("max_tries must be at least 1")
         self._max = max_per_node
+        self.max_tries = max_tries
         self._ids: dict[str, deque[str]] = {}
+        self._tries: dict[tuple[str, str], int] = {}
 
     def add(self, node: str, ids: Iterable[str]) -> None:
         q = self._ids.setdefault(node, deque(maxlen=self._max))
         q.extend(i for i in ids if i)
+
+    def failed(self, node: str, ids: Iterable[str]) -> list[str]:
+        """The send of `ids` failed: those with tries left go back to the front of the
+        queue; returns the ones given up (their blocks go at the node's TTL)."""
+        again, dropped = [], []
+        for rid in ids:
+            tries = self._tries.get((node, rid), 0) + 1
+            if tries < self.max_tries:
+                self._tries[(node, rid)] = tries
+                again.append(rid)
+            else:
+                self._tries.pop((node, rid), None)
+                dropped.append(rid)
+        q = self._ids.setdefault(node, deque(maxlen=self._max))
+        q.extendleft(reversed(again))
+        if len(self._tries) > 2 * self._max:  # ids that fell off a full queue
+            queued = {(n, rid) for n, ids_ in self._ids.items() for rid in ids_}
+            self._tries = {k: v for k, v in self._tries.items() if k in queued}
+        return dropped
+
+    def sent(self, node: str, ids: Iterable[str]) -> None:
+        """The node took `ids`: forget their failed tries."""
+        for rid in ids:
+            self._tries.pop((node, rid), None)
 
     def drain(self, node: str, limit: int = transfer.MAX_RELEASES_PER_REQUEST) -> list[str]:
         q = self._ids.get(node)
@@ -298,9 +330,15 @@ class RetentionGuard:
             self.on_released(sent, len(ids))
             ok = ok and sent
             if not sent:
-                log.warning("could not release %d handle(s) on %s: they expire at the TTL",
-                            len(ids), name)
+                dropped = self.queue.failed(name, ids)
+                if dropped:
+                    log.warning("could not release %d handle(s) on %s after %d tries: they "
+                                "expire at the TTL", len(dropped), name, self.queue.max_tries)
+                if len(dropped) < len(ids):
+                    log.info("could not release %d handle(s) on %s: retrying next round",
+                             len(ids) - len(dropped), name)
                 return False
+            self.queue.sent(name, ids)
         return ok
 
     async def check_and_flush(self, name: str, url: str, epoch: str) -> int:
