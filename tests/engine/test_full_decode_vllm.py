@@ -55,6 +55,19 @@ def _waiting(node: Node) -> float:
     return 0.0
 
 
+def _stays_waiting(node: Node, turn: concurrent.futures.Future[object]) -> bool:
+    """The turn cannot be allocated: the node reports a waiting request on three reads in
+    a row, seconds apart, while it runs nothing else (a turn that runs ends in seconds)."""
+    deadline = time.monotonic() + 60
+    seen = 0
+    while not turn.done() and time.monotonic() < deadline:
+        seen = seen + 1 if _waiting(node) >= 1 else 0
+        if seen >= 3:
+            return True
+        time.sleep(2)
+    return not turn.done()
+
+
 def test_a_pure_release_unblocks_a_full_decode_node(decode: Node) -> None:
     retained: list[str] = []
     pool = concurrent.futures.ThreadPoolExecutor(max_workers=2)
@@ -64,11 +77,10 @@ def test_a_pure_release_unblocks_a_full_decode_node(decode: Node) -> None:
         for seed in range(BLOCKS):
             turn = pool.submit(flow.plain, decode.url, _prompt(seed, 400), 4,
                                {"do_remote_prefill": False})
-            try:
-                done = turn.result(timeout=60)
-            except concurrent.futures.TimeoutError:
+            if _stays_waiting(decode, turn):
                 stuck = turn
                 break
+            done = turn.result(timeout=60)
             assert done.kv_transfer_params is not None
             retained.append(done.kv_transfer_params["remote_request_id"])
         assert stuck is not None, "the KV cache never filled"

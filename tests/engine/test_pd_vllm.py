@@ -224,32 +224,20 @@ def test_d_direct_hits_retained_prefix_and_retains_again(pair: PDPair) -> None:
     assert no_params.kv_transfer_params is None
 
 
-def test_after_ttl_blocks_are_gone_and_p_recomputes(pair: PDPair) -> None:
-    prompt = _prompt(7, 1000)
-    t1 = _turn1_on_d(pair, prompt, 8)
-    time.sleep(TTL_S + 3)
-    expired = _metric(pair.p, "vllm:nixl_num_kv_expired_reqs_total")
-    reads = _metric(pair.p, "vllm:nixl_xfer_time_seconds_count")
-    prompt2 = prompt + t1.token_ids + _prompt(77, 50)
-    salt = _salt()
-    p = flow.p_leg(pair.p.url, prompt2, flow.reuse_params(t1.kv_transfer_params), extra=salt)
-    # P declined the expired handle: no NIXL read, nothing reused, the turn recomputed.
-    assert _metric(pair.p, "vllm:nixl_xfer_time_seconds_count") == reads
-    assert _metric(pair.p, "vllm:nixl_num_kv_expired_reqs_total") >= expired + 1
-    assert p["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    d = flow.d_leg(pair.d.url, prompt2, p["kv_transfer_params"], 8, extra=salt)
-    assert len(d.token_ids) == 8
-
-
 def _released(pair: PDPair, request_id: str) -> bool:
     return f"Releasing expired KV blocks for request {request_id} " in pair.d.log_path.read_text(
         errors="replace")
 
 
-def test_d_retained_blocks_expire_and_can_be_released_early(pair: PDPair) -> None:
+def test_d_blocks_expire_at_the_ttl_can_be_released_early_and_p_declines_expired_ones(
+        pair: PDPair) -> None:
     """The soak's leak: stock vLLM 0.32 never expires a sequence D computed itself (sent
     with `{"do_remote_prefill": false}`, the router's d_direct path), so D's KV filled up.
-    With the plugin it expires at the TTL, and a later request can release it at once."""
+    With the plugin it expires at the TTL, and a later request can release it at once.
+    Past the TTL, P declines to read a turn's expired blocks and recomputes. (One wait for
+    D's TTL serves both.)"""
+    prompt = _prompt(7, 1000)
+    t1 = _turn1_on_d(pair, prompt, 8)  # read after its TTL, below
     a = _turn1_on_d(pair, _prompt(8, 900), 4)
     a_id = a.kv_transfer_params["remote_request_id"]
     b = flow.plain(pair.d.url, _prompt(9, 600), 4,
@@ -264,6 +252,19 @@ def test_d_retained_blocks_expire_and_can_be_released_early(pair: PDPair) -> Non
     while not _released(pair, b_id):  # ...and freed at its TTL, not never
         assert time.monotonic() < deadline, "B's blocks never expired (the leak)"
         time.sleep(1)
+    # t1 is older than B: its TTL has passed too.
+    assert _released(pair, t1.kv_transfer_params["remote_request_id"])
+    expired = _metric(pair.p, "vllm:nixl_num_kv_expired_reqs_total")
+    reads = _metric(pair.p, "vllm:nixl_xfer_time_seconds_count")
+    prompt2 = prompt + t1.token_ids + _prompt(77, 50)
+    salt = _salt()
+    p = flow.p_leg(pair.p.url, prompt2, flow.reuse_params(t1.kv_transfer_params), extra=salt)
+    # P declined the expired handle: no NIXL read, nothing reused, the turn recomputed.
+    assert _metric(pair.p, "vllm:nixl_xfer_time_seconds_count") == reads
+    assert _metric(pair.p, "vllm:nixl_num_kv_expired_reqs_total") >= expired + 1
+    assert p["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    d = flow.d_leg(pair.d.url, prompt2, p["kv_transfer_params"], 8, extra=salt)
+    assert len(d.token_ids) == 8
 
 
 async def test_watermark_guard_evicts_and_releases_on_a_real_decode_node(pair: PDPair) -> None:

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import pytest
-from kvagent_server.bundle.processes import stop_groups
-from support import VLLMNode, start_vllm_node, vllm_available
+from support import VLLMNode
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -111,28 +110,14 @@ class Servers:
 
 
 @pytest.fixture(scope="module")
-def stock_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMNode]:
-    """Stock vLLM: no connector, no plugin, the flags the bundle gives its nodes that
-    shape answers (usage details, context length), and `--enable-request-id-headers`:
-    the router always sends `x-request-id` as vLLM does with it, so the header check
-    below holds the router to it."""
-    if not vllm_available():
-        pytest.skip("vLLM is not installed (./dev test installs the CPU engine)")
-    node, proc = start_vllm_node(tmp_path_factory.mktemp("stock"), extra_args=[
-        "--max-model-len", "16384", "--enable-prompt-tokens-details",
-        "--enable-request-id-headers"])
-    try:
-        yield node
-    finally:
-        stop_groups(proc)
-
-
-@pytest.fixture(scope="module")
-def servers(stock_node: VLLMNode, kvagent_bundle: Any) -> Servers:
+def servers(vllm_node: VLLMNode, kvagent_bundle: Any) -> Servers:
+    """The suite's stock node (`--enable-request-id-headers`: the router always sends
+    `x-request-id` as vLLM does with it, so the header check below holds the router
+    to it) and the shared bundle's router."""
     if not kvagent_bundle.available:
         pytest.skip(kvagent_bundle.reason)
-    assert stock_node.model == kvagent_bundle.model
-    return Servers(stock=stock_node.root_url, router=kvagent_bundle.router_url,
+    assert vllm_node.model == kvagent_bundle.model
+    return Servers(stock=vllm_node.root_url, router=kvagent_bundle.router_url,
                    model=kvagent_bundle.model)
 
 

