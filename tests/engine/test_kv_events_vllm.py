@@ -15,6 +15,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kvagent_server.bundle.render import ROUTER_SETTINGS_FILE
 from support import KVAgentBundle
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -42,7 +43,7 @@ async def test_router_hashes_equal_the_node_published_hashes(bundle: KVAgentBund
     from kvagent_server.router.kv.index import KVEventSource, KVIndex
 
     assert bundle.run_dir is not None
-    settings = json.loads(Path(bundle.run_dir, "router-settings.json").read_text())
+    settings = json.loads(Path(bundle.run_dir, ROUTER_SETTINGS_FILE).read_text())
     node_url = bundle.prefill_urls[0]
     source = settings["kv_events"][node_url]
     block = settings["block_size"]

@@ -31,7 +31,7 @@ from kvagent_server.router.turns.retention import (
     parse_node_kv,
     remote_request_id,
 )
-from kvagent_server.router.turns.upstream import UpstreamError
+from kvagent_server.router.turns.upstream import NodeResponse, UpstreamError
 from router_client import LONG, MODEL, chat_body, no_wrong_kv, turn
 
 
@@ -123,12 +123,12 @@ class _FlakyNode:
 
     async def post(self, url: str, body: dict[str, Any], *, stream: bool,
                    headers: dict[str, str] | None = None,
-                   timeout_s: float | None = None) -> Any:
+                   timeout_s: float | None = None) -> NodeResponse:
         self.calls += 1
         if self.calls == 1:
             raise UpstreamError("timed out")
         self.released.append(list(body["kv_transfer_params"][RELEASE_KEY]))
-        return type("Answer", (), {"status_code": 200})()
+        return NodeResponse(None, b"", 200)
 
 
 async def test_a_release_the_node_did_not_take_is_sent_again_next_round() -> None:
