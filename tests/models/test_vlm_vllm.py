@@ -18,7 +18,6 @@ from typing import Any
 
 import httpx
 import pytest
-from engine.flow import FRESH_P_PARAMS
 from kvagent_server.models.vlm import (
     IMAGE_TOKENS,
     VLM_MODEL_NAME,
@@ -26,6 +25,7 @@ from kvagent_server.models.vlm import (
     sample_image_url,
 )
 from support import p2p_received
+from vllm_plugin.flow import FRESH_P_PARAMS
 
 from .real import (
     Conversation,
