@@ -1,6 +1,7 @@
 """Where the tests of clients nobody here wrote point: the router before fake P/D nodes
 (fast, always), or the suite's real bundle (`vllm`). One module-scoped fixture, `bundle`,
-gives a module both targets (import `client_bundle` into the module)."""
+gives a module both targets (import `client_bundle` into the module); a module that must
+also pass on the `single` topology builds its own from `targets` with `SINGLE`."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 
 import pytest
 from fakes.threaded import MODEL, threaded_router_stack
-from support import metric_sum
+from support import metric_sum, second_router
 
 
 @dataclass(frozen=True)
@@ -23,18 +24,33 @@ class Target:
     stack: Any = None
 
 
-@pytest.fixture(name="bundle", scope="module", params=[
-    "fake", pytest.param("real", marks=[pytest.mark.vllm, pytest.mark.slow])])
-def client_bundle(request: pytest.FixtureRequest) -> Iterator[Target]:
-    """The router to drive: before fake nodes, or the suite's real bundle."""
+REAL = pytest.param("real", marks=[pytest.mark.vllm, pytest.mark.slow])
+#: A router of the `single` topology (no prefill node) in front of the real bundle's decode
+#: node, as `kvagent-server up` runs it on a CPU box or one GPU.
+SINGLE = pytest.param("single", marks=[pytest.mark.vllm, pytest.mark.slow])
+
+
+def targets(request: pytest.FixtureRequest) -> Iterator[Target]:
+    """The router `request.param` names: "fake", "real" or "single"."""
+    if request.param == "fake":
+        with threaded_router_stack() as stack:
+            yield Target(f"{stack.url}/v1", stack.url, MODEL, real=False, stack=stack)
+        return
+    real = request.getfixturevalue("kvagent_bundle")
+    if not real.available:
+        pytest.skip(real.reason)
     if request.param == "real":
-        real = request.getfixturevalue("kvagent_bundle")
-        if not real.available:
-            pytest.skip(real.reason)
         yield Target(real.base_url, real.router_url, real.model, real=True)
         return
-    with threaded_router_stack() as stack:
-        yield Target(f"{stack.url}/v1", stack.url, MODEL, real=False, stack=stack)
+    tmp = request.getfixturevalue("tmp_path_factory").mktemp("single-router")
+    with second_router(real, tmp, prefill=False) as url:
+        yield Target(f"{url}/v1", url, real.model, real=True)
+
+
+@pytest.fixture(name="bundle", scope="module", params=["fake", REAL])
+def client_bundle(request: pytest.FixtureRequest) -> Iterator[Target]:
+    """The router to drive: before fake nodes, or the suite's real bundle."""
+    yield from targets(request)
 
 
 def reuse_hits(router_url: str) -> float:

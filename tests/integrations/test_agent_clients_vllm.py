@@ -1,7 +1,7 @@
 """Agent frameworks and API clients nobody here wrote, unmodified, with only a base URL.
 
-Each runs its default API against the router (before fake P/D nodes, and the real bundle
-with marker `vllm`): the OpenAI Agents SDK and pydantic-ai speak Responses, `anthropic`
+Each runs its default API against the router (before fake P/D nodes, and with marker
+`vllm` the real bundle and a `single`-topology router in front of its decode node): the OpenAI Agents SDK and pydantic-ai speak Responses, `anthropic`
 speaks Messages, langchain-openai and LangGraph speak chat completions. None of them
 sends a kvagent header or knows the cache token; every later model call must still reuse
 KV, as the client itself reports it (its usage's cached or cache-read tokens) and as the
@@ -13,12 +13,13 @@ shared prefix), and the nodes' own prefix caches hold that prompt as well.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import anthropic
 import openai
 import pytest
-from client_targets import cached_tokens, client_bundle, reuse_hits  # noqa: F401 - `bundle`
+from client_targets import REAL, SINGLE, Target, cached_tokens, reuse_hits, targets
 
 SYSTEM = ("You are a weather assistant. Answer briefly; call the weather tool when asked "
           "about a city. ") * 10
@@ -29,6 +30,12 @@ CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string",
                                                          "enum": ["oslo", "lima", "perth"]}},
                "required": ["city"]}
 MAX_TOKENS = 48
+
+
+@pytest.fixture(name="bundle", scope="module", params=["fake", REAL, SINGLE])
+def agent_clients_bundle(request: pytest.FixtureRequest) -> Iterator[Target]:
+    """The P/D router before fake nodes and the real bundle, and the one-node router."""
+    yield from targets(request)
 
 
 def ask(question: str) -> str:
