@@ -55,8 +55,10 @@ def test_conversation_on_the_adapter_reuses_d_kv(served: Served) -> None:
     conv = Conversation(served, DEMO_LORA_NAME, messages=[
         SYSTEM, {"role": "user", "content": "List the services that saw errors."}])
     # A long first answer: D then holds full blocks P never computed (P's own prefix cache
-    # has turn 1's prompt), so turn 2's reuse needs a real pull from D.
-    conv.checked_send(max_tokens=200, ignore_eos=True)
+    # has turn 1's prompt), so turn 2's reuse needs a real pull from D. Past EOS (ignored)
+    # the model may write special tokens: kept in the text, the history re-renders
+    # exactly the tokens D holds.
+    conv.checked_send(max_tokens=200, ignore_eos=True, skip_special_tokens=False)
     conv.messages.append({"role": "user", "content": "Which one first?"})
     received = p2p_received(served.prefill_url)
     out = conv.checked_send(max_tokens=16)

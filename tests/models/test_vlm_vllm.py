@@ -96,7 +96,9 @@ def test_unchanged_image_reuses_a_swapped_one_stops_at_its_placeholder(
     pulled = nixl_reads(served.decode_url)
     # A long answer: D then holds blocks P never computed (P has turn 1's prompt in its
     # own prefix cache), so turn 2's reuse needs a real pull from D.
-    out = conv.checked_send(max_tokens=200, ignore_eos=True)
+    # Past EOS (ignored) the model may write special tokens: kept in the text, the
+    # history re-renders exactly the tokens D holds.
+    out = conv.checked_send(max_tokens=200, ignore_eos=True, skip_special_tokens=False)
     assert out["kvagent"]["path"] == "pd_fresh", out["kvagent"]
     assert nixl_reads(served.decode_url) > pulled, "D did not pull P's KV over NIXL"
     ids = httpx.post(f"{served.prefill_url}/tokenize", timeout=60, json={
