@@ -25,8 +25,8 @@ SERVER_LAYERS = ["common", "router", "vllm_plugin", "engine", "config", "models"
                  "deploy", "demo", "cli"]
 
 #: The router's subpackages, lowest first: a module may import its own layer or lower ones.
-ROUTER_LAYERS = ["common", "telemetry", "kv", "settings", "auth", "store", "reuse", "turns",
-                 "apis", "http", "__main__"]
+ROUTER_LAYERS = ["common", "telemetry", "kv", "settings", "auth", "store", "reuse", "nodes",
+                 "turns", "apis", "http", "__main__"]
 
 
 def _module_name(root_pkg: str, path: Path) -> str:

@@ -54,6 +54,13 @@ from kvagent_server.router.http.request import (
     session_and_token,
     validate,
 )
+from kvagent_server.router.nodes import tier_placement
+from kvagent_server.router.nodes.admission import DecodeGate
+from kvagent_server.router.nodes.client import UpstreamError
+from kvagent_server.router.nodes.legs import LegError, Legs
+from kvagent_server.router.nodes.prompt_ids import TokenizeError, tokenize
+from kvagent_server.router.nodes.registry import Node, NodeRegistry
+from kvagent_server.router.nodes.retention import NodeKV, PolicyEviction, RetentionGuard
 from kvagent_server.router.reuse.retention_policy import retention_policy_for
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.base import SessionStore
@@ -62,18 +69,11 @@ from kvagent_server.router.store.memory import MemoryStore
 from kvagent_server.router.telemetry import budget as time_budget
 from kvagent_server.router.telemetry.metrics import CONTENT_TYPE, RouterMetrics
 from kvagent_server.router.telemetry.spans import record_error, record_outcome, start_turn
-from kvagent_server.router.turns import kv_placement
 from kvagent_server.router.turns.context import Router
-from kvagent_server.router.turns.legs import LegError, Legs
-from kvagent_server.router.turns.nodes import Node, NodeRegistry
 from kvagent_server.router.turns.pipeline import open_turn, settle
 from kvagent_server.router.turns.policy import policy_for
-from kvagent_server.router.turns.prompt_ids import TokenizeError, tokenize
 from kvagent_server.router.turns.relay import Scrubber, SseRelay, rewrite_response
-from kvagent_server.router.turns.retention import NodeKV, PolicyEviction, RetentionGuard
-from kvagent_server.router.turns.room import DecodeGate
 from kvagent_server.router.turns.shapes import Turn, TurnRequest
-from kvagent_server.router.turns.upstream import UpstreamError
 
 #: Test-only negative-control header (settings.test_shift_blocks_header).
 SHIFT_BLOCKS_HEADER = "x-kvagent-test-shift-blocks"
@@ -112,7 +112,7 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
                metrics: RouterMetrics | None = None) -> Starlette:
     """The router app for the given node URLs (root URLs, e.g. `http://127.0.0.1:8100`).
 
-    Every request to a node goes through its `upstream.NodeClient`; `store` defaults from
+    Every request to a node goes through its `nodes.client.NodeClient`; `store` defaults from
     `settings`
     (Redis when `redis_url` is set). Node health is probed at start-up and then every
     `health_interval_s`.
@@ -199,8 +199,8 @@ async def _lifespan(parts: AppParts, app: Starlette) -> AsyncIterator[None]:
                         policy=policy_for(settings, registry.topology))
         log.info("topology %s, path policy %s", registry.topology, router.policy.name)
         parts.router = app.state.router = router
-        # KV events feed tier-aware P placement (kv_placement; None without sources)
-        router.tiers, kv_events = kv_placement.from_settings(settings, registry)
+        # KV events feed tier-aware P placement (tier_placement; None without sources)
+        router.tiers, kv_events = tier_placement.from_settings(settings, registry)
         if kv_events is not None:
             kv_events.start()
             stack.push_async_callback(kv_events.stop)
@@ -304,7 +304,7 @@ async def _not_allowed(request: Request, exc: Exception) -> Response:
 
 def _retention_guard(parts: AppParts, legs: Legs, router: Router) -> RetentionGuard | None:
     """Keeps decode nodes' retained KV under the watermark, dropping what the retention
-    policy ranks first (turns/retention.py)."""
+    policy ranks first (nodes/retention.py)."""
     settings, metrics, nodes = parts.settings, parts.metrics, parts.registry.nodes
     if settings.retention_high_watermark is None:
         return None
@@ -332,7 +332,7 @@ def _record_kv(nodes: dict[str, Node], parts: AppParts, name: str, kv: NodeKV,
 
 
 def _decode_gate(router: Router) -> DecodeGate | None:
-    """Admits legs to decode nodes by their KV room (turns/room.py); needs the guard's reads."""
+    """Admits legs to decode nodes by their KV room (nodes/admission.py); needs the guard's reads."""
     guard = router.retention
     if guard is None:
         return None
