@@ -123,10 +123,10 @@ def test_the_pipeline_runs_the_stages_in_order() -> None:
     body = src[src.index("async def open_turn"):]
     calls = [body.index(c) for c in ("gather(", ".decide(", "execute(")]
     assert calls == sorted(calls)
-    app = (SOURCES["kvagent_server"] / "router" / "http" / "app.py").read_text()
-    stream = app[app.index("async def _stream("):]
+    shell = (SOURCES["kvagent_server"] / "router" / "http" / "turn.py").read_text()
+    stream = shell[shell.index("async def _stream("):]
     assert stream.index(".relay(") < stream.index("settle(") < stream.index(".tail(")
-    whole = app[app.index("async def _whole("):app.index("async def _stream(")]
+    whole = shell[shell.index("async def _whole("):shell.index("async def _stream(")]
     assert whole.index(".scrub(") < whole.index("settle(") < whole.index("rewrite_response(")
 
 
