@@ -25,6 +25,7 @@ SERVER_LAYERS = ["common", "router", "vllm_plugin", "engine", "config", "models"
                  "deploy", "demo", "cli"]
 
 #: The router's subpackages, lowest first: a module may import its own layer or lower ones.
+#: `nodes` (the I/O with the vLLM nodes) sits below `turns`, whose stages use it.
 ROUTER_LAYERS = ["common", "telemetry", "kv", "settings", "auth", "store", "reuse", "nodes",
                  "turns", "apis", "http", "__main__"]
 
