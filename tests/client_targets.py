@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from fake_stack import MODEL, threaded_router_stack
+from fakes.threaded import MODEL, threaded_router_stack
 from support import metric_sum
 
 

@@ -30,7 +30,7 @@ REQUIRE_REAL_ENV = "KVAGENT_REQUIRE_REAL"
 
 #: A stand-in for vLLM and the router that records its argv and environment (the bundle
 #: launcher's and the deployments' tests).
-FAKE_NODE = Path(__file__).parent / "server" / "fake_node.py"
+FAKE_NODE = Path(__file__).parent / "fakes" / "process.py"
 
 
 def require_real() -> bool:
@@ -179,7 +179,7 @@ class KVAgentBundle:
 #: vLLM arguments of every engine the suite starts: eager mode (no torch.compile). Compiling
 #: one engine config costs ~60 s of CPU on a fresh machine and ~25 s even from the cache,
 #: and the suite starts a few dozen engines; eager is what vLLM's own tests run. Answers are
-#: compared between engines of the same mode. The demo (tests/test_demo_vllm.py) and the
+#: compared between engines of the same mode. The demo (tests/demo/test_demo_vllm.py) and the
 #: benchmarks' quick mode (tests/benchmarks/test_quick_vllm.py) run the default, compiled mode.
 TEST_ENGINE_ARGS = ("-O0",)
 

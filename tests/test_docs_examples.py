@@ -7,7 +7,7 @@ defined, as a reader would), in a fresh working directory, with:
 - `url` and `model` defined: the base URL and model name of the server under test (the
   docs use these names for "your server");
 - the docs' literal server `http://127.0.0.1:8000/v1` and model `kvagent-demo` pointed at
-  that server: the real router in front of fake P/D nodes (tests/router/fakes.py), or, for
+  that server: the real router in front of fake P/D nodes (tests/fakes/nodes.py), or, for
   `BUNDLE_PAGES`, also the suite's real bundle (`kvagent_bundle` in tests/conftest.py: vLLM
   P and D nodes with the demo model, as `kvagent-server up` starts them), where each page's
   `BUNDLE_CHECKS` then check what the page promises (e.g. the second turn reuses KV);
@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from fake_stack import MODEL, threaded_router_stack
 from fakes import Stack
+from fakes.threaded import MODEL, threaded_router_stack
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]

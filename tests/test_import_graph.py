@@ -352,6 +352,17 @@ def test_benchmarks_and_tools_never_import_tests_nor_edit_sys_path(top: str) -> 
     assert not bad, bad
 
 
+
+def test_tests_never_edit_sys_path() -> None:
+    """pytest puts tests/ and the test folders on sys.path and `pyproject.toml` the
+    repository root; a conftest or module that adds more makes a helper importable in one
+    run and not in another (a test folder run alone)."""
+    bad = [f"{path.relative_to(ROOT)}:{n}" for path in sorted((ROOT / "tests").rglob("*.py"))
+           for n, text in enumerate(path.read_text().splitlines(), 1)
+           if re.search(r"sys\.path\.(insert|append|extend)|sys\.path\s*[+]?=", text)]
+    assert not bad, bad
+
+
 def _is_package(module: str) -> bool:
     root = module.split(".")[0]
     rel = module.split(".")[1:]
@@ -405,7 +416,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_test_helpers_are_imported_by_one_name() -> None:
     """pytest puts tests/ and each test folder on sys.path, so a helper is `support`,
-    `fakes`, `server_helpers` or `e2e.e2e_helpers` (folders with an `__init__.py`); through
+    `fakes`, `router_client` or `e2e.e2e_helpers` (folders with an `__init__.py`); through
     `tests.` (the repository root is on sys.path too) the same file would load again, as a
     second module with its own state."""
     bad = []

@@ -9,9 +9,10 @@ The aggregated nodes get the step flags kvagent's decode node gets, since they
 decode too, and the plugin's reader settings; the connector-only patches stay off, as
 there is no connector to patch.
 
-Tiered arms (`aggregated-tier`, `kvagent-tiers`) also get one tier budget (`TierBudget`):
-host memory summed over the arm's nodes and split as the KV budget is, and one disk
-budget, in a directory of the run's work folder (shared by P and D in the bundle).
+Tiered arms (`aggregated-tier`, `kvagent-tiers`, `kvagent-pd-tiers`) also get one tier
+budget (`TierBudget`): host memory summed over the arm's nodes and split as the KV budget
+is, and one disk budget, in a directory of the run's work folder (shared by P and D in the
+P/D bundle).
 """
 
 from __future__ import annotations
@@ -148,7 +149,8 @@ class Arm:
     reuse: bool = False
     prefill_prefix_caching: bool = True
     #: KV tiers below engine memory: "local" (a host tier and a disk tier of the node's
-    #: own), "shared" (every node a host tier, one disk directory for all), or none.
+    #: own), "shared" (every node a host tier, one disk directory for all; with one node,
+    #: its own), or none.
     tier: Literal["local", "shared"] | None = None
     #: A bundle arm's topology: "pd", "single", or "auto" (what `kvagent-server up` picks
     #: on the machine running the benchmark, resolved by the bundle's own rule).
@@ -178,7 +180,8 @@ class Arm:
         """Each node's `kv_tiers` section (None for an arm without tiers)."""
         if self.tier is None:
             return None
-        return tiers.kv_tiers(tier_dir, nodes=self.nodes, shared=self.tier == "shared",
+        return tiers.kv_tiers(tier_dir, nodes=self.nodes,
+                              shared=self.tier == "shared" and self.nodes > 1,
                               check_writable=check_writable)
 
     def bench_config(self, kv: KvBudget, tiers: TierBudget = DEFAULT_TIERS,
@@ -208,7 +211,7 @@ class Arm:
                 "engine_kv_gib": kv.gib, "engine_kv_tokens": kv.tokens,
                 "host_tier_gib": tiers.host_gib if self.tier else 0.0,
                 "disk_tier_gib": tiers.disk_gib if self.tier else 0.0,
-                "disk_shared": self.tier == "shared"}
+                "disk_shared": self.tier == "shared" and self.nodes > 1}
 
 
 ARMS: dict[str, Arm] = {a.name: a for a in (
@@ -227,9 +230,13 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
     Arm("aggregated-tier", "`aggregated` plus kvagent's CPU tiers: a host tier and a disk "
         "tier of its own, generated tokens offloaded too (the same tiers as "
         "kvagent-tiers: the fair control)", kind="aggregated", tier="local"),
-    Arm("kvagent-tiers", "kvagent's bundle with kv_tiers on P and D: a host tier each, one "
-        "disk tier shared by P and D, generated tokens offloaded too (D's turns reach "
-        "the shared tier)", kind="bundle", reuse=True, tier="shared"),
+    Arm("kvagent-tiers", "kvagent as `kvagent-server up` runs it on this machine (topology "
+        "auto) with kv_tiers: a host tier on each node and one disk tier (shared by P and D "
+        "when there are both), generated tokens offloaded too", kind="bundle", reuse=True,
+        topology="auto", tier="shared"),
+    Arm("kvagent-pd-tiers", "kvagent's P/D bundle with kv_tiers on P and D: a host tier "
+        "each, one disk tier shared by P and D, generated tokens offloaded too (D's turns "
+        "reach the shared tier)", kind="bundle", reuse=True, tier="shared"),
 )}
 KVAGENT = "kvagent"
 KVAGENT_TIERS = "kvagent-tiers"

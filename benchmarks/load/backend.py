@@ -2,7 +2,7 @@
 
     python -m benchmarks.load.backend P_PORT D_PORT    # from the repository root
 
-The nodes are `tests/router/fakes.py`'s (vLLM's HTTP surface and NIXL's bookkeeping, no
+The nodes are `tests/fakes/nodes.py`'s (vLLM's HTTP surface and NIXL's bookkeeping, no
 compute). Consumed transfer records are dropped as they are read so the backend's own
 memory stays flat over thousands of turns.
 """

@@ -1,4 +1,4 @@
-"""An instant fake P and D node pair (tests/router/fakes.py), served by uvicorn.
+"""An instant fake P and D node pair (tests/fakes/nodes.py), served by uvicorn.
 
     python -m benchmarks.router_overhead.fake_backend P_PORT D_PORT    # from the repository root
 """

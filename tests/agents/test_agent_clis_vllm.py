@@ -42,19 +42,8 @@ from support import (
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
-# The demo model never ends its answers, so Claude Code hits its max_tokens, retries with a
-# larger one the engine refuses, and reports `max_output_tokens`; its next request then
-# recomputes (the refusal cost the session its claimed handle). A demo model that ends its
-# turns is still to land: until then Claude Code's runs are expected to fail here.
-_CLAUDE_NEEDS_ENDING = pytest.mark.xfail(
-    strict=False, reason="the demo model never ends a turn: Claude Code reports "
-    "max_output_tokens and its retry is refused")
-CLIS = (pytest.param("claude", marks=_CLAUDE_NEEDS_ENDING), "codex", "opencode")
+CLIS = ("claude", "codex", "opencode")
 PROMPTS = ["Say hello.", "Now say goodbye.", "Thanks, that is all."]
-#: Claude Code's invocations while the demo model cannot end a turn: one. Each of its runs
-#: decodes to the context's end and retries (about two minutes on CPU), and the runs after
-#: the first add only more of the failure its marker expects.
-CLAUDE_TURNS = 1
 #: One CLI invocation's limit (a turn on the CPU demo model takes well under a minute).
 TURN_TIMEOUT_S = 420.0
 API_KEY = "sk-kvagent-live-cli"
@@ -119,9 +108,8 @@ def play(cache: dict[str, Played], b: KVAgentBundle, name: str,
     # A project, as a user runs an agent in (Codex refuses to run outside a git repository).
     subprocess.run(["git", "init", "-q", str(work)], check=True, timeout=60)
     with clis.Recorder(b.router_url) as rec:
-        prompts = PROMPTS[:CLAUDE_TURNS] if name == "claude" else PROMPTS
         s = clis.session(name, home=home, base_url=rec.url, model=b.model, api_key=API_KEY,
-                         prompts=prompts)
+                         prompts=PROMPTS)
         before = _requests_by_status(b.router_url)
         log = _router_log(b)
         log_start = log.stat().st_size
@@ -202,21 +190,20 @@ def test_every_request_answered(session: Played) -> None:
 
 
 def test_no_error_surfaced(session: Played) -> None:
-    """Every invocation exits 0 and the CLI shows no error (its own JSON events, stderr).
-    Claude Code's clean end of turn has its own test below."""
+    """Every invocation exits 0 and the CLI shows no error (its own JSON events, stderr):
+    the model ended each turn itself, so Claude Code neither retried past `max_tokens` nor
+    reported `max_output_tokens`."""
     p = session
     for run in p.runs:
         assert run.returncode == 0 and not run.timed_out, p.report()
-        if p.name != "claude":
-            assert clis.surfaced_errors(p.name, run) == [], p.report()
+        assert clis.surfaced_errors(p.name, run) == [], p.report()
 
 
 def test_later_turns_reuse(session: Played) -> None:
     """Every model request of turns 2 and 3 continued held KV (the router's report), and
     the CLI's own usage counts cached input tokens on those turns."""
     p = session
-    if len(p.runs) < 2:
-        pytest.skip(f"{p.name} played {len(p.runs)} turn(s) (CLAUDE_TURNS)")
+    assert len(p.runs) == len(PROMPTS), p.report()
     for turn in range(1, len(p.runs)):
         requests = p.model_requests(turn)
         missed = [x for x in requests if not (
@@ -271,14 +258,3 @@ def test_first_request_size(session: Played) -> None:
 def _prompt_tokens(x: clis.Exchange) -> int | None:
     found = re.findall(r'"(?:input_tokens|prompt_tokens)":\s*(\d+)', x.answer)
     return max(int(n) for n in found) if found else None
-
-
-@pytest.mark.parametrize("name", [pytest.param("claude", marks=_CLAUDE_NEEDS_ENDING)])
-def test_claude_code_ends_turns_cleanly(played: dict[str, Played], cli_bundle: KVAgentBundle,
-                                        tmp_path_factory: pytest.TempPathFactory,
-                                        name: str) -> None:
-    """Claude Code's result is a success on every turn: the model ended its turn itself,
-    so Claude Code neither retried past `max_tokens` nor reported `max_output_tokens`."""
-    p = play(played, cli_bundle, name, tmp_path_factory)
-    for run in p.runs:
-        assert clis.surfaced_errors(name, run) == [], p.report()

@@ -25,7 +25,7 @@ from benchmarks.api import compare_subject_of as subject_of
 from benchmarks.api import compare_summary as sm
 from benchmarks.api import compare_workload as workload
 
-TIERED = ("aggregated-tier", "kvagent-tiers")
+TIERED = ("aggregated-tier", "kvagent-tiers", "kvagent-pd-tiers")
 
 
 def _bundle_nodes(arm: str, tmp_path: Path) -> dict[str, dict]:
@@ -63,8 +63,8 @@ def test_tier_arms_are_named_not_run_by_default() -> None:
     assert subject_of(default) == "kvagent"
 
 
-def test_kvagent_tiers_gives_p_and_d_one_shared_disk_after_nixl(tmp_path: Path) -> None:
-    nodes = _bundle_nodes("kvagent-tiers", tmp_path)
+def test_kvagent_pd_tiers_gives_p_and_d_one_shared_disk_after_nixl(tmp_path: Path) -> None:
+    nodes = _bundle_nodes("kvagent-pd-tiers", tmp_path)
     assert sorted(nodes) == ["decode-0", "prefill-0"]
     tiers = []
     for name, n in nodes.items():
@@ -84,6 +84,21 @@ def test_kvagent_tiers_gives_p_and_d_one_shared_disk_after_nixl(tmp_path: Path) 
     host, root, locality, size, _ = tiers[0]
     assert root == str(tmp_path / "run" / TIER_DIR) and locality == "REMOTE"
     assert host == (1 << 30) // 2 and size == 4 << 30  # 1 GiB split over two nodes
+
+
+def test_kvagent_tiers_is_what_up_runs_here_with_the_same_budget(tmp_path: Path) -> None:
+    """`kvagent-tiers` is the `kvagent` arm (topology auto) with tiers: its nodes are
+    kvagent's on this machine, the host budget is split over them, and its disk tier is
+    shared only when there are P and D to share it."""
+    nodes = _bundle_nodes("kvagent-tiers", tmp_path)
+    assert len(nodes) == ARMS["kvagent-tiers"].nodes == ARMS["kvagent"].nodes
+    assert sorted(nodes) == sorted(_bundle_nodes("kvagent", tmp_path / "plain"))
+    for n in nodes.values():
+        extra = _offloading(n["ktc"])["kv_connector_extra_config"]
+        (disk,) = extra["secondary_tiers"]
+        assert extra["cpu_bytes_to_use"] == (1 << 30) // len(nodes)
+        assert disk["locality"] == ("REMOTE" if len(nodes) > 1 else "LOCAL")
+        assert extra["offload_prompt_only"] is False
 
 
 def test_untiered_kvagent_keeps_plain_nixl(tmp_path: Path) -> None:
@@ -107,7 +122,7 @@ def test_aggregated_tier_gets_the_same_tiers_on_its_own(tmp_path: Path) -> None:
     assert extra["offload_prompt_only"] is False
     assert bc.node_env == plain.node_env  # sha256 needs no PYTHONHASHSEED
     # the whole budget: one node's host tier equals the bundle's two halves
-    bundle = _bundle_nodes("kvagent-tiers", tmp_path)
+    bundle = _bundle_nodes("kvagent-pd-tiers", tmp_path)
     assert sum(_offloading(n["ktc"])["kv_connector_extra_config"]["cpu_bytes_to_use"]
                for n in bundle.values()) == extra["cpu_bytes_to_use"]
 
@@ -115,18 +130,18 @@ def test_aggregated_tier_gets_the_same_tiers_on_its_own(tmp_path: Path) -> None:
 def test_flags_table_shows_each_nodes_tiers() -> None:
     kv = workload("long-wait", quick=True).kv
     rows = flag_rows([ARMS[a] for a in ("aggregated", "aggregated-tier", "kvagent-pd",
-                                         "kvagent-tiers")], kv=kv, model=None)
+                                         "kvagent-pd-tiers")], kv=kv, model=None)
     cell = {(r["arm"], r["node"]): r["KV tiers"] for r in rows}
     assert cell[("aggregated", "node")] == "none"
     assert cell[("kvagent-pd", "decode-0")] == "none"
     assert cell[("aggregated-tier", "node")] == (
         "host 1 GiB, disk 4 GiB local, generated tokens too")
     for node in ("prefill-0", "decode-0"):
-        assert cell[("kvagent-tiers", node)] == (
+        assert cell[("kvagent-pd-tiers", node)] == (
             "host 0.5 GiB, disk 4 GiB shared, generated tokens too")
     blocks = {r["arm"]: r["--num-gpu-blocks-override"] for r in rows}
     assert blocks["aggregated-tier"] == blocks["aggregated"] == "272"
-    assert blocks["kvagent-tiers"] == blocks["kvagent-pd"] == "136"
+    assert blocks["kvagent-pd-tiers"] == blocks["kvagent-pd"] == "136"
 
 
 def test_every_tiered_arm_has_the_same_budgets() -> None:
@@ -168,7 +183,9 @@ def test_the_report_states_the_memory_each_arm_used() -> None:
                       tier_counters={"prefill-0": {"disk": 1536.0, "device": 0.0},
                                      "decode-0": {"external_hits": 4096.0}}),
             sm.ArmRun("kvagent-tiers", 1, 2, wall_s=1.0, disk_used_bytes=1 << 28)]
-    s = _summary(runs, {a: ARMS[a].memory(kv, tiers) for a in ("aggregated", "kvagent-tiers")})
+    # the P/D arm's memory under the subject's name: the table must not depend on the host
+    s = _summary(runs, {"aggregated": ARMS["aggregated"].memory(kv, tiers),
+                        "kvagent-tiers": ARMS["kvagent-pd-tiers"].memory(kv, tiers)})
     m = s["arms"]["kvagent-tiers"]["memory"]
     assert m["disk_used_gib_max"] == pytest.approx(0.75)
     assert s["arms"]["aggregated"]["memory"]["disk_used_gib_max"] is None

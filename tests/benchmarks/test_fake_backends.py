@@ -1,5 +1,5 @@
 """The benchmarks' fake P/D backends run as modules from the repository root and reach
-`tests/router/fakes.py` through `benchmarks/_fakes.py` alone (no `sys.path` edit)."""
+`tests/fakes/nodes.py` through `benchmarks/_fakes.py` alone (no `sys.path` edit)."""
 
 from __future__ import annotations
 

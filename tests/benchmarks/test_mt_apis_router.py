@@ -1,5 +1,5 @@
 """The benchmark's client APIs end to end: the same seeded workload through the router
-before fake P/D nodes (tests/router/fakes.py), once per API, each on a stack of its own.
+before fake P/D nodes (tests/fakes/nodes.py), once per API, each on a stack of its own.
 
 Every request is accepted and recorded with its `kvagent` report and the API's cached
 tokens; later turns reuse; each API names the conversation its clients' way (never
@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 
 import httpx
-from fake_stack import MODEL, router_stack
+from fakes import router_stack
+from fakes.threaded import MODEL
 
 from benchmarks.api import APIS, RequestRecord, WorkloadSpec, generate, run_workload
 

@@ -6,7 +6,9 @@ did not, greedy answers with reuse equal those without); never timings. A bounde
 kvagent and its reference, two of the four configurations. The other two start nodes the
 suite starts elsewhere: `pd_noreuse_pcache_on` is `pd_noreuse_pcache_off` with one P flag
 flipped, and `aggregated` is one stock node with the bundle's step flags; their command
-lines are checked without starting them (tests/benchmarks/test_mt_nodes.py).
+lines are checked without starting them (tests/benchmarks/test_mt_nodes.py). The nodes run
+eager (`-O0`, as every engine the suite starts: tests/support.py); the compiled default is
+what the demo's test runs.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+from support import TEST_ENGINE_ARGS
 
 from benchmarks.api import (
     BUDGET_PLOT_NAME,
@@ -47,7 +50,8 @@ SLICE = [name for name in CONFIGS if name not in ("pd_noreuse_pcache_on", "aggre
 
 def test_quick_mode_runs_the_configurations_asked_for(tmp_path) -> None:
     out = tmp_path / "results"
-    rc = main(["--quick", "--out", str(out), "--node-trace", "--configs", ",".join(SLICE)])
+    rc = main(["--quick", "--out", str(out), "--node-trace", "--configs", ",".join(SLICE),
+               *(f"--engine-arg={a}" for a in TEST_ENGINE_ARGS)])
 
     rep = BenchmarkReport.model_validate_json((out / JSON_NAME).read_text())
     failed = {c.name: (c.error, c.logs) for c in rep.configs if c.status != "ok"}

@@ -63,7 +63,8 @@ def test_router_restart_keeps_reusing(e2e: E2E) -> None:
 
 
 def test_decode_killed_during_stream_then_restarted(e2e: E2E) -> None:
-    """D dies mid-stream: the client gets `StreamInterrupted` with the partial text and
+    """D dies mid-stream (a 2000-token answer: `ignore_eos`, the demo model's own answers end
+    within 224 tokens): the client gets `StreamInterrupted` with the partial text and
     keeps its history and token. Once the supervisor has restarted D (same address, new
     epoch) the retried turn is recomputed, never read from the dead node's blocks, and the
     turn after it reuses again from the new D. The retry continues a handle held on the
@@ -74,7 +75,8 @@ def test_decode_killed_during_stream_then_restarted(e2e: E2E) -> None:
         before = e2e.restarts("decode-0")
         partial = ""
         with (pytest.raises(StreamInterrupted) as info,
-              s.stream(None, tool_choice="none", max_tokens=2000) as events):
+              s.stream(None, tool_choice="none", max_tokens=2000,
+                       extra_body={"ignore_eos": True}) as events):
             for ev in events:
                 if isinstance(ev, TextDelta) and not partial:
                     partial = ev.text

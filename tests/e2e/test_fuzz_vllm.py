@@ -5,17 +5,11 @@ hands P shifted blocks and must find mismatches. The long run is tools/fuzz/run.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
-
-ROOT = str(Path(__file__).resolve().parents[2])
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 from benchmarks.api import CASES, EDIT_TEXTS, Runner, Target
 

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from fake_stack import MODEL, threaded_router_stack
 from fakes import Stack
+from fakes.threaded import MODEL, threaded_router_stack
 
 pytest.importorskip("langchain_core", reason="extra kvagent[langchain] not installed")
 

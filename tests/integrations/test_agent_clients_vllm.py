@@ -61,10 +61,10 @@ def _weather_agent(bundle: Any) -> Any:
         return Agent(name="weather", instructions=SYSTEM, model=bundle.model,
                      tools=[function_tool(weather)],
                      model_settings=ModelSettings(max_tokens=400, temperature=0.0))
-    # The SDK fails a run whose model stopped at `max_tokens`, and a random-weight model
-    # never stops on its own: it is made to call the tool once (a call is complete when its
-    # JSON is; with parallel calls it would add calls until the limit), and the tool's
-    # result is the run's answer.
+    # The SDK fails a run whose model stopped at `max_tokens`, and the demo model's text
+    # answers (33..224 tokens) run past this cap: it is made to call the tool once (a call
+    # is complete when its JSON is; with parallel calls it would add calls until the
+    # limit), and the tool's result is the run's answer.
     return Agent(name="weather", instructions=SYSTEM, model=bundle.model,
                  tools=[function_tool(weather)], tool_use_behavior="stop_on_first_tool",
                  model_settings=ModelSettings(max_tokens=MAX_TOKENS, temperature=0.0,

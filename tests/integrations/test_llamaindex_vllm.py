@@ -27,7 +27,9 @@ SYSTEM = "You are a lab assistant. Read the thermometer before you answer. " * 1
 READINGS: list[str] = []
 
 
-def thermometer(room: Literal["lab", "office", "cellar"]) -> str:
+# A default, because the forced call's JSON is the random model's: the grammar keeps an
+# argument it writes to the schema, but it may close the object before writing one.
+def thermometer(room: Literal["lab", "office", "cellar"] = "lab") -> str:
     """The current temperature of a room."""
     READINGS.append(room)
     return {"lab": "21.5 C", "office": "23.0 C", "cellar": "12.0 C"}[room]

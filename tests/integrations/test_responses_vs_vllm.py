@@ -189,7 +189,7 @@ def test_chained_turns_render_as_the_whole_history_does(client: httpx.Client, no
     one = _body(node, input="hello", instructions="Old rules.", store=True)
     if first == "tool_call":
         one.update(tools=[CITY], tool_choice="required", parallel_tool_calls=False,
-                   max_output_tokens=48)
+                   max_output_tokens=120)  # the call takes about 50 tokens
     r1 = client.post("/v1/responses", json=one)
     assert r1.status_code == 200, r1.text
     chat1, ours1 = _via_chat(client, one)

@@ -18,8 +18,8 @@ from typing import Any
 import httpx
 import pytest
 from e2e.e2e_helpers import assert_pulled, p_hits
-from engine.flow import metric_sum
 from support import bundle_config, free_port, start_bundle, vllm_available
+from vllm_plugin.flow import metric_sum
 
 GREEDY: dict[str, Any] = {"temperature": 0.0}
 

@@ -16,7 +16,7 @@ pytest.importorskip("safetensors")
 from kvagent_server.bundle.inputs import resolve_model
 from kvagent_server.bundle.render import HostFacts, ModelSource, PlanInputs, plan
 from kvagent_server.config import validate_config
-from kvagent_server.models import builtin, lora, tekken
+from kvagent_server.models import builtin, demo, lora, tekken
 
 
 def _digest(path: Path) -> dict[str, str]:
@@ -125,7 +125,7 @@ def test_lora_adapter_matches_its_base_model(name: str, lora_dir: Path, tekken_d
     from safetensors import safe_open
 
     adapter_dir, base_dir = {
-        lora.DEMO_LORA_NAME: (lora_dir, cache / "demo-model-v1"),
+        lora.DEMO_LORA_NAME: (lora_dir, cache / demo.DEMO_MODEL_VERSION),
         lora.TEKKEN_LORA_NAME: (lora.ensure_tekken_lora(cache), tekken_dir)}[name]
     cfg = json.loads((adapter_dir / lora.ADAPTER_CONFIG).read_text())
     assert cfg["peft_type"] == "LORA" and cfg["r"] == lora.LORA_RANK

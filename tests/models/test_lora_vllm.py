@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from kvagent_server.models.demo import ANSWER_LEVELS
 from kvagent_server.models.lora import DEMO_LORA_NAME
 from support import p2p_received
 
@@ -55,13 +56,37 @@ def test_conversation_on_the_adapter_reuses_d_kv(served: Served) -> None:
         SYSTEM, {"role": "user", "content": "List the services that saw errors."}])
     # A long first answer: D then holds full blocks P never computed (P's own prefix cache
     # has turn 1's prompt), so turn 2's reuse needs a real pull from D.
-    conv.checked_send(max_tokens=200)
+    conv.checked_send(max_tokens=200, ignore_eos=True)
     conv.messages.append({"role": "user", "content": "Which one first?"})
     received = p2p_received(served.prefill_url)
     out = conv.checked_send(max_tokens=16)
     kva = out["kvagent"]
     assert kva["path"] == "pd_reuse" and kva["reused_tokens"] >= 512, kva
     assert p2p_received(served.prefill_url) > received, "P got nothing from D over NIXL"
+
+
+def test_answers_end_their_turn_on_every_front_door(served: Served) -> None:
+    """The demo model (and its adapter) ends each answer with EOS within its bound (the level
+    chain, models/ending.py): chat says `stop`, Messages `end_turn`, Responses `completed`,
+    never a max-tokens stop an agent would report as an error."""
+    user = {"role": "user", "content": "Why is checkout slow today?"}
+    with httpx.Client(base_url=served.base_url, timeout=600) as client:
+        for model in ("kvagent-demo", DEMO_LORA_NAME):
+            out = client.post("/chat/completions", json={
+                "model": model, "messages": [SYSTEM, user], "max_tokens": 400,
+                "temperature": 0.0}).json()
+            assert out["choices"][0]["finish_reason"] == "stop", out
+            assert 16 < out["usage"]["completion_tokens"] <= ANSWER_LEVELS + 1, out["usage"]
+        out = client.post("/messages", json={
+            "model": "kvagent-demo", "system": SYSTEM["content"], "messages": [user],
+            "max_tokens": 400, "temperature": 0.0}).json()
+        assert out["stop_reason"] == "end_turn", out
+        assert 16 < out["usage"]["output_tokens"] <= ANSWER_LEVELS + 1, out["usage"]
+        out = client.post("/responses", json={
+            "model": "kvagent-demo", "instructions": SYSTEM["content"],
+            "input": user["content"], "max_output_tokens": 400, "temperature": 0.0}).json()
+        assert out["status"] == "completed", out
+        assert 16 < out["usage"]["output_tokens"] <= ANSWER_LEVELS + 1, out["usage"]
 
 
 def test_base_reference_of_an_adapter_prompt_differs(served: Served) -> None:

@@ -18,7 +18,6 @@ from typing import Any
 
 import httpx
 import pytest
-from engine.flow import FRESH_P_PARAMS
 from kvagent_server.models.vlm import (
     IMAGE_TOKENS,
     VLM_MODEL_NAME,
@@ -26,6 +25,7 @@ from kvagent_server.models.vlm import (
     sample_image_url,
 )
 from support import p2p_received
+from vllm_plugin.flow import FRESH_P_PARAMS
 
 from .real import (
     Conversation,
@@ -96,7 +96,7 @@ def test_unchanged_image_reuses_a_swapped_one_stops_at_its_placeholder(
     pulled = nixl_reads(served.decode_url)
     # A long answer: D then holds blocks P never computed (P has turn 1's prompt in its
     # own prefix cache), so turn 2's reuse needs a real pull from D.
-    out = conv.checked_send(max_tokens=200)
+    out = conv.checked_send(max_tokens=200, ignore_eos=True)
     assert out["kvagent"]["path"] == "pd_fresh", out["kvagent"]
     assert nixl_reads(served.decode_url) > pulled, "D did not pull P's KV over NIXL"
     ids = httpx.post(f"{served.prefill_url}/tokenize", timeout=60, json={

@@ -1,17 +1,9 @@
 """Reliability tests: the router against hostile input, hostile clients and load.
 
 They drive the real router app over real sockets in front of the fake P/D nodes of
-`tests/router/fakes.py` (which record every request they receive), so properties are
+`fakes.nodes` (which record every request they receive), so properties are
 checked on what the nodes were actually sent and on every byte a client got back.
 Shared helpers are in `reliability_support.py` (a conftest is not imported by name).
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-_TESTS = Path(__file__).resolve().parents[1]
-for _path in (str(_TESTS / "router"), str(_TESTS.parent)):  # fakes; benchmarks.load
-    if _path not in sys.path:
-        sys.path.insert(0, _path)

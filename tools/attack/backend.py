@@ -1,4 +1,4 @@
-"""The attack run's fake P/D pair (tests/router/fakes.py): short answers, except a prompt
+"""The attack run's fake P/D pair (tests/fakes/nodes.py): short answers, except a prompt
 holding LONG (a stream large enough to fill a non-reader's socket buffers) or HUGE (a
 non-streamed answer over the router's read cap).
 

@@ -14,7 +14,7 @@ N=${1:-20}
 PY=${PYTHON:-.venv/bin/python}
 LOAD_PROCS=${LOAD_PROCS:-$(nproc)}
 LOAD_MAX_S=${LOAD_MAX_S:-3600}
-TEST=${TEST:-tests/server/test_supervisor.py::test_cli_foreground_ctrl_c_stops_everything}
+TEST=${TEST:-tests/bundle/test_supervisor.py::test_cli_foreground_ctrl_c_stops_everything}
 LOGS=$(mktemp -d "${TMPDIR:-/tmp}/kvagent-ctrl-c.XXXXXX")
 
 [[ "$N" =~ ^[1-9][0-9]*$ ]] || { echo "usage: $0 [N]  (N a positive integer)" >&2; exit 2; }

@@ -5,8 +5,8 @@ probe and a reuse pull on P whose D legs never come (orphans), a wait past P's l
 (default 30 s), then three fresh P legs with a timeout. On a timeout, py-spy dumps every
 engine-core and worker process into the log dir and the script exits 3.
 
-    PYTHONPATH=tests:tests/engine python tools/idle_and_stability/orphan_sequence.py --no-plugin
-    PYTHONPATH=tests:tests/engine python tools/idle_and_stability/orphan_sequence.py --plugin
+    PYTHONPATH=tests:tests/vllm_plugin python tools/idle_and_stability/orphan_sequence.py --no-plugin
+    PYTHONPATH=tests:tests/vllm_plugin python tools/idle_and_stability/orphan_sequence.py --plugin
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import httpx
 import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
-# The engine tests' helpers, found through PYTHONPATH=tests:tests/engine (see README.md).
+# The plugin tests' helpers, found through PYTHONPATH=tests:tests/vllm_plugin (README.md).
 import flow
 from pd import PDPair
 

@@ -2,8 +2,8 @@
 
 Runs the same script with the kvagent plugin off (stock vLLM/NIXL behaviour) and on:
 
-    PYTHONPATH=tests:tests/engine python tools/idle_and_stability/run.py --no-plugin --out before.json
-    PYTHONPATH=tests:tests/engine python tools/idle_and_stability/run.py --plugin --out after.json
+    PYTHONPATH=tests:tests/vllm_plugin python tools/idle_and_stability/run.py --no-plugin --out before.json
+    PYTHONPATH=tests:tests/vllm_plugin python tools/idle_and_stability/run.py --plugin --out after.json
 
 Measures (P pinned to core 0, D to core 1):
 1. where each worker's compute (main) thread may run;
@@ -30,7 +30,7 @@ from pathlib import Path
 import psutil
 
 ROOT = Path(__file__).resolve().parents[2]
-# The engine tests' helpers, found through PYTHONPATH=tests:tests/engine (see README.md).
+# The plugin tests' helpers, found through PYTHONPATH=tests:tests/vllm_plugin (README.md).
 import flow
 from pd import PDPair
 

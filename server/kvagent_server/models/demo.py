@@ -1,8 +1,8 @@
 """A tiny, deterministic Llama-architecture model for demos and tests.
 
 No model hub is reachable where kvagent is developed and tested, so the bundle builds its own
-model: random weights (fixed seed) and a byte-level BPE tokenizer trained locally on a
-generated corpus. Greedy output of a fixed model is deterministic, which turns "reuse on vs
+model: random weights (fixed seed, shaped by hand so that answers end) and a byte-level BPE
+tokenizer trained locally on a generated corpus. Greedy output of a fixed model is deterministic, which turns "reuse on vs
 reuse off gives the same answer" into a real correctness test.
 
 The chat template is Hermes/Qwen style (`<|im_start|>role ... <|im_end|>`, tools listed in the
@@ -21,20 +21,29 @@ The model emits a *complete* tool call when asked with `tool_choice` named or "r
 (with `parallel_tool_calls: false`) and the tool's parameters are bounded (enums,
 booleans); free-text string arguments never end (random weights), and `"auto"` yields text.
 
+Answers end: a level chain written into the weights (models/ending.py) makes every greedy
+answer 33..224 tokens of the vocabulary's rarest tokens followed by `<|im_end|>`, so clients
+see `stop` / `end_turn`, never a max-tokens stop. Which tokens, and how many, is still the
+random model's choice from the whole context (the head has the mean answer-start state taken
+out, so the first token follows the prompt, not the common `assistant\n` suffix). No answer
+ends before 33 tokens: a request capped at 32 or fewer still stops at its cap.
+
 or ``python -m kvagent_server.models.demo`` to build it and print its path.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import random
 from pathlib import Path
 
 # Re-exported: callers find the cache location next to the demo model.
+from kvagent_server.models import ending
 from kvagent_server.models.cache import CACHE_DIR_ENV, default_cache_dir, ensure_built  # noqa: F401
 
 DEMO_MODEL_NAME = "kvagent-demo"
-DEMO_MODEL_VERSION = "demo-model-v1"
+DEMO_MODEL_VERSION = "demo-model-v2"
 DEMO_MAX_MODEL_LEN = 16384
 DEMO_TOOL_CALL_PARSER = "hermes"
 
@@ -47,6 +56,13 @@ _INTERMEDIATE = 704
 # Logit scale of the random head: wide enough that greedy argmax never hinges on float noise
 # (chunked vs whole-prompt prefill, KV pulled vs recomputed), so outputs compare exactly.
 _LM_HEAD_STD = 0.25
+# The level chain that ends answers (models/ending.py): 33..224 answer tokens, then EOS.
+ANSWER_LEVELS = 224
+_FIRST_MAX = 192
+_PER_LEVEL = 16
+# The largest residual norm (outside the control dims) the level rule is guaranteed for: twice
+# the largest measured over diverse prompts up to 30k tokens (tools/model_endings/check.py).
+_RESIDUAL_BOUND = 4.0
 
 BOS = "<|begin_of_text|>"
 EOS = "<|im_end|>"
@@ -224,7 +240,14 @@ def _build_tokenizer(out: Path) -> None:
     cfg_path.write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
-def _build_model(out: Path, vocab_size: int, bos_id: int, eos_id: int, pad_id: int) -> None:
+def ending_plan(vocab_size: int = _VOCAB_SIZE) -> ending.EndingPlan:
+    """Which tokens form the demo model's level chain (the special tokens never do)."""
+    return ending.plan_levels(vocab_size, range(len(SPECIAL_TOKENS)), levels=ANSWER_LEVELS,
+                              first_max=_FIRST_MAX, per_level=_PER_LEVEL, seed=_SEED)
+
+
+def _build_model(out: Path, vocab_size: int, bos_id: int, eos_id: int, pad_id: int,
+                 calibration: list[list[int]]) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
@@ -245,13 +268,39 @@ def _build_model(out: Path, vocab_size: int, bos_id: int, eos_id: int, pad_id: i
         torch_dtype="float32",
     )
     torch.manual_seed(_SEED)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, _LM_HEAD_STD)
+        ending.shape_model(plan=ending_plan(vocab_size), embed=model.model.embed_tokens,
+                           lm_head=model.lm_head, final_norm=model.model.norm,
+                           layers=model.model.layers, eos_id=eos_id, bias_unit=0.0)
+        states = [model.model(torch.tensor([ids])).last_hidden_state[0, -1]
+                  for ids in calibration]
+        ending.center_head(model.lm_head, torch.stack(states), ANSWER_LEVELS)
+        gain = ending.max_random_spread(model.lm_head, ANSWER_LEVELS) * _RESIDUAL_BOUND
+        ending.set_gain(model.model.norm, math.ceil(gain), ANSWER_LEVELS)
     model.generation_config = GenerationConfig(
         bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id
     )
     model.save_pretrained(str(out), safe_serialization=True)
+
+
+def calibration_chats(n: int = 24) -> list[list[dict[str, str]]]:
+    """Seeded chats (system or not, 1-3 turns, a few to a few hundred words) whose answer
+    start states `ending.center_head` averages."""
+    rng = random.Random(_SEED + 1)
+    chats = []
+    for _ in range(n):
+        msgs = [{"role": "system", "content": " ".join(rng.choices(_WORDS, k=rng.randint(3, 40)))}
+                ] if rng.random() < 0.5 else []
+        for turn in range(rng.randint(1, 3)):
+            if turn:
+                msgs.append({"role": "assistant",
+                             "content": " ".join(rng.choices(_WORDS, k=rng.randint(5, 60)))})
+            msgs.append({"role": "user",
+                         "content": " ".join(rng.choices(_WORDS, k=rng.choice([2, 20, 300])))})
+        chats.append(msgs)
+    return chats
 
 
 def _build(out: Path) -> None:
@@ -259,8 +308,10 @@ def _build(out: Path) -> None:
 
     _build_tokenizer(out)
     tok = AutoTokenizer.from_pretrained(str(out))
-    ids = [tok.convert_tokens_to_ids(t) for t in (BOS, EOS, PAD)]
-    _build_model(out, len(tok), *ids)
+    bos_id, eos_id, pad_id = (tok.convert_tokens_to_ids(t) for t in (BOS, EOS, PAD))
+    calibration = [tok.apply_chat_template(c, tokenize=True, add_generation_prompt=True,
+                                           return_dict=False) for c in calibration_chats()]
+    _build_model(out, len(tok), bos_id, eos_id, pad_id, calibration=calibration)
 
 
 def main() -> None:

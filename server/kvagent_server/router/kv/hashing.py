@@ -19,7 +19,7 @@ against what a node holds by hashing the prompt exactly as the node's scheduler 
   (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`, on by default) or as the raw digest;
   `event_key` folds both to the same int.
 
-tests/engine/test_kv_events_vllm.py checks the result against a real node's events.
+tests/router/kv/test_kv_events_vllm.py checks the result against a real node's events.
 """
 
 from __future__ import annotations

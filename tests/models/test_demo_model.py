@@ -137,3 +137,63 @@ def test_serve_args_name_the_parser() -> None:
     assert args[args.index("--tool-call-parser") + 1] == "hermes"
     assert int(args[args.index("--max-model-len") + 1]) >= 8192
     assert demo_model.demo_serve_env() == {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}
+
+
+def _chats(n: int) -> list[tuple[list[dict], list[dict] | None]]:
+    """Seeded chats of several shapes: a word to a few hundred, system or not, tools or not,
+    multi-turn with a tool call and its result."""
+    import random
+
+    rng = random.Random(48)
+    words = demo_model._WORDS
+    out = []
+    for i in range(n):
+        text = " ".join(rng.choices(words, k=rng.choice([1, 4, 30, 300])))
+        msgs: list[dict] = ([{"role": "system", "content": "You are terse."}]
+                            if i % 2 else [])
+        if i % 3 == 2:
+            msgs += MESSAGES[1:]
+        msgs.append({"role": "user", "content": f"{text}? {rng.randint(0, 10**6)}"})
+        out.append((msgs, TOOLS if i % 4 >= 2 else None))
+    return out
+
+
+def test_answers_end_with_eos_within_the_bound_and_follow_the_prompt(built: Path) -> None:
+    """Greedy answers end in `<|im_end|>` after `min_answer_tokens..max_answer_tokens` tokens
+    (the level chain, models/ending.py), and different prompts give different answers: the
+    first token (whose level sets the length) of each of 12 chats, three decoded to the end."""
+    import torch
+
+    tok = transformers.AutoTokenizer.from_pretrained(built)
+    model = transformers.AutoModelForCausalLM.from_pretrained(built).eval()
+    plan = demo_model.ending_plan(len(tok))
+    eos = tok.convert_tokens_to_ids(demo_model.EOS)
+    firsts, answers = [], []
+    for i, (messages, tools) in enumerate(_chats(12)):
+        ids = torch.tensor([tok.apply_chat_template(messages, tools=tools, tokenize=True,
+                                                    add_generation_prompt=True,
+                                                    return_dict=False)])
+        with torch.no_grad():
+            firsts.append(int(model(ids).logits[0, -1].argmax()))
+            if i % 4 == 1:
+                out = model.generate(ids, do_sample=False, eos_token_id=eos, pad_token_id=eos,
+                                     max_new_tokens=plan.max_answer_tokens + 1)
+                answers.append(out[0, ids.shape[1]:].tolist())
+    for answer in answers:
+        assert answer[-1] == eos, f"no EOS within {plan.max_answer_tokens} tokens"
+        assert eos not in answer[:-1]
+        assert len(answer) - 1 == plan.levels - plan.level_of[answer[0]] + 1
+    assert all(1 <= plan.level_of.get(t, 0) <= plan.first_max for t in firsts), firsts
+    assert len({tuple(a) for a in answers}) == len(answers), "two prompts, one answer"
+    assert len(set(firsts)) >= len(firsts) // 2, "first tokens ignore the prompt"
+    lengths = {plan.levels - plan.level_of[t] + 1 for t in firsts}
+    assert len(lengths) >= len(firsts) // 2, "lengths ignore the prompt"
+    assert all(plan.min_answer_tokens <= n <= plan.max_answer_tokens for n in lengths)
+
+
+def test_the_chain_uses_rare_tokens_and_spares_the_specials() -> None:
+    plan = demo_model.ending_plan()
+    assert plan.max_answer_tokens == demo_model.ANSWER_LEVELS <= 256
+    assert 16 < plan.min_answer_tokens < plan.max_answer_tokens
+    assert min(plan.level_of) >= len(demo_model.SPECIAL_TOKENS)
+    assert sorted(set(plan.level_of.values())) == list(range(1, demo_model.ANSWER_LEVELS + 1))

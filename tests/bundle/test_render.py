@@ -23,8 +23,9 @@ from kvagent_server.bundle.render import (
     render_shell,
 )
 from kvagent_server.config import ConfigError
-from server_helpers import fake_inputs
 from support import pd_config
+
+from .bundle_helpers import fake_inputs
 
 KV_P = ('{"kv_connector":"NixlConnector","kv_role":"kv_producer","kv_buffer_device":"cpu",'
         '"engine_id":"default-prefill-0","kv_connector_extra_config":{"bidirectional_kv_xfer":'

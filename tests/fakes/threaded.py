@@ -1,4 +1,4 @@
-"""The router with fake P/D nodes (tests/router/fakes.py), served from a background thread.
+"""The router with fake P/D nodes (`fakes.nodes`), served from a background thread.
 
 For tests whose code under test is synchronous (the SDK's `Session`, the framework
 adapters, the documentation's examples): the stack's event loop runs in its own thread
@@ -8,18 +8,12 @@ while the test calls it over real HTTP on 127.0.0.1.
 from __future__ import annotations
 
 import asyncio
-import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
-_ROUTER_TESTS = str(Path(__file__).with_name("router"))
-if _ROUTER_TESTS not in sys.path:
-    sys.path.insert(0, _ROUTER_TESTS)
-
-from fakes import Stack, router_stack
+from fakes.nodes import Stack, router_stack
 
 MODEL = "fake-model"
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from bundle.bundle_helpers import fake_inputs
 from kvagent_server.bundle.render import plan
 from kvagent_server.config import (
     BundleConfig,
@@ -13,7 +14,6 @@ from kvagent_server.config import (
     load_config,
     validate_config,
 )
-from server_helpers import fake_inputs
 
 
 def problems(data: dict) -> list[str]:

@@ -1,6 +1,6 @@
 """The supervisor with a fake node: health waiting, restarts, limits, clean stops, the CLI.
 
-The fake node (fake_node.py) is a real process serving /health; it can spawn a child that
+The fake node (`fakes/process.py`) is a real process serving /health; it can spawn a child that
 ignores SIGTERM (like a stuck engine core), die on request, or never become healthy.
 """
 
@@ -22,8 +22,9 @@ from kvagent_server.bundle.processes import stop_groups
 from kvagent_server.bundle.runstate import load_state
 from kvagent_server.bundle.supervisor import Bundle, BundleError
 from kvagent_server.config import ConfigError, validate_config
-from server_helpers import fake_inputs, processes_mentioning
 from support import free_ports
+
+from .bundle_helpers import fake_inputs, processes_mentioning
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 

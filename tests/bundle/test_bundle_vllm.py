@@ -18,8 +18,9 @@ import yaml
 from kvagent_server.bundle.processes import PROCESS_ENV, RUN_DIR_ENV
 from kvagent_server.bundle.render import parse_cpu_list
 from kvagent_server.bundle.runstate import load_state
-from server_helpers import processes_mentioning
 from support import TEST_ENGINE_ARGS, free_ports
+
+from .bundle_helpers import processes_mentioning
 
 # Start-up is ~1-2 min per node on an idle 2-core machine, far more when it is shared.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(2400)]

@@ -1,6 +1,6 @@
 """A small launcher for one real vLLM prefill (P) + decode (D) pair with NixlConnector.
 
-Used by the engine tests and by tools/idle_and_stability. Each node runs in its own
+Used by the plugin tests and by tools/idle_and_stability. Each node runs in its own
 process group (so stopping it takes its engine-core and worker children with it), binds to
 127.0.0.1, and has its OMP threads pinned to one core (P: 0, D: 1 by default).
 

@@ -21,8 +21,9 @@ from kvagent_server.bundle.supervisor import Bundle
 from kvagent_server.bundle.topology import resolve_topology
 from kvagent_server.cli.app import app
 from kvagent_server.config import ConfigError, validate_config
-from server_helpers import fake_inputs
 from typer.testing import CliRunner
+
+from .bundle_helpers import fake_inputs
 
 CPU_REASON = ("auto: on CPU P/D halves each engine's cores (1.37-2.0x slower than one "
               "node on 2 cores, docs/benchmarks.md)")

@@ -9,8 +9,9 @@ from typing import Any
 
 import psutil
 import pytest
-from server_helpers import processes_mentioning
 from support import FAKE_NODE, free_ports
+
+from .bundle_helpers import processes_mentioning
 
 
 @pytest.fixture
