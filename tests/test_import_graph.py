@@ -25,8 +25,9 @@ SERVER_LAYERS = ["common", "router", "vllm_plugin", "engine", "config", "models"
                  "deploy", "demo", "cli"]
 
 #: The router's subpackages, lowest first: a module may import its own layer or lower ones.
-ROUTER_LAYERS = ["common", "telemetry", "kv", "settings", "auth", "store", "reuse", "turns",
-                 "apis", "http", "__main__"]
+#: `nodes` (the I/O with the vLLM nodes) sits below `turns`, whose stages use it.
+ROUTER_LAYERS = ["common", "telemetry", "kv", "settings", "auth", "store", "reuse", "nodes",
+                 "turns", "apis", "http", "__main__"]
 
 
 def _module_name(root_pkg: str, path: Path) -> str:
@@ -123,10 +124,10 @@ def test_the_pipeline_runs_the_stages_in_order() -> None:
     body = src[src.index("async def open_turn"):]
     calls = [body.index(c) for c in ("gather(", ".decide(", "execute(")]
     assert calls == sorted(calls)
-    app = (SOURCES["kvagent_server"] / "router" / "http" / "app.py").read_text()
-    stream = app[app.index("async def _stream("):]
+    shell = (SOURCES["kvagent_server"] / "router" / "http" / "turn.py").read_text()
+    stream = shell[shell.index("async def _stream("):]
     assert stream.index(".relay(") < stream.index("settle(") < stream.index(".tail(")
-    whole = app[app.index("async def _whole("):app.index("async def _stream(")]
+    whole = shell[shell.index("async def _whole("):shell.index("async def _stream(")]
     assert whole.index(".scrub(") < whole.index("settle(") < whole.index("rewrite_response(")
 
 

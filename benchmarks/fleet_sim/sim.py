@@ -5,7 +5,7 @@ the cache-token codec and the store's claim (`auth.cache_token`, `store`), P and
 placement (`reuse.placement`), the reuse plan and the path choice with the learned cost
 model (`reuse.planner`, `reuse.paths`), the transfer params for the legs
 (`reuse.transfer`), and after the D leg the new `Handle`, `store.put` and a new token.
-The retention guard (`turns.retention.RetentionGuard`, with its `blocks_to_free` watermark
+The retention guard (`nodes.retention.RetentionGuard`, with its `blocks_to_free` watermark
 math and `ReleaseQueue`) runs every `retention_check_interval_s` against the simulated
 decode nodes through a simulated `NodeHttp` client that answers `/metrics` and release
 requests from the simulated KV state. Only the nodes are simulated: compute, transfers,
@@ -33,6 +33,12 @@ import numpy as np
 import orjson
 from kvagent_server.router.auth.cache_token import TokenCodec, TokenError, verify_binding
 from kvagent_server.router.auth.keys import KeyRing
+from kvagent_server.router.nodes.client import NodeResponse
+from kvagent_server.router.nodes.retention import (
+    PolicyEviction,
+    RetentionGuard,
+    remote_request_id,
+)
 from kvagent_server.router.reuse import paths, placement, planner, transfer
 from kvagent_server.router.reuse.pauses import ToolPauses
 from kvagent_server.router.reuse.retention_policy import retention_policy_for
@@ -40,12 +46,6 @@ from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.handle import Handle, new_handle_id
 from kvagent_server.router.store.memory import MemoryStore
 from kvagent_server.router.store.redis_store import RedisStore
-from kvagent_server.router.turns.retention import (
-    PolicyEviction,
-    RetentionGuard,
-    remote_request_id,
-)
-from kvagent_server.router.turns.upstream import NodeResponse
 
 from benchmarks.fleet_sim.nodes import DNode, PNode
 from benchmarks.fleet_sim.profiles import Profile

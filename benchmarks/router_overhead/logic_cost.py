@@ -20,10 +20,10 @@ from collections.abc import AsyncIterator
 from kvagent_server.router.auth.cache_token import TokenCodec
 from kvagent_server.router.auth.keys import KeyRing
 from kvagent_server.router.http.request import session_and_token, validate
+from kvagent_server.router.nodes.legs import decode_body, prefill_body
 from kvagent_server.router.reuse import paths, planner, transfer
 from kvagent_server.router.store.handle import Handle, new_handle_id
 from kvagent_server.router.store.memory import MemoryStore
-from kvagent_server.router.turns.legs import decode_body, prefill_body
 from kvagent_server.router.turns.relay import Scrubber, SseRelay
 from kvagent_server.router.turns.shapes import Capture, Final
 

@@ -270,10 +270,10 @@ def test_d_blocks_expire_at_the_ttl_can_be_released_early_and_p_declines_expired
 async def test_watermark_guard_evicts_and_releases_on_a_real_decode_node(pair: PDPair) -> None:
     """The router's retention guard against real vLLM: D's real `/metrics` trip the
     watermark, the oldest handle leaves the store and D frees its blocks at once."""
+    from kvagent_server.router.nodes.client import NodeClient
+    from kvagent_server.router.nodes.retention import RetentionGuard
     from kvagent_server.router.store.handle import Handle
     from kvagent_server.router.store.memory import MemoryStore
-    from kvagent_server.router.turns.retention import RetentionGuard
-    from kvagent_server.router.turns.upstream import NodeClient
 
     kept = _turn1_on_d(pair, _prompt(10, 700), 4)
     old = _turn1_on_d(pair, _prompt(11, 700), 4)

@@ -38,7 +38,7 @@ from kvagent_server.bundle.processes import stop_groups
 from kvagent_server.bundle.render import BundlePlan, HostFacts, PlanInputs, ProcessSpec, plan
 from kvagent_server.config import validate_config
 from kvagent_server.router.kv.hashing import BlockHasher
-from kvagent_server.router.turns.prompt_ids import tokenize_request
+from kvagent_server.router.nodes.prompt_ids import tokenize_request
 
 from benchmarks._vllm_cli import parse_node_argv
 from tools.gpu.tier_events import (

@@ -33,8 +33,8 @@ from kvagent_server.router.kv.events import KVEventSubscriber
 from kvagent_server.router.kv.hashing import BlockHasher
 from kvagent_server.router.kv.index import KVEventSource, KVIndex
 from kvagent_server.router.kv.tiers import TierCosts, rank_nodes
+from kvagent_server.router.nodes.tier_placement import TierPlacement
 from kvagent_server.router.reuse.placement import NodeState, pick_prefill_by_tiers
-from kvagent_server.router.turns.kv_placement import TierPlacement
 
 #: The node-to-beat in (b): healthy, idle, holds nothing. Sorts before "prefill-0", so
 #: an estimate tie goes to it and the checked node must win outright.

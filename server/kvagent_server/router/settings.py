@@ -221,7 +221,7 @@ class RouterSettings(BaseModel):
     retention_high_watermark: float | None = Field(default=0.8, gt=0, le=1,
         description="Decode KV usage (0..1, `vllm:kv_cache_usage_perc`) at which retained "
         "handles on that node, in `retention_policy`'s order, are evicted and released, "
-        "down to the low watermark; None: retention is bounded by the TTL only (turns/retention.py). At this usage the "
+        "down to the low watermark; None: retention is bounded by the TTL only (nodes/retention.py). At this usage the "
         "`cost_model` path policy also stops sending D prompts to compute (docs/router.md).")
     retention_policy: RetentionPolicySettings = Field(
         default_factory=RetentionPolicySettings,

@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from kvagent_server.router.nodes.prompt_ids import tokenize_request
 from kvagent_server.router.reuse import identity
 from kvagent_server.router.reuse.planner import Reason, plan_reuse
 from kvagent_server.router.store.handle import Handle, pack_handle, unpack_handle
-from kvagent_server.router.turns.prompt_ids import tokenize_request
 
 PNG_A = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4nGNgYGD4DwABBAEAwS2OUAAAAABJRU5ErkJggg=="
 PNG_B = PNG_A.replace("nGNgYGD4", "nGNgYGD5")

@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from fakes import router_stack
 from kvagent_server.router.auth.tenancy import Tenant
+from kvagent_server.router.nodes.legs import sampled_token
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.turns.execute import forwards_first_token, forwards_prompt_ids
-from kvagent_server.router.turns.legs import sampled_token
 from kvagent_server.router.turns.shapes import TurnRequest
 from router_client import FIRST, no_wrong_kv, turn
 
@@ -105,7 +105,7 @@ def test_which_turns_forward(body: dict[str, Any], endpoint: str, settings: dict
     ([1, -1], None), ([1, "2"], None), ([1.0], None), ("1,2", None),
 ])
 def test_only_a_list_of_token_ids_is_taken_from_ps_answer(value: object, want: object) -> None:
-    from kvagent_server.router.turns.legs import token_ids
+    from kvagent_server.router.nodes.legs import token_ids
     assert token_ids(value) == want
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from kvagent_server.router.nodes.registry import NodeRegistry, topology_of
 from kvagent_server.router.reuse import planner
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.turns import policy
-from kvagent_server.router.turns.nodes import NodeRegistry, topology_of
 from kvagent_server.router.turns.shapes import Untokenized
 from test_stages import D_CHEAP, PROMPT, _facts, _req
 

@@ -132,10 +132,10 @@ async def test_a_p_node_that_does_not_check_pulls_gets_tokenized_offers() -> Non
 
 
 def test_an_unverified_offer_goes_only_to_p_nodes_that_check_their_pulls() -> None:
+    from kvagent_server.router.nodes.registry import Node
     from kvagent_server.router.reuse import planner
     from kvagent_server.router.reuse.paths import Path
     from kvagent_server.router.turns.execute import prefill_candidates
-    from kvagent_server.router.turns.nodes import Node
     from kvagent_server.router.turns.shapes import TurnPlan
 
     checks, plain = (Node(name=n, url=f"http://{n}", role="prefill", healthy=True)

@@ -13,6 +13,8 @@ import pytest
 from kvagent_server.router.auth.cache_token import TokenCodec
 from kvagent_server.router.auth.keys import KeyRing
 from kvagent_server.router.auth.tenancy import Tenant
+from kvagent_server.router.nodes.legs import DecodeStart, Legs
+from kvagent_server.router.nodes.registry import Node, NodeRegistry
 from kvagent_server.router.reuse import identity, planner
 from kvagent_server.router.reuse.paths import LinearCost, PathCosts
 from kvagent_server.router.reuse.queue import IDLE, NodeWork
@@ -23,8 +25,6 @@ from kvagent_server.router.telemetry.metrics import RouterMetrics
 from kvagent_server.router.turns import policy
 from kvagent_server.router.turns.context import Router
 from kvagent_server.router.turns.gather import gather
-from kvagent_server.router.turns.legs import DecodeStart, Legs
-from kvagent_server.router.turns.nodes import Node, NodeRegistry
 from kvagent_server.router.turns.settle import settle
 from kvagent_server.router.turns.shapes import Capture, Turn, TurnFacts, TurnPlan, TurnRequest
 

@@ -1,1 +1,2 @@
-"""The router's HTTP face: the Starlette app, request parsing, limits."""
+"""The router's HTTP face: the Starlette app, the turn's HTTP shell, small endpoints,
+request parsing, limits."""

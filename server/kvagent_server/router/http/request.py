@@ -25,6 +25,7 @@ from kvagent.protocol import (
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 
+from kvagent_server.router.auth.tenancy import AuthError, Tenant, TenantResolver
 from kvagent_server.router.common.lax import coerce
 from kvagent_server.router.reuse.transfer import INTERNAL_FIELDS
 
@@ -387,3 +388,16 @@ def session_and_token(headers: Any, body: dict[str, Any]) -> tuple[str | None, s
     if token is not None and len(token.encode()) > MAX_TOKEN_BYTES:
         token = "x"  # over-long: rejected as malformed, the turn is recomputed
     return session, token
+
+
+def tenant_of(request: Request, tenants: TenantResolver) -> Tenant:
+    """The caller's tenant, from `Authorization: Bearer` or, as Anthropic's clients send
+    their key, `x-api-key`."""
+    auth = request.headers.get("authorization")
+    api_key = request.headers.get("x-api-key")
+    if not auth and api_key:
+        auth = f"Bearer {api_key}"
+    try:
+        return tenants.resolve(auth)
+    except AuthError as exc:
+        raise HTTPError(401, str(exc), type_="authentication_error", code=exc.reason) from None

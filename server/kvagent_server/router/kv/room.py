@@ -4,7 +4,7 @@ A P/D turn leases P's blocks until its D leg pulls them, and that D leg needs bl
 If the router sends P legs whose D legs D cannot allocate, P fills with leases nobody
 reads while D fills with retained turns whose next turns wait for P: a deadlock that
 only the TTLs end. So the router promises D's blocks to a P/D turn *before* its P leg
-(`turns.room.DecodeGate`), and this ledger says how many are still free.
+(`nodes.admission.DecodeGate`), and this ledger says how many are still free.
 
 A node's own figure (`vllm:kv_cache_usage_perc` times its block count) lags: a leg the
 router sent a moment ago is not in it yet. So free blocks are the node's last figure less

@@ -8,7 +8,7 @@ requires equal identities, decided by an allow-list: a request field is either
 - `IGNORED`: known to leave the prompt's KV and positions unchanged (sampling, output
   shaping, scheduling);
 - `RENDERED`: it changes how messages become tokens, and the ids the router compares come
-  from `/tokenize` with that field applied (turns.prompt_ids), so a change shows there;
+  from `/tokenize` with that field applied (nodes.prompt_ids), so a change shows there;
 - `model`/`cache_salt`/`messages` media parts: recorded in the identity and compared;
 - anything else, including fields a later vLLM adds: the turn cannot be verified and is
   recomputed (`unverifiable_input:<field>`), never refused.

@@ -50,7 +50,7 @@ class Reason(StrEnum):
     #: P could not pull the prefix from D and recomputed.
     PULL_FAILED = "pull_failed"
     #: The decode node had no KV room while turns waited, and the handle was released
-    #: to make some (`turns.room`): the prompt is recomputed.
+    #: to make some (`nodes.admission`): the prompt is recomputed.
     NO_ROOM = "no_kv_room"
     #: A request P/D cannot split (see `decode_only`).
     UNSUPPORTED_SHAPE = "unsupported_shape"

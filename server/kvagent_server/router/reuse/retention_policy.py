@@ -2,7 +2,7 @@
 
 A decode node keeps each finished turn's KV for the session's next turn. When it must
 free blocks (its usage past the retention guard's high watermark, or a turn waiting for
-room: `turns.retention`, `turns.room`), a retention policy ranks the node's retained
+room: `nodes.retention`, `nodes.admission`), a retention policy ranks the node's retained
 handles, and the first ones covering the blocks needed are evicted from the store and
 released. Policies are registered by name with their own parameters model;
 `router.retention_policy` names one and gives its parameters:

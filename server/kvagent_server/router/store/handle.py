@@ -174,7 +174,7 @@ def handle_blocks(handle: Handle) -> int:
     """Blocks the handle pins on its decode node (first KV cache group; an upper bound,
     since blocks shared with other sequences are not freed by releasing one of them)."""
     # The key is `reuse.transfer.REMOTE_BLOCK_IDS`, spelled out because `store` sits below
-    # `reuse` in the router's layers (tests/router/turns/test_retention.py ties the two).
+    # `reuse` in the router's layers (tests/router/nodes/test_retention.py ties the two).
     return _blocks(handle.kv_transfer_params)
 
 

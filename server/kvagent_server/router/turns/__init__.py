@@ -1,1 +1,1 @@
-"""One turn against the nodes: node registry, upstream client, prompt ids, legs, relay, orchestration."""
+"""One turn as a line of stages over the turn's shapes: gather, decide, execute, relay, settle."""

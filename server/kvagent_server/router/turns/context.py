@@ -6,6 +6,11 @@ from dataclasses import dataclass, field
 
 from kvagent_server.router.auth.cache_token import TokenCodec
 from kvagent_server.router.kv.room import DecodeRoom
+from kvagent_server.router.nodes.admission import DecodeGate
+from kvagent_server.router.nodes.legs import Legs
+from kvagent_server.router.nodes.registry import NodeRegistry
+from kvagent_server.router.nodes.retention import RetentionGuard
+from kvagent_server.router.nodes.tier_placement import TierPlacement
 from kvagent_server.router.reuse.paths import CostModel
 from kvagent_server.router.reuse.pauses import ToolPauses
 from kvagent_server.router.reuse.queue import CharsPerToken, WorkLedger
@@ -13,12 +18,7 @@ from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.base import SessionStore
 from kvagent_server.router.store.factory import KeySync
 from kvagent_server.router.telemetry.metrics import RouterMetrics
-from kvagent_server.router.turns.kv_placement import TierPlacement
-from kvagent_server.router.turns.legs import Legs
-from kvagent_server.router.turns.nodes import NodeRegistry
 from kvagent_server.router.turns.policy import PathPolicy
-from kvagent_server.router.turns.retention import RetentionGuard
-from kvagent_server.router.turns.room import DecodeGate
 
 
 @dataclass
@@ -39,7 +39,7 @@ class Router:
     #: Tokens per body character of P legs whose prompt the router did not tokenize.
     chars: CharsPerToken = field(default_factory=CharsPerToken)
     #: Prompt tokens (all of them, cached or not) per body character of untokenized turns:
-    #: the blocks a decode node must hold for one (turns/room.py). Starts high (1 token per
+    #: the blocks a decode node must hold for one (nodes/admission.py). Starts high (1 token per
     #: 3 bytes): too much room promised makes a turn wait, too little can stall D.
     prompt_chars: CharsPerToken = field(default_factory=lambda: CharsPerToken(prior=1 / 3))
     #: Prompt tokens per byte of a chat turn's messages (a turn that skips `/tokenize`
@@ -53,11 +53,11 @@ class Router:
     tokenize_s: float | None = None
     #: Tier-aware P placement from the nodes' KV events (None: by load only).
     tiers: TierPlacement | None = None
-    #: Bounds what decode nodes retain (turns/retention.py; None: TTL only).
+    #: Bounds what decode nodes retain (nodes/retention.py; None: TTL only).
     retention: RetentionGuard | None = None
     #: Each decode node's free KV blocks, less what legs on their way were promised.
     room: DecodeRoom = field(default_factory=DecodeRoom)
-    #: Admits a leg to a decode node only when it has room (turns/room.py; None: the
+    #: Admits a leg to a decode node only when it has room (nodes/admission.py; None: the
     #: retention guard is off, so nothing reads the nodes' KV figures).
     gate: DecodeGate | None = None
     #: Shares signing keys with other replicas through Redis (None: configured keys).

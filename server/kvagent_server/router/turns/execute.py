@@ -17,15 +17,15 @@ import uuid
 from typing import Any
 
 from kvagent_server.router.kv import room
+from kvagent_server.router.nodes.admission import Admitted, NoRoom
+from kvagent_server.router.nodes.legs import LegError, decode_body, usage_stream_options
+from kvagent_server.router.nodes.registry import Node
+from kvagent_server.router.nodes.retention import remote_request_id
 from kvagent_server.router.reuse import identity, paths, planner, transfer
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.handle import Handle, handle_blocks
 from kvagent_server.router.telemetry.spans import leg_span
 from kvagent_server.router.turns.context import Router
-from kvagent_server.router.turns.legs import LegError, decode_body, usage_stream_options
-from kvagent_server.router.turns.nodes import Node
-from kvagent_server.router.turns.retention import remote_request_id
-from kvagent_server.router.turns.room import Admitted, NoRoom
 from kvagent_server.router.turns.shapes import Turn, TurnFacts, TurnPlan, TurnRequest
 
 log = logging.getLogger("kvagent.router.turn")

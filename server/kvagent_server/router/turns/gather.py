@@ -18,14 +18,14 @@ import time
 import uuid
 
 from kvagent_server.router.auth.cache_token import TokenError, verify_binding
+from kvagent_server.router.nodes.prompt_ids import TokenizeError, tokenize
+from kvagent_server.router.nodes.registry import Node
 from kvagent_server.router.reuse import content, identity, placement, planner
 from kvagent_server.router.reuse.queue import IDLE
 from kvagent_server.router.store.base import StoreUnavailable
 from kvagent_server.router.store.handle import Handle, KVIdentity
 from kvagent_server.router.store.records import CONTENT
 from kvagent_server.router.turns.context import Router
-from kvagent_server.router.turns.nodes import Node
-from kvagent_server.router.turns.prompt_ids import TokenizeError, tokenize
 from kvagent_server.router.turns.shapes import TurnFacts, TurnRequest, Untokenized
 
 log = logging.getLogger("kvagent.router.turn")

@@ -11,13 +11,13 @@ from __future__ import annotations
 import logging
 import time
 
+from kvagent_server.router.nodes.legs import usage_cached
+from kvagent_server.router.nodes.retention import remote_request_id
 from kvagent_server.router.reuse import content, identity, planner, transfer
 from kvagent_server.router.store.base import StoreUnavailable
 from kvagent_server.router.store.handle import Handle, TurnEnd, new_handle_id
 from kvagent_server.router.store.records import CONTENT
 from kvagent_server.router.turns.context import Router
-from kvagent_server.router.turns.legs import usage_cached
-from kvagent_server.router.turns.retention import remote_request_id
 from kvagent_server.router.turns.shapes import Capture, Final, Turn
 
 log = logging.getLogger("kvagent.router.turn")

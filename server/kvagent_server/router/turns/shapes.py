@@ -20,13 +20,13 @@ from typing import Any
 from kvagent_server.router.auth.tenancy import Tenant
 from kvagent_server.router.common import fastjson
 from kvagent_server.router.kv.room import DecodeRoom
+from kvagent_server.router.nodes.legs import DecodeStart, PrefillResult
+from kvagent_server.router.nodes.registry import Node
 from kvagent_server.router.reuse import identity, planner
 from kvagent_server.router.reuse.paths import Path, PathCosts
 from kvagent_server.router.reuse.queue import NodeWork, WorkLedger
 from kvagent_server.router.store.handle import Handle, KVIdentity
 from kvagent_server.router.telemetry.budget import TurnBudget
-from kvagent_server.router.turns.legs import DecodeStart, PrefillResult
-from kvagent_server.router.turns.nodes import Node
 
 # ------------------------------------------------------------------ the request
 
@@ -180,7 +180,7 @@ class TurnPlan:
 
     def without_room(self) -> TurnPlan:
         """The plan once the handle it would reuse was given up for another turn's room
-        (`turns.room`): its blocks are gone, P recomputes the prompt."""
+        (`nodes.admission`): its blocks are gone, P recomputes the prompt."""
         return dataclasses.replace(
             self, path="recompute", holder=None,
             reuse=planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.NO_ROOM))

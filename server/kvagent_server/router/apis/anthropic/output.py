@@ -6,7 +6,8 @@ import json
 import uuid
 from typing import Any
 
-from kvagent_server.router.apis.anthropic.request import as_dict, error_body, error_type, is_int
+from kvagent_server.router.apis.anthropic.errors import error_body, error_type
+from kvagent_server.router.apis.anthropic.validation import as_dict, is_int
 
 
 def message_id(chat_id: Any) -> str:

@@ -1,8 +1,8 @@
 """Anthropic Messages requests as the chat completions body vLLM's own `/v1/messages` builds.
 
 Field for field, so the rendered prompt (and with it the KV the router reuses, and the
-greedy output) is the one vLLM would serve. Also the API's errors: `ApiError` and the
-error body its clients parse.
+greedy output) is the one vLLM would serve. The request is checked first (`validation`);
+its errors are `errors.ApiError`.
 
 Two results of vLLM's depend on the served model's chat template, which vLLM probes at
 startup; they are keyword-only parameters here, defaulting to the demo model's outcome:
@@ -17,264 +17,22 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvagent_server.router.common.lax import coerce, ignored_once
+from kvagent_server.router.apis.anthropic.errors import bad
+from kvagent_server.router.apis.anthropic.validation import (
+    check_options,
+    check_prompt_fields,
+    check_request,
+    lax,
+    optional,
+)
+from kvagent_server.router.common.lax import ignored_once
 
 #: Claude Code's per-request attribution block: a hash per request, so vLLM drops it from
 #: the system prompt (it would defeat prefix caching).
 BILLING_HEADER = "x-anthropic-billing-header"
-#: The content block types vLLM accepts (others are a 400).
-BLOCK_TYPES = frozenset({"text", "image", "tool_use", "tool_result", "tool_reference",
-                         "thinking", "redacted_thinking", "tool_addition", "tool_removal"})
-#: `output_config.effort` values, and what `thinking.type: disabled` may map to.
-EFFORTS = ("low", "medium", "high", "xhigh", "max")
-DISABLED_EFFORTS = ("none", *EFFORTS)
 #: The demo model's template ignores `reasoning_effort` ("none" renders like any effort).
 DEMO_DISABLED_THINKING_EFFORT = "low"
-#: Anthropic's minimum thinking budget.
-MIN_THINKING_BUDGET = 1024
 _TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
-_STOP_REASONS = ("end_turn", "max_tokens", "stop_sequence", "tool_use")
-
-
-# --------------------------------------------------------------------------- errors
-
-
-class ApiError(Exception):
-    """A client error, answered in Anthropic's error shape."""
-
-    def __init__(self, status: int, message: str, *,
-                 type_: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status = status
-        self.type = type_
-        self.message = message
-
-
-def error_body(type_: str, message: str) -> dict[str, Any]:
-    """Anthropic's error object (the body of an error answer and of a streamed `error`)."""
-    return {"type": "error", "error": {"type": type_, "message": message}}
-
-
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-                402: "billing_error", 403: "permission_error", 404: "not_found_error",
-                413: "request_too_large", 429: "rate_limit_error", 504: "timeout_error",
-                529: "overloaded_error"}
-
-
-def error_type(status: int) -> str:
-    """Anthropic's error type for an HTTP status, so clients retry (or not) as they would
-    against Anthropic: other 4xx are invalid requests, other 5xx `api_error`."""
-    if status in _ERROR_TYPES:
-        return _ERROR_TYPES[status]
-    return "invalid_request_error" if 400 <= status < 500 else "api_error"
-
-
-def _bad(path: str, message: str) -> ApiError:
-    return ApiError(400, f"{path}: {message}")
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def _optional(body: dict[str, Any], key: str, path: str, kind: str) -> Any:
-    """`body[key]` (None when absent or null), checked to be of `kind`."""
-    value = body.get(key)
-    if value is None:
-        return None
-    ok = {"str": isinstance(value, str), "bool": isinstance(value, bool),
-          "int": is_int(value), "number": _is_number(value),
-          "object": isinstance(value, dict), "list": isinstance(value, list)}[kind]
-    if not ok:
-        article = "an" if kind[0] in "aeiou" else "a"
-        raise _bad(path, f"must be {article} {kind}" if kind != "str" else "must be a string")
-    return value
-
-
-def _object(value: Any, path: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise _bad(path, "must be an object")
-    checked: dict[str, Any] = value
-    return checked
-
-
-def as_dict(value: Any) -> dict[str, Any]:
-    """`value` when it is an object, else an empty one (node answers are read leniently)."""
-    return value if isinstance(value, dict) else {}
-
-
-def _check_block(value: Any, path: str) -> dict[str, Any]:
-    """One content block, with the field types vLLM's model enforces."""
-    block = _object(value, path)
-    kind = block.get("type")
-    if not isinstance(kind, str):
-        raise _bad(f"{path}.type", "is required (a string)")
-    if kind not in BLOCK_TYPES:
-        raise _bad(f"{path}.type", f"unsupported content block type {kind!r} "
-                   f"(expected one of {', '.join(sorted(BLOCK_TYPES))})")
-    for key in ("text", "id", "tool_use_id", "name", "thinking", "signature", "data"):
-        _optional(block, key, f"{path}.{key}", "str")
-    _optional(block, "source", f"{path}.source", "object")
-    _optional(block, "input", f"{path}.input", "object")
-    _optional(block, "is_error", f"{path}.is_error", "bool")
-    content = block.get("content")
-    if content is not None and not isinstance(content, str):
-        if not isinstance(content, list):
-            raise _bad(f"{path}.content", "must be a string or a list of blocks")
-        for i, item in enumerate(content):
-            _object(item, f"{path}.content.{i}")
-    if kind in ("tool_addition", "tool_removal"):
-        _check_tool_change(block, kind, path)
-    return block
-
-
-def _check_tool_change(block: dict[str, Any], kind: str, path: str) -> None:
-    change = _object(block.get("tool"), f"{path}.tool")
-    change_type = change.get("type")
-    if change_type == "tool_reference":
-        if not isinstance(change.get("name"), str):
-            raise _bad(f"{path}.tool.name", "is required (a string)")
-    elif change_type == "tool_definition":
-        if kind == "tool_removal":
-            raise _bad(f"{path}.tool.type", "tool_removal only accepts a tool_reference")
-        _check_tool(change.get("definition"), f"{path}.tool.definition")
-    else:
-        raise _bad(f"{path}.tool.type", "must be 'tool_reference' or 'tool_definition'")
-
-
-def _check_content(content: Any, path: str, *, role: str) -> list[dict[str, Any]] | str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(path, "must be a string or a list of content blocks")
-    blocks = [_check_block(b, f"{path}.{i}") for i, b in enumerate(content)]
-    if role != "system":
-        for i, b in enumerate(blocks):
-            if b["type"] in ("tool_addition", "tool_removal"):
-                raise _bad(f"{path}.{i}.type", f"{b['type']} blocks are only allowed in "
-                           "messages with role 'system'")
-    return blocks
-
-
-def _check_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    messages = body.get("messages")
-    if messages is None:
-        raise _bad("messages", "is required")
-    if not isinstance(messages, list) or not messages:
-        raise _bad("messages", "must be a non-empty list")
-    for i, msg in enumerate(messages):
-        msg = _object(msg, f"messages.{i}")
-        role = msg.get("role")
-        if role not in ("user", "assistant", "system"):
-            raise _bad(f"messages.{i}.role", "must be 'user', 'assistant' or 'system'")
-        if "content" not in msg:
-            raise _bad(f"messages.{i}.content", "is required")
-        _check_content(msg["content"], f"messages.{i}.content", role=role)
-    return messages
-
-
-def _check_tool(value: Any, path: str) -> dict[str, Any]:
-    tool = _object(value, path)
-    if not isinstance(tool.get("name"), str):
-        raise _bad(f"{path}.name", "is required (a string)")
-    _optional(tool, "description", f"{path}.description", "str")
-    if not isinstance(tool.get("input_schema"), dict):
-        raise _bad(f"{path}.input_schema", "is required (an object)")
-    _optional(tool, "strict", f"{path}.strict", "bool")
-    _optional(tool, "defer_loading", f"{path}.defer_loading", "bool")
-    return tool
-
-
-def _check_prompt_fields(body: dict[str, Any]) -> None:
-    """The fields a Messages and a count_tokens request share."""
-    model = body.get("model")
-    if model is None:
-        raise _bad("model", "is required")
-    if not isinstance(model, str) or not model:
-        raise _bad("model", "must be a non-empty string")
-    _check_messages(body)
-    system = body.get("system")
-    if system is not None:
-        _check_content(system, "system", role="user")
-    tools = _optional(body, "tools", "tools", "list")
-    for i, tool in enumerate(tools or []):
-        _check_tool(tool, f"tools.{i}")
-    choice = _optional(body, "tool_choice", "tool_choice", "object")
-    if choice is not None:
-        if choice.get("type") not in ("auto", "any", "tool", "none"):
-            raise _bad("tool_choice.type", "must be 'auto', 'any', 'tool' or 'none'")
-        name = _optional(choice, "name", "tool_choice.name", "str")
-        if choice["type"] == "tool" and not name:
-            raise _bad("tool_choice.name", "is required when type is 'tool'")
-        _optional(choice, "disable_parallel_tool_use",
-                  "tool_choice.disable_parallel_tool_use", "bool")
-    thinking = _optional(body, "thinking", "thinking", "object")
-    if thinking is not None:
-        kind = thinking.get("type")
-        if kind not in ("enabled", "disabled", "adaptive"):
-            raise _bad("thinking.type", "must be 'enabled', 'disabled' or 'adaptive'")
-        if kind == "enabled":
-            budget = thinking.get("budget_tokens")
-            if not is_int(budget) or budget < MIN_THINKING_BUDGET:
-                raise _bad("thinking.budget_tokens",
-                           f"must be an integer of at least {MIN_THINKING_BUDGET}")
-    config = _optional(body, "output_config", "output_config", "object")
-    if config is not None:
-        effort = config.get("effort")
-        if effort is not None and effort not in EFFORTS:
-            raise _bad("output_config.effort", f"must be one of {', '.join(EFFORTS)}")
-        fmt = _optional(config, "format", "output_config.format", "object")
-        if fmt is not None:
-            if fmt.get("type", "json_schema") != "json_schema":
-                raise _bad("output_config.format.type", "must be 'json_schema'")
-            _optional(fmt, "schema", "output_config.format.schema", "object")
-    _optional(body, "chat_template_kwargs", "chat_template_kwargs", "object")
-
-
-def lax(body: dict[str, Any]) -> None:
-    """Convert `body`'s typed fields in place as vLLM's `AnthropicMessagesRequest` does."""
-    coerce(body, ("max_tokens", "top_k"), "int")
-    coerce(body, ("temperature", "top_p"), "number")
-    coerce(body, ("stream", "watermarking"), "bool")
-    for key, name, kind in (("thinking", "budget_tokens", "int"),
-                            ("tool_choice", "disable_parallel_tool_use", "bool")):
-        if isinstance(body.get(key), dict):
-            coerce(body[key], (name,), kind)
-
-
-def _check_request(body: dict[str, Any]) -> None:
-    """A Messages request: the shared fields, then sampling."""
-    lax(body)
-    _check_prompt_fields(body)
-    max_tokens = body.get("max_tokens")
-    if max_tokens is None:
-        raise _bad("max_tokens", "is required")
-    if not is_int(max_tokens) or max_tokens <= 0:
-        raise _bad("max_tokens", "must be a positive integer")
-    stops = _optional(body, "stop_sequences", "stop_sequences", "list")
-    for i, stop in enumerate(stops or []):
-        if not isinstance(stop, str):
-            raise _bad(f"stop_sequences.{i}", "must be a string")
-    _optional(body, "stream", "stream", "bool")
-    for key in ("temperature", "top_p"):
-        _optional(body, key, key, "number")
-    _optional(body, "top_k", "top_k", "int")
-    _optional(body, "metadata", "metadata", "object")
-    _optional(body, "vllm_xargs", "vllm_xargs", "object")
-    _optional(body, "watermarking", "watermarking", "bool")
-    thinking = body.get("thinking") or {}
-    if thinking.get("type") == "enabled" and thinking["budget_tokens"] >= max_tokens:
-        raise _bad("thinking.budget_tokens", "must be less than max_tokens")
-
-
-# --------------------------------------------------------------------------- request
 
 
 def _system_text(content: str | list[dict[str, Any]], *, strip_string: bool) -> str | None:
@@ -335,7 +93,7 @@ def _tool_result_messages(block: dict[str, Any], path: str) -> list[dict[str, An
         for i, item in enumerate(content):
             kind = item.get("type")
             if kind == "text":
-                texts.append(_optional(item, "text", f"{path}.content.{i}.text", "str") or "")
+                texts.append(optional(item, "text", f"{path}.content.{i}.text", "str") or "")
             elif kind == "image":
                 url = _image_url(item.get("source") or {})
                 if url:
@@ -428,8 +186,8 @@ def _resolved_tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         else:
             name = change["name"]
             if name not in by_name:
-                raise _bad(f"{path}.tool.name", f"{block['type']} references tool {name!r}, "
-                           "which is not declared in tools")
+                raise bad(f"{path}.tool.name", f"{block['type']} references tool {name!r}, "
+                          "which is not declared in tools")
             if block["type"] == "tool_addition":
                 by_name[name] = {k: v for k, v in by_name[name].items()
                                  if k != "defer_loading"}
@@ -469,7 +227,7 @@ def _tool_fields(body: dict[str, Any]) -> dict[str, Any]:
         if kind == "tool":
             names = {t["name"] for t in tools or []}
             if choice["name"] not in names:
-                raise _bad("tool_choice.name", f"no tool named {choice['name']!r} in tools")
+                raise bad("tool_choice.name", f"no tool named {choice['name']!r} in tools")
             out["tool_choice"] = {"type": "function", "function": {"name": choice["name"]}}
         elif kind == "any" and not tools:
             ignored_once("messages:any_without_tools", "served tool_choice 'any' without "
@@ -498,11 +256,6 @@ def _response_format(body: dict[str, Any]) -> dict[str, Any] | None:
                                                    "schema": fmt["schema"]}}
 
 
-def _check_options(disabled_thinking_effort: str) -> None:
-    if disabled_thinking_effort not in DISABLED_EFFORTS:
-        raise ValueError(f"disabled_thinking_effort must be one of {DISABLED_EFFORTS}")
-
-
 def to_chat(body: dict[str, Any], *, merge_inline_system: bool = False,
             disabled_thinking_effort: str = DEMO_DISABLED_THINKING_EFFORT,
             continuous_usage: bool = False) -> dict[str, Any]:
@@ -515,8 +268,8 @@ def to_chat(body: dict[str, Any], *, merge_inline_system: bool = False,
     usage chunk; vLLM asks for per-chunk usage as well (`continuous_usage`), which only
     fills `message_start`'s usage and costs the relay a JSON rewrite per chunk.
     """
-    _check_options(disabled_thinking_effort)
-    _check_request(body)
+    check_options(disabled_thinking_effort)
+    check_request(body)
     out: dict[str, Any] = {
         "model": body["model"],
         "messages": _chat_messages(body, merge_inline_system=merge_inline_system),
@@ -554,9 +307,9 @@ def count_tokens_chat(body: dict[str, Any], *, merge_inline_system: bool = False
     the prompt `to_chat` would render, with the generation prompt. `/tokenize` takes no
     `reasoning_effort`, so the effort (and the `enable_thinking` vLLM derives from it)
     rides in `chat_template_kwargs`, where vLLM's chat rendering puts it."""
-    _check_options(disabled_thinking_effort)
+    check_options(disabled_thinking_effort)
     lax(body)
-    _check_prompt_fields(body)
+    check_prompt_fields(body)
     out: dict[str, Any] = {
         "model": body["model"],
         "messages": _chat_messages(body, merge_inline_system=merge_inline_system),
@@ -574,5 +327,3 @@ def count_tokens_chat(body: dict[str, Any], *, merge_inline_system: bool = False
     if kwargs:
         out["chat_template_kwargs"] = kwargs
     return out
-
-

@@ -14,7 +14,7 @@ from kvagent_server.router.apis.anthropic.output import (
     stream_error,
     usage,
 )
-from kvagent_server.router.apis.anthropic.request import as_dict
+from kvagent_server.router.apis.anthropic.validation import as_dict
 
 
 class MessageStream:

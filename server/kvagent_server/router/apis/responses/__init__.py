@@ -14,13 +14,9 @@ client that keeps its own history resends it, function calls included (vLLM 0.32
 only its text), so both styles get one prompt and reuse each other's KV (`history`).
 """
 
+from kvagent_server.router.apis.responses.errors import ApiError, responses_words
 from kvagent_server.router.apis.responses.output import response_from_chat
-from kvagent_server.router.apis.responses.request import (
-    ApiError,
-    history,
-    responses_words,
-    to_chat,
-)
+from kvagent_server.router.apis.responses.request import history, to_chat
 from kvagent_server.router.apis.responses.stream import ResponseStream
 
 __all__ = ["ApiError", "ResponseStream", "history", "response_from_chat", "responses_words",

@@ -4,11 +4,12 @@ a chained turn starts with."""
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from typing import Any
 
-from kvagent_server.router.common.lax import coerce, ignored_once
+from kvagent_server.router.apis.responses.errors import ApiError, bad
+from kvagent_server.router.apis.responses.validation import check_served
+from kvagent_server.router.common.lax import ignored_once
 
 #: Tool types that run on OpenAI's side (the Responses `Tool` union of the openai package
 #: vLLM 0.32 validates with). vLLM accepts them and shows the model none of them: neither
@@ -33,24 +34,6 @@ CUSTOM_PARAMETERS = {
     "required": [CUSTOM_INPUT_KEY],
     "additionalProperties": False,
 }
-#: Request fields vLLM refuses too (in its default configuration).
-_UNSERVED = {
-    "background": "background responses are not served by this router; omit 'background'",
-    "prompt": "prompt template is not supported",
-}
-#: Fields vLLM does not know and ignores; the router ignores them too.
-_IGNORED = ("conversation",)
-#: The OpenAI API's bounds on `metadata` (vLLM checks only that it maps strings to strings).
-METADATA_MAX_PAIRS = 16
-METADATA_MAX_KEY = 64
-METADATA_MAX_VALUE = 512
-#: Typed fields, converted as vLLM's request model converts them (`common.lax`).
-_INTS = ("max_output_tokens", "max_tool_calls", "top_logprobs", "top_k", "seed",
-         "priority")
-_NUMBERS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
-            "repetition_penalty")
-_BOOLS = ("stream", "store", "background", "parallel_tool_calls", "ignore_eos",
-          "skip_special_tokens", "include_stop_str_in_output", "include_reasoning")
 #: vLLM sampling and rendering extras that mean the same in a chat request.
 _PASSTHROUGH = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
                 "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids",
@@ -59,22 +42,6 @@ _PASSTHROUGH = ("model", "temperature", "top_p", "top_k", "min_p", "repetition_p
                 "vllm_xargs", "parallel_tool_calls")
 #: Namespaced tools are shown to the model as `<namespace>__<name>`, as vLLM does.
 NAMESPACE_SEPARATOR = "__"
-
-
-class ApiError(Exception):
-    """A client error in OpenAI's error shape."""
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-
-
-def _bad(param: str, message: str) -> ApiError:
-    return ApiError(400, f"'{param}' {message}", param=param)
 
 
 def new_id(prefix: str) -> str:
@@ -86,7 +53,7 @@ def to_chat(body: dict[str, Any], *, previous: list[dict[str, Any]] | None = Non
             ) -> dict[str, Any]:
     """The chat completions body whose rendered prompt is the one vLLM's `/v1/responses`
     renders for `body`, chained on `previous` (`history` of the previous response)."""
-    _check_served(body)
+    check_served(body)
     tools = _chat_tools(body.get("tools"))
     tool_choice = _tool_choice(body.get("tool_choice"), tools,
                                declared=bool(body.get("tools")))
@@ -94,13 +61,13 @@ def to_chat(body: dict[str, Any], *, previous: list[dict[str, Any]] | None = Non
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
-        raise _bad("instructions", "must be a string")
+        raise bad("instructions", "must be a string")
     if instructions:
         messages.append({"role": "system", "content": instructions})
     messages += [m for m in previous or () if m.get("role") != "system"]
     messages += _input_messages(raw_input)
     if not messages:
-        raise _bad("input", "must hold at least one item")
+        raise bad("input", "must hold at least one item")
     chat: dict[str, Any] = {k: body[k] for k in _PASSTHROUGH if body.get(k) is not None}
     chat["messages"] = messages
     if tools:
@@ -112,7 +79,7 @@ def to_chat(body: dict[str, Any], *, previous: list[dict[str, Any]] | None = Non
     max_out = body.get("max_output_tokens")
     if max_out is not None:
         if not (isinstance(max_out, int) and not isinstance(max_out, bool) and max_out >= 0):
-            raise _bad("max_output_tokens", "must be a non-negative integer")
+            raise bad("max_output_tokens", "must be a non-negative integer")
         chat["max_tokens"] = max_out
     effort = _reasoning_effort(body.get("reasoning"))
     if effort is not None:
@@ -128,54 +95,12 @@ def to_chat(body: dict[str, Any], *, previous: list[dict[str, Any]] | None = Non
     return chat
 
 
-def lax(body: dict[str, Any]) -> None:
-    """Convert `body`'s typed fields in place as vLLM's `ResponsesRequest` does."""
-    coerce(body, _INTS, "int")
-    coerce(body, _NUMBERS, "number")
-    coerce(body, _BOOLS, "bool")
-
-
-def check_metadata(metadata: Any) -> None:
-    """`metadata` as the OpenAI API defines it: at most 16 string pairs, keys up to 64
-    characters, values up to 512. It is stored with the Response, so it is bounded."""
-    if metadata is None:
-        return
-    if not isinstance(metadata, dict):
-        raise _bad("metadata", "must be an object of string keys and string values")
-    if len(metadata) > METADATA_MAX_PAIRS:
-        raise _bad("metadata", f"may hold at most {METADATA_MAX_PAIRS} pairs")
-    for key, value in metadata.items():
-        if len(key) > METADATA_MAX_KEY:
-            raise _bad("metadata", f"keys may be at most {METADATA_MAX_KEY} characters")
-        if not isinstance(value, str):
-            raise _bad(f"metadata.{key[:METADATA_MAX_KEY]}", "must be a string")
-        if len(value) > METADATA_MAX_VALUE:
-            raise _bad(f"metadata.{key}",
-                       f"may be at most {METADATA_MAX_VALUE} characters")
-
-
-def _check_served(body: dict[str, Any]) -> None:
-    lax(body)
-    for field, message in _UNSERVED.items():
-        if body.get(field):
-            raise ApiError(400, message, param=field, code="unsupported_parameter")
-    for field in _IGNORED:
-        if body.get(field) is not None:
-            ignored_once(f"responses:{field}", "ignored the Responses field %r, as vLLM does",
-                         field)
-    check_metadata(body.get("metadata"))
-    if "input" not in body:
-        raise ApiError(400, "'input' is required", param="input")
-    if not isinstance(body["input"], str | list):
-        raise _bad("input", "must be a string or a list of items")
-
-
 def _chat_tools(tools: Any) -> list[dict[str, Any]]:
     """Responses tools as chat function tools (namespaces flattened, as vLLM shows them)."""
     if tools is None:
         return []
     if not isinstance(tools, list):
-        raise _bad("tools", "must be a list")
+        raise bad("tools", "must be a list")
     out: list[dict[str, Any]] = []
     for i, tool in enumerate(tools):
         kind = tool.get("type") if isinstance(tool, dict) else None
@@ -192,8 +117,8 @@ def _chat_tools(tools: Any) -> list[dict[str, Any]]:
             ignored_once(f"responses:tool:{kind}", "ignored the built-in tool %r (the model "
                          "is shown function tools only, as vLLM does)", kind)
         else:
-            raise _bad(f"tools[{i}].type", "must be a function, namespace, custom or "
-                       "built-in tool type")
+            raise bad(f"tools[{i}].type", "must be a function, namespace, custom or "
+                      "built-in tool type")
     return out
 
 
@@ -205,7 +130,7 @@ def _custom_function(tool: dict[str, Any], where: str) -> dict[str, Any]:
         raise ApiError(400, "Custom tools with a grammar format are not supported; only "
                        "free-form text custom tools are accepted.", param="tools")
     if not isinstance(tool.get("name"), str) or not tool["name"]:
-        raise _bad(f"{where}.name", "must be a non-empty string")
+        raise bad(f"{where}.name", "must be a non-empty string")
     return {"type": "function", "function": {
         "name": tool["name"], "description": tool.get("description"),
         "parameters": CUSTOM_PARAMETERS}}
@@ -219,9 +144,9 @@ def custom_names(tools: Any) -> frozenset[str]:
 
 def _chat_function(tool: dict[str, Any], where: str) -> dict[str, Any]:
     if not isinstance(tool.get("name"), str) or not tool["name"]:
-        raise _bad(f"{where}.name", "must be a non-empty string")
+        raise bad(f"{where}.name", "must be a non-empty string")
     if tool.get("parameters") is not None and not isinstance(tool["parameters"], dict):
-        raise _bad(f"{where}.parameters", "must be an object")
+        raise bad(f"{where}.parameters", "must be an object")
     fn = {"name": tool["name"], "description": tool.get("description"),
           "parameters": tool.get("parameters")}
     for key in ("strict", "defer_loading"):
@@ -232,7 +157,7 @@ def _chat_function(tool: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _flat_name(namespace: str, name: Any) -> str:
     if not isinstance(name, str):
-        raise _bad("tools", "namespace tools must have names")
+        raise bad("tools", "namespace tools must have names")
     return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
 
 
@@ -248,7 +173,7 @@ def _tool_choice(choice: Any, tools: list[dict[str, Any]], *, declared: bool) ->
         choice = "auto"
     if isinstance(choice, str):
         if choice not in ("auto", "none", "required"):
-            raise _bad("tool_choice", "must be 'auto', 'none', 'required' or a function")
+            raise bad("tool_choice", "must be 'auto', 'none', 'required' or a function")
         if not tools and choice == "required":
             if declared:
                 raise ApiError(400, "tool_choice requires a function call, but tools "
@@ -282,10 +207,10 @@ def _reasoning_effort(reasoning: Any) -> str | None:
     if reasoning is None:
         return None
     if not isinstance(reasoning, dict):
-        raise _bad("reasoning", "must be an object")
+        raise bad("reasoning", "must be an object")
     effort = reasoning.get("effort")
     if effort is not None and not isinstance(effort, str):
-        raise _bad("reasoning.effort", "must be a string")
+        raise bad("reasoning.effort", "must be a string")
     return effort
 
 
@@ -294,7 +219,7 @@ def _structured_outputs(text: Any) -> dict[str, Any] | None:
     if text is None:
         return None
     if not isinstance(text, dict):
-        raise _bad("text", "must be an object")
+        raise bad("text", "must be an object")
     fmt = text.get("format")
     if fmt is None:
         return None
@@ -304,11 +229,11 @@ def _structured_outputs(text: Any) -> dict[str, Any] | None:
     if kind == "json_schema":
         schema = fmt.get("schema")
         if not isinstance(schema, dict):
-            raise _bad("text.format.schema", "must be an object")
+            raise bad("text.format.schema", "must be an object")
         return {"json": schema}
     if kind == "text":
         return None
-    raise _bad("text.format.type", "must be 'text', 'json_object' or 'json_schema'")
+    raise bad("text.format.type", "must be 'text', 'json_object' or 'json_schema'")
 
 
 def _continues_final(raw_input: Any) -> bool:
@@ -329,7 +254,7 @@ def _input_messages(raw_input: Any) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, item in enumerate(raw_input):
         if not isinstance(item, dict):
-            raise _bad(f"input[{i}]", "must be an object")
+            raise bad(f"input[{i}]", "must be an object")
         prev = out[-1] if out and out[-1].get("role") == "assistant" else None
         message = _item_message(item, f"input[{i}]", prev)
         if message is not None:
@@ -355,7 +280,7 @@ def _item_message(item: dict[str, Any], where: str, prev: dict[str, Any] | None
         return {"role": "assistant", "reasoning": text}
     if kind in ("function_call_output", "custom_tool_call_output"):
         if not isinstance(item.get("call_id"), str):
-            raise _bad(f"{where}.call_id", "must be a string")
+            raise bad(f"{where}.call_id", "must be a string")
         return {"role": "tool", "content": _content(item.get("output"), f"{where}.output"),
                 "tool_call_id": item["call_id"]}
     if kind not in (None, "message"):
@@ -368,20 +293,20 @@ def _item_message(item: dict[str, Any], where: str, prev: dict[str, Any] | None
             return None
         return {"role": "assistant", "content": text}
     if role not in ("user", "system", "developer"):
-        raise _bad(f"{where}.role", "must be 'user', 'assistant', 'system' or 'developer'")
+        raise bad(f"{where}.role", "must be 'user', 'assistant', 'system' or 'developer'")
     return {"role": role, "content": _content(item.get("content"), f"{where}.content")}
 
 
 def _tool_call(item: dict[str, Any], where: str) -> dict[str, Any]:
     for key in ("call_id", "name"):
         if not isinstance(item.get(key), str):
-            raise _bad(f"{where}.{key}", "must be a string")
+            raise bad(f"{where}.{key}", "must be a string")
     name = item["name"]
     if item["type"] == "custom_tool_call":
         args = json.dumps({"input": item.get("input") or ""}, ensure_ascii=False)
     else:
         if not isinstance(item.get("arguments"), str):
-            raise _bad(f"{where}.arguments", "must be a string")
+            raise bad(f"{where}.arguments", "must be a string")
         args = item["arguments"]
         if item.get("namespace"):
             name = _flat_name(item["namespace"], name)
@@ -398,10 +323,10 @@ def _reasoning_text(item: dict[str, Any], where: str) -> str:
         parts = item.get(key)
         if parts:
             if not isinstance(parts, list) or not isinstance(parts[0], dict):
-                raise _bad(f"{where}.{key}", "must be a list of parts")
+                raise bad(f"{where}.{key}", "must be a list of parts")
             text = parts[0].get("text")
             if not isinstance(text, str):
-                raise _bad(f"{where}.{key}[0].text", "must be a string")
+                raise bad(f"{where}.{key}[0].text", "must be a string")
             return text
     return ""
 
@@ -414,10 +339,10 @@ def _assistant_text(content: Any, where: str) -> str:
     if content == [] or content is None:
         return ""
     if not isinstance(content, list) or not isinstance(content[0], dict):
-        raise _bad(where, "must be a string or a list of parts")
+        raise bad(where, "must be a string or a list of parts")
     text = content[0].get("text", content[0].get("refusal"))
     if not isinstance(text, str):
-        raise _bad(f"{where}[0].text", "must be a string")
+        raise bad(f"{where}[0].text", "must be a string")
     return text
 
 
@@ -427,31 +352,20 @@ def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise _bad(where, "must be a string or a list of parts")
+        raise bad(where, "must be a string or a list of parts")
     parts: list[dict[str, Any]] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text", "text"):
             if not isinstance(part.get("text"), str):
-                raise _bad(f"{where}[{j}].text", "must be a string")
+                raise bad(f"{where}[{j}].text", "must be a string")
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "input_image" and isinstance(part.get("image_url"), str):
             parts.append({"type": "image_url", "image_url": {"url": part["image_url"]}})
         else:
-            raise _bad(f"{where}[{j}].type", "must be 'input_text' or 'input_image' "
-                       "(with an image_url)")
+            raise bad(f"{where}[{j}].type", "must be 'input_text' or 'input_image' "
+                      "(with an image_url)")
     return parts
-
-
-_CHAT_MAX_TOKENS = re.compile(r"\bmax_tokens\b")
-
-
-def responses_words(message: str, param: str | None) -> tuple[str, str | None]:
-    """An error about the chat body a Responses request became, in the Responses
-    request's terms, as vLLM's own `/v1/responses` words it: the output cap is
-    `max_output_tokens` there."""
-    message = _CHAT_MAX_TOKENS.sub("max_output_tokens", message)
-    return message, "max_output_tokens" if param == "max_tokens" else param
 
 
 def history(chat_body: dict[str, Any], response: dict[str, Any]) -> list[dict[str, Any]]:

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 from kvagent_server.router.kv.hashing import BlockHasher, HashUnavailable
 from kvagent_server.router.kv.index import KVEventSource, KVIndex, sources_by_node
 from kvagent_server.router.kv.tiers import NodeTierHits, TierCosts
+from kvagent_server.router.nodes.prompt_ids import TokenizeError, tokenize
+from kvagent_server.router.nodes.registry import Node, NodeRegistry
 from kvagent_server.router.reuse import placement
 from kvagent_server.router.reuse.placement import NodeState, PrefillReason
 from kvagent_server.router.settings import RouterSettings
-from kvagent_server.router.turns.nodes import Node, NodeRegistry
-from kvagent_server.router.turns.prompt_ids import TokenizeError, tokenize
 
 if TYPE_CHECKING:
     from kvagent_server.router.kv.events import KVEventSubscriber
@@ -74,7 +74,7 @@ class TierPlacement:
                     states: Sequence[NodeState], body: Mapping[str, Any], *, chat: bool
                     ) -> tuple[str | None, PrefillReason]:
         """The P node's name for this prompt and why. Tokenizes on `tokenizer` with
-        `client` (what `turns.prompt_ids.tokenize` takes: the legs' client for it)."""
+        `client` (what `nodes.prompt_ids.tokenize` takes: the legs' client for it)."""
         try:
             ids = await tokenize(client, tokenizer.url, body, chat=chat)
         except TokenizeError as exc:

@@ -19,8 +19,8 @@ import zmq
 from fakes import Stack, render_prompt, router_stack
 from kvagent_server.router.kv.hashing import BlockHasher
 from kvagent_server.router.kv.index import KVEventSource
+from kvagent_server.router.nodes import tier_placement
 from kvagent_server.router.settings import RouterSettings
-from kvagent_server.router.turns import kv_placement
 
 TEXT = "Summarise the quarterly report for the board, section by section. " * 4
 BLOCK = 16  # the fake cluster's block size
@@ -56,7 +56,7 @@ async def tiered(stack: Stack, tmp_path: Path) -> AsyncIterator[dict[str, Publis
         n.url: KVEventSource(endpoint=endpoints[n.name], topic="kvagent") for n in prefill})
     ctx = zmq.Context()
     pubs = {name: Publisher(ctx, ep) for name, ep in endpoints.items()}
-    r.tiers, sub = kv_placement.from_settings(settings, r.registry)
+    r.tiers, sub = tier_placement.from_settings(settings, r.registry)
     assert sub is not None
     sub.start()
     try:
@@ -140,16 +140,16 @@ async def test_one_prefill_node_never_tokenizes_for_placement(tmp_path: Path) ->
 
 
 def test_unreproducible_sources_get_no_subscription() -> None:
-    from kvagent_server.router.turns.nodes import NodeRegistry
+    from kvagent_server.router.nodes.registry import NodeRegistry
 
     reg = NodeRegistry(["http://p:1"], ["http://d:1"])
     bad = RouterSettings(kv_events={"http://p:1": KVEventSource(endpoint="ipc:///x",
                                                                 hash_algo="xxhash")})
-    tiers, sub = kv_placement.from_settings(bad, reg)
+    tiers, sub = tier_placement.from_settings(bad, reg)
     assert tiers is not None and tiers.hashers == {} and sub is None
-    assert kv_placement.from_settings(RouterSettings(), reg) == (None, None)
+    assert tier_placement.from_settings(RouterSettings(), reg) == (None, None)
     unknown = RouterSettings(kv_events={"http://elsewhere:1": KVEventSource(endpoint="ipc:///x")})
-    assert kv_placement.from_settings(unknown, reg) == (None, None)
+    assert tier_placement.from_settings(unknown, reg) == (None, None)
 
 
 @pytest.mark.parametrize("field", ["kv_events"])

@@ -37,13 +37,13 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvagent_server.router.common.periodic import Periodic
+from kvagent_server.router.nodes.client import NodeHttp, UpstreamError
+from kvagent_server.router.nodes.registry import Node
 from kvagent_server.router.reuse import transfer
 from kvagent_server.router.reuse.pauses import ToolPauses
 from kvagent_server.router.reuse.retention_policy import RetentionFacts, RetentionPolicy
 from kvagent_server.router.store.base import SessionStore
 from kvagent_server.router.store.handle import Handle, handle_blocks
-from kvagent_server.router.turns.nodes import Node
-from kvagent_server.router.turns.upstream import NodeHttp, UpstreamError
 
 log = logging.getLogger("kvagent.router.retention")
 
@@ -294,7 +294,7 @@ class RetentionGuard:
         return evicted
 
     async def make_room(self, node: Node, blocks: int) -> int:
-        """Free about `blocks` blocks on `node` for a turn waiting there (turns.room):
+        """Free about `blocks` blocks on `node` for a turn waiting there (nodes.admission):
         unclaimed handles go, in the retention policy's order; returns the blocks they held."""
         evicted = await self._evict(node.name, node.url, node.epoch, max(blocks, 1),
                                     self.scan_limit, for_turn=True)

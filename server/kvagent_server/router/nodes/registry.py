@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 from kvagent_server.common.types import Role, Topology
 from kvagent_server.router.common.periodic import Periodic
+from kvagent_server.router.nodes.client import ConnectFailed, NodeHttp, UpstreamError
 from kvagent_server.router.reuse.placement import NodeState
-from kvagent_server.router.turns.upstream import ConnectFailed, NodeHttp, UpstreamError
 
 log = logging.getLogger("kvagent.router.nodes")
 _BLOCK_SIZE_RE = re.compile(r'[{,]block_size="(\d+)"')

@@ -1,4 +1,4 @@
-"""The legs' HTTP client (`upstream`) against scripted raw-socket HTTP servers.
+"""The HTTP client to nodes (`nodes.client`) against scripted raw-socket HTTP servers.
 
 Each server answers connection by connection from a script, so the failures the legs
 must tell apart (refused, dropped before any response, cut mid-stream, silent) happen
@@ -14,14 +14,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from kvagent_server.router.turns.legs import LegError, Legs
-from kvagent_server.router.turns.nodes import Node
-from kvagent_server.router.turns.upstream import (
+from kvagent_server.router.nodes.client import (
     ConnectFailed,
     NodeClient,
     StaleConnection,
     UpstreamError,
 )
+from kvagent_server.router.nodes.legs import LegError, Legs
+from kvagent_server.router.nodes.registry import Node
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
 

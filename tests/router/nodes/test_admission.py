@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import pytest
 from fakes import FakeCluster, router_stack
 from kvagent_server.router.kv.room import DecodeRoom
-from kvagent_server.router.turns.nodes import Node
-from kvagent_server.router.turns.room import DecodeGate, NoRoom
+from kvagent_server.router.nodes.admission import DecodeGate, NoRoom
+from kvagent_server.router.nodes.registry import Node
 from router_client import LONG, no_wrong_kv, turn
 
 

@@ -19,10 +19,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvagent_server.router.reuse import transfer
-from kvagent_server.router.turns.nodes import Node
-from kvagent_server.router.turns.prompt_ids import CHAT_TEMPLATE_FIELDS
-from kvagent_server.router.turns.upstream import (
+from kvagent_server.router.nodes.client import (
     MAX_BODY_BYTES,
     ConnectFailed,
     NodeClient,
@@ -31,6 +28,9 @@ from kvagent_server.router.turns.upstream import (
     StaleConnection,
     UpstreamError,
 )
+from kvagent_server.router.nodes.prompt_ids import CHAT_TEMPLATE_FIELDS
+from kvagent_server.router.nodes.registry import Node
+from kvagent_server.router.reuse import transfer
 
 log = logging.getLogger("kvagent.router.legs")
 

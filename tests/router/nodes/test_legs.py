@@ -12,12 +12,12 @@ import json
 from typing import Any
 
 import pytest
+from kvagent_server.router.nodes.legs import LegError, Legs, pulls_kv
 from kvagent_server.router.reuse import transfer
-from kvagent_server.router.turns.legs import LegError, Legs, pulls_kv
 
 FRESH_PARAMS = transfer.fresh()
-from kvagent_server.router.turns.nodes import Node
-from kvagent_server.router.turns.upstream import ConnectFailed, StaleConnection, UpstreamError
+from kvagent_server.router.nodes.client import ConnectFailed, StaleConnection, UpstreamError
+from kvagent_server.router.nodes.registry import Node
 
 REUSE = {"do_remote_decode": True, "do_remote_prefill": False, "remote_block_ids": [[1, 2]],
          "remote_num_tokens": 32, "remote_request_id": "d-1", "remote_engine_id": "e"}
@@ -127,7 +127,7 @@ async def test_decode_leg_moves_on_only_when_the_request_was_never_sent() -> Non
 
 
 async def test_the_drain_of_an_orphaned_prefill_uses_a_salt_of_its_own() -> None:
-    from kvagent_server.router.turns.legs import PrefillResult
+    from kvagent_server.router.nodes.legs import PrefillResult
 
     legs, nodes, sent = legs_with({"d0": [200]})
     p = PrefillResult(node=nodes[0], kv_params=P_PARAMS, cached_tokens=0, prompt_tokens=3,

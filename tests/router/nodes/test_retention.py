@@ -8,6 +8,16 @@ from typing import Any
 
 import pytest
 from fakes import FakeCluster, Reply, decode_ids, default_reply, router_stack
+from kvagent_server.router.nodes.client import NodeResponse, UpstreamError
+from kvagent_server.router.nodes.retention import (
+    NodeKV,
+    PolicyEviction,
+    ReleaseQueue,
+    RetentionGuard,
+    blocks_to_free,
+    parse_node_kv,
+    remote_request_id,
+)
 from kvagent_server.router.reuse.pauses import ToolPauses
 from kvagent_server.router.reuse.retention_policy import (
     ExpectedReturn,
@@ -22,16 +32,6 @@ from kvagent_server.router.reuse.transfer import (
 )
 from kvagent_server.router.store.handle import Handle, TurnEnd, handle_blocks
 from kvagent_server.router.store.memory import MemoryStore
-from kvagent_server.router.turns.retention import (
-    NodeKV,
-    PolicyEviction,
-    ReleaseQueue,
-    RetentionGuard,
-    blocks_to_free,
-    parse_node_kv,
-    remote_request_id,
-)
-from kvagent_server.router.turns.upstream import NodeResponse, UpstreamError
 from router_client import LONG, MODEL, chat_body, no_wrong_kv, turn
 
 

@@ -24,8 +24,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from kvagent_server.router.kv.room import DecodeRoom
-from kvagent_server.router.turns.legs import LegError
-from kvagent_server.router.turns.nodes import Node
+from kvagent_server.router.nodes.legs import LegError
+from kvagent_server.router.nodes.registry import Node
 
 log = logging.getLogger("kvagent.router.room")
 
@@ -69,7 +69,7 @@ class Admitted:
 
 
 #: `make_room(node, blocks)` evicts and releases unclaimed handles of the node holding
-#: about `blocks` blocks, in the retention policy's order (`turns.retention`), returning the blocks freed; `refresh(node)` reads the
+#: about `blocks` blocks, in the retention policy's order (`nodes.retention`), returning the blocks freed; `refresh(node)` reads the
 #: node's figure into the ledger; `release(node, ids)` frees
 #: decode request ids; `busy(node)` says whether legs run there.
 MakeRoom = Callable[[Node, int], Awaitable[int]]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvagent_server.router.turns.upstream import NodeClient, UpstreamError
+from kvagent_server.router.nodes.client import NodeClient, UpstreamError
 
 #: Chat-request fields that change how vLLM renders messages into tokens.
 CHAT_TEMPLATE_FIELDS = ("tools", "add_generation_prompt", "continue_final_message",
