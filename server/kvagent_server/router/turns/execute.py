@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from kvagent_server.router.kv import room
@@ -38,6 +39,10 @@ _TEMPLATE_TOKENS = 4096
 
 async def execute(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -> Turn:
     """Run the plan's legs; the returned turn's D response is open, unread."""
+    if not plan.reuse.tokenized:  # decided without the router's /tokenize
+        r.metrics.tokenize_skipped.inc()
+        if facts.req.span is not None:
+            facts.req.span.set_attribute("kvagent.tokenized", False)
     if plan.path == "decode_only":
         return await _whole_on_decode(r, facts, plan, started)
     if plan.path in paths.ON_DECODE:
@@ -145,7 +150,7 @@ async def _run_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
             rid = remote_request_id(plan.handle)
             params = transfer.with_release(params, [rid] if rid else [])
     target = nodes[0] if nodes else None
-    held = tokens if plan.path == "d_direct" else _prompt_tokens(r, req, plan)
+    held = tokens if plan.path == "d_direct" else _prompt_tokens(facts, plan)
     admitted = await _admit(r, target, room.blocks_for(held, _block_size(r, target))
                             if target else 0, pinned=pinned)
     if admitted is not None and admitted.revoked:
@@ -191,7 +196,7 @@ async def _run_pd(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
     else:
         p_params = transfer.fresh()
     ranked = r.registry.ranked("prefill", _healthy(plan.p_first))
-    p_nodes = prefill_candidates(ranked, plan)
+    p_nodes = prefill_candidates(ranked, plan, lambda n: r.learned.checks_pulls(n.name, n.epoch))
     if ranked and not p_nodes:  # no P node left that checks an unverified offer
         handle = plan.handle
         assert handle is not None  # only a pd_reuse plan is ever unverified
@@ -200,7 +205,7 @@ async def _run_pd(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
     d_nodes = r.registry.ranked("decode", _healthy(plan.d_first))
     # Stable: the rest keep their rank, the nodes that just failed the prompt go last.
     d_nodes.sort(key=lambda n: n.name in plan.d_failed)
-    admitted = await _admit_pd(r, req, plan, d_nodes[0] if d_nodes else None)
+    admitted = await _admit_pd(r, facts, plan, d_nodes[0] if d_nodes else None)
     if admitted is not None and admitted.revoked:  # its handle is gone: nothing to reuse
         if plan.path == "pd_reuse":
             plan = plan.without_room()
@@ -213,7 +218,7 @@ async def _run_pd(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
         raise
 
 
-async def _admit_pd(r: Router, req: TurnRequest, plan: TurnPlan,
+async def _admit_pd(r: Router, facts: TurnFacts, plan: TurnPlan,
                     target: Node | None) -> Admitted | None:
     """Room on the decode node for a P/D turn's D leg, before its P leg leases P's blocks
     to it. The handle it reuses or releases is freed by its own P leg before its D leg
@@ -221,15 +226,15 @@ async def _admit_pd(r: Router, req: TurnRequest, plan: TurnPlan,
     if target is None:
         return None
     handle = plan.handle if plan.holder is target else None
-    return await _admit(r, target, room.blocks_for(_prompt_tokens(r, req, plan),
+    return await _admit(r, target, room.blocks_for(_prompt_tokens(facts, plan),
                                                    _block_size(r, target)),
                         pinned=handle, freed_by_p=handle is not None)
 
 
-def _prompt_tokens(r: Router, req: TurnRequest, plan: TurnPlan) -> int:
+def _prompt_tokens(facts: TurnFacts, plan: TurnPlan) -> int:
     """The whole prompt's tokens: as tokenized, or estimated from the body's size by the
     ratio of whole prompts (`est_tokens` counts only what P computes)."""
-    return plan.prompt_len or r.prompt_chars.tokens(req.body_chars)
+    return plan.prompt_len or facts.learned.estimate_prompt(facts.req.body_chars)
 
 
 async def _pd_legs(r: Router, facts: TurnFacts, plan: TurnPlan, started: float,
@@ -246,7 +251,7 @@ async def _pd_legs(r: Router, facts: TurnFacts, plan: TurnPlan, started: float,
         p_tokens = plan.prompt_len
     else:  # not tokenized: estimated from the body's size
         chars = req.body_chars
-        p_tokens = r.chars.tokens(chars)
+        p_tokens = facts.learned.estimate_tokens(chars)
     p_ticket = (r.work.begin(p_nodes[0].name, prefill_tokens=p_tokens, stream=False,
                              now=time.monotonic()) if queued else None)
     with leg_span(req.span, "prefill") as span:
@@ -260,14 +265,10 @@ async def _pd_legs(r: Router, facts: TurnFacts, plan: TurnPlan, started: float,
                 r.work.end(p_ticket, time.monotonic())
         span.set_attribute("kvagent.node", prefill.node.name)
         span.set_attribute("kvagent.pull_failed", prefill.pull_failed)
-        verified = prefill.kv_params.get(transfer.VERIFIED_KEY)
-        if isinstance(verified, int) and not isinstance(verified, bool):
-            prefill.node.checks_pulls_epoch = prefill.node.epoch
+        verified = transfer.answered_verified(prefill.kv_params)
+        if verified is not None:
             span.set_attribute("kvagent.p_verified_tokens", verified)
     r.metrics.leg_latency.labels(leg="prefill").observe(prefill.elapsed_s)
-    if chars and prefill.prompt_tokens:
-        r.chars.observe(chars, prefill.prompt_tokens - (prefill.cached_tokens or 0))
-        r.prompt_chars.observe(chars, prefill.prompt_tokens)
     if p_nodes and prefill.node is not p_nodes[0]:
         r.metrics.retries.labels(leg="prefill").inc()
     if prefill.pull_failed and plan.path == "pd_reuse":
@@ -306,6 +307,7 @@ async def _pd_legs(r: Router, facts: TurnFacts, plan: TurnPlan, started: float,
     if d_nodes and start.node is not d_nodes[0]:
         r.metrics.retries.labels(leg="decode").inc()
     turn = _promised(r, Turn(r.work, facts, plan, prefill, start, started), admitted)
+    turn.p_chars = chars  # settle learns tokens per byte from P's answer
     if queued:
         assert plan.p_work is not None
         turn.ahead = paths.tokens_ahead(plan.path, plan.p_work)
@@ -358,10 +360,11 @@ def forwards_first_token(settings: RouterSettings, req: TurnRequest) -> bool:
     return settings.forward_first_token and req.body.get("n") in (None, 1)
 
 
-def prefill_candidates(ranked: list[Node], plan: TurnPlan) -> list[Node]:
+def prefill_candidates(ranked: list[Node], plan: TurnPlan,
+                       checks_pulls: Callable[[Node], bool]) -> list[Node]:
     """The P nodes, in rank order, that a turn's P leg may try: an offer the router did
     not verify (a `pd_reuse` plan made without `/tokenize`) goes only to nodes seen
-    checking what they pull (`Node.checks_pulls`), also on a retry."""
+    checking what they pull (`checks_pulls`: `Learned.checks_pulls`), also on a retry."""
     if plan.path != "pd_reuse" or plan.reuse.tokenized:
         return ranked
-    return [n for n in ranked if n.checks_pulls]
+    return [n for n in ranked if checks_pulls(n)]

@@ -71,15 +71,17 @@ class TierPlacement:
         return out, used
 
     async def place(self, client: Any, tokenizer: Node,
-                    states: Sequence[NodeState], body: Mapping[str, Any], *, chat: bool
-                    ) -> tuple[str | None, PrefillReason]:
+                    states: Sequence[NodeState], body: Mapping[str, Any], *, chat: bool,
+                    ids: Sequence[int] | None = None) -> tuple[str | None, PrefillReason]:
         """The P node's name for this prompt and why. Tokenizes on `tokenizer` with
-        `client` (what `turns.prompt_ids.tokenize` takes: the legs' client for it)."""
-        try:
-            ids = await tokenize(client, tokenizer.url, body, chat=chat)
-        except TokenizeError as exc:
-            log.info("tier placement skipped: %s", exc)
-            return tokenizer.name, "least_loaded"
+        `client` (what `turns.prompt_ids.tokenize` takes: the legs' client for it),
+        unless the prompt's `ids` are given (a turn is tokenized at most once)."""
+        if ids is None:
+            try:
+                ids = await tokenize(client, tokenizer.url, body, chat=chat)
+            except TokenizeError as exc:
+                log.info("tier placement skipped: %s", exc)
+                return tokenizer.name, "least_loaded"
         salt = body.get("cache_salt")
         hits, bs = self.hits(states, ids, cache_salt=salt if isinstance(salt, str) else None,
                              default_block_size=tokenizer.block_size)

@@ -18,6 +18,11 @@ names a policy instead of flipping switches:
 
 Whatever the policy, only a verified prefix is ever reused: `planner.plan_reuse` decides
 how much, the policy only where it is computed.
+
+A policy whose plan depends on the prompt's token ids (a reuse to verify) answers
+`NEED_PROMPT_IDS` while the facts lack them, unless the turn may skip `/tokenize`: its
+messages extend the held turn's and the policy takes one path for any delta they
+suggest (`untokenized_plan`). The pipeline then gathers the ids and asks again.
 """
 
 from __future__ import annotations
@@ -29,12 +34,18 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict
 
 from kvagent_server.common.types import Topology
-from kvagent_server.router.reuse import paths, planner
+from kvagent_server.router.reuse import identity, paths, planner
 from kvagent_server.router.settings import FreshPolicy, RouterSettings
-from kvagent_server.router.turns.shapes import TurnFacts, TurnPlan
+from kvagent_server.router.turns.shapes import NEED_PROMPT_IDS, NeedPromptIds, TurnFacts, TurnPlan
 
 #: The path policy a router runs unless `router.path_policy` names another.
 DEFAULT = "cost_model"
+#: Turns whose prompt tokens per message byte were learned before a turn may estimate its
+#: delta from its messages' size (and skip `/tokenize`).
+MIN_RATIO_SAMPLES = 3
+
+#: What a policy answers: the plan, or that it needs the prompt's token ids first.
+Decision = TurnPlan | NeedPromptIds
 
 
 class PathPolicy(Protocol):
@@ -43,8 +54,8 @@ class PathPolicy(Protocol):
         """What `router.path_policy` calls it."""
         ...
 
-    def decide(self, facts: TurnFacts) -> TurnPlan:
-        """The turn's plan (pure)."""
+    def decide(self, facts: TurnFacts) -> Decision:
+        """The turn's plan, or `NEED_PROMPT_IDS` (pure)."""
         ...
 
     def untokenized_path(self, facts: TurnFacts, plan: planner.ReusePlan,
@@ -64,10 +75,13 @@ class ReuseParams(BaseModel):
     reuse: bool = True
     #: Verified prefixes shorter than this many tokens are recomputed.
     threshold: int = 64
+    #: An extension of the held turn's messages may skip `/tokenize` (`untokenized_plan`).
+    skip_tokenize: bool = True
 
     @classmethod
     def of(cls, settings: RouterSettings) -> ReuseParams:
-        return cls(reuse=settings.reuse, threshold=settings.kv_recompute_threshold)
+        return cls(reuse=settings.reuse, threshold=settings.kv_recompute_threshold,
+                   skip_tokenize=settings.skip_tokenize_extensions)
 
 
 class CostParams(BaseModel):
@@ -117,16 +131,57 @@ def _decode_only() -> TurnPlan:
         reuse_tokens=0, reason=planner.Reason.UNSUPPORTED_SHAPE))
 
 
-def _settled_early(facts: TurnFacts, *, untokenized: bool = True) -> TurnPlan | None:
-    """The plan every policy gives before weighing anything: a request P/D cannot split
-    goes whole to D; with `untokenized`, an extension gather priced without `/tokenize`
-    takes the path it was priced for."""
+def _settled_early(policy: PathPolicy, facts: TurnFacts,
+                   params: ReuseParams) -> Decision | None:
+    """What every policy answers before weighing anything: a request P/D cannot split
+    goes whole to D; a reuse whose plan depends on token ids the facts lack takes the
+    path an untokenized extension allows (`untokenized_plan`), else asks for the ids."""
     if not facts.req.splittable:
         return _decode_only()
-    if untokenized and facts.untokenized is not None:
-        u = facts.untokenized
-        return _plan(facts, u.path, u.plan, u.prompt_len)
+    if facts.ids_matter and not facts.ids_gathered:
+        if facts.d_holds and (plan := untokenized_plan(policy, facts, params)) is not None:
+            return plan
+        if facts.tokenizable:
+            return NEED_PROMPT_IDS
     return None
+
+
+def untokenized_plan(policy: PathPolicy, facts: TurnFacts,
+                     params: ReuseParams) -> TurnPlan | None:
+    """The plan of a turn that may skip `/tokenize`, or None (then it is tokenized and
+    verified as usual).
+
+    It may when its messages repeat the held turn's exactly under the same rendering
+    inputs (`identity.extension_chars`), identities agree with no media involved (media
+    positions need the ids), and, for any delta from half to twice what the new messages'
+    size suggests (past D's last whole block), the policy would take one path
+    (`PathPolicy.untokenized_path`): `d_direct`, or `pd_reuse` on a P node that checks
+    what it pulls. Either way the node matches the real tokens itself (D's prefix cache;
+    P's `pull_check` against the blocks' digests), so the answer is the one a recompute
+    gives; a wrong estimate costs time, not correctness."""
+    req, ident, handle, new = facts.req, facts.identity, facts.handle, facts.new_identity
+    learned = facts.learned
+    if (not params.skip_tokenize or not req.chat or ident is None
+            or ident.reason is not None or handle is None or new is None or new.media
+            or handle.identity is None or handle.identity.media
+            or learned.message_samples < MIN_RATIO_SAMPLES or learned.tokenize_s is None):
+        return None
+    chars = identity.extension_chars(handle.identity, req.body)
+    if chars is None:
+        return None
+    plan = planner.extension_plan(handle, threshold=params.threshold)
+    if not plan.reuses:
+        return None
+    # The delta: D's retained tokens past the last whole block (known), then the new
+    # messages' tokens (estimated; their bytes include the answer D already holds).
+    tail = plan.cached_tokens - plan.reuse_tokens
+    new_tokens = max(1, learned.message_tokens(chars))
+    path = policy.untokenized_path(
+        facts, plan, (tail + max(1, new_tokens // 2), tail + 2 * new_tokens),
+        learned.tokenize_s)
+    if path is None:
+        return None
+    return _plan(facts, path, plan, plan.reuse_tokens + tail + new_tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -137,8 +192,8 @@ class CostModelPolicy:
     costs: CostParams
     name: str = "cost_model"
 
-    def decide(self, facts: TurnFacts) -> TurnPlan:
-        if (early := _settled_early(facts)) is not None:
+    def decide(self, facts: TurnFacts) -> Decision:
+        if (early := _settled_early(self, facts, self.reuse)) is not None:
             return early
         c = self.costs
         d_free = not self.d_full(facts)
@@ -180,7 +235,8 @@ class CostModelPolicy:
         return paths.untokenized_path(
             plan, deltas, facts.costs, tokenize_s,
             skip_prefill_max_tokens=c.skip_prefill_max_tokens,
-            prefill_checks_pulls=facts.p_first is not None and facts.p_first.checks_pulls,
+            prefill_checks_pulls=facts.p_first is not None and facts.learned.node_checks_pulls(
+                facts.p_first.name, facts.p_first.epoch),
             p_work=facts.p_work, d_work=facts.d_work, d_stall_max_s=c.d_stall_max_s)
 
 
@@ -194,8 +250,8 @@ class FixedPolicy:
     name: str
     on_decode: bool
 
-    def decide(self, facts: TurnFacts) -> TurnPlan:
-        if (early := _settled_early(facts, untokenized=self.on_decode)) is not None:
+    def decide(self, facts: TurnFacts) -> Decision:
+        if (early := _settled_early(self, facts, self.reuse)) is not None:
             return early
         reuse = reuse_plan(facts, self.reuse)
         path = paths.choose_path(reuse, len(facts.prompt_ids), facts.costs,
@@ -218,8 +274,8 @@ class SinglePolicy:
     reuse: ReuseParams
     name: str = "single"
 
-    def decide(self, facts: TurnFacts) -> TurnPlan:
-        if (early := _settled_early(facts)) is not None:
+    def decide(self, facts: TurnFacts) -> Decision:
+        if (early := _settled_early(self, facts, self.reuse)) is not None:
             return early
         reuse = reuse_plan(facts, self.reuse)
         prompt_len = len(facts.prompt_ids)

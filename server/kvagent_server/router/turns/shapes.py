@@ -3,6 +3,10 @@
     TurnRequest --gather--> TurnFacts --decide--> TurnPlan --execute--> Turn
         --relay--> Capture --settle--> Final
 
+Decide may instead answer `NEED_PROMPT_IDS` (the plan depends on token ids the facts do
+not hold yet): the pipeline then gathers them (`gather.with_prompt_ids`) and decides
+again, so the line never runs backwards into a stage that called ahead.
+
 Each stage is a module of `turns` that reads the shape before it and builds the next one;
 no stage module imports another (`tests/test_import_graph.py`), so none can call back
 into a stage already left. `turns.pipeline` strings them together.
@@ -21,6 +25,7 @@ from kvagent_server.router.auth.tenancy import Tenant
 from kvagent_server.router.common import fastjson
 from kvagent_server.router.kv.room import DecodeRoom
 from kvagent_server.router.reuse import identity, planner
+from kvagent_server.router.reuse.learned import LearnedView
 from kvagent_server.router.reuse.paths import Path, PathCosts
 from kvagent_server.router.reuse.queue import NodeWork, WorkLedger
 from kvagent_server.router.store.handle import Handle, KVIdentity
@@ -88,22 +93,12 @@ class TurnRequest:
 
 
 @dataclass(frozen=True)
-class Untokenized:
-    """A turn that may skip the router's `/tokenize`: its plan from the messages alone
-    (`planner.extension_plan`), its estimated prompt length, and the path the estimate
-    allows whatever the real delta is (`paths.untokenized_path`)."""
-
-    plan: planner.ReusePlan
-    prompt_len: int
-    path: Path
-
-
-@dataclass(frozen=True)
 class TurnFacts:
     """Everything a path policy decides on, gathered before any leg runs.
 
     `gather` is the only stage that awaits the store or a node's `/tokenize`; the nodes
-    are referenced for `execute`, their state at gathering time is copied here."""
+    are referenced for `execute`, their state at gathering time is copied here, and so
+    is what earlier turns taught (`costs`, `learned`)."""
 
     req: TurnRequest
     #: The conversation after a content lookup named it (else `req.session`).
@@ -128,6 +123,8 @@ class TurnFacts:
     #: P block size, when the router knows it (settings or the node).
     prefill_block_size: int | None = None
     costs: PathCosts = field(default_factory=PathCosts)
+    #: The other learned figures (token ratios, the `/tokenize` round trip, ...).
+    learned: LearnedView = field(default_factory=LearnedView)
     #: Work in flight on `p_first` and `d_first` (None: not counted).
     p_work: NodeWork | None = None
     d_work: NodeWork | None = None
@@ -138,14 +135,36 @@ class TurnFacts:
     #: The prompt's token ids as a node tokenized them (empty: not tokenized).
     prompt_ids: tuple[int, ...] = ()
     tokenize_failed: bool = False
-    #: Set when the turn may skip `/tokenize` (then `prompt_ids` is empty).
-    untokenized: Untokenized | None = None
+    #: Gather has done what it can for `prompt_ids` (tokenized, failed, or had them):
+    #: decide never asks for them again.
+    ids_gathered: bool = False
+    #: A node can tokenize the prompt, should decide ask for its ids.
+    tokenizable: bool = False
     #: The prompt tokens a first turn is estimated at from its body's size.
     est_tokens: int = 0
     now: float = field(default_factory=time.time)
 
+    @property
+    def ids_matter(self) -> bool:
+        """Whether the prompt's token ids can change the reuse: a handle held on a live,
+        current node, and no identity refusal that positions cannot lift (model, salt,
+        an unverifiable field)."""
+        ident = self.identity
+        final = ident is not None and ident.cap == 0 and ident.detail != "media_url" and (
+            ident.reason != "multimodal_changed")
+        return self.holder is not None and not final
+
 
 # ------------------------------------------------------------------ the plan
+
+
+@dataclass(frozen=True)
+class NeedPromptIds:
+    """Decide's answer when its plan depends on the prompt's token ids and the facts do
+    not hold them yet: gather them (`gather.with_prompt_ids`) and decide again."""
+
+
+NEED_PROMPT_IDS = NeedPromptIds()
 
 
 @dataclass(frozen=True)
@@ -212,6 +231,9 @@ class Turn:
     ahead: float = 0.0
     #: The D leg in the router's `WorkLedger` (None: not counted).
     d_ticket: int | None = None
+    #: The body bytes the P leg's prompt tokens were estimated from (0: tokenized, or
+    #: not counted): settle learns the ratio from P's answer.
+    p_chars: int = 0
     #: The room promised to the D leg on its node (`DecodeRoom`; None: none promised).
     room: DecodeRoom | None = None
     room_ticket: int | None = None
