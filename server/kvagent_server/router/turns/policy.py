@@ -36,7 +36,14 @@ from pydantic import BaseModel, ConfigDict
 from kvagent_server.common.types import Topology
 from kvagent_server.router.reuse import identity, paths, planner
 from kvagent_server.router.settings import FreshPolicy, RouterSettings
-from kvagent_server.router.turns.shapes import NEED_PROMPT_IDS, NeedPromptIds, TurnFacts, TurnPlan
+from kvagent_server.router.turns.shapes import (
+    NEED_PROMPT_IDS,
+    LegChoices,
+    NeedPromptIds,
+    TurnFacts,
+    TurnPlan,
+    TurnRequest,
+)
 
 #: The path policy a router runs unless `router.path_policy` names another.
 DEFAULT = "cost_model"
@@ -105,6 +112,84 @@ class CostParams(BaseModel):
                    d_kv_high=settings.retention_high_watermark,
                    fresh_on_decode=settings.fresh_on_decode,
                    decode_prompt_step_tokens=settings.decode_prompt_step_tokens)
+
+
+class LegParams(BaseModel):
+    """How the legs' transfer params are built: every policy's (router-wide settings)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    release_unused: bool = True
+    forward_prompt_ids: bool = True
+    forward_first_token: bool = True
+    #: The largest node answer the router reads (P's answer carries the prompt's ids).
+    max_upstream_body_bytes: int = 64 * 1024 * 1024
+    #: P's lease on its blocks less the margin a D leg must start reading within.
+    read_within_s: float = 25.0
+    #: The test-only shifted-blocks header is honoured (`test_shift_blocks_header`).
+    shift_blocks: bool = False
+
+    @classmethod
+    def of(cls, settings: RouterSettings) -> LegParams:
+        return cls(release_unused=settings.release_unused_handles,
+                   forward_prompt_ids=settings.forward_prompt_ids,
+                   forward_first_token=settings.forward_first_token,
+                   max_upstream_body_bytes=settings.max_upstream_body_bytes,
+                   read_within_s=settings.prefill_lease_s - settings.prefill_lease_margin_s,
+                   shift_blocks=settings.test_shift_blocks_header)
+
+
+#: Bytes of JSON per prompt token id in P's answer, at most ("151935," is 7).
+_ID_JSON_BYTES = 8
+#: Tokens a chat template may add beyond the text of the body it renders.
+_TEMPLATE_TOKENS = 4096
+
+
+def forwards_prompt_ids(params: LegParams, req: TurnRequest) -> bool:
+    """Whether a turn's D leg takes P's prompt token ids (`forward_prompt_ids`): chat
+    requests only, and not where vLLM renders the messages anyway (media, `echo`).
+
+    The ids make P's answer larger, and an answer over `max_upstream_body_bytes` would
+    leave P's blocks leased with nobody told where they are; so they are asked for only
+    when even one token per byte of the body (a bound: a token covers at least one byte
+    of the text it encodes) keeps them within half the cap."""
+    if not (params.forward_prompt_ids and req.chat and not req.body.get("echo")
+            and not identity.media_parts(req.body)):
+        return False
+    tokens_at_most = req.body_chars + _TEMPLATE_TOKENS
+    return tokens_at_most * _ID_JSON_BYTES <= params.max_upstream_body_bytes // 2
+
+
+def forwards_first_token(params: LegParams, req: TurnRequest) -> bool:
+    """Whether a turn's D leg may take P's token (`forward_first_token`): not for `n` > 1,
+    whose samples vLLM draws as separate requests that would all start with it."""
+    return params.forward_first_token and req.body.get("n") in (None, 1)
+
+
+def leg_choices(facts: TurnFacts, params: LegParams) -> LegChoices:
+    """How this turn's legs carry their transfer params (`TurnPlan.prefill_params`,
+    `TurnPlan.decode_params`, and what D takes from P's answer)."""
+    req = facts.req
+    return LegChoices(release_unused=params.release_unused,
+                      shift_blocks=params.shift_blocks and req.shift_blocks,
+                      forward_prompt_ids=forwards_prompt_ids(params, req),
+                      forward_first_token=forwards_first_token(params, req),
+                      read_within_s=params.read_within_s)
+
+
+class _Decides:
+    """Every policy's `decide`: its own `_decide`, then the legs' transfer choices."""
+
+    legs: LegParams
+
+    def _decide(self, facts: TurnFacts) -> Decision:
+        raise NotImplementedError
+
+    def decide(self, facts: TurnFacts) -> Decision:
+        decision = self._decide(facts)
+        if isinstance(decision, TurnPlan) and decision.path != "decode_only":
+            return dataclasses.replace(decision, legs=leg_choices(facts, self.legs))
+        return decision
 
 
 def reuse_plan(facts: TurnFacts, params: ReuseParams) -> planner.ReusePlan:
@@ -185,14 +270,15 @@ def untokenized_plan(policy: PathPolicy, facts: TurnFacts,
 
 
 @dataclasses.dataclass(frozen=True)
-class CostModelPolicy:
+class CostModelPolicy(_Decides):
     """The learned costs and queues choose the path (module docstring)."""
 
     reuse: ReuseParams
     costs: CostParams
     name: str = "cost_model"
+    legs: LegParams = dataclasses.field(default_factory=LegParams)
 
-    def decide(self, facts: TurnFacts) -> Decision:
+    def _decide(self, facts: TurnFacts) -> Decision:
         if (early := _settled_early(self, facts, self.reuse)) is not None:
             return early
         c = self.costs
@@ -241,7 +327,7 @@ class CostModelPolicy:
 
 
 @dataclasses.dataclass(frozen=True)
-class FixedPolicy:
+class FixedPolicy(_Decides):
     """A verified reuse served always by P (`pd_reuse`: P computes every prompt and pulls
     the prefix from D) or, where D holds the prefix, always by D (`d_direct`: the holding
     decode node extends every later turn it can; first turns use P)."""
@@ -249,8 +335,9 @@ class FixedPolicy:
     reuse: ReuseParams
     name: str
     on_decode: bool
+    legs: LegParams = dataclasses.field(default_factory=LegParams)
 
-    def decide(self, facts: TurnFacts) -> Decision:
+    def _decide(self, facts: TurnFacts) -> Decision:
         if (early := _settled_early(self, facts, self.reuse)) is not None:
             return early
         reuse = reuse_plan(facts, self.reuse)
@@ -266,15 +353,16 @@ class FixedPolicy:
 
 
 @dataclasses.dataclass(frozen=True)
-class SinglePolicy:
+class SinglePolicy(_Decides):
     """One node serves every turn (the `single` topology): a verified prefix the decode
     node holds is extended there (`d_direct`); any other turn's prompt it computes whole
     (`d_fresh`), as an aggregated node would. Never a P leg."""
 
     reuse: ReuseParams
     name: str = "single"
+    legs: LegParams = dataclasses.field(default_factory=LegParams)
 
-    def decide(self, facts: TurnFacts) -> Decision:
+    def _decide(self, facts: TurnFacts) -> Decision:
         if (early := _settled_early(self, facts, self.reuse)) is not None:
             return early
         reuse = reuse_plan(facts, self.reuse)
@@ -294,10 +382,13 @@ class SinglePolicy:
 
 #: Policy name -> factory from the router's settings.
 POLICIES: dict[str, Callable[[RouterSettings], PathPolicy]] = {
-    "cost_model": lambda s: CostModelPolicy(ReuseParams.of(s), CostParams.of(s)),
-    "pd_reuse": lambda s: FixedPolicy(ReuseParams.of(s), "pd_reuse", on_decode=False),
-    "d_direct": lambda s: FixedPolicy(ReuseParams.of(s), "d_direct", on_decode=True),
-    "single": lambda s: SinglePolicy(ReuseParams.of(s)),
+    "cost_model": lambda s: CostModelPolicy(ReuseParams.of(s), CostParams.of(s),
+                                            legs=LegParams.of(s)),
+    "pd_reuse": lambda s: FixedPolicy(ReuseParams.of(s), "pd_reuse", on_decode=False,
+                                      legs=LegParams.of(s)),
+    "d_direct": lambda s: FixedPolicy(ReuseParams.of(s), "d_direct", on_decode=True,
+                                      legs=LegParams.of(s)),
+    "single": lambda s: SinglePolicy(ReuseParams.of(s), legs=LegParams.of(s)),
 }
 
 #: Policies that send turns to a prefill node: refused where there is none.

@@ -24,7 +24,7 @@ from typing import Any
 from kvagent_server.router.auth.tenancy import Tenant
 from kvagent_server.router.common import fastjson
 from kvagent_server.router.kv.room import DecodeRoom
-from kvagent_server.router.reuse import identity, planner
+from kvagent_server.router.reuse import identity, planner, transfer
 from kvagent_server.router.reuse.learned import LearnedView
 from kvagent_server.router.reuse.paths import Path, PathCosts
 from kvagent_server.router.reuse.queue import NodeWork, WorkLedger
@@ -168,8 +168,27 @@ NEED_PROMPT_IDS = NeedPromptIds()
 
 
 @dataclass(frozen=True)
+class LegChoices:
+    """How decide chose to build the legs' transfer params (`TurnPlan.prefill_params`,
+    `TurnPlan.decode_params`) and what the D leg after a P leg takes from P's answer."""
+
+    #: A claimed handle the turn does not reuse is freed by the turn's own leg (P tells
+    #: D, or the `d_fresh` leg on its node), not left to the TTL.
+    release_unused: bool = True
+    #: Test-only negative control: P is handed D's blocks shifted (wrong KV on purpose).
+    shift_blocks: bool = False
+    #: D takes the prompt ids P computed (and P is asked for them), and P's first token.
+    forward_prompt_ids: bool = False
+    forward_first_token: bool = False
+    #: A D leg must start reading P's blocks within this many seconds of P's answer
+    #: (P's lease, less a margin).
+    read_within_s: float = 25.0
+
+
+@dataclass(frozen=True)
 class TurnPlan:
-    """What a path policy decided: the path, the reuse, and the nodes to try first."""
+    """What a path policy decided: the path, the reuse, the nodes to try first, and how
+    each leg's transfer params are built (`legs`)."""
 
     path: Path
     reuse: planner.ReusePlan
@@ -186,6 +205,29 @@ class TurnPlan:
     d_work: NodeWork | None = None
     #: Decode nodes a failed `d_fresh` or `d_direct` leg was sent to: tried last.
     d_failed: tuple[str, ...] = ()
+    legs: LegChoices = field(default_factory=LegChoices)
+
+    def prefill_params(self) -> dict[str, Any]:
+        """The P leg's `kv_transfer_params`: pull the verified prefix from D
+        (`pd_reuse`), tell D to free a claimed handle it does not reuse, or fresh."""
+        handle = self.handle
+        if self.path == "pd_reuse":
+            assert handle is not None
+            params = transfer.reuse_transfer_params(handle, self.reuse.reuse_tokens)
+            return transfer.shifted_blocks(params) if self.legs.shift_blocks else params
+        if handle is not None and self.holder is not None and self.legs.release_unused:
+            return transfer.release_transfer_params(handle)
+        return transfer.fresh()
+
+    def decode_params(self, node: Node | None) -> dict[str, Any]:
+        """The `kv_transfer_params` of a leg whose prompt the decode node `node` computes
+        (`d_direct`, `d_fresh`): D keeps the finished sequence, and frees the handle the
+        turn supersedes (`d_direct`) or claimed and does not reuse, when it is there."""
+        rid = _request_id(self.handle) if self.handle is not None else None
+        if self.path == "d_direct" or (
+                node is not None and node is self.holder and self.legs.release_unused):
+            return transfer.with_release(transfer.d_direct(), [rid] if rid else [])
+        return transfer.d_direct()
 
     def after_decode_failure(self, tried: tuple[str, ...]) -> TurnPlan:
         """The plan once a `d_fresh` or `d_direct` leg failed before its first byte: P
@@ -198,16 +240,31 @@ class TurnPlan:
             reuse=planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.DECODE_FAILED))
 
     def without_room(self) -> TurnPlan:
-        """The plan once the handle it would reuse was given up for another turn's room
-        (`turns.room`): its blocks are gone, P recomputes the prompt."""
+        """The plan once the handle it would reuse or release was given up for another
+        turn's room (`turns.room`): its blocks are gone (nothing to offer or free), and a
+        reuse becomes a recompute."""
+        if self.path not in ("pd_reuse", "d_direct"):
+            return dataclasses.replace(self, holder=None)
         return dataclasses.replace(
             self, path="recompute", holder=None,
             reuse=planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.NO_ROOM))
 
-    def recomputed(self, reason: planner.Reason, detail: str | None = None) -> TurnPlan:
-        """The plan when its reuse cannot happen after all: P recomputes the prompt."""
-        return dataclasses.replace(self, path="recompute", reuse=planner.ReusePlan(
+    def recomputed(self, reason: planner.Reason, detail: str | None = None, *,
+                   release: bool = False) -> TurnPlan:
+        """The plan when its reuse cannot happen after all: P recomputes the prompt
+        (`release`: and tells D to free the handle's blocks, whatever the setting)."""
+        plan = dataclasses.replace(self, path="recompute", reuse=planner.ReusePlan(
             reuse_tokens=0, reason=reason, detail=detail))
+        if release:
+            plan = dataclasses.replace(plan, legs=dataclasses.replace(plan.legs,
+                                                                      release_unused=True))
+        return plan
+
+
+def _request_id(handle: Handle) -> str | None:
+    """The decode node's id for the request whose blocks `handle` names."""
+    rid = handle.kv_transfer_params.get(transfer.REMOTE_REQUEST_ID)
+    return rid if isinstance(rid, str) and rid else None
 
 
 # ------------------------------------------------------------------ the open turn

@@ -1,0 +1,128 @@
+"""Every decision of the decide stage on plain facts (no I/O): when it asks for the
+prompt's ids, the untokenized extension, and each leg's transfer params."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvagent_server.router.reuse import planner, transfer
+from kvagent_server.router.reuse.identity import IdentityCheck
+from kvagent_server.router.reuse.learned import LearnedView
+from kvagent_server.router.settings import RouterSettings
+from kvagent_server.router.turns import policy
+from kvagent_server.router.turns.nodes import Node
+from kvagent_server.router.turns.shapes import NEED_PROMPT_IDS, TurnPlan
+from test_stages import COST_MODEL, D_CHEAP, PROMPT, _extension_facts, _facts, _plan, _req
+
+HOLDER = Node(name="d0", url="http://d0", role="decode", healthy=True)
+OTHER = Node(name="d1", url="http://d1", role="decode", healthy=True)
+PD_REUSE = policy.FixedPolicy(policy.ReuseParams(), "pd_reuse", on_decode=False)
+SINGLE = policy.SinglePolicy(policy.ReuseParams())
+
+
+# ------------------------------------------------------------------ the prompt's ids
+
+
+def test_a_reuse_to_verify_asks_for_the_prompt_ids_once() -> None:
+    facts = _facts(holder=HOLDER, prompt_ids=(), tokenizable=True)
+    for p in (COST_MODEL, PD_REUSE, SINGLE):
+        assert p.decide(facts) is NEED_PROMPT_IDS
+    gathered = dataclasses.replace(facts, prompt_ids=tuple(PROMPT), ids_gathered=True)
+    assert _plan(COST_MODEL.decide(gathered)).reuse.reuse_tokens == 128
+    failed = dataclasses.replace(facts, tokenize_failed=True, ids_gathered=True)
+    assert _plan(COST_MODEL.decide(failed)).reuse.reason == planner.Reason.TOKENIZE_FAILED
+
+
+def test_no_ids_are_asked_for_where_they_cannot_change_the_reuse() -> None:
+    # no live holder (a first turn, a stale handle), or no node to tokenize
+    assert isinstance(COST_MODEL.decide(_facts(prompt_ids=())), TurnPlan)
+    no_tokenizer = _facts(holder=HOLDER, prompt_ids=(), tokenizable=False)
+    assert isinstance(COST_MODEL.decide(no_tokenizer), TurnPlan)
+    # an identity refusal that positions cannot lift (another model)
+    other_model = _extension_facts(identity=IdentityCheck(reason="identity_changed",
+                                                          detail="model", cap=0))
+    assert _plan(COST_MODEL.decide(other_model)).path == "recompute"
+
+
+def test_an_extension_skips_tokenize_only_when_one_path_fits_every_delta() -> None:
+    fixed = policy.CostModelPolicy(policy.ReuseParams(),
+                                   policy.CostParams(skip_prefill_max_tokens=10_000))
+    plan = _plan(fixed.decide(_extension_facts()))
+    assert (plan.path, plan.reuse.tokenized, plan.reuse.reuse_tokens) == ("d_direct", False,
+                                                                          128)
+    # not learned enough yet, or switched off, or a policy that never skips: ask
+    unlearned = _extension_facts(learned=LearnedView(message_samples=2, tokenize_s=0.01))
+    assert fixed.decide(unlearned) is NEED_PROMPT_IDS
+    off = policy.CostModelPolicy(policy.ReuseParams(skip_tokenize=False),
+                                 policy.CostParams(skip_prefill_max_tokens=10_000))
+    assert off.decide(_extension_facts()) is NEED_PROMPT_IDS
+    assert PD_REUSE.decide(_extension_facts()) is NEED_PROMPT_IDS
+    never = policy.CostModelPolicy(policy.ReuseParams(),
+                                   policy.CostParams(skip_prefill_max_tokens=0))
+    assert never.decide(_extension_facts()) is NEED_PROMPT_IDS
+    # D not holding the prefix: the turn is verified by its ids
+    assert fixed.decide(_extension_facts(d_holds=False)) is NEED_PROMPT_IDS
+
+
+# ------------------------------------------------------------------ the legs' params
+
+
+def test_a_pulled_prefix_offers_d_exactly_the_reused_blocks() -> None:
+    plan = _plan(PD_REUSE.decide(_facts(holder=HOLDER, ids_gathered=True)))
+    params = plan.prefill_params()
+    assert params[transfer.REMOTE_NUM_TOKENS] == 128
+    assert params[transfer.REMOTE_BLOCK_IDS] == [list(range(8))]
+    assert params[transfer.DO_REMOTE_DECODE] and not params[transfer.DO_REMOTE_PREFILL]
+
+
+def test_a_claimed_handle_not_reused_is_released_by_the_turns_own_leg() -> None:
+    diverged = _facts(holder=HOLDER, ids_gathered=True, prompt_ids=tuple(range(9000, 9160)))
+    plan = _plan(COST_MODEL.decide(diverged))
+    assert plan.path == "recompute"
+    assert plan.prefill_params()[transfer.REMOTE_NUM_TOKENS] == 0  # P tells D to free it
+    keep = policy.CostModelPolicy(policy.ReuseParams(), policy.CostParams(),
+                                  legs=policy.LegParams(release_unused=False))
+    assert _plan(keep.decide(diverged)).prefill_params() == transfer.fresh()
+    # with no P (single), the d_fresh leg frees it, on the node that holds it only
+    fresh = _plan(SINGLE.decide(dataclasses.replace(diverged, d_first=HOLDER)))
+    assert fresh.path == "d_fresh"
+    assert fresh.decode_params(HOLDER)[transfer.RELEASE_KEY] == ["rid-1"]
+    assert transfer.RELEASE_KEY not in fresh.decode_params(OTHER)
+    # its room given up while waiting: nothing is left to free
+    assert fresh.without_room().decode_params(HOLDER) == transfer.d_direct()
+    assert plan.without_room().prefill_params() == transfer.fresh()
+
+
+def test_d_direct_frees_the_handle_it_supersedes() -> None:
+    plan = _plan(COST_MODEL.decide(_facts(costs=D_CHEAP, holder=HOLDER, ids_gathered=True)))
+    assert plan.path == "d_direct"
+    assert plan.decode_params(HOLDER) == transfer.with_release(transfer.d_direct(),
+                                                               ["rid-1"])
+    after = plan.without_room()  # given up for room: P recomputes, nothing to free
+    assert after.path == "recompute" and after.prefill_params() == transfer.fresh()
+
+
+def test_an_unverified_offer_with_no_checking_p_node_releases_whatever_the_setting() -> None:
+    keep = dataclasses.replace(
+        _plan(PD_REUSE.decide(_facts(holder=HOLDER, ids_gathered=True))),
+        legs=policy.LegChoices(release_unused=False))
+    recomputed = keep.recomputed(planner.Reason.NODE_UNHEALTHY, "prefill", release=True)
+    assert recomputed.prefill_params()[transfer.REMOTE_NUM_TOKENS] == 0
+
+
+def test_what_d_takes_from_ps_answer() -> None:
+    legs = policy.LegParams.of(RouterSettings())
+    chat = policy.leg_choices(_facts(), legs)
+    assert chat.forward_prompt_ids and chat.forward_first_token and not chat.shift_blocks
+    assert chat.read_within_s == 25.0
+    n2 = policy.leg_choices(_facts(req=_req({"model": "m", "n": 2, "messages": []})), legs)
+    assert not n2.forward_first_token
+    shifted = _facts(req=_req(shift_blocks=True))
+    assert not policy.leg_choices(shifted, legs).shift_blocks  # the hook is off
+    hooked = policy.LegParams.of(RouterSettings(test_shift_blocks_header=True))
+    assert policy.leg_choices(shifted, hooked).shift_blocks
+    plan = _plan(policy.FixedPolicy(policy.ReuseParams(), "pd_reuse", on_decode=False,
+                                    legs=hooked).decide(dataclasses.replace(
+                                        shifted, holder=HOLDER, ids_gathered=True)))
+    assert plan.prefill_params() == transfer.shifted_blocks(
+        transfer.reuse_transfer_params(plan.handle, 128))  # type: ignore[arg-type]
