@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 from kvagent_server.router.reuse import planner, transfer
 from kvagent_server.router.reuse.identity import IdentityCheck
 from kvagent_server.router.reuse.learned import LearnedView
@@ -12,6 +13,7 @@ from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.turns import policy
 from kvagent_server.router.turns.nodes import Node
 from kvagent_server.router.turns.shapes import NEED_PROMPT_IDS, TurnPlan
+from pydantic import BaseModel, ConfigDict
 from test_stages import COST_MODEL, D_CHEAP, PROMPT, _extension_facts, _facts, _plan, _req
 
 HOLDER = Node(name="d0", url="http://d0", role="decode", healthy=True)
@@ -126,3 +128,64 @@ def test_what_d_takes_from_ps_answer() -> None:
                                         shifted, holder=HOLDER, ids_gathered=True)))
     assert plan.prefill_params() == transfer.shifted_blocks(
         transfer.reuse_transfer_params(plan.handle, 128))  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ policies by name
+
+
+def test_the_policy_section_names_a_policy_and_its_own_parameters() -> None:
+    chosen = policy.policy_for(RouterSettings(policy={
+        "name": "cost_model", "params": {"skip_prefill_max_tokens": 0,
+                                         "fresh_on_decode": "never"}}))
+    assert isinstance(chosen, policy.CostModelPolicy)
+    assert (chosen.costs.skip_prefill_max_tokens, chosen.costs.fresh_on_decode) == (0, "never")
+    assert chosen.costs.d_stall_max_s == 0.055  # left out: the flat setting's value
+    assert policy.policy_for(RouterSettings(policy={"name": "pd_reuse"})).name == "pd_reuse"
+    # the older flat form keeps working, and means the same
+    flat = policy.policy_for(RouterSettings(skip_prefill_max_tokens=0,
+                                            fresh_on_decode="never"))
+    assert flat == chosen
+
+
+def test_bad_policy_settings_name_what_is_wrong_and_where() -> None:
+    with pytest.raises(ValueError, match=r"router.policy.params for 'cost_model': "
+                                         r"fresh_on_decode"):
+        policy.policy_for(RouterSettings(policy={"name": "cost_model",
+                                                 "params": {"fresh_on_decode": "often"}}))
+    with pytest.raises(ValueError, match="router.policy.params for 'pd_reuse': typo"):
+        policy.policy_for(RouterSettings(policy={"name": "pd_reuse", "params": {"typo": 1}}))
+    with pytest.raises(ValueError, match="unknown router.policy.name 'fastest'"):
+        policy.policy_for(RouterSettings(policy={"name": "fastest"}))
+    with pytest.raises(ValueError, match="named by router.policy.name now"):
+        RouterSettings(path_policy="pd_reuse", policy={"name": "d_direct"})
+    with pytest.raises(ValueError, match="keep router.policy.params.skip_prefill_max_tokens"):
+        RouterSettings(skip_prefill_max_tokens=5,
+                       policy={"name": "cost_model", "params": {"skip_prefill_max_tokens": 0}})
+    # a bundle writes every key out: flat keys at their defaults say nothing
+    written = RouterSettings(policy={"name": "d_direct"}).model_dump(mode="python")
+    assert policy.policy_for(RouterSettings.model_validate(written)).name == "d_direct"
+    # with no prefill node the default runs as `single`, its parameters moot
+    single = RouterSettings(policy={"name": "cost_model", "params": {"fresh_on_decode": "never"}})
+    assert policy.policy_for(single, "single").name == "single"
+    with pytest.raises(ValueError, match="router.policy.name 'pd_reuse' needs a prefill"):
+        policy.policy_for(RouterSettings(policy={"name": "pd_reuse"}), "single")
+
+
+def test_a_registered_policy_brings_its_own_parameters() -> None:
+    class Params(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+        on_decode: bool = False
+
+    def build(p: Params, shared: policy.Shared) -> policy.PathPolicy:
+        return policy.FixedPolicy(shared.reuse, "test_fixed", on_decode=p.on_decode,
+                                  legs=shared.legs)
+
+    policy.register("test_fixed", Params, build)
+    try:
+        chosen = policy.policy_for(RouterSettings(policy={"name": "test_fixed",
+                                                          "params": {"on_decode": True}}))
+        assert isinstance(chosen, policy.FixedPolicy) and chosen.on_decode
+        with pytest.raises(ValueError, match="already registered"):
+            policy.register("test_fixed", Params, build)
+    finally:
+        del policy.POLICIES["test_fixed"]

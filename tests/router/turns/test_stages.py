@@ -192,7 +192,7 @@ def test_policies_are_found_by_name_and_unknown_names_fail_clearly() -> None:
     with pytest.raises(ValueError, match="known: cost_model, d_direct, pd_reuse, single"):
         policy.policy_for(RouterSettings(path_policy="fastest"))
     with pytest.raises(ValueError, match="already registered"):
-        policy.register("cost_model", policy.POLICIES["cost_model"])
+        policy.register("cost_model", policy.NoParams, policy.POLICIES["cost_model"].build)
 
 
 # ------------------------------------------------------------------ the plan's fallbacks

@@ -1,9 +1,11 @@
 """Decide: a turn's path from its facts, by a path policy chosen by name. Pure.
 
-A policy turns `TurnFacts` into a `TurnPlan`; it never awaits and never touches the
-router's state, so each is tested on plain data. Policies are registered by name with
-their own parameters (`router.path_policy` picks one), so a benchmark arm or an operator
-names a policy instead of flipping switches:
+A policy turns `TurnFacts` into a `TurnPlan`: the path, the reuse, the nodes to try
+first and how each leg's transfer params are built (`TurnPlan.legs`); it never awaits and
+never touches the router's state, so each is tested on plain data. Policies are
+registered by name with a parameters model of their own (`register`); `router.policy`
+names one and gives its `params` (the older `router.path_policy` and flat keys still
+work), so a benchmark arm or an operator names a policy instead of flipping switches:
 
 - `cost_model` (the default): the learned per-path costs and the work in flight on
   each node choose between `pd_reuse` and `d_direct`, and between `pd_fresh` and
@@ -28,10 +30,10 @@ suggest (`untokenized_plan`). The pipeline then gathers the ids and asks again.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvagent_server.common.types import Topology
 from kvagent_server.router.reuse import identity, paths, planner
@@ -380,50 +382,130 @@ class SinglePolicy(_Decides):
         return "d_direct"  # D's own prefix cache matches the real tokens
 
 
-#: Policy name -> factory from the router's settings.
-POLICIES: dict[str, Callable[[RouterSettings], PathPolicy]] = {
-    "cost_model": lambda s: CostModelPolicy(ReuseParams.of(s), CostParams.of(s),
-                                            legs=LegParams.of(s)),
-    "pd_reuse": lambda s: FixedPolicy(ReuseParams.of(s), "pd_reuse", on_decode=False,
-                                      legs=LegParams.of(s)),
-    "d_direct": lambda s: FixedPolicy(ReuseParams.of(s), "d_direct", on_decode=True,
-                                      legs=LegParams.of(s)),
-    "single": lambda s: SinglePolicy(ReuseParams.of(s), legs=LegParams.of(s)),
+class NoParams(BaseModel):
+    """A policy with no parameters of its own."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CostModelParams(BaseModel):
+    """`cost_model`'s parameters (`router.policy.params`; each also has an older flat
+    `router.*` setting of the same name, whose value it takes when left out)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    skip_prefill_max_tokens: int | None = Field(default=None, ge=0,
+        description="Skip the P leg when the uncached delta is at most this many tokens "
+        "(0: never skip, None: decide from the learned costs).")
+    d_direct_stall_max_ms: float | None = Field(default=55.0, gt=0,
+        description="While streams decode on D, a turn whose prompt work D would compute "
+        "for longer than this goes to P (None: the summed costs alone decide).")
+    fresh_on_decode: FreshPolicy = Field(default="auto",
+        description="Where a turn with nothing to reuse computes its prompt: `auto` "
+        "(on D while P is busy and the costs say so), `never` (P), `always` (D).")
+    decode_prompt_step_tokens: int | None = Field(default=None, ge=1,
+        description="The most prompt tokens D computes per step beside its streams "
+        "(its --long-prefill-token-threshold); known, a first turn goes to D whenever P "
+        "computes other legs and D no prompt.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shared:
+    """What every policy is built with besides its own parameters: router-wide settings."""
+
+    reuse: ReuseParams
+    legs: LegParams
+    #: The retention guard's high watermark: at this share of D's KV cache in use, D
+    #: computes no prompt (None: no limit).
+    d_kv_high: float | None = None
+
+    @classmethod
+    def of(cls, settings: RouterSettings) -> Shared:
+        return cls(ReuseParams.of(settings), LegParams.of(settings),
+                   settings.retention_high_watermark)
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    """A path policy by name: its parameters model and how it is built from them."""
+
+    params: type[BaseModel]
+    build: Callable[[Any, Shared], PathPolicy]
+
+    def __call__(self, settings: RouterSettings,
+                 params: Mapping[str, Any] | None = None) -> PathPolicy:
+        """The policy for `settings`, with `params` over the flat settings that share a
+        parameter's name (a `ValidationError` names a bad one)."""
+        flat = {k: getattr(settings, k) for k in self.params.model_fields
+                if k in type(settings).model_fields}
+        return self.build(self.params.model_validate(flat | dict(params or {})),
+                          Shared.of(settings))
+
+
+def _cost_model(p: CostModelParams, shared: Shared) -> PathPolicy:
+    ms = p.d_direct_stall_max_ms
+    costs = CostParams(skip_prefill_max_tokens=p.skip_prefill_max_tokens,
+                       d_stall_max_s=None if ms is None else ms / 1000,
+                       d_kv_high=shared.d_kv_high, fresh_on_decode=p.fresh_on_decode,
+                       decode_prompt_step_tokens=p.decode_prompt_step_tokens)
+    return CostModelPolicy(shared.reuse, costs, legs=shared.legs)
+
+
+#: Policy name -> its parameters model and builder.
+POLICIES: dict[str, Registered] = {
+    "cost_model": Registered(CostModelParams, _cost_model),
+    "pd_reuse": Registered(NoParams, lambda p, sh: FixedPolicy(
+        sh.reuse, "pd_reuse", on_decode=False, legs=sh.legs)),
+    "d_direct": Registered(NoParams, lambda p, sh: FixedPolicy(
+        sh.reuse, "d_direct", on_decode=True, legs=sh.legs)),
+    "single": Registered(NoParams, lambda p, sh: SinglePolicy(sh.reuse, legs=sh.legs)),
 }
 
 #: Policies that send turns to a prefill node: refused where there is none.
 NEEDS_PREFILL: frozenset[str] = frozenset({"pd_reuse", "d_direct"})
 
 
-def register(name: str, factory: Callable[[RouterSettings], PathPolicy]) -> None:
-    """Add a policy under `name` (a plugin's, an experiment's)."""
+def register(name: str, params: type[BaseModel],
+             build: Callable[[Any, Shared], PathPolicy]) -> None:
+    """Add a policy under `name` (a plugin's, an experiment's): its parameters model
+    (checked at start-up against `router.policy.params`) and how it is built."""
     if name in POLICIES:
         raise ValueError(f"a path policy named {name!r} is already registered")
-    POLICIES[name] = factory
+    POLICIES[name] = Registered(params, build)
 
 
 def policy_name(settings: RouterSettings, topology: Topology = "pd") -> str:
-    """The policy a router of `topology` runs: `router.path_policy`, except that the
-    `single` topology runs `single` where it names the default `cost_model` (with no P
-    there is nothing to weigh), and refuses a policy that needs a prefill node."""
-    name = settings.path_policy
+    """The policy a router of `topology` runs: `router.policy.name` (or the older
+    `router.path_policy`), except that the `single` topology runs `single` where it
+    names the default `cost_model` (with no P there is nothing to weigh), and refuses a
+    policy that needs a prefill node."""
+    name, _params, where = settings.policy_choice()
     if topology != "single":
         return name
     if name == DEFAULT:
         return "single"
     if name in NEEDS_PREFILL:
-        raise ValueError(f"router.path_policy {name!r} needs a prefill node; with no "
+        raise ValueError(f"{where} {name!r} needs a prefill node; with no "
                          "--prefill the router serves the single topology: set it to "
                          f"'single' or leave it '{DEFAULT}'")
     return name
 
 
 def policy_for(settings: RouterSettings, topology: Topology = "pd") -> PathPolicy:
-    """The policy a router of `topology` runs (`policy_name`), built with its parameters."""
+    """The policy a router of `topology` runs (`policy_name`), built with its parameters;
+    a ValueError names what is wrong with them."""
+    configured, params, where = settings.policy_choice()
     name = policy_name(settings, topology)
     try:
-        factory = POLICIES[name]
+        registered = POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown router.path_policy {name!r}; known: "
+        raise ValueError(f"unknown {where} {name!r}; known: "
                          f"{', '.join(sorted(POLICIES))}") from None
-    return factory(settings)
+    if name != configured:  # `single` in place of the default: the cost model's are moot
+        params = {}
+    try:
+        return registered(settings, params)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'params'}: {e['msg']}"
+                             for e in exc.errors())
+        raise ValueError(f"router.policy.params for {name!r}: {problems}") from None
