@@ -1,12 +1,12 @@
 """A discrete-event simulation of a P/D fleet whose routing decisions are the router's own.
 
 Per turn the simulator calls, in the order a real turn does (`router.turns.pipeline`):
-the cache-token codec and the store's claim (`auth.cache_token`, `store`), P and D
-placement (`reuse.placement`): that is gather, whose `TurnFacts` it builds from the
-simulated nodes; then the router's own path policy (`turns.policy.policy_for`, by the
-name and parameters the settings give) decides on those facts: the reuse plan, the path
-and each leg's transfer params (`TurnPlan.prefill_params`, `decode_params`); after the D
-leg the cost model learns the TTFT, and the new `Handle`, `store.put` and a new token.
+the cache-token codec and the store's claim (`auth.cache_token`, `store`): that is
+gather, whose `TurnFacts` it builds from the simulated nodes; then the router's own path
+policy (`turns.policy.policy_for`, by the name and parameters the settings give)
+decides on those facts: P and D placement, the reuse plan, the path and each leg's
+transfer params (`TurnPlan.prefill_params`, `decode_params`); after the D leg the cost
+model learns the TTFT, and the new `Handle`, `store.put` and a new token.
 The retention guard (`turns.retention.RetentionGuard`, with its `blocks_to_free` watermark
 math and `ReleaseQueue`) runs every `retention_check_interval_s` against the simulated
 decode nodes through a simulated `NodeHttp` client that answers `/metrics` and release
@@ -51,7 +51,7 @@ from kvagent_server.router.turns.retention import (
     RetentionGuard,
     remote_request_id,
 )
-from kvagent_server.router.turns.shapes import TurnFacts, TurnPlan, TurnRequest
+from kvagent_server.router.turns.shapes import NodeFacts, TurnFacts, TurnPlan, TurnRequest
 from kvagent_server.router.turns.upstream import NodeResponse
 
 from benchmarks.fleet_sim.nodes import DNode, PNode
@@ -262,9 +262,6 @@ class Simulation:
                     if rejected is None:
                         handle = await self.store.claim(TENANT, claims.handle)
                         rejected = None if handle is not None else "already_used"
-        states = self._states()
-        picked_p = placement.pick_prefill(states)
-        assert picked_p is not None
         holder_node = self.by_name.get(handle.decode_node) if handle is not None else None
         holder = holder_node if (handle is not None and isinstance(holder_node, DNode)
                                  and holder_node.epoch == handle.decode_epoch
@@ -276,19 +273,17 @@ class Simulation:
             affinity = latest.decode_node if latest is not None else None
         else:
             affinity = None
-        picked_d, _ = placement.pick_decode(states, affinity=affinity)
-        assert picked_d is not None
-        d_first = self._node(picked_d.node_id)
-        holder_r = self._node(holder.name) if holder is not None else None
+        candidates = tuple(NodeFacts(node=self._node(state.node_id), state=state,
+                                     block_size=st.block_size) for state in self._states())
         req = TurnRequest.build(endpoint="/v1/completions", body={"model": "sim", "prompt": [0]},
                                 tenant=_TENANT, session=s.name, token=s.token)
         return TurnFacts(
             req=req, session=s.name, source="kvagent", handle=handle, rejected=rejected,
             handle_node_healthy=holder_node is not None,
-            handle_node_epoch=holder_node.epoch if holder_node else None, holder=holder_r,
-            p_first=self._node(picked_p.node_id), d_first=d_first,
-            d_holds=holder_r is not None and d_first is holder_r, d_healthy=True,
-            prefill_block_size=st.block_size, costs=self.costs.snapshot(),
+            handle_node_epoch=holder_node.epoch if holder_node else None,
+            holder=self._node(holder.name) if holder is not None else None,
+            candidates=candidates, affinity=affinity, prefill_block_size=st.block_size,
+            costs=self.costs.snapshot(),
             prompt_ids=tuple(prompt) if holder is not None else (), ids_gathered=True,
             est_tokens=len(prompt), now=now)
 

@@ -4,15 +4,24 @@ prompt's ids, the untokenized extension, and each leg's transfer params."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
+from kvagent_server.router.kv.tiers import NodeTierHits
 from kvagent_server.router.reuse import planner, transfer
 from kvagent_server.router.reuse.identity import IdentityCheck
 from kvagent_server.router.reuse.learned import LearnedView
+from kvagent_server.router.reuse.queue import IDLE, NodeWork
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.turns import policy
 from kvagent_server.router.turns.nodes import Node
-from kvagent_server.router.turns.shapes import NEED_PROMPT_IDS, TurnPlan
+from kvagent_server.router.turns.shapes import (
+    NEED_PROMPT_IDS,
+    NodeFacts,
+    TierFacts,
+    TurnFacts,
+    TurnPlan,
+)
 from pydantic import BaseModel, ConfigDict
 from test_stages import COST_MODEL, D_CHEAP, PROMPT, _extension_facts, _facts, _plan, _req
 
@@ -189,3 +198,59 @@ def test_a_registered_policy_brings_its_own_parameters() -> None:
             policy.register("test_fixed", Params, build)
     finally:
         del policy.POLICIES["test_fixed"]
+
+
+# ------------------------------------------------------------------ which nodes
+
+
+def _candidate(name: str, role: str, in_flight: int = 0, healthy: bool = True,
+               **kw: Any) -> NodeFacts:
+    node = Node(name=name, url=f"http://{name}", role=role,  # type: ignore[arg-type]
+                healthy=healthy, in_flight=in_flight)
+    return NodeFacts(node=node, state=node.state(), **kw)
+
+
+def _unplaced(candidates: tuple[NodeFacts, ...], **kw: Any) -> TurnFacts:
+    return _facts(**({"candidates": candidates, "p_first": None, "d_first": None,
+                      "d_holds": False, "p_work": None, "d_work": None} | kw))
+
+
+def test_decide_places_the_turn_least_loaded_p_and_the_sessions_d() -> None:
+    p0, p1 = _candidate("p0", "prefill", 3), _candidate("p1", "prefill", 1, block_size=32)
+    d0, d1 = _candidate("d0", "decode", 2, kv_usage=0.5), _candidate("d1", "decode", 0)
+    facts = policy.place(_unplaced((p0, p1, d0, d1), affinity="d0", holder=d0.node))
+    assert (facts.p_first, facts.d_first) == (p1.node, d0.node)
+    assert (facts.p_reason, facts.d_reason) == ("least_loaded", "affinity")
+    assert facts.d_holds and facts.d_kv_usage == 0.5 and facts.prefill_block_size == 32
+    # the holder overloaded: D elsewhere, and so no d_direct
+    busy = _candidate("d0", "decode", 60)
+    moved = policy.place(_unplaced((p0, busy, d1), affinity="d0", holder=busy.node))
+    assert moved.d_first is d1.node and moved.d_reason == "affinity_overloaded"
+    assert not moved.d_holds
+    assert _plan(COST_MODEL.decide(dataclasses.replace(
+        _unplaced((p0, busy, d1), affinity="d0", holder=busy.node), ids_gathered=True,
+        costs=D_CHEAP))).path == "pd_reuse"
+
+
+def test_work_in_flight_follows_the_placed_nodes() -> None:
+    p0 = _candidate("p0", "prefill", work=NodeWork(prefill_tokens=500, prompts=2))
+    d0 = _candidate("d0", "decode", work=NodeWork(streams=3))
+    facts = policy.place(_unplaced((p0, d0), counts_work=True))
+    assert facts.p_work == p0.work and facts.d_work == d0.work
+    single = policy.place(_unplaced((d0,), counts_work=True, prefill_block_size=16))
+    assert single.p_first is None and single.p_reason is None  # no P to place
+    assert single.p_work == IDLE and single.prefill_block_size == 16
+
+
+def test_with_no_handle_to_reuse_p_is_where_the_prompt_is_cached() -> None:
+    p0, p1 = _candidate("p0", "prefill", 0), _candidate("p1", "prefill", 1)
+    d0 = _candidate("d0", "decode")
+    tiers = TierFacts(hits={"p1": NodeTierHits(node="p1", gpu=4096)}, block_size=16,
+                      prompt_tokens=4200)
+    facts = policy.place(_unplaced((p0, p1, d0), tiers=tiers))
+    assert facts.p_first is p1.node and facts.p_reason == "tier_hit"
+    miss = policy.place(_unplaced((p0, p1, d0), tiers=dataclasses.replace(tiers, hits={})))
+    assert miss.p_first is p0.node and miss.p_reason == "tier_miss"
+    # a D handle to reuse: P is chosen by load, whatever the tiers say
+    held = policy.place(_unplaced((p0, p1, d0), tiers=tiers, holder=d0.node))
+    assert held.p_first is p0.node and held.p_reason == "least_loaded"

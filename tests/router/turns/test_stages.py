@@ -218,7 +218,12 @@ async def test_gather_claims_the_sessions_handle_and_decides_nothing() -> None:
     await r.store.put(_handle(epoch=d0.epoch))
     facts = await gather(r, _req())
     assert facts.handle is not None and facts.handle.handle_id == "h1"
-    assert facts.holder is not None and facts.d_holds and facts.d_healthy
+    assert facts.holder is not None and facts.affinity == "d0"
+    assert {c.node.name for c in facts.candidates} == {"p0", "d0"}
+    assert facts.p_first is None and facts.d_first is None  # placing is decide's
+    placed = policy.place(facts)
+    assert placed.d_first is facts.holder and placed.d_holds and placed.d_healthy
+    assert (placed.p_reason, placed.d_reason) == ("least_loaded", "affinity")
     assert await r.store.peek_latest("t", SESSION) is None  # claimed: single use
     # the holder is healthy and current: the prompt must be verified, so decide asks for
     # its ids; no node answers /tokenize here, so the facts say so (decide recomputes)

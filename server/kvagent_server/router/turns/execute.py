@@ -34,10 +34,7 @@ log = logging.getLogger("kvagent.router.turn")
 
 async def execute(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -> Turn:
     """Run the plan's legs; the returned turn's D response is open, unread."""
-    if not plan.reuse.tokenized:  # decided without the router's /tokenize
-        r.metrics.tokenize_skipped.inc()
-        if facts.req.span is not None:
-            facts.req.span.set_attribute("kvagent.tokenized", False)
+    _record_decision(r, facts, plan)
     if plan.path == "decode_only":
         return await _whole_on_decode(r, facts, plan, started)
     if plan.path in paths.ON_DECODE:
@@ -62,6 +59,23 @@ async def execute(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
         if _no_prefill(r):  # recompute on D: the one decode node computes the prompt
             return await _recompute_on_decode(r, facts, plan, started)
     return await _run_pd(r, facts, plan, started)
+
+
+def _record_decision(r: Router, facts: TurnFacts, plan: TurnPlan) -> None:
+    """Count what decide chose: the nodes and why, and a plan made without /tokenize."""
+    span = facts.req.span
+    if plan.p_reason is not None:
+        r.metrics.placements.labels(reason=plan.p_reason).inc()
+        if span is not None:
+            span.set_attribute("kvagent.placement", plan.p_reason)
+    if plan.d_reason is not None:
+        r.metrics.decode_placements.labels(reason=plan.d_reason).inc()
+        if span is not None:
+            span.set_attribute("kvagent.decode_placement", plan.d_reason)
+    if not plan.reuse.tokenized:
+        r.metrics.tokenize_skipped.inc()
+        if span is not None:
+            span.set_attribute("kvagent.tokenized", False)
 
 
 def _no_prefill(r: Router) -> bool:

@@ -21,14 +21,14 @@ import uuid
 
 from kvagent_server.router.auth.cache_token import TokenError, verify_binding
 from kvagent_server.router.reuse import content, identity, placement
-from kvagent_server.router.reuse.queue import IDLE
+from kvagent_server.router.reuse.paths import PathCosts
 from kvagent_server.router.store.base import StoreUnavailable
 from kvagent_server.router.store.handle import Handle, KVIdentity
 from kvagent_server.router.store.records import CONTENT
 from kvagent_server.router.turns.context import Router
 from kvagent_server.router.turns.nodes import Node
 from kvagent_server.router.turns.prompt_ids import TokenizeError, tokenize
-from kvagent_server.router.turns.shapes import TurnFacts, TurnRequest
+from kvagent_server.router.turns.shapes import NodeFacts, TierFacts, TurnFacts, TurnRequest
 
 log = logging.getLogger("kvagent.router.turn")
 
@@ -38,10 +38,8 @@ async def gather(r: Router, req: TurnRequest) -> TurnFacts:
     if not req.splittable:  # served whole on a decode node: nothing to look up
         return TurnFacts(req=req, session=req.session, source=req.source)
     s = r.settings
-    picked_p = placement.pick_prefill(r.registry.states())
-    p_first = r.registry.get(picked_p.node_id) if picked_p else None
     session, source, known_ids = req.session, req.source, None
-    tokenizer = _tokenizer(r, p_first)
+    tokenizer = _tokenizer(r)
     found: tuple[str, list[int] | None] | None = await _find_by_content(r, req, tokenizer)
     if found is None:
         found = await _find_branch(r, req, tokenizer)
@@ -53,34 +51,18 @@ async def gather(r: Router, req: TurnRequest) -> TurnFacts:
     holder = d_node if (handle is not None and d_node is not None and d_node.healthy
                         and d_node.epoch == handle.decode_epoch
                         and not handle.expired(time.time())) else None
-    p_first = await _tier_placement(r, req, p_first, holder, known_ids)
+    tiers = await _tier_facts(r, req, tokenizer, holder, known_ids)
     affinity = handle.decode_node if handle else await _affinity(r, req, session)
-    picked_d, d_reason = placement.pick_decode(r.registry.states(), affinity=affinity)
-    r.metrics.decode_placements.labels(reason=d_reason).inc()
-    if req.span is not None:
-        req.span.set_attribute("kvagent.decode_placement", d_reason)
-    d_first = r.registry.get(picked_d.node_id) if picked_d else None
     costs = r.learned.costs.snapshot()
-    p_work = d_work = None
-    if s.queue_aware_paths:
-        now = time.monotonic()
-        p_work = (r.work.work(p_first.name, now=now, per_token_s=costs.prefill.per_token_s)
-                  if p_first is not None else IDLE)
-        d_work = (r.work.work(d_first.name, now=now, per_token_s=costs.d_direct.per_token_s)
-                  if d_first is not None else IDLE)
     new_ident = _identity_of(r, req, [])
     facts = TurnFacts(
         req=req, session=session, source=source, handle=handle, rejected=rejected,
         handle_node_healthy=bool(d_node and d_node.healthy),
         handle_node_epoch=d_node.epoch if d_node else None, holder=holder,
-        p_first=p_first, d_first=d_first,
-        d_holds=d_first is not None and d_first is holder,
-        d_healthy=d_first is not None and d_first.healthy,
-        d_kv_usage=d_first.kv_usage if d_first is not None else None,
-        prefill_block_size=s.block_size or (p_first.block_size if p_first else None),
+        candidates=_candidates(r, costs), affinity=affinity, tiers=tiers,
+        counts_work=s.queue_aware_paths, prefill_block_size=s.block_size,
         costs=costs, learned=r.learned.view(), new_identity=new_ident,
-        p_work=p_work, d_work=d_work, identity=_check_identity(r, handle, new_ident),
-        tokenizable=_tokenizer(r, p_first, d_first) is not None)
+        identity=_check_identity(r, handle, new_ident), tokenizable=tokenizer is not None)
     facts = dataclasses.replace(facts, est_tokens=facts.learned.estimate_tokens(req.body_chars))
     if known_ids is not None and facts.ids_matter:
         # what the content lookup tokenized is the prompt: no second /tokenize
@@ -91,7 +73,7 @@ async def gather(r: Router, req: TurnRequest) -> TurnFacts:
 async def with_prompt_ids(r: Router, facts: TurnFacts) -> TurnFacts:
     """The facts with the prompt's token ids, which decide asked for (a reuse to
     verify): tokenized by the node that would tokenize it, or why there are none."""
-    tokenizer = _tokenizer(r, facts.p_first, facts.d_first)
+    tokenizer = _tokenizer(r)
     if tokenizer is None:
         return dataclasses.replace(facts, ids_gathered=True)
     try:
@@ -112,36 +94,53 @@ def _with_ids(r: Router, facts: TurnFacts, ids: list[int]) -> TurnFacts:
                                                      r.settings.mm_placeholder_token_ids)))
 
 
-def _tokenizer(r: Router, p_first: Node | None, d_first: Node | None = None) -> Node | None:
-    """The node that tokenizes the turn's prompt: the P node picked for it, or with no
-    prefill node (`single`) the decode node (`d_first`, else the least loaded)."""
-    if p_first is not None or r.registry.topology != "single":
-        return p_first
-    if d_first is not None:
-        return d_first
+def _tokenizer(r: Router) -> Node | None:
+    """The node that tokenizes the turn's prompt: the least loaded healthy P node, or with
+    no prefill node (`single`) the least loaded decode node."""
+    if r.registry.topology != "single":
+        picked = placement.pick_prefill(r.registry.states())
+        return r.registry.get(picked.node_id) if picked is not None else None
     ranked = r.registry.ranked("decode")
     return ranked[0] if ranked else None
 
 
-async def _tier_placement(r: Router, req: TurnRequest, p_first: Node | None,
-                          holder: Node | None, known_ids: list[int] | None) -> Node | None:
-    """With no D handle to reuse, a P node whose KV cache (any tier) holds the prompt's
-    prefix may beat the least loaded one (`turns.kv_placement`; with the ids a content
-    lookup already has, not tokenized again). With no prefill node there is nothing to
-    place."""
-    if r.registry.topology == "single":
+def _candidates(r: Router, costs: PathCosts) -> tuple[NodeFacts, ...]:
+    """Every node as placement weighs it: its state, work in flight (with
+    `queue_aware_paths`), KV usage and block size."""
+    s, now = r.settings, time.monotonic()
+    out = []
+    for node in r.registry.nodes.values():
+        work = None
+        if s.queue_aware_paths:
+            line = costs.prefill if node.role == "prefill" else costs.d_direct
+            work = r.work.work(node.name, now=now, per_token_s=line.per_token_s)
+        out.append(NodeFacts(node=node, state=node.state(), work=work, kv_usage=node.kv_usage,
+                             block_size=s.block_size or node.block_size))
+    return tuple(out)
+
+
+async def _tier_facts(r: Router, req: TurnRequest, tokenizer: Node | None,
+                      holder: Node | None, known_ids: list[int] | None) -> TierFacts | None:
+    """With no D handle to reuse, where each P node's KV cache (any tier) holds the
+    prompt's prefix (`turns.kv_placement`), when matching can change the P choice; the
+    prompt is tokenized for it unless a content lookup already did. None: not looked up."""
+    if (holder is not None or r.tiers is None or tokenizer is None
+            or r.registry.topology == "single"):
         return None
-    p_reason: placement.PrefillReason = "least_loaded" if p_first else "no_healthy_node"
-    if holder is None and p_first is not None and r.tiers is not None:
-        states = r.registry.states()
-        if r.tiers.wants(states):
-            name, p_reason = await r.tiers.place(r.legs.client(p_first), p_first, states,
-                                                 req.body, chat=req.chat, ids=known_ids)
-            p_first = r.registry.get(name) if name else p_first
-    r.metrics.placements.labels(reason=p_reason).inc()
-    if req.span is not None:
-        req.span.set_attribute("kvagent.placement", p_reason)
-    return p_first
+    states = r.registry.states()
+    if not r.tiers.wants(states):
+        return None
+    ids = known_ids
+    if ids is None:
+        try:
+            ids = await _tokenize(r, req, tokenizer)
+        except TokenizeError as exc:
+            log.info("tier placement skipped: %s", exc)
+            return None
+    salt = req.body.get("cache_salt")
+    hits, bs = r.tiers.hits(states, ids, cache_salt=salt if isinstance(salt, str) else None,
+                            default_block_size=tokenizer.block_size)
+    return TierFacts(hits=hits, block_size=bs, prompt_tokens=len(ids), costs=r.tiers.costs)
 
 
 async def _find_by_content(r: Router, req: TurnRequest,

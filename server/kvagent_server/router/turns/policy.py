@@ -36,7 +36,8 @@ from typing import Any, Protocol
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvagent_server.common.types import Topology
-from kvagent_server.router.reuse import identity, paths, planner
+from kvagent_server.router.reuse import identity, paths, placement, planner
+from kvagent_server.router.reuse.queue import IDLE
 from kvagent_server.router.settings import FreshPolicy, RouterSettings
 from kvagent_server.router.turns.shapes import (
     NEED_PROMPT_IDS,
@@ -188,6 +189,7 @@ class _Decides:
         raise NotImplementedError
 
     def decide(self, facts: TurnFacts) -> Decision:
+        facts = place(facts)
         decision = self._decide(facts)
         if isinstance(decision, TurnPlan) and decision.path != "decode_only":
             return dataclasses.replace(decision, legs=leg_choices(facts, self.legs))
@@ -206,11 +208,47 @@ def reuse_plan(facts: TurnFacts, params: ReuseParams) -> planner.ReusePlan:
         prefill_block_size=facts.prefill_block_size, identity=facts.identity)
 
 
+def place(facts: TurnFacts) -> TurnFacts:
+    """decide's first choice: the P node (least loaded, or where the prompt's prefix is
+    cached when no D handle is reused: `placement.pick_prefill_by_tiers`) and the D node
+    (the session's affinity unless it is unhealthy or overloaded:
+    `placement.pick_decode`), from the candidates gather saw; the facts with the placed
+    fields filled in. Facts without candidates come placed and are returned as they are."""
+    if not facts.candidates:
+        return facts
+    states = [c.state for c in facts.candidates]
+    by_name = {c.node.name: c for c in facts.candidates}
+    p_reason: placement.PrefillReason | None = None
+    picked_p = None
+    if any(st.role == "prefill" for st in states):  # none in the `single` topology
+        tiers = facts.tiers
+        if facts.holder is None and tiers is not None:
+            picked_p, p_reason = placement.pick_prefill_by_tiers(
+                states, tiers.hits, prompt_tokens=tiers.prompt_tokens, costs=tiers.costs,
+                block_size=tiers.block_size)
+        else:
+            picked_p = placement.pick_prefill(states)
+            p_reason = "least_loaded" if picked_p is not None else "no_healthy_node"
+    picked_d, d_reason = placement.pick_decode(states, affinity=facts.affinity)
+    p = by_name[picked_p.node_id] if picked_p is not None else None
+    d = by_name[picked_d.node_id] if picked_d is not None else None
+    idle = IDLE if facts.counts_work else None
+    return dataclasses.replace(
+        facts, p_first=p.node if p else None, d_first=d.node if d else None,
+        d_holds=d is not None and d.node is facts.holder,
+        d_healthy=d is not None and d.node.healthy,
+        d_kv_usage=d.kv_usage if d is not None else None,
+        prefill_block_size=p.block_size if p is not None else facts.prefill_block_size,
+        p_work=p.work if p is not None else idle, d_work=d.work if d is not None else idle,
+        p_reason=p_reason, d_reason=d_reason)
+
+
 def _plan(facts: TurnFacts, path: paths.Path, reuse: planner.ReusePlan,
           prompt_len: int) -> TurnPlan:
     return TurnPlan(path=path, reuse=reuse, handle=facts.handle, holder=facts.holder,
                     p_first=facts.p_first, d_first=facts.d_first, prompt_len=prompt_len,
-                    p_work=facts.p_work, d_work=facts.d_work)
+                    p_work=facts.p_work, d_work=facts.d_work, p_reason=facts.p_reason,
+                    d_reason=facts.d_reason)
 
 
 def _decode_only() -> TurnPlan:

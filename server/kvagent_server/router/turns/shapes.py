@@ -24,9 +24,11 @@ from typing import Any
 from kvagent_server.router.auth.tenancy import Tenant
 from kvagent_server.router.common import fastjson
 from kvagent_server.router.kv.room import DecodeRoom
+from kvagent_server.router.kv.tiers import NodeTierHits, TierCosts
 from kvagent_server.router.reuse import identity, planner, transfer
 from kvagent_server.router.reuse.learned import LearnedView
 from kvagent_server.router.reuse.paths import Path, PathCosts
+from kvagent_server.router.reuse.placement import DecodeReason, NodeState, PrefillReason
 from kvagent_server.router.reuse.queue import NodeWork, WorkLedger
 from kvagent_server.router.store.handle import Handle, KVIdentity
 from kvagent_server.router.telemetry.budget import TurnBudget
@@ -93,12 +95,41 @@ class TurnRequest:
 
 
 @dataclass(frozen=True)
+class NodeFacts:
+    """One node as gather saw it: the node (for execute) and what placement weighs."""
+
+    node: Node
+    state: NodeState
+    #: Work in flight there (None: not counted, `queue_aware_paths` off).
+    work: NodeWork | None = None
+    #: The share of its KV cache in use at the retention guard's last read (decode).
+    kv_usage: float | None = None
+    #: Its KV block size (the router's setting, else the node's own; None: unknown).
+    block_size: int | None = None
+
+
+@dataclass(frozen=True)
+class TierFacts:
+    """Where the prompt's prefix is cached on each P node, by tier (its KV events): what
+    tier-aware P placement weighs against load (`placement.pick_prefill_by_tiers`)."""
+
+    hits: Mapping[str, NodeTierHits]
+    block_size: int
+    prompt_tokens: int
+    costs: TierCosts = field(default_factory=TierCosts)
+
+
+@dataclass(frozen=True)
 class TurnFacts:
     """Everything a path policy decides on, gathered before any leg runs.
 
     `gather` is the only stage that awaits the store or a node's `/tokenize`; the nodes
-    are referenced for `execute`, their state at gathering time is copied here, and so
-    is what earlier turns taught (`costs`, `learned`)."""
+    are referenced for `execute`, their state at gathering time is copied here
+    (`candidates`), and so is what earlier turns taught (`costs`, `learned`). Which P and
+    D nodes serve the turn is decide's first choice (`policy.place`): it fills the
+    placed fields below (`p_first` ... `prefill_block_size`) from the candidates, the
+    session's `affinity` and the prompt's `tiers`; facts built without candidates (a
+    test's, a simulator's) come placed."""
 
     req: TurnRequest
     #: The conversation after a content lookup named it (else `req.session`).
@@ -112,6 +143,17 @@ class TurnFacts:
     handle_node_epoch: str | None = None
     #: The decode node holding the handle's blocks, if alive, current and unexpired.
     holder: Node | None = None
+    #: Every node, as gather saw it (empty: the facts come placed).
+    candidates: tuple[NodeFacts, ...] = ()
+    #: The decode node holding the session's blocks (its handle's, or its latest).
+    affinity: str | None = None
+    #: Where P nodes cache the prompt's prefix (None: not looked up).
+    tiers: TierFacts | None = None
+    #: Work in flight is counted (`queue_aware_paths`): a missing node's is idle.
+    counts_work: bool = False
+    #: Why `p_first` and `d_first` were placed there (None: not placed by decide).
+    p_reason: PrefillReason | None = None
+    d_reason: DecodeReason | None = None
     p_first: Node | None = None
     d_first: Node | None = None
     #: `d_first` is the holder (and so healthy).
@@ -203,6 +245,9 @@ class TurnPlan:
     est_tokens: int = 0
     p_work: NodeWork | None = None
     d_work: NodeWork | None = None
+    #: Why the P and D nodes were chosen (metrics; None: not placed by decide).
+    p_reason: PrefillReason | None = None
+    d_reason: DecodeReason | None = None
     #: Decode nodes a failed `d_fresh` or `d_direct` leg was sent to: tried last.
     d_failed: tuple[str, ...] = ()
     legs: LegChoices = field(default_factory=LegChoices)
