@@ -6,6 +6,10 @@ sends the request whole to a decode node. A leg that fails before its first byte
 back as `TurnPlan.after_decode_failure` says; a pull P could not make is a recompute.
 With no prefill node (the `single` topology) a recompute is a `d_fresh` leg: no turn
 ever needs P there.
+
+Every leg carries the transfer params the plan chose (`TurnPlan.prefill_params`,
+`decode_params`); execute chooses nothing of its own beyond the fallbacks the plan
+describes, and learns nothing (settle does, from the `Turn` it hands on).
 """
 
 from __future__ import annotations
@@ -29,7 +33,6 @@ from kvagent_server.router.turns.room import Admitted, NoRoom
 from kvagent_server.router.turns.shapes import Turn, TurnFacts, TurnPlan
 
 log = logging.getLogger("kvagent.router.turn")
-
 
 
 async def execute(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -> Turn:

@@ -2,14 +2,15 @@
 
 The only stage that awaits the store or a node's `/tokenize` (and the tier-aware P
 placement's lookup): it names the conversation (by content, for a caller that names
-none), claims the session's handle, ranks the nodes, snapshots what earlier turns taught
-(`Router.learned`) and the work in flight. It learns nothing itself (settle does).
+none), claims the session's handle, collects every node as a candidate with its work
+in flight (decide places the turn), and snapshots what earlier turns taught
+(`Router.learned`). It decides nothing, and learns nothing (settle does).
 
 The prompt's token ids are gathered when decide asks for them (`with_prompt_ids`: a
 reuse to verify, whose path depends on the real tokens), or along the way when a content
-lookup needed them; a turn is tokenized at most once. The prompt is tokenized by the P
-node picked for the turn, or, with no prefill node (the `single` topology), by the
-decode node: vLLM serves `/tokenize` on either.
+lookup or the tier lookup needed them; a turn is tokenized at most once. The prompt is
+tokenized by the least loaded P node, or, with no prefill node (the `single` topology),
+by the decode node: vLLM serves `/tokenize` on either.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ async def gather(r: Router, req: TurnRequest) -> TurnFacts:
                         and not handle.expired(time.time())) else None
     tiers = await _tier_facts(r, req, tokenizer, holder, known_ids)
     affinity = handle.decode_node if handle else await _affinity(r, req, session)
-    costs = r.learned.costs.snapshot()
+    costs, learned = r.learned.costs.snapshot(), r.learned.view()
     new_ident = _identity_of(r, req, [])
     facts = TurnFacts(
         req=req, session=session, source=source, handle=handle, rejected=rejected,
@@ -61,9 +62,9 @@ async def gather(r: Router, req: TurnRequest) -> TurnFacts:
         handle_node_epoch=d_node.epoch if d_node else None, holder=holder,
         candidates=_candidates(r, costs), affinity=affinity, tiers=tiers,
         counts_work=s.queue_aware_paths, prefill_block_size=s.block_size,
-        costs=costs, learned=r.learned.view(), new_identity=new_ident,
-        identity=_check_identity(r, handle, new_ident), tokenizable=tokenizer is not None)
-    facts = dataclasses.replace(facts, est_tokens=facts.learned.estimate_tokens(req.body_chars))
+        costs=costs, learned=learned, est_tokens=learned.estimate_tokens(req.body_chars),
+        new_identity=new_ident, identity=_check_identity(r, handle, new_ident),
+        tokenizable=tokenizer is not None)
     if known_ids is not None and facts.ids_matter:
         # what the content lookup tokenized is the prompt: no second /tokenize
         return _with_ids(r, facts, known_ids)
