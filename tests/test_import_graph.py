@@ -117,6 +117,20 @@ def test_no_turn_stage_imports_another() -> None:
     assert GRAPH[_turns("context")] & stages == {_turns("policy")}
 
 
+def test_only_the_pipeline_asks_the_policy_and_only_settle_learns() -> None:
+    """The policy object reaches the stages through the shared `Router`, which the import
+    graph cannot see: no stage but the pipeline calls it (gather once asked it mid-way),
+    and no stage but settle writes what the router learns (`Router.learned`)."""
+    turns = SOURCES["kvagent_server"] / "router" / "turns"
+    for stage in ("gather", "execute", "relay", "settle"):
+        assert ".policy." not in (turns / f"{stage}.py").read_text(), stage
+    writes = re.compile(r"learned\.(\w+\.)?(observe\w*|resumed|ended)\(|learned\.\w+ = ")
+    assert writes.search((turns / "settle.py").read_text())  # the pattern finds them
+    for path in (SOURCES["kvagent_server"] / "router").rglob("*.py"):
+        if path.name not in ("settle.py", "learned.py"):
+            assert not writes.search(path.read_text()), path
+
+
 def test_the_pipeline_runs_the_stages_in_order() -> None:
     """`open_turn` calls gather, the policy's decide and execute, in this order; the
     shell relays and then settles."""

@@ -1,19 +1,22 @@
 """A discrete-event simulation of a P/D fleet whose routing decisions are the router's own.
 
 Per turn the simulator calls, in the order a real turn does (`router.turns.pipeline`):
-the cache-token codec and the store's claim (`auth.cache_token`, `store`), P and D
-placement (`reuse.placement`), the reuse plan and the path choice with the learned cost
-model (`reuse.planner`, `reuse.paths`), the transfer params for the legs
-(`reuse.transfer`), and after the D leg the new `Handle`, `store.put` and a new token.
+the cache-token codec and the store's claim (`auth.cache_token`, `store`): that is
+gather, whose `TurnFacts` it builds from the simulated nodes; then the router's own path
+policy (`turns.policy.policy_for`, by the name and parameters the settings give)
+decides on those facts: P and D placement, the reuse plan, the path and each leg's
+transfer params (`TurnPlan.prefill_params`, `decode_params`); after the D leg the cost
+model learns the TTFT, and the new `Handle`, `store.put` and a new token.
 The retention guard (`nodes.retention.RetentionGuard`, with its `blocks_to_free` watermark
 math and `ReleaseQueue`) runs every `retention_check_interval_s` against the simulated
 decode nodes through a simulated `NodeHttp` client that answers `/metrics` and release
 requests from the simulated KV state. Only the nodes are simulated: compute, transfers,
 KV blocks, TTLs (`nodes.py`, priced by a `profiles.Profile`).
 
-`pipeline.open_turn` itself is not called: its stages read the wall clock (`time.time()`)
-and drive the legs over HTTP (`Legs`, `tokenize`), so the sequence of public calls above is
-driven directly, with the simulated clock passed where the router takes `now`.
+`pipeline.open_turn` itself is not called: gather and execute read the wall clock
+(`time.time()`) and drive the legs over HTTP (`Legs`, `tokenize`), so the simulator
+gathers the facts itself (the prompt's ids are known: it asks no node for them) and
+runs the decision the router runs, with the simulated clock as the facts' `now`.
 """
 
 from __future__ import annotations
@@ -33,25 +36,30 @@ import numpy as np
 import orjson
 from kvagent_server.router.auth.cache_token import TokenCodec, TokenError, verify_binding
 from kvagent_server.router.auth.keys import KeyRing
+from kvagent_server.router.auth.tenancy import Tenant
 from kvagent_server.router.nodes.client import NodeResponse
+from kvagent_server.router.nodes.registry import Node
 from kvagent_server.router.nodes.retention import (
     PolicyEviction,
     RetentionGuard,
     remote_request_id,
 )
-from kvagent_server.router.reuse import paths, placement, planner, transfer
+from kvagent_server.router.reuse import paths, placement, transfer
 from kvagent_server.router.reuse.pauses import ToolPauses
 from kvagent_server.router.reuse.retention_policy import retention_policy_for
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.handle import Handle, new_handle_id
 from kvagent_server.router.store.memory import MemoryStore
 from kvagent_server.router.store.redis_store import RedisStore
+from kvagent_server.router.turns.policy import policy_for
+from kvagent_server.router.turns.shapes import NodeFacts, TurnFacts, TurnPlan, TurnRequest
 
 from benchmarks.fleet_sim.nodes import DNode, PNode
 from benchmarks.fleet_sim.profiles import Profile
 from benchmarks.fleet_sim.workload import FleetSpec, Script
 
 TENANT = "sim"
+_TENANT = Tenant(name=TENANT, cache_salt="sim", max_concurrent_streams=1 << 20)
 _STORE_OPS = ("put", "claim", "claim_latest", "peek_latest", "retained", "evict_handles",
               "drop_node")
 
@@ -145,6 +153,12 @@ class Simulation:
                               ttl_s=config.ttl_s) for i in range(config.n_decode)]
         self.by_name: dict[str, PNode | DNode] = {n.name: n for n in self.p_nodes}
         self.by_name.update({n.name: n for n in self.d_nodes})
+        # The nodes as the router's facts and plans name them.
+        self.router_nodes = {n.name: Node(name=n.name, url=n.url, role=role, healthy=True)
+                             for role, ns in (("prefill", self.p_nodes),
+                                              ("decode", self.d_nodes)) for n in ns}
+        # The router's own path policy, by the name and parameters the settings give.
+        self.policy = policy_for(self.settings)
         self._events: list[tuple[float, int, Callable[[], Any]]] = []
         self._seq = itertools.count()
         self._rid = itertools.count()
@@ -225,9 +239,14 @@ class Simulation:
     def _tokens(self, n: int) -> bytes:
         return self.rng.randbytes(n)
 
-    async def _decide(self, s: _Session, prompt: list[int]) -> tuple[
-            Handle | None, planner.ReusePlan, paths.Path, PNode, DNode, dict[str, Any]]:
-        """The router's choices for one turn (real code; the simulated clock as `now`)."""
+    def _node(self, name: str) -> Node:
+        node = self.router_nodes[name]
+        node.epoch = self.by_name[name].epoch
+        return node
+
+    async def _gather(self, s: _Session, prompt: list[int]) -> TurnFacts:
+        """The turn's facts, as the router's gather collects them (the simulated clock as
+        `now`; the prompt's ids are known, so verifying a reuse asks no node for them)."""
         st, now = self.settings, self.now
         handle, rejected = None, None
         if st.reuse:
@@ -243,19 +262,10 @@ class Simulation:
                     if rejected is None:
                         handle = await self.store.claim(TENANT, claims.handle)
                         rejected = None if handle is not None else "already_used"
-        states = self._states()
-        picked_p = placement.pick_prefill(states)
-        assert picked_p is not None
         holder_node = self.by_name.get(handle.decode_node) if handle is not None else None
         holder = holder_node if (handle is not None and isinstance(holder_node, DNode)
                                  and holder_node.epoch == handle.decode_epoch
                                  and not handle.expired(now)) else None
-        prompt_ids = prompt if holder is not None else []
-        plan = planner.plan_reuse(
-            prompt_ids, handle, threshold=st.kv_recompute_threshold, now=now, tenant=TENANT,
-            session=s.name, node_healthy=holder_node is not None,
-            node_epoch=holder_node.epoch if holder_node else None, enabled=st.reuse,
-            rejected=rejected, prefill_block_size=st.block_size)
         if handle is not None:
             affinity: str | None = handle.decode_node
         elif st.reuse:
@@ -263,25 +273,37 @@ class Simulation:
             affinity = latest.decode_node if latest is not None else None
         else:
             affinity = None
-        picked_d, _ = placement.pick_decode(states, affinity=affinity)
-        assert picked_d is not None
-        d_node = self.by_name[picked_d.node_id]
-        path = paths.choose_path(plan, len(prompt_ids), self.costs.snapshot(),
-                                   skip_prefill_max_tokens=st.skip_prefill_max_tokens,
-                                   d_healthy=d_node is holder)
-        if path == "d_direct":
-            rid = remote_request_id(handle) if handle is not None else None
-            params = transfer.with_release(transfer.d_direct(), [rid] if rid else [])
-        elif path == "pd_reuse":
-            assert handle is not None
-            params = transfer.reuse_transfer_params(handle, plan.reuse_tokens)
-        elif handle is not None and holder is not None and st.release_unused_handles:
-            params = transfer.release_transfer_params(handle)
+        candidates = tuple(NodeFacts(node=self._node(state.node_id), state=state,
+                                     block_size=st.block_size) for state in self._states())
+        req = TurnRequest.build(endpoint="/v1/completions", body={"model": "sim", "prompt": [0]},
+                                tenant=_TENANT, session=s.name, token=s.token)
+        return TurnFacts(
+            req=req, session=s.name, source="kvagent", handle=handle, rejected=rejected,
+            handle_node_healthy=holder_node is not None,
+            handle_node_epoch=holder_node.epoch if holder_node else None,
+            holder=self._node(holder.name) if holder is not None else None,
+            candidates=candidates, affinity=affinity, prefill_block_size=st.block_size,
+            costs=self.costs.snapshot(),
+            prompt_ids=tuple(prompt) if holder is not None else (), ids_gathered=True,
+            est_tokens=len(prompt), now=now)
+
+    async def _decide(self, s: _Session, prompt: list[int]) -> tuple[
+            Handle | None, TurnPlan, PNode, DNode, dict[str, Any]]:
+        """The router's choices for one turn: its facts, and its own policy's decision."""
+        facts = await self._gather(s, prompt)
+        plan = self.policy.decide(facts)
+        assert isinstance(plan, TurnPlan)  # the facts hold the ids it could ask for
+        assert plan.p_first is not None and plan.d_first is not None
+        p_node, d_node = self.by_name[plan.p_first.name], self.by_name[plan.d_first.name]
+        if plan.path in paths.ON_DECODE:
+            on = plan.holder if plan.path == "d_direct" else plan.d_first
+            params = plan.decode_params(on)
+            if on is not None:
+                d_node = self.by_name[on.name]
         else:
-            params = transfer.fresh()
-        p_node = self.by_name[picked_p.node_id]
+            params = plan.prefill_params()
         assert isinstance(p_node, PNode) and isinstance(d_node, DNode)
-        return handle, plan, path, p_node, d_node, params
+        return facts.handle, plan, p_node, d_node, params
 
     async def _finish_router(self, s: _Session, rec: TurnRecord, d: DNode, rid: str,
                              sequence: list[int], kept_blocks: int, computed: int) -> None:
@@ -327,9 +349,10 @@ class Simulation:
         prompt = list(prompt_b)
         t0 = time.thread_time()
         ops0 = sum(self.store.ops.values())
-        handle, plan, path, p, d, params = await self._decide(s, prompt)
-        rec = TurnRecord(session=s.sid, turn=s.turn, start=start, path=path, reason=plan.reason,
-                         prompt=len(prompt), reused=0)
+        handle, plan, p, d, params = await self._decide(s, prompt)
+        path = plan.path
+        rec = TurnRecord(session=s.sid, turn=s.turn, start=start, path=path,
+                         reason=plan.reuse.reason, prompt=len(prompt), reused=0)
         rec.router_cpu_s = time.thread_time() - t0
         rec.store_ops = sum(self.store.ops.values()) - ops0
         self.records.append(rec)
@@ -360,10 +383,11 @@ class Simulation:
             self.at(end, done)
 
         d.in_flight += 1
-        if path == "d_direct":
-            reuse = plan.reuse_tokens
+        if path in paths.ON_DECODE:  # d_direct, or d_fresh (D computes the prompt whole)
+            reuse = plan.reuse.reuse_tokens if path == "d_direct" else 0
             rec.reused = reuse
-            old = remote_request_id(handle) if handle is not None else None
+            old = (remote_request_id(handle) if handle is not None and path == "d_direct"
+                   else None)
             # The prefix blocks are D's retained ones (a prefix-cache hit): only the rest is
             # allocated, and the hit takes them over when the request is scheduled.
             shared = min(d.retained.get(old, 0), reuse // bs) if old else 0

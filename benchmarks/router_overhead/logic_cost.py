@@ -1,9 +1,10 @@
 """The router's own per-turn work, without any HTTP: what the router adds beyond its hops.
 
 One reuse turn's decisions and rewrites, in-process: parse the session and token, decode
-the token, claim the handle, verify a 2,000-token prompt against it, build both leg
-bodies, relay a 40-chunk stream through the scrubber, then mint the next handle and
-token. Reported as microseconds per turn (median of several rounds).
+the token, claim the handle, let the router's path policy decide on the turn's facts
+(verify a 2,000-token prompt against the handle, choose the path and the P leg's
+params), build both leg bodies, relay a 40-chunk stream through the scrubber, then mint
+the next handle and token. Reported as microseconds per turn (median of several rounds).
 
     python benchmarks/router_overhead/logic_cost.py [--turns 2000] [--prompt 2000]
 """
@@ -19,15 +20,24 @@ from collections.abc import AsyncIterator
 
 from kvagent_server.router.auth.cache_token import TokenCodec
 from kvagent_server.router.auth.keys import KeyRing
+from kvagent_server.router.auth.tenancy import Tenant
 from kvagent_server.router.http.request import session_and_token, validate
 from kvagent_server.router.nodes.legs import decode_body, prefill_body
-from kvagent_server.router.reuse import paths, planner, transfer
+from kvagent_server.router.nodes.registry import Node
+from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.handle import Handle, new_handle_id
 from kvagent_server.router.store.memory import MemoryStore
+from kvagent_server.router.turns.policy import policy_for
 from kvagent_server.router.turns.relay import Scrubber, SseRelay
-from kvagent_server.router.turns.shapes import Capture, Final
+from kvagent_server.router.turns.shapes import Capture, Final, TurnFacts, TurnPlan, TurnRequest
 
 BLOCK = 128
+TENANT = Tenant(name="t", cache_salt="salt", max_concurrent_streams=64)
+#: The router's own policy: the cost model with P never skipped (every reuse pulls).
+POLICY = policy_for(RouterSettings(policy={"name": "cost_model",
+                                           "params": {"skip_prefill_max_tokens": 0}}))
+P0 = Node(name="p0", url="http://p0", role="prefill", healthy=True)
+D0 = Node(name="d0", url="http://d0", role="decode", healthy=True, epoch="1")
 
 
 def d_params(n: int) -> dict:
@@ -65,13 +75,18 @@ async def one_turn(codec: TokenCodec, store: MemoryStore, token: str, prompt: li
     session, tok = session_and_token(headers, body)
     claims = codec.decode(tok, now=time.time())
     handle = await store.claim("t", claims.handle)
-    plan = planner.plan_reuse(prompt, handle, threshold=64, now=time.time(), tenant="t",
-                              session=session)
-    path = paths.choose_path(plan, len(prompt), paths.PathCosts(),
-                               skip_prefill_max_tokens=0, d_healthy=True)
-    p_body = prefill_body(body, transfer.reuse_transfer_params(handle, plan.reuse_tokens))
+    req = TurnRequest.build(endpoint="/v1/chat/completions", body=body, tenant=TENANT,
+                            session=session, token=tok)
+    facts = TurnFacts(req=req, session=session, source="kvagent", handle=handle,
+                      handle_node_healthy=True, handle_node_epoch="1", holder=D0,
+                      p_first=P0, d_first=D0, d_holds=True, d_healthy=True,
+                      prefill_block_size=BLOCK, prompt_ids=tuple(prompt), ids_gathered=True)
+    plan = POLICY.decide(facts)
+    assert isinstance(plan, TurnPlan) and plan.path == "pd_reuse"
+    path, reused = plan.path, plan.reuse.reuse_tokens
+    p_body = prefill_body(body, plan.prefill_params())
     d_body = decode_body(body, d_params(len(prompt)))
-    assert path == "pd_reuse" and p_body and d_body
+    assert p_body and d_body
 
     async def upstream() -> AsyncIterator[bytes]:
         for i in range(0, len(sse), 4096):
@@ -86,8 +101,8 @@ async def one_turn(codec: TokenCodec, store: MemoryStore, token: str, prompt: li
         await store.put(new)
         tok = codec.encode(tenant="t", session="s1", handle=new.handle_id, iat=int(now),
                            exp=int(now) + 400)
-        return Final(kvagent={"cache_token": tok, "reused_tokens": plan.reuse_tokens,
-                              "expires_in": 400, "path": path}, cached_tokens=plan.reuse_tokens)
+        return Final(kvagent={"cache_token": tok, "reused_tokens": reused,
+                              "expires_in": 400, "path": path}, cached_tokens=reused)
 
     relay = SseRelay(Scrubber(keep_token_ids=False))
     out = [b async for b in relay.relay(upstream())]

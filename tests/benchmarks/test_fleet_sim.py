@@ -58,6 +58,18 @@ def test_router_threshold_decides_reuse():
     assert set(s["miss_reasons"]) == {"below_threshold"}
 
 
+def test_the_simulator_runs_the_routers_own_path_policy():
+    """The policy the settings name decides each simulated turn (no copy of its rules)."""
+    by_policy = {name: _fleet(SimConfig(n_prefill=1, n_decode=1,
+                                        settings={"policy": {"name": name}}), SPEC)["paths"]
+                 for name in ("pd_reuse", "d_direct")}
+    assert by_policy["pd_reuse"].get("pd_reuse", 0) > 0 and "d_direct" not in by_policy["pd_reuse"]
+    assert by_policy["d_direct"].get("d_direct", 0) > 0 and "pd_reuse" not in by_policy["d_direct"]
+    always = _fleet(SimConfig(n_prefill=1, n_decode=1, settings={
+        "policy": {"name": "cost_model", "params": {"fresh_on_decode": "always"}}}), SPEC)
+    assert always["paths"].get("d_fresh", 0) > 0 and "pd_fresh" not in always["paths"]
+
+
 def test_watermark_evicts_when_decode_memory_is_small():
     small = gpu_profile().d_kv_blocks // 4
     s = _fleet(SimConfig(n_prefill=1, n_decode=1, d_kv_blocks=small), SPEC)

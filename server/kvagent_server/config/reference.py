@@ -11,7 +11,12 @@ from pydantic.fields import FieldInfo
 
 from kvagent_server.config.model import BundleConfig, KVEventsConfig, LoraModule, RoleConfig
 from kvagent_server.router.reuse.retention_policy import RETENTION_POLICIES
-from kvagent_server.router.settings import RetentionPolicySettings, RouterSettings
+from kvagent_server.router.settings import (
+    PathPolicySettings,
+    RetentionPolicySettings,
+    RouterSettings,
+)
+from kvagent_server.router.turns.policy import POLICIES
 
 
 def config_reference_markdown() -> str:
@@ -30,6 +35,12 @@ def config_reference_markdown() -> str:
         rows.append(_row(f"kv_events.{name}", field))
     for name, field in RouterSettings.model_fields.items():
         rows.append(_row(f"router.{name}", field))
+        if name == "policy":  # a section: its keys, then each path policy's params
+            for sub, subfield in PathPolicySettings.model_fields.items():
+                rows.append(_row(f"router.{name}.{sub}", subfield))
+            for policy, path_policy in sorted(POLICIES.items()):
+                for param, pfield in path_policy.params.model_fields.items():
+                    rows.append(_row(f"router.{name}.params.{param} ({policy})", pfield))
         if name == "retention_policy":  # a section: its keys, then each policy's params
             for sub, subfield in RetentionPolicySettings.model_fields.items():
                 rows.append(_row(f"router.{name}.{sub}", subfield))

@@ -54,6 +54,31 @@ class RetentionPolicySettings(BaseModel):
         "(docs/router.md, \"Retention\").")
 
 
+class PathPolicySettings(BaseModel):
+    """Which path policy decides each turn, and that policy's own parameters
+    (`turns.policy`)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(default="cost_model",
+        description="`cost_model` (the learned per-path costs and each node's queue), "
+        "`pd_reuse` (P computes every prompt and pulls a verified prefix from D), "
+        "`d_direct` (the decode node holding a conversation extends its later turns "
+        "itself), `single` (never P: what a router with no prefill node runs in place "
+        "of `cost_model`), or one registered by a plugin. Every policy reuses only "
+        "verified prefixes.")
+    params: dict[str, Any] = Field(default_factory=dict,
+        description="The policy's parameters, checked against its own model at start-up "
+        "(docs/router.md, \"Choosing the path\"). A parameter left out takes the value "
+        "of the flat `router.*` setting of the same name, where there is one.")
+
+
+#: The flat `router.*` settings that are also a path policy's parameters: set in
+#: `router.policy.params` instead, they must not be set flat too.
+POLICY_PARAM_SETTINGS = ("skip_prefill_max_tokens", "d_direct_stall_max_ms",
+                         "fresh_on_decode", "decode_prompt_step_tokens")
+
+
 class RouterSettings(BaseModel):
     """Everything the router needs besides the node addresses."""
 
@@ -71,14 +96,16 @@ class RouterSettings(BaseModel):
         description="Tokens expire this many seconds before the decode node drops the blocks.")
     tenants: list[TenantSettings] = Field(default_factory=list,
         description="Tenants; empty means a single anonymous tenant and no API key check.")
+    policy: PathPolicySettings | None = Field(default=None,
+        description="How each turn's path is chosen (`name`, and its `params`): "
+        "`cost_model` by default. Unset: `path_policy` names it and the flat settings "
+        "below are its parameters.")
     path_policy: str = Field(default="cost_model",
-        description="How each turn's path is chosen (`turns.policy`): `cost_model` (the "
-        "learned per-path costs and each node's queue; the settings below up to "
-        "`decode_prompt_step_tokens` are its parameters), `pd_reuse` (P computes every "
-        "prompt and pulls a verified prefix from D), `d_direct` (the decode node holding a "
-        "conversation extends its later turns itself), `single` (never P: the decode node "
-        "computes every prompt; what a router with no prefill node runs in place of "
-        "`cost_model`). Every policy reuses only verified prefixes.")
+        description="The path policy's name where `policy` is unset (the older flat "
+        "form of `policy.name`; setting both is an error): `cost_model` (the learned "
+        "per-path costs and each node's queue; the settings below up to "
+        "`decode_prompt_step_tokens` are its parameters), `pd_reuse`, `d_direct` or "
+        "`single` (see `policy.name`).")
     skip_prefill_max_tokens: int | None = Field(default=None,
         description="Skip the P leg when the uncached delta is at most this many tokens (0: "
         "never skip, None: decide from measured costs).")
@@ -277,6 +304,34 @@ class RouterSettings(BaseModel):
                                  "cache_salt: their prefix caches would be shared")
             seen[salt] = tenant.name
         return self
+
+    @model_validator(mode="after")
+    def _one_place_per_policy_setting(self) -> RouterSettings:
+        """The nested `policy` section and the older flat keys may not say two things (a
+        bundle writes every key out, so a flat key at its default says nothing)."""
+        if self.policy is None:
+            return self
+        fields = type(self).model_fields
+        if self.path_policy not in (fields["path_policy"].default, self.policy.name):
+            raise ValueError(f"router.path_policy ({self.path_policy!r}) and "
+                             f"router.policy.name ({self.policy.name!r}) disagree: the path "
+                             "policy is named by router.policy.name now; remove "
+                             "router.path_policy")
+        for key in POLICY_PARAM_SETTINGS:
+            flat = getattr(self, key)
+            if (key in self.policy.params and flat != fields[key].default
+                    and self.policy.params[key] != flat):
+                raise ValueError(f"router.{key} ({flat!r}) and router.policy.params.{key} "
+                                 f"({self.policy.params[key]!r}) disagree: keep "
+                                 f"router.policy.params.{key}")
+        return self
+
+    def policy_choice(self) -> tuple[str, dict[str, Any], str]:
+        """The path policy's name, its parameters as configured, and where its name was
+        set (for messages)."""
+        if self.policy is not None:
+            return self.policy.name, dict(self.policy.params), "router.policy.name"
+        return self.path_policy, {}, "router.path_policy"
 
     @model_validator(mode="after")
     def _watermarks(self) -> RouterSettings:

@@ -124,7 +124,7 @@ async def test_work_in_flight_is_counted_and_released() -> None:
         kva, answer, _ = await turn(st, FIRST)
         router = st.router
         # the first turn's P leg, estimated from the body's size, taught the ratio
-        assert router.chars.ratio != 0.25
+        assert router.learned.chars.ratio != 0.25
         kva2, _, _ = await turn(st, second(answer, "ok"), token=kva["cache_token"])
         assert kva2["path"] in ("d_direct", "pd_reuse")
         r = await st.client.post("/v1/chat/completions",

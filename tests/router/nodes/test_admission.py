@@ -197,7 +197,7 @@ async def test_a_turn_with_no_room_on_decode_evicts_the_oldest_handle_first() ->
         # The fake renders ~1.6 tokens a character, real tokenizers ~0.3: what the router
         # learns of the ratio from two turns is still far below, and a first turn's size
         # is estimated by it. Learned in full:
-        st.app.state.router.prompt_chars.ratio = 1.6
+        st.app.state.router.learned.prompt_chars.ratio = 1.6
         kva, _, _ = await turn(st, [{"role": "user", "content": f"conversation 2: {LONG}"}],
                                session="s2")
         assert kva["path"] == "pd_fresh"

@@ -277,7 +277,7 @@ async def test_under_pressure_final_answers_go_before_a_session_waiting_on_a_too
             assert kva["path"] == "recompute" and kva["reused_tokens"] == 0
         no_wrong_kv(st)
         # The session came back from `build`: its pause is learned.
-        learned = st.app.state.router.pauses.view()
+        learned = st.app.state.router.learned.pauses.view()
         assert [tool for _tenant, tool in learned] == ["build"]
         assert next(iter(learned.values())).samples == 1
 

@@ -111,13 +111,13 @@ async def test_auto_moves_a_first_turn_to_d_only_while_p_is_busy() -> None:
     async with router_stack(fresh_on_decode="auto") as st:
         kva, _, _ = await turn(st, FIRST, session="idle")
         assert kva["path"] == "pd_fresh"
-        samples = st.router.chars.samples
+        samples = st.router.learned.chars.samples
         p_name = st.router.registry.role("prefill")[0].name
         ticket = st.router.work.begin(p_name, prefill_tokens=100_000, stream=False,
                                       now=time.monotonic())
         kva, _, _ = await turn(st, FIRST, session="busy")
         assert kva["path"] == "d_fresh" and kva["cache_token"]
-        assert st.router.chars.samples == samples + 1  # D's usage teaches tokens per byte
+        assert st.router.learned.chars.samples == samples + 1  # D's usage teaches tokens per byte
         st.router.work.end(ticket, time.monotonic())
         kva, _, _ = await turn(st, FIRST, session="idle-again")
         assert kva["path"] == "pd_fresh"

@@ -15,7 +15,7 @@ from fakes import router_stack
 from kvagent_server.router.auth.tenancy import Tenant
 from kvagent_server.router.nodes.legs import sampled_token
 from kvagent_server.router.settings import RouterSettings
-from kvagent_server.router.turns.execute import forwards_first_token, forwards_prompt_ids
+from kvagent_server.router.turns.policy import LegParams, forwards_first_token, forwards_prompt_ids
 from kvagent_server.router.turns.shapes import TurnRequest
 from router_client import FIRST, no_wrong_kv, turn
 
@@ -97,7 +97,8 @@ async def test_d_direct_turns_have_no_prefill_leg_to_forward_from() -> None:
 ])
 def test_which_turns_forward(body: dict[str, Any], endpoint: str, settings: dict[str, Any],
                              want: bool) -> None:
-    assert forwards_prompt_ids(RouterSettings(**settings), _request(body, endpoint)) is want
+    assert forwards_prompt_ids(LegParams.of(RouterSettings(**settings)),
+                               _request(body, endpoint)) is want
 
 
 @pytest.mark.parametrize(("value", "want"), [
@@ -132,4 +133,4 @@ def test_the_sampled_token_is_read_only_from_a_one_token_answer(answer: dict[str
 ])
 def test_which_turns_forward_ps_token(body: dict[str, Any], settings: dict[str, Any],
                                       want: bool) -> None:
-    assert forwards_first_token(RouterSettings(**settings), _request(body)) is want
+    assert forwards_first_token(LegParams.of(RouterSettings(**settings)), _request(body)) is want

@@ -5,15 +5,13 @@ tests/e2e/test_single_topology_vllm.py.)"""
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 from kvagent_server.router.nodes.registry import NodeRegistry, topology_of
 from kvagent_server.router.reuse import planner
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.turns import policy
-from kvagent_server.router.turns.shapes import Untokenized
-from test_stages import D_CHEAP, PROMPT, _facts, _req
+from kvagent_server.router.turns.shapes import TurnPlan
+from test_stages import D_CHEAP, PROMPT, _extension_facts, _facts, _req
 
 SINGLE = policy.SinglePolicy(policy.ReuseParams())
 
@@ -115,7 +113,8 @@ def test_unsplittable_requests_and_untokenized_extensions() -> None:
     facts = _facts()
     ext = planner.ReusePlan(reuse_tokens=128, reason=planner.Reason.HIT, tokenized=False)
     assert SINGLE.untokenized_path(facts, ext, (1, 10_000), 0.0) == "d_direct"
-    untok = dataclasses.replace(facts, prompt_ids=(), untokenized=Untokenized(
-        plan=ext, prompt_len=150, path="d_direct"))
-    plan = SINGLE.decide(untok)
-    assert (plan.path, plan.prompt_len, plan.reuse.tokenized) == ("d_direct", 150, False)
+    plan = SINGLE.decide(_extension_facts())
+    assert isinstance(plan, TurnPlan)
+    assert (plan.path, plan.reuse.reuse_tokens, plan.reuse.tokenized) == ("d_direct", 128,
+                                                                          False)
+    assert plan.prompt_len > 129  # the held tokens and the new messages' estimate

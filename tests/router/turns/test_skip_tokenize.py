@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from fakes import FakeCluster, router_stack
 from kvagent_server.router.reuse.transfer import EXPECT_KEY
-from kvagent_server.router.turns.gather import MIN_RATIO_SAMPLES
+from kvagent_server.router.turns.policy import MIN_RATIO_SAMPLES
 from router_client import FIRST, LONG, no_wrong_kv, turn
 
 
@@ -134,13 +134,19 @@ async def test_a_p_node_that_does_not_check_pulls_gets_tokenized_offers() -> Non
 def test_an_unverified_offer_goes_only_to_p_nodes_that_check_their_pulls() -> None:
     from kvagent_server.router.nodes.registry import Node
     from kvagent_server.router.reuse import planner
+    from kvagent_server.router.reuse.learned import Learned
     from kvagent_server.router.reuse.paths import Path
-    from kvagent_server.router.turns.execute import prefill_candidates
+    from kvagent_server.router.turns import execute
     from kvagent_server.router.turns.shapes import TurnPlan
 
     checks, plain = (Node(name=n, url=f"http://{n}", role="prefill", healthy=True)
                      for n in ("p0", "p1"))
-    checks.checks_pulls_epoch = checks.epoch
+    learned = Learned()
+    learned.observe_checks_pulls(checks.name, checks.epoch)
+
+    def prefill_candidates(ranked: list[Node], plan: TurnPlan) -> list[Node]:
+        return execute.prefill_candidates(ranked, plan,
+                                          lambda n: learned.checks_pulls(n.name, n.epoch))
     untokenized = planner.ReusePlan(reuse_tokens=256, reason="hit", tokenized=False)
     tokenized = planner.ReusePlan(reuse_tokens=256, reason="hit")
 
@@ -152,7 +158,7 @@ def test_an_unverified_offer_goes_only_to_p_nodes_that_check_their_pulls() -> No
     assert prefill_candidates([plain, checks], plan(untokenized, "d_direct")) == [plain, checks]
     checks.mark_down("gone")
     checks.mark_up()  # a new incarnation: not trusted until it shows the check again
-    assert not checks.checks_pulls
+    assert not learned.checks_pulls(checks.name, checks.epoch)
     assert prefill_candidates([plain, checks], plan(untokenized)) == []
 
 
@@ -165,7 +171,7 @@ async def test_with_no_checking_p_node_left_an_unverified_pull_recomputes(
     async with router_stack(skip_prefill_max_tokens=0) as st:
         kvas = await _conversation(st, MIN_RATIO_SAMPLES + 1)
         assert kvas[-1]["tokenized"] is False and kvas[-1]["path"] == "pd_reuse"
-        monkeypatch.setattr(execute, "prefill_candidates", lambda ranked, plan: (
+        monkeypatch.setattr(execute, "prefill_candidates", lambda ranked, plan, _checks: (
             [] if plan.path == "pd_reuse" and not plan.reuse.tokenized else ranked))
         kvas = await _conversation(st, MIN_RATIO_SAMPLES + 2)
         assert kvas[-1]["tokenized"] is False

@@ -16,6 +16,7 @@ from kvagent_server.router.auth.tenancy import Tenant
 from kvagent_server.router.nodes.legs import DecodeStart, Legs
 from kvagent_server.router.nodes.registry import Node, NodeRegistry
 from kvagent_server.router.reuse import identity, planner
+from kvagent_server.router.reuse.learned import LearnedView
 from kvagent_server.router.reuse.paths import LinearCost, PathCosts
 from kvagent_server.router.reuse.queue import IDLE, NodeWork
 from kvagent_server.router.settings import RouterSettings
@@ -24,9 +25,17 @@ from kvagent_server.router.store.memory import MemoryStore
 from kvagent_server.router.telemetry.metrics import RouterMetrics
 from kvagent_server.router.turns import policy
 from kvagent_server.router.turns.context import Router
-from kvagent_server.router.turns.gather import gather
+from kvagent_server.router.turns.gather import gather, with_prompt_ids
 from kvagent_server.router.turns.settle import settle
-from kvagent_server.router.turns.shapes import Capture, Turn, TurnFacts, TurnPlan, TurnRequest
+from kvagent_server.router.turns.shapes import (
+    NEED_PROMPT_IDS,
+    Capture,
+    NeedPromptIds,
+    Turn,
+    TurnFacts,
+    TurnPlan,
+    TurnRequest,
+)
 
 BS = 16
 TENANT = Tenant(name="t", cache_salt="salt", max_concurrent_streams=4)
@@ -80,6 +89,29 @@ def _facts(**kw: Any) -> TurnFacts:
         "d_healthy": True, "prefill_block_size": BS, "prompt_ids": tuple(PROMPT),
         "p_work": IDLE, "d_work": IDLE,
         "identity": identity.IdentityCheck()} | kw))
+
+
+def _extension_facts(**kw: Any) -> TurnFacts:
+    """A later chat turn whose messages extend the held turn's, before any `/tokenize`:
+    D holds the prefix, a node could tokenize, and the router has learned enough to
+    estimate the delta from the new messages' size."""
+    held_body = dict(_req().body)
+    body = held_body | {"messages": [*held_body["messages"],
+                                     {"role": "assistant", "content": "hello"},
+                                     {"role": "user", "content": "and then?"}]}
+    handle = _handle(identity=identity.identity_of(held_body, chat=True, history=True))
+    new = identity.identity_of(body, chat=True)
+    holder = Node(name="d0", url="http://d0", role="decode", healthy=True)
+    return _facts(**({
+        "req": _req(body), "handle": handle, "holder": holder, "d_first": holder,
+        "prompt_ids": (), "new_identity": new, "identity": identity.check(handle.identity, new),
+        "tokenizable": True,
+        "learned": LearnedView(message_samples=3, tokenize_s=0.01)} | kw))
+
+
+def _plan(decision: TurnPlan | NeedPromptIds) -> TurnPlan:
+    assert isinstance(decision, TurnPlan), decision
+    return decision
 
 
 COST_MODEL = policy.CostModelPolicy(policy.ReuseParams(), policy.CostParams())
@@ -160,7 +192,7 @@ def test_policies_are_found_by_name_and_unknown_names_fail_clearly() -> None:
     with pytest.raises(ValueError, match="known: cost_model, d_direct, pd_reuse, single"):
         policy.policy_for(RouterSettings(path_policy="fastest"))
     with pytest.raises(ValueError, match="already registered"):
-        policy.register("cost_model", policy.POLICIES["cost_model"])
+        policy.register("cost_model", policy.NoParams, policy.POLICIES["cost_model"].build)
 
 
 # ------------------------------------------------------------------ the plan's fallbacks
@@ -186,12 +218,20 @@ async def test_gather_claims_the_sessions_handle_and_decides_nothing() -> None:
     await r.store.put(_handle(epoch=d0.epoch))
     facts = await gather(r, _req())
     assert facts.handle is not None and facts.handle.handle_id == "h1"
-    assert facts.holder is not None and facts.d_holds and facts.d_healthy
-    # the holder is healthy and current: the prompt must be verified, and no node
-    # answers /tokenize here, so the facts say so (the policy then recomputes)
-    assert facts.tokenize_failed and facts.prompt_ids == ()
+    assert facts.holder is not None and facts.affinity == "d0"
+    assert {c.node.name for c in facts.candidates} == {"p0", "d0"}
+    assert facts.p_first is None and facts.d_first is None  # placing is decide's
+    placed = policy.place(facts)
+    assert placed.d_first is facts.holder and placed.d_holds and placed.d_healthy
+    assert (placed.p_reason, placed.d_reason) == ("least_loaded", "affinity")
     assert await r.store.peek_latest("t", SESSION) is None  # claimed: single use
-    assert r.policy.decide(facts).path == "recompute"
+    # the holder is healthy and current: the prompt must be verified, so decide asks for
+    # its ids; no node answers /tokenize here, so the facts say so (decide recomputes)
+    assert not facts.ids_gathered and facts.tokenizable
+    assert r.policy.decide(facts) is NEED_PROMPT_IDS
+    facts = await with_prompt_ids(r, facts)
+    assert facts.tokenize_failed and facts.prompt_ids == () and facts.ids_gathered
+    assert _plan(r.policy.decide(facts)).path == "recompute"
 
 
 async def test_gather_of_a_stale_handle_needs_no_tokenize() -> None:

@@ -143,7 +143,7 @@ def _retention_guard(parts: AppParts, legs: Legs, router: Router) -> RetentionGu
     settings, metrics, nodes = parts.settings, parts.metrics, parts.registry.nodes
     if settings.retention_high_watermark is None:
         return None
-    evict = PolicyEviction(parts.store, retention_policy_for(settings), router.pauses)
+    evict = PolicyEviction(parts.store, retention_policy_for(settings), router.learned.pauses)
     return RetentionGuard(
         lambda name: legs.client(nodes[name]),
         nodes=lambda: [(n.name, n.url, n.epoch) for n in parts.registry.healthy("decode")],

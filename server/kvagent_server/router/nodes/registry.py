@@ -59,18 +59,9 @@ class Node:
     failures: int = 0
     last_checked: float = 0.0
     last_error: str | None = field(default=None, repr=False)
-    #: The epoch in which the node was seen checking what it pulls (its P leg answered
-    #: with `transfer.VERIFIED_KEY`); None: never seen.
-    checks_pulls_epoch: str | None = None
     #: The share of its KV cache in use (0..1) at the retention guard's last read (None:
     #: not read; decode nodes only).
     kv_usage: float | None = None
-
-    @property
-    def checks_pulls(self) -> bool:
-        """Seen, in this incarnation, to pull only blocks its own prompt repeats (the
-        plugin's `pull_check`): the router may offer it blocks it did not tokenize for."""
-        return self.checks_pulls_epoch is not None and self.checks_pulls_epoch == self.epoch
 
     def mark_down(self, reason: str) -> None:
         if self.healthy:

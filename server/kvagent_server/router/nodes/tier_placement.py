@@ -1,23 +1,23 @@
-"""Tier-aware P placement for one turn: tokenize, hash, look up, choose.
+"""Tier-aware P placement for one turn: hash the prompt, look its prefix up per node.
 
-The wiring between the KV index (fed by `kv.events`), vLLM's block hashes (`kv.hashing`)
-and the pure choice (`placement.pick_prefill_by_tiers`). `turns.gather` calls `place`
-only for a turn with no usable D handle, and only when `wants` says matching can pay.
+The wiring between the KV index (fed by `kv.events`) and vLLM's block hashes
+(`kv.hashing`). `turns.gather` asks for the `hits` only for a turn with no usable D
+handle, and only when `wants` says matching can pay; decide makes the choice
+(`placement.pick_prefill_by_tiers`, in `turns.policy.place`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from kvagent_server.router.kv.hashing import BlockHasher, HashUnavailable
 from kvagent_server.router.kv.index import KVEventSource, KVIndex, sources_by_node
 from kvagent_server.router.kv.tiers import NodeTierHits, TierCosts
-from kvagent_server.router.nodes.prompt_ids import TokenizeError, tokenize
-from kvagent_server.router.nodes.registry import Node, NodeRegistry
+from kvagent_server.router.nodes.registry import NodeRegistry
 from kvagent_server.router.reuse import placement
-from kvagent_server.router.reuse.placement import NodeState, PrefillReason
+from kvagent_server.router.reuse.placement import NodeState
 from kvagent_server.router.settings import RouterSettings
 
 if TYPE_CHECKING:
@@ -69,23 +69,6 @@ class TierPlacement:
             out[s.node_id] = self.index.tier_hits(s.node_id, keys_cache[ck], bs,
                                                   in_flight=s.in_flight)
         return out, used
-
-    async def place(self, client: Any, tokenizer: Node,
-                    states: Sequence[NodeState], body: Mapping[str, Any], *, chat: bool
-                    ) -> tuple[str | None, PrefillReason]:
-        """The P node's name for this prompt and why. Tokenizes on `tokenizer` with
-        `client` (what `nodes.prompt_ids.tokenize` takes: the legs' client for it)."""
-        try:
-            ids = await tokenize(client, tokenizer.url, body, chat=chat)
-        except TokenizeError as exc:
-            log.info("tier placement skipped: %s", exc)
-            return tokenizer.name, "least_loaded"
-        salt = body.get("cache_salt")
-        hits, bs = self.hits(states, ids, cache_salt=salt if isinstance(salt, str) else None,
-                             default_block_size=tokenizer.block_size)
-        chosen, reason = placement.pick_prefill_by_tiers(
-            states, hits, prompt_tokens=len(ids), costs=self.costs, block_size=bs)
-        return (chosen.node_id if chosen else None), reason
 
 
 def from_settings(settings: RouterSettings, registry: NodeRegistry

@@ -28,7 +28,7 @@ import copy
 import hashlib
 import math
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final, Protocol
 
 #: The request and response fields that carry transfers between nodes: only the router
@@ -77,6 +77,12 @@ EXPECT_KEY: Final = "kvagent_expect"
 VERIFIED_KEY: Final = "kvagent_verified_tokens"
 #: Bytes kept of each block's SHA-256 (128 bits: no accidental match in any KV cache).
 DIGEST_BYTES: Final = 16
+
+
+def answered_verified(params: Mapping[str, Any]) -> int | None:
+    """The tokens a P node's answer says it verified (None: it did not check its pull)."""
+    value = params.get(VERIFIED_KEY)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def block_digests(token_ids: Sequence[int], block_size: int) -> list[str]:

@@ -6,6 +6,10 @@ sends the request whole to a decode node. A leg that fails before its first byte
 back as `TurnPlan.after_decode_failure` says; a pull P could not make is a recompute.
 With no prefill node (the `single` topology) a recompute is a `d_fresh` leg: no turn
 ever needs P there.
+
+Every leg carries the transfer params the plan chose (`TurnPlan.prefill_params`,
+`decode_params`); execute chooses nothing of its own beyond the fallbacks the plan
+describes, and learns nothing (settle does, from the `Turn` it hands on).
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import dataclasses
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from kvagent_server.router.kv import room
@@ -21,23 +26,18 @@ from kvagent_server.router.nodes.admission import Admitted, NoRoom
 from kvagent_server.router.nodes.legs import LegError, decode_body, usage_stream_options
 from kvagent_server.router.nodes.registry import Node
 from kvagent_server.router.nodes.retention import remote_request_id
-from kvagent_server.router.reuse import identity, paths, planner, transfer
-from kvagent_server.router.settings import RouterSettings
+from kvagent_server.router.reuse import paths, planner, transfer
 from kvagent_server.router.store.handle import Handle, handle_blocks
 from kvagent_server.router.telemetry.spans import leg_span
 from kvagent_server.router.turns.context import Router
-from kvagent_server.router.turns.shapes import Turn, TurnFacts, TurnPlan, TurnRequest
+from kvagent_server.router.turns.shapes import Turn, TurnFacts, TurnPlan
 
 log = logging.getLogger("kvagent.router.turn")
-
-#: Bytes of JSON per prompt token id in P's answer, at most ("151935," is 7).
-_ID_JSON_BYTES = 8
-#: Tokens a chat template may add beyond the text of the body it renders.
-_TEMPLATE_TOKENS = 4096
 
 
 async def execute(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -> Turn:
     """Run the plan's legs; the returned turn's D response is open, unread."""
+    _record_decision(r, facts, plan)
     if plan.path == "decode_only":
         return await _whole_on_decode(r, facts, plan, started)
     if plan.path in paths.ON_DECODE:
@@ -62,6 +62,23 @@ async def execute(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
         if _no_prefill(r):  # recompute on D: the one decode node computes the prompt
             return await _recompute_on_decode(r, facts, plan, started)
     return await _run_pd(r, facts, plan, started)
+
+
+def _record_decision(r: Router, facts: TurnFacts, plan: TurnPlan) -> None:
+    """Count what decide chose: the nodes and why, and a plan made without /tokenize."""
+    span = facts.req.span
+    if plan.p_reason is not None:
+        r.metrics.placements.labels(reason=plan.p_reason).inc()
+        if span is not None:
+            span.set_attribute("kvagent.placement", plan.p_reason)
+    if plan.d_reason is not None:
+        r.metrics.decode_placements.labels(reason=plan.d_reason).inc()
+        if span is not None:
+            span.set_attribute("kvagent.decode_placement", plan.d_reason)
+    if not plan.reuse.tokenized:
+        r.metrics.tokenize_skipped.inc()
+        if span is not None:
+            span.set_attribute("kvagent.tokenized", False)
 
 
 def _no_prefill(r: Router) -> bool:
@@ -90,7 +107,7 @@ def _block_size(r: Router, node: Node) -> int:
 
 async def _admit(r: Router, node: Node | None, blocks: int, *,
                  pinned: Handle | None = None, freed_by_p: bool = False) -> Admitted | None:
-    """Room for `blocks` blocks on `node` (turns/room.py); None without a gate. `NoRoom`
+    """Room for `blocks` blocks on `node` (nodes/admission.py); None without a gate. `NoRoom`
     (a 503) when the node found none in time."""
     if r.gate is None or node is None:
         return None
@@ -129,23 +146,15 @@ async def _run_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
     if plan.path == "d_direct":
         assert plan.holder is not None
         nodes = [plan.holder]
-        # The superseded handle is released when this request finishes (the kvagent
-        # plugin): never offered again, it must not pin D until its TTL.
-        rid = remote_request_id(plan.handle) if plan.handle is not None else None
-        params = transfer.with_release(transfer.d_direct(), [rid] if rid else [])
         tokens = plan.prompt_len - plan.reuse.reuse_tokens
         pinned = plan.handle
     else:
         nodes = r.registry.ranked("decode", _healthy(plan.d_first))
-        params, tokens, pinned = transfer.d_direct(), plan.est_tokens, None
-        if (plan.handle is not None and plan.holder is not None and nodes
-                and nodes[0] is plan.holder and r.settings.release_unused_handles):
-            # A handle claimed but not reused (`single`: no P leg to release it): D frees
-            # its blocks when this request finishes, as a `d_direct` leg does.
-            rid = remote_request_id(plan.handle)
-            params = transfer.with_release(params, [rid] if rid else [])
+        tokens, pinned = plan.est_tokens, None
     target = nodes[0] if nodes else None
-    held = tokens if plan.path == "d_direct" else _prompt_tokens(r, req, plan)
+    # D frees the handle the turn supersedes or does not reuse when this request ends
+    params = plan.decode_params(target)
+    held = tokens if plan.path == "d_direct" else _prompt_tokens(facts, plan)
     admitted = await _admit(r, target, room.blocks_for(held, _block_size(r, target))
                             if target else 0, pinned=pinned)
     if admitted is not None and admitted.revoked:
@@ -177,34 +186,23 @@ async def _run_pd(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
     """The P leg, then the D leg with P's params; P is released if D never comes."""
     req = facts.req
     body = req.dict_body()
-    if plan.path == "pd_reuse":
-        assert plan.handle is not None
-        p_params = transfer.reuse_transfer_params(plan.handle, plan.reuse.reuse_tokens)
-        if req.shift_blocks and r.settings.test_shift_blocks_header:
-            p_params = transfer.shifted_blocks(p_params)
-            # Wrong KV on purpose: keep it out of the nodes' prefix caches under the
-            # tenant's salt, where later requests of the tenant would hit it.
-            body["cache_salt"] = f"shifted-{uuid.uuid4().hex}"
-    elif (plan.handle is not None and plan.holder is not None
-          and r.settings.release_unused_handles):
-        p_params = transfer.release_transfer_params(plan.handle)  # P tells D to free them
-    else:
-        p_params = transfer.fresh()
+    if plan.path == "pd_reuse" and plan.legs.shift_blocks:
+        # Wrong KV on purpose: keep it out of the nodes' prefix caches under the
+        # tenant's salt, where later requests of the tenant would hit it.
+        body["cache_salt"] = f"shifted-{uuid.uuid4().hex}"
     ranked = r.registry.ranked("prefill", _healthy(plan.p_first))
-    p_nodes = prefill_candidates(ranked, plan)
+    p_nodes = prefill_candidates(ranked, plan, lambda n: r.learned.checks_pulls(n.name, n.epoch))
     if ranked and not p_nodes:  # no P node left that checks an unverified offer
-        handle = plan.handle
-        assert handle is not None  # only a pd_reuse plan is ever unverified
-        plan = plan.recomputed(planner.Reason.NODE_UNHEALTHY, "prefill")
-        p_params, p_nodes = transfer.release_transfer_params(handle), ranked
+        assert plan.handle is not None  # only a pd_reuse plan is ever unverified
+        plan = plan.recomputed(planner.Reason.NODE_UNHEALTHY, "prefill", release=True)
+        p_nodes = ranked
     d_nodes = r.registry.ranked("decode", _healthy(plan.d_first))
     # Stable: the rest keep their rank, the nodes that just failed the prompt go last.
     d_nodes.sort(key=lambda n: n.name in plan.d_failed)
-    admitted = await _admit_pd(r, req, plan, d_nodes[0] if d_nodes else None)
+    admitted = await _admit_pd(r, facts, plan, d_nodes[0] if d_nodes else None)
     if admitted is not None and admitted.revoked:  # its handle is gone: nothing to reuse
-        if plan.path == "pd_reuse":
-            plan = plan.without_room()
-        p_params = transfer.fresh()
+        plan = plan.without_room()
+    p_params = plan.prefill_params()
     try:
         return await _pd_legs(r, facts, plan, started, body, p_params, p_nodes, d_nodes,
                               admitted)
@@ -213,7 +211,7 @@ async def _run_pd(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
         raise
 
 
-async def _admit_pd(r: Router, req: TurnRequest, plan: TurnPlan,
+async def _admit_pd(r: Router, facts: TurnFacts, plan: TurnPlan,
                     target: Node | None) -> Admitted | None:
     """Room on the decode node for a P/D turn's D leg, before its P leg leases P's blocks
     to it. The handle it reuses or releases is freed by its own P leg before its D leg
@@ -221,15 +219,15 @@ async def _admit_pd(r: Router, req: TurnRequest, plan: TurnPlan,
     if target is None:
         return None
     handle = plan.handle if plan.holder is target else None
-    return await _admit(r, target, room.blocks_for(_prompt_tokens(r, req, plan),
+    return await _admit(r, target, room.blocks_for(_prompt_tokens(facts, plan),
                                                    _block_size(r, target)),
                         pinned=handle, freed_by_p=handle is not None)
 
 
-def _prompt_tokens(r: Router, req: TurnRequest, plan: TurnPlan) -> int:
+def _prompt_tokens(facts: TurnFacts, plan: TurnPlan) -> int:
     """The whole prompt's tokens: as tokenized, or estimated from the body's size by the
     ratio of whole prompts (`est_tokens` counts only what P computes)."""
-    return plan.prompt_len or r.prompt_chars.tokens(req.body_chars)
+    return plan.prompt_len or facts.learned.estimate_prompt(facts.req.body_chars)
 
 
 async def _pd_legs(r: Router, facts: TurnFacts, plan: TurnPlan, started: float,
@@ -246,28 +244,24 @@ async def _pd_legs(r: Router, facts: TurnFacts, plan: TurnPlan, started: float,
         p_tokens = plan.prompt_len
     else:  # not tokenized: estimated from the body's size
         chars = req.body_chars
-        p_tokens = r.chars.tokens(chars)
+        p_tokens = facts.learned.estimate_tokens(chars)
     p_ticket = (r.work.begin(p_nodes[0].name, prefill_tokens=p_tokens, stream=False,
                              now=time.monotonic()) if queued else None)
     with leg_span(req.span, "prefill") as span:
         t0 = time.perf_counter()
         try:
             prefill = await r.legs.prefill(p_nodes, req.endpoint, body, p_params,
-                                           prompt_ids=forwards_prompt_ids(r.settings, req))
+                                           prompt_ids=plan.legs.forward_prompt_ids)
         finally:
             req.budget.add("prefill", time.perf_counter() - t0)
             if p_ticket is not None:
                 r.work.end(p_ticket, time.monotonic())
         span.set_attribute("kvagent.node", prefill.node.name)
         span.set_attribute("kvagent.pull_failed", prefill.pull_failed)
-        verified = prefill.kv_params.get(transfer.VERIFIED_KEY)
-        if isinstance(verified, int) and not isinstance(verified, bool):
-            prefill.node.checks_pulls_epoch = prefill.node.epoch
+        verified = transfer.answered_verified(prefill.kv_params)
+        if verified is not None:
             span.set_attribute("kvagent.p_verified_tokens", verified)
     r.metrics.leg_latency.labels(leg="prefill").observe(prefill.elapsed_s)
-    if chars and prefill.prompt_tokens:
-        r.chars.observe(chars, prefill.prompt_tokens - (prefill.cached_tokens or 0))
-        r.prompt_chars.observe(chars, prefill.prompt_tokens)
     if p_nodes and prefill.node is not p_nodes[0]:
         r.metrics.retries.labels(leg="prefill").inc()
     if prefill.pull_failed and plan.path == "pd_reuse":
@@ -277,12 +271,12 @@ async def _pd_legs(r: Router, facts: TurnFacts, plan: TurnPlan, started: float,
         r.room.resize(admitted.ticket, room.blocks_for(
             prefill.prompt_tokens, _block_size(r, d_nodes[0])))
     # P's lease on its blocks started about now: a D that sees the leg later recomputes.
-    read_by = time.time() + r.settings.prefill_lease_s - r.settings.prefill_lease_margin_s
+    read_by = time.time() + plan.legs.read_within_s
     d_params = transfer.with_read_by(prefill.kv_params, read_by)
     if prefill.prompt_token_ids is not None:
         d_params = transfer.with_prompt_ids(d_params, prefill.prompt_token_ids)
         r.metrics.prompt_ids_forwarded.inc()
-        if prefill.first_token is not None and forwards_first_token(r.settings, req):
+        if prefill.first_token is not None and plan.legs.forward_first_token:
             d_params = transfer.with_first_token(d_params, prefill.first_token)
             r.metrics.first_tokens_forwarded.inc()
     try:
@@ -306,6 +300,7 @@ async def _pd_legs(r: Router, facts: TurnFacts, plan: TurnPlan, started: float,
     if d_nodes and start.node is not d_nodes[0]:
         r.metrics.retries.labels(leg="decode").inc()
     turn = _promised(r, Turn(r.work, facts, plan, prefill, start, started), admitted)
+    turn.p_chars = chars  # settle learns tokens per byte from P's answer
     if queued:
         assert plan.p_work is not None
         turn.ahead = paths.tokens_ahead(plan.path, plan.p_work)
@@ -337,31 +332,11 @@ def _healthy(node: Node | None) -> Node | None:
     return node if node is not None and node.healthy else None
 
 
-def forwards_prompt_ids(settings: RouterSettings, req: TurnRequest) -> bool:
-    """Whether a turn's D leg takes P's prompt token ids (`forward_prompt_ids`): chat
-    requests only, and not where vLLM renders the messages anyway (media, `echo`).
-
-    The ids make P's answer larger, and an answer over `max_upstream_body_bytes` would
-    leave P's blocks leased with nobody told where they are; so they are asked for only
-    when even one token per byte of the body (a bound: a token covers at least one byte
-    of the text it encodes) keeps them within half the cap."""
-    if not (settings.forward_prompt_ids and req.chat and not req.body.get("echo")
-            and not identity.media_parts(req.body)):
-        return False
-    tokens_at_most = req.body_chars + _TEMPLATE_TOKENS
-    return tokens_at_most * _ID_JSON_BYTES <= settings.max_upstream_body_bytes // 2
-
-
-def forwards_first_token(settings: RouterSettings, req: TurnRequest) -> bool:
-    """Whether a turn's D leg may take P's token (`forward_first_token`): not for `n` > 1,
-    whose samples vLLM draws as separate requests that would all start with it."""
-    return settings.forward_first_token and req.body.get("n") in (None, 1)
-
-
-def prefill_candidates(ranked: list[Node], plan: TurnPlan) -> list[Node]:
+def prefill_candidates(ranked: list[Node], plan: TurnPlan,
+                       checks_pulls: Callable[[Node], bool]) -> list[Node]:
     """The P nodes, in rank order, that a turn's P leg may try: an offer the router did
     not verify (a `pd_reuse` plan made without `/tokenize`) goes only to nodes seen
-    checking what they pull (`Node.checks_pulls`), also on a retry."""
+    checking what they pull (`checks_pulls`: `Learned.checks_pulls`), also on a retry."""
     if plan.path != "pd_reuse" or plan.reuse.tokenized:
         return ranked
-    return [n for n in ranked if n.checks_pulls]
+    return [n for n in ranked if checks_pulls(n)]

@@ -2,12 +2,15 @@
 
 The only stage that awaits the store or a node's `/tokenize` (and the tier-aware P
 placement's lookup): it names the conversation (by content, for a caller that names
-none), claims the session's handle, ranks the nodes, snapshots the learned costs and the
-work in flight, and tokenizes the prompt when a reuse must be verified, unless the path
-the policy would take does not depend on the real tokens (`Untokenized`).
+none), claims the session's handle, collects every node as a candidate with its work
+in flight (decide places the turn), and snapshots what earlier turns taught
+(`Router.learned`). It decides nothing, and learns nothing (settle does).
 
-The prompt is tokenized by the P node picked for the turn, or, with no prefill node (the
-`single` topology), by the decode node: vLLM serves `/tokenize` on either.
+The prompt's token ids are gathered when decide asks for them (`with_prompt_ids`: a
+reuse to verify, whose path depends on the real tokens), or along the way when a content
+lookup or the tier lookup needed them; a turn is tokenized at most once. The prompt is
+tokenized by the least loaded P node, or, with no prefill node (the `single` topology),
+by the decode node: vLLM serves `/tokenize` on either.
 """
 
 from __future__ import annotations
@@ -20,21 +23,15 @@ import uuid
 from kvagent_server.router.auth.cache_token import TokenError, verify_binding
 from kvagent_server.router.nodes.prompt_ids import TokenizeError, tokenize
 from kvagent_server.router.nodes.registry import Node
-from kvagent_server.router.reuse import content, identity, placement, planner
-from kvagent_server.router.reuse.queue import IDLE
+from kvagent_server.router.reuse import content, identity, placement
+from kvagent_server.router.reuse.paths import PathCosts
 from kvagent_server.router.store.base import StoreUnavailable
 from kvagent_server.router.store.handle import Handle, KVIdentity
 from kvagent_server.router.store.records import CONTENT
 from kvagent_server.router.turns.context import Router
-from kvagent_server.router.turns.shapes import TurnFacts, TurnRequest, Untokenized
+from kvagent_server.router.turns.shapes import NodeFacts, TierFacts, TurnFacts, TurnRequest
 
 log = logging.getLogger("kvagent.router.turn")
-
-#: Turns whose prompt tokens per message byte were learned before a turn may estimate its
-#: delta from its messages' size (and skip `/tokenize`).
-MIN_RATIO_SAMPLES = 3
-#: Weight of the newest `/tokenize` round trip in the router's running mean of it.
-TOKENIZE_EWMA_ALPHA = 0.2
 
 
 async def gather(r: Router, req: TurnRequest) -> TurnFacts:
@@ -42,10 +39,8 @@ async def gather(r: Router, req: TurnRequest) -> TurnFacts:
     if not req.splittable:  # served whole on a decode node: nothing to look up
         return TurnFacts(req=req, session=req.session, source=req.source)
     s = r.settings
-    picked_p = placement.pick_prefill(r.registry.states())
-    p_first = r.registry.get(picked_p.node_id) if picked_p else None
     session, source, known_ids = req.session, req.source, None
-    tokenizer = _tokenizer(r, p_first)
+    tokenizer = _tokenizer(r)
     found: tuple[str, list[int] | None] | None = await _find_by_content(r, req, tokenizer)
     if found is None:
         found = await _find_branch(r, req, tokenizer)
@@ -57,136 +52,96 @@ async def gather(r: Router, req: TurnRequest) -> TurnFacts:
     holder = d_node if (handle is not None and d_node is not None and d_node.healthy
                         and d_node.epoch == handle.decode_epoch
                         and not handle.expired(time.time())) else None
-    p_first = await _tier_placement(r, req, p_first, holder)
+    tiers = await _tier_facts(r, req, tokenizer, holder, known_ids)
     affinity = handle.decode_node if handle else await _affinity(r, req, session)
-    picked_d, d_reason = placement.pick_decode(r.registry.states(), affinity=affinity)
-    r.metrics.decode_placements.labels(reason=d_reason).inc()
-    if req.span is not None:
-        req.span.set_attribute("kvagent.decode_placement", d_reason)
-    d_first = r.registry.get(picked_d.node_id) if picked_d else None
-    costs = r.costs.snapshot()
-    p_work = d_work = None
-    if s.queue_aware_paths:
-        now = time.monotonic()
-        p_work = (r.work.work(p_first.name, now=now, per_token_s=costs.prefill.per_token_s)
-                  if p_first is not None else IDLE)
-        d_work = (r.work.work(d_first.name, now=now, per_token_s=costs.d_direct.per_token_s)
-                  if d_first is not None else IDLE)
+    costs, learned = r.learned.costs.snapshot(), r.learned.view()
     new_ident = _identity_of(r, req, [])
     facts = TurnFacts(
         req=req, session=session, source=source, handle=handle, rejected=rejected,
         handle_node_healthy=bool(d_node and d_node.healthy),
         handle_node_epoch=d_node.epoch if d_node else None, holder=holder,
-        p_first=p_first, d_first=d_first,
-        d_holds=d_first is not None and d_first is holder,
-        d_healthy=d_first is not None and d_first.healthy,
-        d_kv_usage=d_first.kv_usage if d_first is not None else None,
-        prefill_block_size=s.block_size or (p_first.block_size if p_first else None),
-        costs=costs, p_work=p_work, d_work=d_work, new_identity=new_ident,
-        identity=_check_identity(r, handle, new_ident),
-        est_tokens=r.chars.tokens(req.body_chars))
-    return await _prompt_ids(r, facts, known_ids)
+        candidates=_candidates(r, costs), affinity=affinity, tiers=tiers,
+        counts_work=s.queue_aware_paths, prefill_block_size=s.block_size,
+        costs=costs, learned=learned, est_tokens=learned.estimate_tokens(req.body_chars),
+        new_identity=new_ident, identity=_check_identity(r, handle, new_ident),
+        tokenizable=tokenizer is not None)
+    if known_ids is not None and facts.ids_matter:
+        # what the content lookup tokenized is the prompt: no second /tokenize
+        return _with_ids(r, facts, known_ids)
+    return facts
 
 
-async def _prompt_ids(r: Router, facts: TurnFacts,
-                      known_ids: list[int] | None) -> TurnFacts:
-    """The facts with the prompt's token ids where a reuse must be verified: the ids a
-    content lookup already has, else a node's `/tokenize` (skipped for an extension
-    whose path does not depend on them)."""
-    ident, handle = facts.identity, facts.handle
-    # A refusal that positions cannot change (model, salt, a field) needs no ids.
-    final = ident is not None and ident.cap == 0 and ident.detail != "media_url" and (
-        ident.reason != "multimodal_changed")
-    if facts.holder is None or final:
-        return facts
-    assert handle is not None and facts.new_identity is not None  # a holder holds one
-    if facts.d_holds and known_ids is None:
-        skip = _untokenized(r, facts, handle, facts.new_identity)
-        if skip is not None:
-            r.metrics.tokenize_skipped.inc()
-            if facts.req.span is not None:
-                facts.req.span.set_attribute("kvagent.tokenized", False)
-            return dataclasses.replace(facts, untokenized=skip)
-    if known_ids is None:
-        tokenizer = _tokenizer(r, facts.p_first, facts.d_first)
-        if tokenizer is None:
-            return facts
-        try:
-            known_ids = await _tokenize(r, facts.req, tokenizer)
-        except TokenizeError as exc:
-            log.info("no reuse this turn: %s", exc)
-            return dataclasses.replace(facts, tokenize_failed=True)
+async def with_prompt_ids(r: Router, facts: TurnFacts) -> TurnFacts:
+    """The facts with the prompt's token ids, which decide asked for (a reuse to
+    verify): tokenized by the node that would tokenize it, or why there are none."""
+    tokenizer = _tokenizer(r)
+    if tokenizer is None:
+        return dataclasses.replace(facts, ids_gathered=True)
+    try:
+        ids = await _tokenize(r, facts.req, tokenizer)
+    except TokenizeError as exc:
+        log.info("no reuse this turn: %s", exc)
+        return dataclasses.replace(facts, tokenize_failed=True, ids_gathered=True)
+    return _with_ids(r, facts, ids)
+
+
+def _with_ids(r: Router, facts: TurnFacts, ids: list[int]) -> TurnFacts:
+    """The facts with the prompt's ids, and the identity checked with their positions."""
+    new = facts.new_identity
+    assert new is not None
     return dataclasses.replace(
-        facts, prompt_ids=tuple(known_ids), identity=_check_identity(
-            r, handle, identity.with_positions(facts.new_identity, known_ids,
-                                               r.settings.mm_placeholder_token_ids)))
+        facts, prompt_ids=tuple(ids), ids_gathered=True, identity=_check_identity(
+            r, facts.handle, identity.with_positions(new, ids,
+                                                     r.settings.mm_placeholder_token_ids)))
 
 
-def _untokenized(r: Router, facts: TurnFacts, handle: Handle,
-                 new_ident: KVIdentity) -> Untokenized | None:
-    """The plan, estimated prompt length and path of a turn that may skip `/tokenize`,
-    or None (then it is tokenized and verified as usual).
-
-    It may when its messages repeat the held turn's exactly under the same rendering
-    inputs (`identity.extension_chars`), identities agree with no media involved (media
-    positions need the ids), and, for any delta from half to twice what the new messages'
-    size suggests (past D's last whole block), the policy would take one path
-    (`PathPolicy.untokenized_path`): `d_direct`, or `pd_reuse` on a P node that checks
-    what it pulls. Either way the node matches the real tokens itself (D's prefix cache;
-    P's `pull_check` against the blocks' digests), so the answer is the one a recompute
-    gives; a wrong estimate costs time, not correctness."""
-    s, req, ident = r.settings, facts.req, facts.identity
-    if (not s.skip_tokenize_extensions or not req.chat or ident is None
-            or ident.reason is not None or new_ident.media or handle.identity is None
-            or handle.identity.media or r.message_chars.samples < MIN_RATIO_SAMPLES
-            or r.tokenize_s is None):
-        return None
-    chars = identity.extension_chars(handle.identity, req.body)
-    if chars is None:
-        return None
-    plan = planner.extension_plan(handle, threshold=s.kv_recompute_threshold)
-    if not plan.reuses:
-        return None
-    # The delta: D's retained tokens past the last whole block (known), then the new
-    # messages' tokens (estimated; their bytes include the answer D already holds).
-    tail = plan.cached_tokens - plan.reuse_tokens
-    new = max(1, r.message_chars.tokens(chars))
-    path = r.policy.untokenized_path(facts, plan, (tail + max(1, new // 2), tail + 2 * new),
-                                     r.tokenize_s)
-    if path is None:
-        return None
-    return Untokenized(plan=plan, prompt_len=plan.reuse_tokens + tail + new, path=path)
-
-
-def _tokenizer(r: Router, p_first: Node | None, d_first: Node | None = None) -> Node | None:
-    """The node that tokenizes the turn's prompt: the P node picked for it, or with no
-    prefill node (`single`) the decode node (`d_first`, else the least loaded)."""
-    if p_first is not None or r.registry.topology != "single":
-        return p_first
-    if d_first is not None:
-        return d_first
+def _tokenizer(r: Router) -> Node | None:
+    """The node that tokenizes the turn's prompt: the least loaded healthy P node, or with
+    no prefill node (`single`) the least loaded decode node."""
+    if r.registry.topology != "single":
+        picked = placement.pick_prefill(r.registry.states())
+        return r.registry.get(picked.node_id) if picked is not None else None
     ranked = r.registry.ranked("decode")
     return ranked[0] if ranked else None
 
 
-async def _tier_placement(r: Router, req: TurnRequest, p_first: Node | None,
-                          holder: Node | None) -> Node | None:
-    """With no D handle to reuse, a P node whose KV cache (any tier) holds the prompt's
-    prefix may beat the least loaded one (`turns.kv_placement`). With no prefill node
-    there is nothing to place."""
-    if r.registry.topology == "single":
+def _candidates(r: Router, costs: PathCosts) -> tuple[NodeFacts, ...]:
+    """Every node as placement weighs it: its state, work in flight (with
+    `queue_aware_paths`), KV usage and block size."""
+    s, now = r.settings, time.monotonic()
+    out = []
+    for node in r.registry.nodes.values():
+        work = None
+        if s.queue_aware_paths:
+            line = costs.prefill if node.role == "prefill" else costs.d_direct
+            work = r.work.work(node.name, now=now, per_token_s=line.per_token_s)
+        out.append(NodeFacts(node=node, state=node.state(), work=work, kv_usage=node.kv_usage,
+                             block_size=s.block_size or node.block_size))
+    return tuple(out)
+
+
+async def _tier_facts(r: Router, req: TurnRequest, tokenizer: Node | None,
+                      holder: Node | None, known_ids: list[int] | None) -> TierFacts | None:
+    """With no D handle to reuse, where each P node's KV cache (any tier) holds the
+    prompt's prefix (`nodes.tier_placement`), when matching can change the P choice; the
+    prompt is tokenized for it unless a content lookup already did. None: not looked up."""
+    if (holder is not None or r.tiers is None or tokenizer is None
+            or r.registry.topology == "single"):
         return None
-    p_reason: placement.PrefillReason = "least_loaded" if p_first else "no_healthy_node"
-    if holder is None and p_first is not None and r.tiers is not None:
-        states = r.registry.states()
-        if r.tiers.wants(states):
-            name, p_reason = await r.tiers.place(r.legs.client(p_first), p_first, states,
-                                                 req.body, chat=req.chat)
-            p_first = r.registry.get(name) if name else p_first
-    r.metrics.placements.labels(reason=p_reason).inc()
-    if req.span is not None:
-        req.span.set_attribute("kvagent.placement", p_reason)
-    return p_first
+    states = r.registry.states()
+    if not r.tiers.wants(states):
+        return None
+    ids = known_ids
+    if ids is None:
+        try:
+            ids = await _tokenize(r, req, tokenizer)
+        except TokenizeError as exc:
+            log.info("tier placement skipped: %s", exc)
+            return None
+    salt = req.body.get("cache_salt")
+    hits, bs = r.tiers.hits(states, ids, cache_salt=salt if isinstance(salt, str) else None,
+                            default_block_size=tokenizer.block_size)
+    return TierFacts(hits=hits, block_size=bs, prompt_tokens=len(ids), costs=r.tiers.costs)
 
 
 async def _find_by_content(r: Router, req: TurnRequest,
@@ -269,16 +224,13 @@ async def _held_session(r: Router, req: TurnRequest, prompt_ids: list[int],
 
 
 async def _tokenize(r: Router, req: TurnRequest, node: Node) -> list[int]:
-    """The prompt's token ids from `node`, timed into the turn's budget and the router's
-    running mean of the round trip (what a turn that skips it saves)."""
+    """The prompt's token ids from `node`, timed into the turn's budget (settle learns
+    the round trip from it: what a turn that skips it saves)."""
     t0 = time.perf_counter()
     try:
         return await tokenize(r.legs.client(node), node.url, req.body, chat=req.chat)
     finally:
-        took = time.perf_counter() - t0
-        req.budget.add("tokenize", took)
-        r.tokenize_s = took if r.tokenize_s is None else (
-            r.tokenize_s + TOKENIZE_EWMA_ALPHA * (took - r.tokenize_s))
+        req.budget.add("tokenize", time.perf_counter() - t0)
 
 
 async def _claim(r: Router, req: TurnRequest,

@@ -1,9 +1,11 @@
 """Decide: a turn's path from its facts, by a path policy chosen by name. Pure.
 
-A policy turns `TurnFacts` into a `TurnPlan`; it never awaits and never touches the
-router's state, so each is tested on plain data. Policies are registered by name with
-their own parameters (`router.path_policy` picks one), so a benchmark arm or an operator
-names a policy instead of flipping switches:
+A policy turns `TurnFacts` into a `TurnPlan`: the path, the reuse, the nodes to try
+first and how each leg's transfer params are built (`TurnPlan.legs`); it never awaits and
+never touches the router's state, so each is tested on plain data. Policies are
+registered by name with a parameters model of their own (`register`); `router.policy`
+names one and gives its `params` (the older `router.path_policy` and flat keys still
+work), so a benchmark arm or an operator names a policy instead of flipping switches:
 
 - `cost_model` (the default): the learned per-path costs and the work in flight on
   each node choose between `pd_reuse` and `d_direct`, and between `pd_fresh` and
@@ -18,23 +20,42 @@ names a policy instead of flipping switches:
 
 Whatever the policy, only a verified prefix is ever reused: `planner.plan_reuse` decides
 how much, the policy only where it is computed.
+
+A policy whose plan depends on the prompt's token ids (a reuse to verify) answers
+`NEED_PROMPT_IDS` while the facts lack them, unless the turn may skip `/tokenize`: its
+messages extend the held turn's and the policy takes one path for any delta they
+suggest (`untokenized_plan`). The pipeline then gathers the ids and asks again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kvagent_server.common.types import Topology
-from kvagent_server.router.reuse import paths, planner
+from kvagent_server.router.reuse import identity, paths, placement, planner
+from kvagent_server.router.reuse.queue import IDLE
 from kvagent_server.router.settings import FreshPolicy, RouterSettings
-from kvagent_server.router.turns.shapes import TurnFacts, TurnPlan
+from kvagent_server.router.turns.shapes import (
+    NEED_PROMPT_IDS,
+    LegChoices,
+    NeedPromptIds,
+    TurnFacts,
+    TurnPlan,
+    TurnRequest,
+)
 
 #: The path policy a router runs unless `router.path_policy` names another.
 DEFAULT = "cost_model"
+#: Turns whose prompt tokens per message byte were learned before a turn may estimate its
+#: delta from its messages' size (and skip `/tokenize`).
+MIN_RATIO_SAMPLES = 3
+
+#: What a policy answers: the plan, or that it needs the prompt's token ids first.
+Decision = TurnPlan | NeedPromptIds
 
 
 class PathPolicy(Protocol):
@@ -43,8 +64,8 @@ class PathPolicy(Protocol):
         """What `router.path_policy` calls it."""
         ...
 
-    def decide(self, facts: TurnFacts) -> TurnPlan:
-        """The turn's plan (pure)."""
+    def decide(self, facts: TurnFacts) -> Decision:
+        """The turn's plan, or `NEED_PROMPT_IDS` (pure)."""
         ...
 
     def untokenized_path(self, facts: TurnFacts, plan: planner.ReusePlan,
@@ -64,10 +85,13 @@ class ReuseParams(BaseModel):
     reuse: bool = True
     #: Verified prefixes shorter than this many tokens are recomputed.
     threshold: int = 64
+    #: An extension of the held turn's messages may skip `/tokenize` (`untokenized_plan`).
+    skip_tokenize: bool = True
 
     @classmethod
     def of(cls, settings: RouterSettings) -> ReuseParams:
-        return cls(reuse=settings.reuse, threshold=settings.kv_recompute_threshold)
+        return cls(reuse=settings.reuse, threshold=settings.kv_recompute_threshold,
+                   skip_tokenize=settings.skip_tokenize_extensions)
 
 
 class CostParams(BaseModel):
@@ -93,6 +117,85 @@ class CostParams(BaseModel):
                    decode_prompt_step_tokens=settings.decode_prompt_step_tokens)
 
 
+class LegParams(BaseModel):
+    """How the legs' transfer params are built: every policy's (router-wide settings)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    release_unused: bool = True
+    forward_prompt_ids: bool = True
+    forward_first_token: bool = True
+    #: The largest node answer the router reads (P's answer carries the prompt's ids).
+    max_upstream_body_bytes: int = 64 * 1024 * 1024
+    #: P's lease on its blocks less the margin a D leg must start reading within.
+    read_within_s: float = 25.0
+    #: The test-only shifted-blocks header is honoured (`test_shift_blocks_header`).
+    shift_blocks: bool = False
+
+    @classmethod
+    def of(cls, settings: RouterSettings) -> LegParams:
+        return cls(release_unused=settings.release_unused_handles,
+                   forward_prompt_ids=settings.forward_prompt_ids,
+                   forward_first_token=settings.forward_first_token,
+                   max_upstream_body_bytes=settings.max_upstream_body_bytes,
+                   read_within_s=settings.prefill_lease_s - settings.prefill_lease_margin_s,
+                   shift_blocks=settings.test_shift_blocks_header)
+
+
+#: Bytes of JSON per prompt token id in P's answer, at most ("151935," is 7).
+_ID_JSON_BYTES = 8
+#: Tokens a chat template may add beyond the text of the body it renders.
+_TEMPLATE_TOKENS = 4096
+
+
+def forwards_prompt_ids(params: LegParams, req: TurnRequest) -> bool:
+    """Whether a turn's D leg takes P's prompt token ids (`forward_prompt_ids`): chat
+    requests only, and not where vLLM renders the messages anyway (media, `echo`).
+
+    The ids make P's answer larger, and an answer over `max_upstream_body_bytes` would
+    leave P's blocks leased with nobody told where they are; so they are asked for only
+    when even one token per byte of the body (a bound: a token covers at least one byte
+    of the text it encodes) keeps them within half the cap."""
+    if not (params.forward_prompt_ids and req.chat and not req.body.get("echo")
+            and not identity.media_parts(req.body)):
+        return False
+    tokens_at_most = req.body_chars + _TEMPLATE_TOKENS
+    return tokens_at_most * _ID_JSON_BYTES <= params.max_upstream_body_bytes // 2
+
+
+def forwards_first_token(params: LegParams, req: TurnRequest) -> bool:
+    """Whether a turn's D leg may take P's token (`forward_first_token`): not for `n` > 1,
+    whose samples vLLM draws as separate requests that would all start with it."""
+    return params.forward_first_token and req.body.get("n") in (None, 1)
+
+
+def leg_choices(facts: TurnFacts, params: LegParams) -> LegChoices:
+    """How this turn's legs carry their transfer params (`TurnPlan.prefill_params`,
+    `TurnPlan.decode_params`, and what D takes from P's answer)."""
+    req = facts.req
+    return LegChoices(release_unused=params.release_unused,
+                      shift_blocks=params.shift_blocks and req.shift_blocks,
+                      forward_prompt_ids=forwards_prompt_ids(params, req),
+                      forward_first_token=forwards_first_token(params, req),
+                      read_within_s=params.read_within_s)
+
+
+class _Decides:
+    """Every policy's `decide`: its own `_decide`, then the legs' transfer choices."""
+
+    legs: LegParams
+
+    def _decide(self, facts: TurnFacts) -> Decision:
+        raise NotImplementedError
+
+    def decide(self, facts: TurnFacts) -> Decision:
+        facts = place(facts)
+        decision = self._decide(facts)
+        if isinstance(decision, TurnPlan) and decision.path != "decode_only":
+            return dataclasses.replace(decision, legs=leg_choices(facts, self.legs))
+        return decision
+
+
 def reuse_plan(facts: TurnFacts, params: ReuseParams) -> planner.ReusePlan:
     """How much of the handle's KV the prompt may reuse (all policies alike)."""
     if facts.tokenize_failed:
@@ -105,11 +208,47 @@ def reuse_plan(facts: TurnFacts, params: ReuseParams) -> planner.ReusePlan:
         prefill_block_size=facts.prefill_block_size, identity=facts.identity)
 
 
+def place(facts: TurnFacts) -> TurnFacts:
+    """decide's first choice: the P node (least loaded, or where the prompt's prefix is
+    cached when no D handle is reused: `placement.pick_prefill_by_tiers`) and the D node
+    (the session's affinity unless it is unhealthy or overloaded:
+    `placement.pick_decode`), from the candidates gather saw; the facts with the placed
+    fields filled in. Facts without candidates come placed and are returned as they are."""
+    if not facts.candidates:
+        return facts
+    states = [c.state for c in facts.candidates]
+    by_name = {c.node.name: c for c in facts.candidates}
+    p_reason: placement.PrefillReason | None = None
+    picked_p = None
+    if any(st.role == "prefill" for st in states):  # none in the `single` topology
+        tiers = facts.tiers
+        if facts.holder is None and tiers is not None:
+            picked_p, p_reason = placement.pick_prefill_by_tiers(
+                states, tiers.hits, prompt_tokens=tiers.prompt_tokens, costs=tiers.costs,
+                block_size=tiers.block_size)
+        else:
+            picked_p = placement.pick_prefill(states)
+            p_reason = "least_loaded" if picked_p is not None else "no_healthy_node"
+    picked_d, d_reason = placement.pick_decode(states, affinity=facts.affinity)
+    p = by_name[picked_p.node_id] if picked_p is not None else None
+    d = by_name[picked_d.node_id] if picked_d is not None else None
+    idle = IDLE if facts.counts_work else None
+    return dataclasses.replace(
+        facts, p_first=p.node if p else None, d_first=d.node if d else None,
+        d_holds=d is not None and d.node is facts.holder,
+        d_healthy=d is not None and d.node.healthy,
+        d_kv_usage=d.kv_usage if d is not None else None,
+        prefill_block_size=p.block_size if p is not None else facts.prefill_block_size,
+        p_work=p.work if p is not None else idle, d_work=d.work if d is not None else idle,
+        p_reason=p_reason, d_reason=d_reason)
+
+
 def _plan(facts: TurnFacts, path: paths.Path, reuse: planner.ReusePlan,
           prompt_len: int) -> TurnPlan:
     return TurnPlan(path=path, reuse=reuse, handle=facts.handle, holder=facts.holder,
                     p_first=facts.p_first, d_first=facts.d_first, prompt_len=prompt_len,
-                    p_work=facts.p_work, d_work=facts.d_work)
+                    p_work=facts.p_work, d_work=facts.d_work, p_reason=facts.p_reason,
+                    d_reason=facts.d_reason)
 
 
 def _decode_only() -> TurnPlan:
@@ -117,28 +256,70 @@ def _decode_only() -> TurnPlan:
         reuse_tokens=0, reason=planner.Reason.UNSUPPORTED_SHAPE))
 
 
-def _settled_early(facts: TurnFacts, *, untokenized: bool = True) -> TurnPlan | None:
-    """The plan every policy gives before weighing anything: a request P/D cannot split
-    goes whole to D; with `untokenized`, an extension gather priced without `/tokenize`
-    takes the path it was priced for."""
+def _settled_early(policy: PathPolicy, facts: TurnFacts,
+                   params: ReuseParams) -> Decision | None:
+    """What every policy answers before weighing anything: a request P/D cannot split
+    goes whole to D; a reuse whose plan depends on token ids the facts lack takes the
+    path an untokenized extension allows (`untokenized_plan`), else asks for the ids."""
     if not facts.req.splittable:
         return _decode_only()
-    if untokenized and facts.untokenized is not None:
-        u = facts.untokenized
-        return _plan(facts, u.path, u.plan, u.prompt_len)
+    if facts.ids_matter and not facts.ids_gathered:
+        if facts.d_holds and (plan := untokenized_plan(policy, facts, params)) is not None:
+            return plan
+        if facts.tokenizable:
+            return NEED_PROMPT_IDS
     return None
 
 
+def untokenized_plan(policy: PathPolicy, facts: TurnFacts,
+                     params: ReuseParams) -> TurnPlan | None:
+    """The plan of a turn that may skip `/tokenize`, or None (then it is tokenized and
+    verified as usual).
+
+    It may when its messages repeat the held turn's exactly under the same rendering
+    inputs (`identity.extension_chars`), identities agree with no media involved (media
+    positions need the ids), and, for any delta from half to twice what the new messages'
+    size suggests (past D's last whole block), the policy would take one path
+    (`PathPolicy.untokenized_path`): `d_direct`, or `pd_reuse` on a P node that checks
+    what it pulls. Either way the node matches the real tokens itself (D's prefix cache;
+    P's `pull_check` against the blocks' digests), so the answer is the one a recompute
+    gives; a wrong estimate costs time, not correctness."""
+    req, ident, handle, new = facts.req, facts.identity, facts.handle, facts.new_identity
+    learned = facts.learned
+    if (not params.skip_tokenize or not req.chat or ident is None
+            or ident.reason is not None or handle is None or new is None or new.media
+            or handle.identity is None or handle.identity.media
+            or learned.message_samples < MIN_RATIO_SAMPLES or learned.tokenize_s is None):
+        return None
+    chars = identity.extension_chars(handle.identity, req.body)
+    if chars is None:
+        return None
+    plan = planner.extension_plan(handle, threshold=params.threshold)
+    if not plan.reuses:
+        return None
+    # The delta: D's retained tokens past the last whole block (known), then the new
+    # messages' tokens (estimated; their bytes include the answer D already holds).
+    tail = plan.cached_tokens - plan.reuse_tokens
+    new_tokens = max(1, learned.message_tokens(chars))
+    path = policy.untokenized_path(
+        facts, plan, (tail + max(1, new_tokens // 2), tail + 2 * new_tokens),
+        learned.tokenize_s)
+    if path is None:
+        return None
+    return _plan(facts, path, plan, plan.reuse_tokens + tail + new_tokens)
+
+
 @dataclasses.dataclass(frozen=True)
-class CostModelPolicy:
+class CostModelPolicy(_Decides):
     """The learned costs and queues choose the path (module docstring)."""
 
     reuse: ReuseParams
     costs: CostParams
     name: str = "cost_model"
+    legs: LegParams = dataclasses.field(default_factory=LegParams)
 
-    def decide(self, facts: TurnFacts) -> TurnPlan:
-        if (early := _settled_early(facts)) is not None:
+    def _decide(self, facts: TurnFacts) -> Decision:
+        if (early := _settled_early(self, facts, self.reuse)) is not None:
             return early
         c = self.costs
         d_free = not self.d_full(facts)
@@ -180,12 +361,13 @@ class CostModelPolicy:
         return paths.untokenized_path(
             plan, deltas, facts.costs, tokenize_s,
             skip_prefill_max_tokens=c.skip_prefill_max_tokens,
-            prefill_checks_pulls=facts.p_first is not None and facts.p_first.checks_pulls,
+            prefill_checks_pulls=facts.p_first is not None and facts.learned.node_checks_pulls(
+                facts.p_first.name, facts.p_first.epoch),
             p_work=facts.p_work, d_work=facts.d_work, d_stall_max_s=c.d_stall_max_s)
 
 
 @dataclasses.dataclass(frozen=True)
-class FixedPolicy:
+class FixedPolicy(_Decides):
     """A verified reuse served always by P (`pd_reuse`: P computes every prompt and pulls
     the prefix from D) or, where D holds the prefix, always by D (`d_direct`: the holding
     decode node extends every later turn it can; first turns use P)."""
@@ -193,9 +375,10 @@ class FixedPolicy:
     reuse: ReuseParams
     name: str
     on_decode: bool
+    legs: LegParams = dataclasses.field(default_factory=LegParams)
 
-    def decide(self, facts: TurnFacts) -> TurnPlan:
-        if (early := _settled_early(facts, untokenized=self.on_decode)) is not None:
+    def _decide(self, facts: TurnFacts) -> Decision:
+        if (early := _settled_early(self, facts, self.reuse)) is not None:
             return early
         reuse = reuse_plan(facts, self.reuse)
         path = paths.choose_path(reuse, len(facts.prompt_ids), facts.costs,
@@ -210,16 +393,17 @@ class FixedPolicy:
 
 
 @dataclasses.dataclass(frozen=True)
-class SinglePolicy:
+class SinglePolicy(_Decides):
     """One node serves every turn (the `single` topology): a verified prefix the decode
     node holds is extended there (`d_direct`); any other turn's prompt it computes whole
     (`d_fresh`), as an aggregated node would. Never a P leg."""
 
     reuse: ReuseParams
     name: str = "single"
+    legs: LegParams = dataclasses.field(default_factory=LegParams)
 
-    def decide(self, facts: TurnFacts) -> TurnPlan:
-        if (early := _settled_early(facts)) is not None:
+    def _decide(self, facts: TurnFacts) -> Decision:
+        if (early := _settled_early(self, facts, self.reuse)) is not None:
             return early
         reuse = reuse_plan(facts, self.reuse)
         prompt_len = len(facts.prompt_ids)
@@ -236,47 +420,130 @@ class SinglePolicy:
         return "d_direct"  # D's own prefix cache matches the real tokens
 
 
-#: Policy name -> factory from the router's settings.
-POLICIES: dict[str, Callable[[RouterSettings], PathPolicy]] = {
-    "cost_model": lambda s: CostModelPolicy(ReuseParams.of(s), CostParams.of(s)),
-    "pd_reuse": lambda s: FixedPolicy(ReuseParams.of(s), "pd_reuse", on_decode=False),
-    "d_direct": lambda s: FixedPolicy(ReuseParams.of(s), "d_direct", on_decode=True),
-    "single": lambda s: SinglePolicy(ReuseParams.of(s)),
+class NoParams(BaseModel):
+    """A policy with no parameters of its own."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CostModelParams(BaseModel):
+    """`cost_model`'s parameters (`router.policy.params`; each also has an older flat
+    `router.*` setting of the same name, whose value it takes when left out)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    skip_prefill_max_tokens: int | None = Field(default=None, ge=0,
+        description="Skip the P leg when the uncached delta is at most this many tokens "
+        "(0: never skip, None: decide from the learned costs).")
+    d_direct_stall_max_ms: float | None = Field(default=55.0, gt=0,
+        description="While streams decode on D, a turn whose prompt work D would compute "
+        "for longer than this goes to P (None: the summed costs alone decide).")
+    fresh_on_decode: FreshPolicy = Field(default="auto",
+        description="Where a turn with nothing to reuse computes its prompt: `auto` "
+        "(on D while P is busy and the costs say so), `never` (P), `always` (D).")
+    decode_prompt_step_tokens: int | None = Field(default=None, ge=1,
+        description="The most prompt tokens D computes per step beside its streams "
+        "(its --long-prefill-token-threshold); known, a first turn goes to D whenever P "
+        "computes other legs and D no prompt.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Shared:
+    """What every policy is built with besides its own parameters: router-wide settings."""
+
+    reuse: ReuseParams
+    legs: LegParams
+    #: The retention guard's high watermark: at this share of D's KV cache in use, D
+    #: computes no prompt (None: no limit).
+    d_kv_high: float | None = None
+
+    @classmethod
+    def of(cls, settings: RouterSettings) -> Shared:
+        return cls(ReuseParams.of(settings), LegParams.of(settings),
+                   settings.retention_high_watermark)
+
+
+@dataclasses.dataclass(frozen=True)
+class Registered:
+    """A path policy by name: its parameters model and how it is built from them."""
+
+    params: type[BaseModel]
+    build: Callable[[Any, Shared], PathPolicy]
+
+    def __call__(self, settings: RouterSettings,
+                 params: Mapping[str, Any] | None = None) -> PathPolicy:
+        """The policy for `settings`, with `params` over the flat settings that share a
+        parameter's name (a `ValidationError` names a bad one)."""
+        flat = {k: getattr(settings, k) for k in self.params.model_fields
+                if k in type(settings).model_fields}
+        return self.build(self.params.model_validate(flat | dict(params or {})),
+                          Shared.of(settings))
+
+
+def _cost_model(p: CostModelParams, shared: Shared) -> PathPolicy:
+    ms = p.d_direct_stall_max_ms
+    costs = CostParams(skip_prefill_max_tokens=p.skip_prefill_max_tokens,
+                       d_stall_max_s=None if ms is None else ms / 1000,
+                       d_kv_high=shared.d_kv_high, fresh_on_decode=p.fresh_on_decode,
+                       decode_prompt_step_tokens=p.decode_prompt_step_tokens)
+    return CostModelPolicy(shared.reuse, costs, legs=shared.legs)
+
+
+#: Policy name -> its parameters model and builder.
+POLICIES: dict[str, Registered] = {
+    "cost_model": Registered(CostModelParams, _cost_model),
+    "pd_reuse": Registered(NoParams, lambda p, sh: FixedPolicy(
+        sh.reuse, "pd_reuse", on_decode=False, legs=sh.legs)),
+    "d_direct": Registered(NoParams, lambda p, sh: FixedPolicy(
+        sh.reuse, "d_direct", on_decode=True, legs=sh.legs)),
+    "single": Registered(NoParams, lambda p, sh: SinglePolicy(sh.reuse, legs=sh.legs)),
 }
 
 #: Policies that send turns to a prefill node: refused where there is none.
 NEEDS_PREFILL: frozenset[str] = frozenset({"pd_reuse", "d_direct"})
 
 
-def register(name: str, factory: Callable[[RouterSettings], PathPolicy]) -> None:
-    """Add a policy under `name` (a plugin's, an experiment's)."""
+def register(name: str, params: type[BaseModel],
+             build: Callable[[Any, Shared], PathPolicy]) -> None:
+    """Add a policy under `name` (a plugin's, an experiment's): its parameters model
+    (checked at start-up against `router.policy.params`) and how it is built."""
     if name in POLICIES:
         raise ValueError(f"a path policy named {name!r} is already registered")
-    POLICIES[name] = factory
+    POLICIES[name] = Registered(params, build)
 
 
 def policy_name(settings: RouterSettings, topology: Topology = "pd") -> str:
-    """The policy a router of `topology` runs: `router.path_policy`, except that the
-    `single` topology runs `single` where it names the default `cost_model` (with no P
-    there is nothing to weigh), and refuses a policy that needs a prefill node."""
-    name = settings.path_policy
+    """The policy a router of `topology` runs: `router.policy.name` (or the older
+    `router.path_policy`), except that the `single` topology runs `single` where it
+    names the default `cost_model` (with no P there is nothing to weigh), and refuses a
+    policy that needs a prefill node."""
+    name, _params, where = settings.policy_choice()
     if topology != "single":
         return name
     if name == DEFAULT:
         return "single"
     if name in NEEDS_PREFILL:
-        raise ValueError(f"router.path_policy {name!r} needs a prefill node; with no "
+        raise ValueError(f"{where} {name!r} needs a prefill node; with no "
                          "--prefill the router serves the single topology: set it to "
                          f"'single' or leave it '{DEFAULT}'")
     return name
 
 
 def policy_for(settings: RouterSettings, topology: Topology = "pd") -> PathPolicy:
-    """The policy a router of `topology` runs (`policy_name`), built with its parameters."""
+    """The policy a router of `topology` runs (`policy_name`), built with its parameters;
+    a ValueError names what is wrong with them."""
+    configured, params, where = settings.policy_choice()
     name = policy_name(settings, topology)
     try:
-        factory = POLICIES[name]
+        registered = POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown router.path_policy {name!r}; known: "
+        raise ValueError(f"unknown {where} {name!r}; known: "
                          f"{', '.join(sorted(POLICIES))}") from None
-    return factory(settings)
+    if name != configured:  # `single` in place of the default: the cost model's are moot
+        params = {}
+    try:
+        return registered(settings, params)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'params'}: {e['msg']}"
+                             for e in exc.errors())
+        raise ValueError(f"router.policy.params for {name!r}: {problems}") from None

@@ -1,9 +1,11 @@
 """Settle: after the answer is relayed, learn from it and hand the next turn its KV.
 
-From D's answer (`Capture`) a turn teaches the router its costs and token ratios and its
-tools' pauses, counts its reuse, records D's retained blocks as the session's latest
-handle with how the turn ended (or lets D free them when nothing will ever claim them)
-and mints the cache token naming that handle.
+The one stage that writes what the router learns (`Router.learned`): from the executed
+turn and D's answer (`Capture`) it teaches the costs, the token ratios, the `/tokenize`
+round trip, which P node checks its pulls and the tools' pauses; then it counts the
+reuse, records D's retained blocks as the session's latest handle with how the turn
+ended (or lets D free them when nothing will ever claim them) and mints the cache token
+naming that handle.
 """
 
 from __future__ import annotations
@@ -44,9 +46,10 @@ async def _settle(r: Router, turn: Turn, capture: Capture) -> Final:
     else:
         reported = usage_cached(usage)
     cached = reported if reported is not None else planned
+    _learn_from_legs(r, turn)
     if req.chat and prompt_tokens and r.settings.skip_tokenize_extensions:
-        r.message_chars.observe(identity.message_chars(req.body.get("messages")),
-                                prompt_tokens)
+        r.learned.message_chars.observe(identity.message_chars(req.body.get("messages")),
+                                        prompt_tokens)
     reused = min(planned, cached) if plan.path == "pd_reuse" else (
         cached if plan.path == "d_direct" else 0)
     _account(r, turn, prompt_tokens, cached, reused)
@@ -58,6 +61,24 @@ async def _settle(r: Router, turn: Turn, capture: Capture) -> Final:
     kvagent = {"cache_token": token, "reused_tokens": reused, "expires_in": expires_in,
                "path": plan.path, "reason": plan.reuse.label}
     return Final(kvagent=kvagent, cached_tokens=cached)
+
+
+def _learn_from_legs(r: Router, turn: Turn) -> None:
+    """What the turn's legs taught: the `/tokenize` round trip it made, whether its P
+    node checks what it pulls, and tokens per byte of a P prompt it did not tokenize."""
+    learned = r.learned
+    took = turn.req.budget.stages.get("tokenize")
+    if took is not None:
+        learned.observe_tokenize(took)
+    prefill = turn.prefill
+    if prefill is None:
+        return
+    if transfer.answered_verified(prefill.kv_params) is not None:
+        learned.observe_checks_pulls(prefill.node.name, prefill.node.epoch)
+    if turn.p_chars and prefill.prompt_tokens:
+        learned.chars.observe(turn.p_chars,
+                              prefill.prompt_tokens - (prefill.cached_tokens or 0))
+        learned.prompt_chars.observe(turn.p_chars, prefill.prompt_tokens)
 
 
 def _account(r: Router, turn: Turn, prompt_tokens: int, cached: int, reused: int) -> None:
@@ -72,12 +93,12 @@ def _account(r: Router, turn: Turn, prompt_tokens: int, cached: int, reused: int
     elif plan.reuse.reason not in planner.FRESH_REASONS:
         m.miss(plan.reuse.reason.value)
     if plan.path == "d_fresh" and prompt_tokens:  # D computed a prompt it was estimated by
-        r.chars.observe(turn.req.body_chars, max(0, prompt_tokens - cached))
-        r.prompt_chars.observe(turn.req.body_chars, prompt_tokens)
+        r.learned.chars.observe(turn.req.body_chars, max(0, prompt_tokens - cached))
+        r.learned.prompt_chars.observe(turn.req.body_chars, prompt_tokens)
     if turn.first_byte_at is not None and prompt_tokens and plan.path != "decode_only":
         ttft = turn.first_byte_at - turn.started
         try:
-            r.costs.observe(plan.path, max(0, prompt_tokens - cached), ttft,
+            r.learned.costs.observe(plan.path, max(0, prompt_tokens - cached), ttft,
                             reused_tokens=reused, ahead_tokens=turn.ahead)
         except ValueError:
             pass
@@ -90,9 +111,9 @@ def _learn_pause(r: Router, turn: Turn, end: TurnEnd) -> None:
     if session is None:
         return
     claimed = turn.facts.handle
-    r.pauses.resumed(tenant, session, turn.facts.now,
-                     claimed.end if claimed is not None else None)
-    r.pauses.ended(tenant, session, end)
+    r.learned.pauses.resumed(tenant, session, turn.facts.now,
+                             claimed.end if claimed is not None else None)
+    r.learned.pauses.ended(tenant, session, end)
 
 
 def _release_unrecorded(r: Router, turn: Turn, capture: Capture) -> None:

@@ -3,6 +3,10 @@
     TurnRequest --gather--> TurnFacts --decide--> TurnPlan --execute--> Turn
         --relay--> Capture --settle--> Final
 
+Decide may instead answer `NEED_PROMPT_IDS` (the plan depends on token ids the facts do
+not hold yet): the pipeline then gathers them (`gather.with_prompt_ids`) and decides
+again, so the line never runs backwards into a stage that called ahead.
+
 Each stage is a module of `turns` that reads the shape before it and builds the next one;
 no stage module imports another (`tests/test_import_graph.py`), so none can call back
 into a stage already left. `turns.pipeline` strings them together.
@@ -20,10 +24,13 @@ from typing import Any
 from kvagent_server.router.auth.tenancy import Tenant
 from kvagent_server.router.common import fastjson
 from kvagent_server.router.kv.room import DecodeRoom
+from kvagent_server.router.kv.tiers import NodeTierHits, TierCosts
 from kvagent_server.router.nodes.legs import DecodeStart, PrefillResult
 from kvagent_server.router.nodes.registry import Node
-from kvagent_server.router.reuse import identity, planner
+from kvagent_server.router.reuse import identity, planner, transfer
+from kvagent_server.router.reuse.learned import LearnedView
 from kvagent_server.router.reuse.paths import Path, PathCosts
+from kvagent_server.router.reuse.placement import DecodeReason, NodeState, PrefillReason
 from kvagent_server.router.reuse.queue import NodeWork, WorkLedger
 from kvagent_server.router.store.handle import Handle, KVIdentity
 from kvagent_server.router.telemetry.budget import TurnBudget
@@ -88,14 +95,28 @@ class TurnRequest:
 
 
 @dataclass(frozen=True)
-class Untokenized:
-    """A turn that may skip the router's `/tokenize`: its plan from the messages alone
-    (`planner.extension_plan`), its estimated prompt length, and the path the estimate
-    allows whatever the real delta is (`paths.untokenized_path`)."""
+class NodeFacts:
+    """One node as gather saw it: the node (for execute) and what placement weighs."""
 
-    plan: planner.ReusePlan
-    prompt_len: int
-    path: Path
+    node: Node
+    state: NodeState
+    #: Work in flight there (None: not counted, `queue_aware_paths` off).
+    work: NodeWork | None = None
+    #: The share of its KV cache in use at the retention guard's last read (decode).
+    kv_usage: float | None = None
+    #: Its KV block size (the router's setting, else the node's own; None: unknown).
+    block_size: int | None = None
+
+
+@dataclass(frozen=True)
+class TierFacts:
+    """Where the prompt's prefix is cached on each P node, by tier (its KV events): what
+    tier-aware P placement weighs against load (`placement.pick_prefill_by_tiers`)."""
+
+    hits: Mapping[str, NodeTierHits]
+    block_size: int
+    prompt_tokens: int
+    costs: TierCosts = field(default_factory=TierCosts)
 
 
 @dataclass(frozen=True)
@@ -103,7 +124,12 @@ class TurnFacts:
     """Everything a path policy decides on, gathered before any leg runs.
 
     `gather` is the only stage that awaits the store or a node's `/tokenize`; the nodes
-    are referenced for `execute`, their state at gathering time is copied here."""
+    are referenced for `execute`, their state at gathering time is copied here
+    (`candidates`), and so is what earlier turns taught (`costs`, `learned`). Which P and
+    D nodes serve the turn is decide's first choice (`policy.place`): it fills the
+    placed fields below (`p_first` ... `prefill_block_size`) from the candidates, the
+    session's `affinity` and the prompt's `tiers`; facts built without candidates (a
+    test's, a simulator's) come placed."""
 
     req: TurnRequest
     #: The conversation after a content lookup named it (else `req.session`).
@@ -117,6 +143,17 @@ class TurnFacts:
     handle_node_epoch: str | None = None
     #: The decode node holding the handle's blocks, if alive, current and unexpired.
     holder: Node | None = None
+    #: Every node, as gather saw it (empty: the facts come placed).
+    candidates: tuple[NodeFacts, ...] = ()
+    #: The decode node holding the session's blocks (its handle's, or its latest).
+    affinity: str | None = None
+    #: Where P nodes cache the prompt's prefix (None: not looked up).
+    tiers: TierFacts | None = None
+    #: Work in flight is counted (`queue_aware_paths`): a missing node's is idle.
+    counts_work: bool = False
+    #: Why `p_first` and `d_first` were placed there (None: not placed by decide).
+    p_reason: PrefillReason | None = None
+    d_reason: DecodeReason | None = None
     p_first: Node | None = None
     d_first: Node | None = None
     #: `d_first` is the holder (and so healthy).
@@ -128,6 +165,8 @@ class TurnFacts:
     #: P block size, when the router knows it (settings or the node).
     prefill_block_size: int | None = None
     costs: PathCosts = field(default_factory=PathCosts)
+    #: The other learned figures (token ratios, the `/tokenize` round trip, ...).
+    learned: LearnedView = field(default_factory=LearnedView)
     #: Work in flight on `p_first` and `d_first` (None: not counted).
     p_work: NodeWork | None = None
     d_work: NodeWork | None = None
@@ -138,19 +177,60 @@ class TurnFacts:
     #: The prompt's token ids as a node tokenized them (empty: not tokenized).
     prompt_ids: tuple[int, ...] = ()
     tokenize_failed: bool = False
-    #: Set when the turn may skip `/tokenize` (then `prompt_ids` is empty).
-    untokenized: Untokenized | None = None
+    #: Gather has done what it can for `prompt_ids` (tokenized, failed, or had them):
+    #: decide never asks for them again.
+    ids_gathered: bool = False
+    #: A node can tokenize the prompt, should decide ask for its ids.
+    tokenizable: bool = False
     #: The prompt tokens a first turn is estimated at from its body's size.
     est_tokens: int = 0
     now: float = field(default_factory=time.time)
+
+    @property
+    def ids_matter(self) -> bool:
+        """Whether the prompt's token ids can change the reuse: a handle held on a live,
+        current node, and no identity refusal that positions cannot lift (model, salt,
+        an unverifiable field)."""
+        ident = self.identity
+        final = ident is not None and ident.cap == 0 and ident.detail != "media_url" and (
+            ident.reason != "multimodal_changed")
+        return self.holder is not None and not final
 
 
 # ------------------------------------------------------------------ the plan
 
 
 @dataclass(frozen=True)
+class NeedPromptIds:
+    """Decide's answer when its plan depends on the prompt's token ids and the facts do
+    not hold them yet: gather them (`gather.with_prompt_ids`) and decide again."""
+
+
+NEED_PROMPT_IDS = NeedPromptIds()
+
+
+@dataclass(frozen=True)
+class LegChoices:
+    """How decide chose to build the legs' transfer params (`TurnPlan.prefill_params`,
+    `TurnPlan.decode_params`) and what the D leg after a P leg takes from P's answer."""
+
+    #: A claimed handle the turn does not reuse is freed by the turn's own leg (P tells
+    #: D, or the `d_fresh` leg on its node), not left to the TTL.
+    release_unused: bool = True
+    #: Test-only negative control: P is handed D's blocks shifted (wrong KV on purpose).
+    shift_blocks: bool = False
+    #: D takes the prompt ids P computed (and P is asked for them), and P's first token.
+    forward_prompt_ids: bool = False
+    forward_first_token: bool = False
+    #: A D leg must start reading P's blocks within this many seconds of P's answer
+    #: (P's lease, less a margin).
+    read_within_s: float = 25.0
+
+
+@dataclass(frozen=True)
 class TurnPlan:
-    """What a path policy decided: the path, the reuse, and the nodes to try first."""
+    """What a path policy decided: the path, the reuse, the nodes to try first, and how
+    each leg's transfer params are built (`legs`)."""
 
     path: Path
     reuse: planner.ReusePlan
@@ -165,8 +245,34 @@ class TurnPlan:
     est_tokens: int = 0
     p_work: NodeWork | None = None
     d_work: NodeWork | None = None
+    #: Why the P and D nodes were chosen (metrics; None: not placed by decide).
+    p_reason: PrefillReason | None = None
+    d_reason: DecodeReason | None = None
     #: Decode nodes a failed `d_fresh` or `d_direct` leg was sent to: tried last.
     d_failed: tuple[str, ...] = ()
+    legs: LegChoices = field(default_factory=LegChoices)
+
+    def prefill_params(self) -> dict[str, Any]:
+        """The P leg's `kv_transfer_params`: pull the verified prefix from D
+        (`pd_reuse`), tell D to free a claimed handle it does not reuse, or fresh."""
+        handle = self.handle
+        if self.path == "pd_reuse":
+            assert handle is not None
+            params = transfer.reuse_transfer_params(handle, self.reuse.reuse_tokens)
+            return transfer.shifted_blocks(params) if self.legs.shift_blocks else params
+        if handle is not None and self.holder is not None and self.legs.release_unused:
+            return transfer.release_transfer_params(handle)
+        return transfer.fresh()
+
+    def decode_params(self, node: Node | None) -> dict[str, Any]:
+        """The `kv_transfer_params` of a leg whose prompt the decode node `node` computes
+        (`d_direct`, `d_fresh`): D keeps the finished sequence, and frees the handle the
+        turn supersedes (`d_direct`) or claimed and does not reuse, when it is there."""
+        rid = _request_id(self.handle) if self.handle is not None else None
+        if self.path == "d_direct" or (
+                node is not None and node is self.holder and self.legs.release_unused):
+            return transfer.with_release(transfer.d_direct(), [rid] if rid else [])
+        return transfer.d_direct()
 
     def after_decode_failure(self, tried: tuple[str, ...]) -> TurnPlan:
         """The plan once a `d_fresh` or `d_direct` leg failed before its first byte: P
@@ -179,16 +285,31 @@ class TurnPlan:
             reuse=planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.DECODE_FAILED))
 
     def without_room(self) -> TurnPlan:
-        """The plan once the handle it would reuse was given up for another turn's room
-        (`nodes.admission`): its blocks are gone, P recomputes the prompt."""
+        """The plan once the handle it would reuse or release was given up for another
+        turn's room (`nodes.admission`): its blocks are gone (nothing to offer or free), and a
+        reuse becomes a recompute."""
+        if self.path not in ("pd_reuse", "d_direct"):
+            return dataclasses.replace(self, holder=None)
         return dataclasses.replace(
             self, path="recompute", holder=None,
             reuse=planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.NO_ROOM))
 
-    def recomputed(self, reason: planner.Reason, detail: str | None = None) -> TurnPlan:
-        """The plan when its reuse cannot happen after all: P recomputes the prompt."""
-        return dataclasses.replace(self, path="recompute", reuse=planner.ReusePlan(
+    def recomputed(self, reason: planner.Reason, detail: str | None = None, *,
+                   release: bool = False) -> TurnPlan:
+        """The plan when its reuse cannot happen after all: P recomputes the prompt
+        (`release`: and tells D to free the handle's blocks, whatever the setting)."""
+        plan = dataclasses.replace(self, path="recompute", reuse=planner.ReusePlan(
             reuse_tokens=0, reason=reason, detail=detail))
+        if release:
+            plan = dataclasses.replace(plan, legs=dataclasses.replace(plan.legs,
+                                                                      release_unused=True))
+        return plan
+
+
+def _request_id(handle: Handle) -> str | None:
+    """The decode node's id for the request whose blocks `handle` names."""
+    rid = handle.kv_transfer_params.get(transfer.REMOTE_REQUEST_ID)
+    return rid if isinstance(rid, str) and rid else None
 
 
 # ------------------------------------------------------------------ the open turn
@@ -212,6 +333,9 @@ class Turn:
     ahead: float = 0.0
     #: The D leg in the router's `WorkLedger` (None: not counted).
     d_ticket: int | None = None
+    #: The body bytes the P leg's prompt tokens were estimated from (0: tokenized, or
+    #: not counted): settle learns the ratio from P's answer.
+    p_chars: int = 0
     #: The room promised to the D leg on its node (`DecodeRoom`; None: none promised).
     room: DecodeRoom | None = None
     room_ticket: int | None = None
