@@ -279,7 +279,8 @@ def serve_arm(arm: Arm, work_dir: Path, *, kv: KvBudget, startup_timeout_s: floa
     disk tier is `work_dir / TIER_DIR` (a fresh one per run: every run starts cold)."""
     if arm.kind != "affine":
         try:
-            with serve(arm.bench_config(kv, tiers, work_dir / TIER_DIR), work_dir,
+            # absolute: each node resolves the tier directory on its own
+            with serve(arm.bench_config(kv, tiers, work_dir.resolve() / TIER_DIR), work_dir,
                        kv_cache_gib=kv.node_gib(arm.nodes),
                        startup_timeout_s=startup_timeout_s, model=model) as ep:
                 yield [ep], None

@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{now:%Y%m%dT%H%M%SZ}-{nw.name}")
     out.mkdir(parents=True, exist_ok=True)
     command = ["python", "-m", "benchmarks", "compare",
-               *(argv if argv is not None else sys.argv[2:])]
+               *(argv if argv is not None else sys.argv[1:])]
     slo = summary_mod.Slo(ttft_ms=args.ttft_ms, itl_ms=args.itl_ms)
     _log(f"compare: workload {nw.name} ({len(wl.conversations)} sessions x "
          f"{nw.turns} turns), arms {', '.join(a.name for a in arms)}, {reps} repetition(s); "
