@@ -8,7 +8,7 @@ decides on those facts: P and D placement, the reuse plan, the path and each leg
 transfer params (`TurnPlan.prefill_params`, `decode_params`); after the D leg the cost
 model learns the TTFT, and the new `Handle`, `store.put` and a new token.
 The retention guard (`nodes.retention.RetentionGuard`, with its `blocks_to_free` watermark
-math and `ReleaseQueue`) runs every `retention_check_interval_s` against the simulated
+math and `ReleaseQueue`) runs every `retention.check_interval_s` against the simulated
 decode nodes through a simulated `NodeHttp` client that answers `/metrics` and release
 requests from the simulated KV state. Only the nodes are simulated: compute, transfers,
 KV blocks, TTLs (`nodes.py`, priced by a `profiles.Profile`).
@@ -136,8 +136,11 @@ class Simulation:
     def __init__(self, profile: Profile, config: SimConfig) -> None:
         self.profile = profile
         self.cfg = config
-        self.settings = RouterSettings(reuse=config.reuse, decode_blocks_ttl_s=config.ttl_s,
-                                       block_size=profile.block_size, **config.settings)
+        overrides = dict(config.settings)
+        retention = {"decode_blocks_ttl_s": config.ttl_s} | overrides.pop("retention", {})
+        nodes = {"block_size": profile.block_size} | overrides.pop("nodes", {})
+        self.settings = RouterSettings(reuse=config.reuse, retention=retention, nodes=nodes,
+                                       **overrides)
         self.now = 0.0
         def clock() -> float:  # the store judges expiry by simulated time
             return self.now
@@ -174,10 +177,11 @@ class Simulation:
             lambda name: _SimNodeHttp(self, self.by_name[name]),
             nodes=lambda: [(d.name, d.url, d.epoch) for d in self.d_nodes],
             evict=evict, evict_for_turn=evict.for_turn, model=lambda: "sim",
-            high=self.settings.retention_high_watermark, low=self.settings.retention_low_watermark,
-            interval_s=self.settings.retention_check_interval_s,
+            high=self.settings.retention.high_watermark,
+            low=self.settings.retention.low_watermark,
+            interval_s=self.settings.retention.check_interval_s,
             on_evicted=self._count_evicted)
-            if self.settings.retention_high_watermark is not None else None)
+            if self.settings.retention.high_watermark is not None else None)
 
     # ------------------------------------------------------------------ event loop
 
@@ -228,7 +232,7 @@ class Simulation:
     # ------------------------------------------------------------------ a turn
 
     def _states(self) -> list[placement.NodeState]:
-        cap = self.settings.node_max_in_flight
+        cap = self.settings.nodes.max_in_flight
         return ([placement.NodeState(node_id=n.name, url=n.url, role="prefill", healthy=True,
                                      in_flight=n.in_flight, epoch=n.epoch, max_in_flight=cap)
                  for n in self.p_nodes]
@@ -274,7 +278,7 @@ class Simulation:
         else:
             affinity = None
         candidates = tuple(NodeFacts(node=self._node(state.node_id), state=state,
-                                     block_size=st.block_size) for state in self._states())
+                                     block_size=st.nodes.block_size) for state in self._states())
         req = TurnRequest.build(endpoint="/v1/completions", body={"model": "sim", "prompt": [0]},
                                 tenant=_TENANT, session=s.name, token=s.token)
         return TurnFacts(
@@ -282,7 +286,7 @@ class Simulation:
             handle_node_healthy=holder_node is not None,
             handle_node_epoch=holder_node.epoch if holder_node else None,
             holder=self._node(holder.name) if holder is not None else None,
-            candidates=candidates, affinity=affinity, prefill_block_size=st.block_size,
+            candidates=candidates, affinity=affinity, prefill_block_size=st.nodes.block_size,
             costs=self.costs.snapshot(),
             prompt_ids=tuple(prompt) if holder is not None else (), ids_gathered=True,
             est_tokens=len(prompt), now=now)
@@ -315,7 +319,7 @@ class Simulation:
             self.costs.observe(rec.path, computed, rec.ttft, reused_tokens=rec.reused)
         except ValueError:
             pass
-        ttl = int(st.decode_blocks_ttl_s - st.token_safety_margin_s)
+        ttl = int(st.retention.decode_blocks_ttl_s - st.token_safety_margin_s)
         s.token = None
         if st.reuse and ttl > 0:
             params = {transfer.DO_REMOTE_DECODE: True, transfer.DO_REMOTE_PREFILL: False,
@@ -325,7 +329,7 @@ class Simulation:
                       transfer.REMOTE_NUM_TOKENS: len(sequence) - 1}
             handle = Handle(handle_id=new_handle_id(), tenant=TENANT, session=s.name,
                             decode_node=d.name, decode_epoch=d.epoch, kv_transfer_params=params,
-                            token_ids=sequence, block_size=st.block_size or 1,
+                            token_ids=sequence, block_size=st.nodes.block_size or 1,
                             created_at=self.now, expires_at=self.now + ttl)
             if transfer.retained_tokens(handle) is not None:
                 await self.store.put(handle)

@@ -89,9 +89,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     settings = {
         "tenants": [{"name": "load", "api_keys": [API_KEY],
                      "max_concurrent_streams": max(64, args.sessions)}],
-        "node_max_in_flight": max(64, args.sessions * 2),
         "skip_prefill_max_tokens": args.skip_prefill_max_tokens,
-        "block_size": 16, "request_timeout_s": 120, "first_byte_timeout_s": 120,
+        "nodes": {"max_in_flight": max(64, args.sessions * 2), "block_size": 16,
+                  "request_timeout_s": 120},
+        "limits": {"first_byte_timeout_s": 120},
     }
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(settings, f)

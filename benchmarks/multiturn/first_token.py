@@ -50,7 +50,7 @@ TENANTS = {arm: {"name": f"{arm}-arm", "api_keys": [f"{arm}-arm-key"]} for arm i
 
 def arm_settings(arm: str) -> dict[str, Any]:
     """An arm's router settings: every reused turn through P, P's token to D or not."""
-    return {"skip_prefill_max_tokens": 0, "forward_first_token": arm == ARMS[0],
+    return {"skip_prefill_max_tokens": 0, "engine": {"forward_first_token": arm == ARMS[0]},
             "tenants": [TENANTS[arm]]}
 
 

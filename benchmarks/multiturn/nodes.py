@@ -69,10 +69,10 @@ class BenchConfig(BaseModel):
     #: Router setting `skip_tokenize_extensions` (bundle only): False tokenizes every
     #: reused turn, as the router did before turns could skip it.
     skip_tokenize_extensions: bool = True
-    #: Router setting `forward_prompt_ids` (bundle only): False lets D render the chat
+    #: Router setting `engine.forward_prompt_ids` (bundle only): False lets D render the chat
     #: again instead of taking P's prompt token ids.
     forward_prompt_ids: bool = True
-    #: Router setting `forward_first_token` (bundle only): False lets D sample its own
+    #: Router setting `engine.forward_first_token` (bundle only): False lets D sample its own
     #: first token (one more step) instead of emitting and computing from P's.
     forward_first_token: bool = True
     prefill_count: int = Field(default=1, ge=1, le=4)  # P nodes (bundle only)
@@ -156,7 +156,7 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
                 "messages extend the held turn's (router.skip_tokenize_extensions off)"),
     BenchConfig(name="kvagent_render", kind="bundle", reuse=True, forward_prompt_ids=False,
                 description="kvagent whose D renders the chat again after a P leg instead "
-                "of taking P's prompt token ids (router.forward_prompt_ids off)"),
+                "of taking P's prompt token ids (router.engine.forward_prompt_ids off)"),
     BenchConfig(name="kvagent_always_d_direct", kind="bundle", reuse=True,
                 skip_prefill_max_tokens=ALWAYS_SKIP_P,
                 description="kvagent with a fixed policy: every reused turn skips P "
@@ -173,11 +173,11 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig(name="kvagent_always_pd_reuse_render", kind="bundle", reuse=True,
                 skip_prefill_max_tokens=0, forward_prompt_ids=False,
                 description="kvagent_always_pd_reuse whose D renders the chat again "
-                "(router.forward_prompt_ids off), as before D took P's prompt token ids"),
+                "(router.engine.forward_prompt_ids off), as before D took P's prompt token ids"),
     BenchConfig(name="kvagent_always_pd_reuse_own_token", kind="bundle", reuse=True,
                 skip_prefill_max_tokens=0, forward_first_token=False,
                 description="kvagent_always_pd_reuse whose D recomputes the prompt's last "
-                "token to sample a first token of its own (router.forward_first_token off), "
+                "token to sample a first token of its own (router.engine.forward_first_token off), "
                 "as before D took P's"),
     BenchConfig(name="kvagent_always_pd_reuse_again", kind="bundle", reuse=True,
                 skip_prefill_max_tokens=0,
@@ -213,7 +213,7 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig(name="kvagent_own_token", kind="bundle", reuse=True,
                 forward_first_token=False,
                 description="kvagent whose D samples its own first token after a P leg "
-                "(router.forward_first_token off)"),
+                "(router.engine.forward_first_token off)"),
     BenchConfig(name="kvagent_always_pd_reuse_block512", kind="bundle", reuse=True,
                 skip_prefill_max_tokens=0, block_size=512,
                 description="kvagent_always_pd_reuse with 512-token KV blocks: a pull moves "
@@ -473,10 +473,13 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
         router["fresh_on_decode"] = "never"
     if not config.skip_tokenize_extensions:
         router["skip_tokenize_extensions"] = False
+    engine: dict[str, bool] = {}
     if not config.forward_prompt_ids:
-        router["forward_prompt_ids"] = False
+        engine["forward_prompt_ids"] = False
     if not config.forward_first_token:
-        router["forward_first_token"] = False
+        engine["forward_first_token"] = False
+    if engine:
+        router["engine"] = engine
     return {
         **({"block_size": config.block_size} if config.block_size else {}),
         **({"device": "cuda", "cpu_pinning": False} if device == "cuda" else {}),

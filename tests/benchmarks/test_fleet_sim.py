@@ -52,7 +52,7 @@ def test_smoke_slice_reuse_beats_no_reuse_and_is_seeded():
 def test_router_threshold_decides_reuse():
     """The planner is the router's: its recompute threshold, set above every prompt,
     turns all reuse off with the planner's own reason."""
-    s = _fleet(SimConfig(n_prefill=1, n_decode=2, settings={"kv_recompute_threshold": 10**6}),
+    s = _fleet(SimConfig(n_prefill=1, n_decode=2, settings={"nodes": {"kv_recompute_threshold": 10**6}}),
                SPEC)
     assert s["reuse_rate"] == 0
     assert set(s["miss_reasons"]) == {"below_threshold"}

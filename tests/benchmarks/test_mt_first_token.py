@@ -47,6 +47,7 @@ def test_summary_compares_each_reused_turn_with_the_other_arms() -> None:
 
 def test_the_arms_routers_differ_only_in_forwarding_ps_token() -> None:
     on, off = (arm_settings(arm) for arm in ARMS)
-    assert on.pop("forward_first_token") is True and off.pop("forward_first_token") is False
+    assert on.pop("engine") == {"forward_first_token": True}
+    assert off.pop("engine") == {"forward_first_token": False}
     assert on.pop("tenants") != off.pop("tenants")  # each its own cache salt
     assert on == off

@@ -70,10 +70,10 @@ def test_default_plan_golden() -> None:
     )
     assert bp.router.health_url == "http://127.0.0.1:8000/health"
     # The router is told the node facts it must agree with.
-    assert bp.router_settings["block_size"] == 128
-    assert bp.router_settings["kv_recompute_threshold"] == 64
-    assert bp.router_settings["decode_blocks_ttl_s"] == 480
-    assert bp.router_settings["kv_events"] == {  # ipc: bind_host is not a wildcard
+    assert bp.router_settings["nodes"]["block_size"] == 128
+    assert bp.router_settings["nodes"]["kv_recompute_threshold"] == 64
+    assert bp.router_settings["retention"]["decode_blocks_ttl_s"] == 480
+    assert bp.router_settings["engine"]["kv_events"] == {  # ipc: bind_host is not a wildcard
         url: {"endpoint": f"ipc:///run/x/kv-events-{role}-0.ipc", "topic": "kvagent",
               "hash_algo": "sha256", "hash_seed": None}
         for url, role in ((p.url, "prefill"), (d.url, "decode"))}
@@ -114,16 +114,16 @@ def test_router_settings_follow_the_nodes() -> None:
     cfg = pd_config({"block_size": 32, "decoder_kv_blocks_ttl_s": 300,
                            "kv_recompute_threshold": 100, "router": {"reuse": False}})
     settings = plan(cfg, fake_inputs()).router_settings
-    assert (settings["block_size"], settings["decode_blocks_ttl_s"],
-            settings["kv_recompute_threshold"], settings["reuse"]) == (32, 300, 100, False)
-    clash = pd_config({"router": {"block_size": 16}})  # nodes: 128 on CPU
+    assert (settings["nodes"]["block_size"], settings["retention"]["decode_blocks_ttl_s"],
+            settings["nodes"]["kv_recompute_threshold"], settings["reuse"]) == (32, 300, 100, False)
+    clash = pd_config({"router": {"nodes": {"block_size": 16}}})  # nodes: 128 on CPU
     with pytest.raises(ConfigError) as info:
         plan(clash, fake_inputs())
     assert info.value.problems == [
-        ("router.block_size: 16 disagrees with the nodes' block_size (128); set block_size "
+        ("router.nodes.block_size: 16 disagrees with the nodes' block_size (128); set block_size "
         "instead, the bundle passes it on")]
-    same = pd_config({"router": {"block_size": 16}, "device": "cuda"})
-    assert plan(same, fake_inputs(gpus=2)).router_settings["block_size"] == 16
+    same = pd_config({"router": {"nodes": {"block_size": 16}}, "device": "cuda"})
+    assert plan(same, fake_inputs(gpus=2)).router_settings["nodes"]["block_size"] == 16
 
 
 def test_router_knows_the_decode_nodes_prompt_step() -> None:
@@ -161,10 +161,10 @@ def test_router_gets_the_models_placeholder_tokens_unless_configured(tmp_path: A
     inputs = fake_inputs()
     inputs = replace(inputs, model=replace(inputs.model, mm_placeholder_token_ids=(7, 9)))
     cfg = pd_config({})
-    assert plan(cfg, inputs).router_settings["mm_placeholder_token_ids"] == [7, 9]
-    assert plan(cfg, fake_inputs()).router_settings["mm_placeholder_token_ids"] == []
-    own = pd_config({"router": {"mm_placeholder_token_ids": [5]}})
-    assert plan(own, inputs).router_settings["mm_placeholder_token_ids"] == [5]
+    assert plan(cfg, inputs).router_settings["identity"]["mm_placeholder_token_ids"] == [7, 9]
+    assert plan(cfg, fake_inputs()).router_settings["identity"]["mm_placeholder_token_ids"] == []
+    own = pd_config({"router": {"identity": {"mm_placeholder_token_ids": [5]}}})
+    assert plan(own, inputs).router_settings["identity"]["mm_placeholder_token_ids"] == [5]
 
 
 def test_every_knob_reaches_the_command() -> None:

@@ -101,7 +101,7 @@ def test_single_on_cpu_is_one_node_on_every_core() -> None:
     argv = bp.router.argv
     assert "--prefill" not in argv and argv.count("--decode") == 1
     assert argv[argv.index("--decode") + 1] == node.url
-    assert bp.router_settings["kv_events"] == {}
+    assert bp.router_settings["engine"]["kv_events"] == {}
     assert bp.router_settings["decode_prompt_step_tokens"] == 128
 
 

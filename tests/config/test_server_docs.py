@@ -21,7 +21,7 @@ def test_server_guide_has_the_current_config_reference() -> None:
 
 def test_reference_lists_every_key() -> None:
     from kvagent_server.config import BundleConfig, RoleConfig
-    from kvagent_server.router.settings import RouterSettings
+    from kvagent_server.router.settings import SECTIONS, RouterSettings
 
     table = config_reference_markdown()
     for name in BundleConfig.model_fields:
@@ -31,6 +31,9 @@ def test_reference_lists_every_key() -> None:
         assert f"| `prefill.{name} / decode.{name}` |" in table
     for name in RouterSettings.model_fields:
         assert f"| `router.{name}` |" in table
+    for section, model in SECTIONS.items():
+        for name in model.model_fields:
+            assert f"| `router.{section}.{name}` |" in table
 
 
 def test_example_bundle_is_valid() -> None:

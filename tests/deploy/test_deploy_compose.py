@@ -64,7 +64,7 @@ def test_services_and_gpus() -> None:
     assert router["depends_on"] == {"prefill-0": {"condition": "service_healthy"},
                                     "decode-0": {"condition": "service_healthy"}}
     settings = json.loads(doc["configs"]["router-settings"]["content"])
-    assert settings["block_size"] == 16 and settings["redis_url"] is None
+    assert settings["nodes"]["block_size"] == 16 and settings["redis_url"] is None
 
 
 def test_one_gpu_needs_explicit_sharing() -> None:

@@ -115,7 +115,7 @@ def test_router_and_redis(cfg: Any) -> None:
     secret = find(objs, "Secret", "kvagent-router-settings")
     settings = json.loads(secret["stringData"]["router-settings.json"])
     assert settings["redis_url"] == "redis://kvagent-redis:6379/0"
-    assert settings["block_size"] == 16
+    assert settings["nodes"]["block_size"] == 16
     svc = find(objs, "Service", "kvagent-router")
     assert svc["spec"]["sessionAffinity"] == "ClientIP"
     assert dep["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "8000"

@@ -130,9 +130,11 @@ def test_ports_match_the_kubernetes_manifests(rendered: dict[str, dict[str, Any]
     secret = json.loads(_find(objs, "Secret", "kvagent-router-settings")["stringData"][
         "router-settings.json"])
     assert urlsplit(secret["redis_url"]).port == REDIS_PORT
-    for key in ("skip_prefill_max_tokens", "block_size", "decode_blocks_ttl_s",
-                "kv_recompute_threshold"):
-        assert secret[key] == rendered["ra"]["router"]["settings"][key], key
+    given = rendered["ra"]["router"]["settings"]
+    assert secret["skip_prefill_max_tokens"] == given["skip_prefill_max_tokens"]
+    for section, key in (("nodes", "block_size"), ("retention", "decode_blocks_ttl_s"),
+                         ("nodes", "kv_recompute_threshold")):
+        assert secret[section][key] == given[section][key], key
 
 
 def test_ports_match_the_compose_file(rendered: dict[str, dict[str, Any]]) -> None:

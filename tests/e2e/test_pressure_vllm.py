@@ -50,7 +50,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         tmp_path_factory.mktemp("pressure"), max_model_len=2048,
         prefill={"ports": [free_port()], "side_channel_ports": [free_port()], **nodes},
         decode={"ports": [free_port()], "side_channel_ports": [free_port()], **nodes},
-        router={"port": free_port(), "decode_room_wait_s": 120})
+        router={"port": free_port(), "retention": {"decode_room_wait_s": 120}})
     handle, bundle = start_bundle(config)
     try:
         yield Served(handle)

@@ -735,8 +735,8 @@ async def router_stack(*, n_prefill: int = 1, n_decode: int = 1, settings: Any =
     if settings is None:
         # Slow probes by default: tests that exercise health checks set their own interval
         # (a probe timing out on a loaded machine must not decide unrelated tests).
-        settings_kw.setdefault("health_interval_s", 5.0)
-        settings_kw.setdefault("kv_recompute_threshold", cluster.recompute_threshold)
+        nodes = {"health_interval_s": 5.0, "kv_recompute_threshold": cluster.recompute_threshold}
+        settings_kw["nodes"] = nodes | settings_kw.get("nodes", {})
         settings = RouterSettings(**settings_kw)
     async with contextlib.AsyncExitStack() as stack:
         p_urls = [await stack.enter_async_context(serve(n.app)) for n in prefill]

@@ -148,7 +148,7 @@ CASES: list[tuple[str, str, dict[str, Any] | bytes, int, str | None]] = [
 
 
 async def test_bad_requests_get_clear_openai_errors_before_any_node() -> None:
-    async with router_stack(max_body_bytes=256 * 1024) as stack:
+    async with router_stack(limits={"max_body_bytes": 256 * 1024}) as stack:
         for name, endpoint, body, status, ident in CASES:
             content = body if isinstance(body, bytes) else json.dumps(body).encode()
             r = await stack.client.post(f"/v1/{'chat/' if endpoint == 'chat' else ''}"

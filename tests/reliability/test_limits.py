@@ -30,7 +30,7 @@ async def eventually(check: Callable[[], bool], timeout: float = 20.0) -> None:
 
 
 async def test_body_over_limit_is_413_declared_or_streamed() -> None:
-    async with router_stack(max_body_bytes=4096) as st:
+    async with router_stack(limits={"max_body_bytes": 4096}) as st:
         big = json.dumps({**CHAT, "messages": [{"role": "user", "content": "x" * 8000}]})
         r = await st.client.post("/v1/chat/completions", content=big.encode())
         assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
@@ -45,7 +45,7 @@ async def test_body_over_limit_is_413_declared_or_streamed() -> None:
 
 
 async def test_headers_over_limit_are_431() -> None:
-    async with router_stack(max_header_bytes=8192) as st:
+    async with router_stack(limits={"max_header_bytes": 8192}) as st:
         r = await st.client.post("/v1/chat/completions", json=CHAT,
                                  headers={"X-Junk": "j" * 9000})
         assert r.status_code == 431 and r.json()["error"]["code"] == "headers_too_large"
@@ -80,7 +80,7 @@ async def test_tenant_limit_is_per_tenant_with_retry_after() -> None:
 
 async def test_first_byte_timeout_is_504_and_aborts_the_prefill_leg() -> None:
     cluster = FakeCluster(prefill_delay_s=60.0)
-    async with router_stack(cluster=cluster, first_byte_timeout_s=0.5) as st:
+    async with router_stack(cluster=cluster, limits={"first_byte_timeout_s": 0.5}) as st:
         t0 = time.monotonic()
         r = await st.client.post("/v1/chat/completions", json=CHAT)
         assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
@@ -128,7 +128,7 @@ class Firehose(FakeNode):
 async def firehose_stack(**settings_kw: Any) -> AsyncIterator[tuple[Stack, Firehose]]:
     cluster = FakeCluster()
     p, d = FakeNode(cluster, "prefill", 0), Firehose(cluster)
-    settings = RouterSettings(health_interval_s=5.0, **settings_kw)
+    settings = RouterSettings(nodes={"health_interval_s": 5.0}, **settings_kw)
     async with serve(p.app) as p_url, serve(d.app) as d_url:
         app = create_app(settings, [p_url], [d_url], model=MODEL)
         async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
@@ -157,7 +157,7 @@ async def stalled_client(url: str, body: dict[str, Any],
 
 async def test_stalled_reader_is_cut_and_releases_the_decode_node() -> None:
     tenants = [{"name": "solo", "api_keys": ["key-solo-123456"], "max_concurrent_streams": 1}]
-    async with firehose_stack(stream_write_timeout_s=0.5, tenants=tenants) as (st, d):
+    async with firehose_stack(tenants=tenants, limits={"stream_write_timeout_s": 0.5}) as (st, d):
         auth = {"Authorization": "Bearer key-solo-123456"}
         writer, got = await stalled_client(st.url, CHAT, auth)
         try:
@@ -186,7 +186,7 @@ async def test_a_slow_but_steady_reader_is_not_cut() -> None:
     slowly, gets its whole answer."""
     cluster = FakeCluster(token_delay_s=0.02, chunk_chars=1,
                           reply=lambda p: Reply(content="steady " * 10))
-    async with router_stack(cluster=cluster, stream_write_timeout_s=0.5) as st:
+    async with router_stack(cluster=cluster, limits={"stream_write_timeout_s": 0.5}) as st:
         async with st.client.stream("POST", "/v1/chat/completions", json=CHAT) as r:
             body = b""
             async for piece in r.aiter_raw():

@@ -17,7 +17,7 @@ SESSIONS, TURNS = 20, 10
 
 async def test_concurrent_sessions_get_their_own_answers() -> None:
     async with router_stack(cluster=make_cluster(), skip_prefill_max_tokens=0,
-                            request_timeout_s=60) as st:
+                            nodes={"request_timeout_s": 60}) as st:
         result = await run_load(st.url, sessions=SESSIONS, turns=TURNS, cap_s=240)
         s = result.summary()
         assert s["turns_sent"] == SESSIONS * TURNS, s

@@ -57,7 +57,7 @@ async def test_key_rotation_keeps_live_sessions(redis_server: Any) -> None:
         store = RedisStore.from_url(redis_server.url, prefix="rot")
         stores.append(store)
         settings = RouterSettings(signing_keys=keys, skip_prefill_max_tokens=0,
-                                  health_interval_s=5.0)
+                                  nodes={"health_interval_s": 5.0})
         app = create_app(settings, [p_url], [d_url], model=MODEL, store=store)
         async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
             yield c

@@ -6,12 +6,10 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from kvagent_server.router.settings import RouterSettings, TenantSettings
+from kvagent_server.router.settings import LimitSettings, RouterSettings, TenantSettings
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
 _UNITS = {"": 1, "KiB": 1024, "MiB": 1024 * 1024, "s": 1}
-#: Settings named like limits that are not a client-facing limit (so not in the table).
-NOT_LIMITS = {"max_retries"}
 
 
 def _table() -> dict[str, str]:
@@ -36,12 +34,65 @@ def test_every_documented_default_is_the_settings_default() -> None:
         if name.startswith("tenants[]."):
             actual = getattr(tenant, name.removeprefix("tenants[]."))
         else:
-            actual = getattr(defaults, name)
+            section, key = name.split(".")
+            actual = getattr(getattr(defaults, section), key)
         assert _value(documented) == actual, f"{name}: documented {documented}, code {actual}"
 
 
 def test_every_limit_setting_is_documented() -> None:
     documented = set(_table())
-    limits = {name for name in RouterSettings.model_fields
-              if name.startswith("max_") or name.endswith("_timeout_s")} - NOT_LIMITS
+    limits = {f"limits.{name}" for name in LimitSettings.model_fields}
     assert limits <= documented, sorted(limits - documented)
+
+
+def test_an_old_flat_key_moves_into_its_section_with_one_warning(caplog) -> None:
+    from kvagent_server.router.settings import model as module
+
+    module._WARNED.discard("retention_high_watermark")
+    module._WARNED.discard("max_body_bytes")
+    with caplog.at_level("WARNING", logger="kvagent.router"):
+        s = RouterSettings.model_validate({"max_body_bytes": 4096,
+                                           "retention_high_watermark": 0.9})
+        RouterSettings(max_body_bytes=4096)  # warned once per key and process
+    assert s.limits.max_body_bytes == 4096 and s.retention.high_watermark == 0.9
+    warnings = [r.getMessage() for r in caplog.records]
+    assert sum("router.max_body_bytes is now router.limits.max_body_bytes" in w
+               for w in warnings) == 1
+    assert any("router.retention_high_watermark is now router.retention.high_watermark" in w
+               for w in warnings)
+
+
+def test_a_flat_key_joins_the_rest_of_its_section() -> None:
+    s = RouterSettings(max_tools=2, limits={"max_messages": 4})
+    assert (s.limits.max_tools, s.limits.max_messages) == (2, 4)
+    same = RouterSettings(max_tools=2, limits={"max_tools": 2})
+    assert same.limits.max_tools == 2
+
+
+def test_a_key_given_flat_and_nested_with_different_values_is_an_error() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"router\.max_tools \(2\) and "
+                                              r"router\.limits\.max_tools \(3\) disagree"):
+        RouterSettings(max_tools=2, limits={"max_tools": 3})
+    with pytest.raises(ValidationError, match=r"router\.retention_policy .* and "
+                                              r"router\.retention\.policy"):
+        RouterSettings(retention_policy={"name": "oldest_first"},
+                       retention={"policy": {"name": "expected_return"}})
+
+
+def test_every_old_flat_key_has_a_place() -> None:
+    from kvagent_server.router.settings import FLAT_KEYS, SECTIONS
+
+    for old, (section, new) in FLAT_KEYS.items():
+        assert old not in RouterSettings.model_fields, old
+        assert new in SECTIONS[section].model_fields, (old, section, new)
+
+
+def test_watermarks_are_checked_in_their_section() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="low_watermark"):
+        RouterSettings(retention={"high_watermark": 0.5, "low_watermark": 0.6})

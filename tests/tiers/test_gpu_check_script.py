@@ -80,9 +80,9 @@ def test_a_prompt_shorter_than_a_block_never_passes() -> None:
 
 
 def test_event_source_is_the_bundles_router_setting() -> None:
-    settings = {"kv_events": {"http://127.0.0.1:18300": {
+    settings = {"engine": {"kv_events": {"http://127.0.0.1:18300": {
         "endpoint": "ipc:///tmp/x.ipc", "topic": "kvagent", "hash_algo": "sha256",
-        "hash_seed": "7"}}}
+        "hash_seed": "7"}}}}
     src = tier_events.event_source(settings, "http://127.0.0.1:18300")
     assert (src.endpoint, src.hash_seed) == ("ipc:///tmp/x.ipc", "7")
     with pytest.raises(SystemExit, match="publishes no KV events"):

@@ -29,7 +29,7 @@ def events_of(argv: tuple[str, ...]) -> dict[str, Any] | None:
 
 def test_default_is_ipc_in_the_run_dir_for_every_node(tmp_path: Path) -> None:
     bp = plan(pd_config({"run_dir": str(tmp_path), "prefill": {"count": 2}}), inputs())
-    sources = bp.router_settings["kv_events"]
+    sources = bp.router_settings["engine"]["kv_events"]
     assert len(bp.nodes) == 3 and len(sources) == 3
     for node in bp.nodes:
         ev = events_of(node.argv)
@@ -47,7 +47,7 @@ def test_wildcard_bind_publishes_on_tcp_ports(tmp_path: Path) -> None:
                            "decode": {"hosts": ["10.1.2.9"]},
                            "kv_events": {"port_base": 6100, "topic": "t"}})
     bp = plan(cfg, inputs())
-    got = {n.name: (events_of(n.argv)["endpoint"], bp.router_settings["kv_events"][n.url]
+    got = {n.name: (events_of(n.argv)["endpoint"], bp.router_settings["engine"]["kv_events"][n.url]
                     ["endpoint"]) for n in bp.nodes}
     assert got == {"prefill-0": ("tcp://*:6100", "tcp://10.1.2.3:6100"),
                    "prefill-1": ("tcp://*:6101", "tcp://10.1.2.3:6101"),
@@ -58,7 +58,7 @@ def test_disabled_roles_and_nodes_without_prefix_caching_do_not_publish(tmp_path
     off = plan(pd_config({"run_dir": str(tmp_path), "kv_events": {"enabled": False}}),
                inputs())
     assert all(events_of(n.argv) is None for n in off.nodes)
-    assert off.router_settings["kv_events"] == {}
+    assert off.router_settings["engine"]["kv_events"] == {}
     some = plan(pd_config({"run_dir": str(tmp_path), "kv_events": {"roles": ["prefill"]},
                                  "prefill": {"count": 2, "prefix_caching": False}}), inputs())
     assert all(events_of(n.argv) is None for n in some.nodes)
@@ -74,7 +74,7 @@ def test_the_router_learns_each_nodes_hash_algo_and_seed(tmp_path: Path) -> None
         "decode": {"extra_env": {"PYTHONHASHSEED": "7"}}})
     bp = plan(cfg, inputs(gpus=2))
     p, d = bp.nodes
-    src = bp.router_settings["kv_events"]
+    src = bp.router_settings["engine"]["kv_events"]
     assert (src[p.url]["hash_algo"], src[p.url]["hash_seed"]) == ("sha256_cbor", "42")
     assert (src[d.url]["hash_algo"], src[d.url]["hash_seed"]) == ("sha256_cbor", "7")
     # The offload tier announces every block of a chunk, so prefixes match block by block.
@@ -83,7 +83,7 @@ def test_the_router_learns_each_nodes_hash_algo_and_seed(tmp_path: Path) -> None
     assert tier["kv_connector_extra_config"]["self_describing_kv_events"] is True
     algo_flag = pd_config({"run_dir": str(tmp_path), "prefill": {
         "extra_args": ["--prefix-caching-hash-algo=sha256_cbor"]}})
-    src = plan(algo_flag, inputs()).router_settings["kv_events"]
+    src = plan(algo_flag, inputs()).router_settings["engine"]["kv_events"]
     assert sorted(s["hash_algo"] for s in src.values()) == ["sha256", "sha256_cbor"]
 
 
@@ -110,12 +110,12 @@ def test_bad_kv_events_settings_are_explained(tmp_path: Path,
     finally:
         monkeypatch.delenv("TMPDIR")
         tempfile.tempdir = None
-    given = pd_config({"run_dir": str(tmp_path),
-                             "router": {"kv_events": {"http://x:1": {"endpoint": "ipc:///x"}}}})
-    with pytest.raises(ConfigError, match="router.kv_events"):
+    given = pd_config({"run_dir": str(tmp_path), "router": {
+        "engine": {"kv_events": {"http://x:1": {"endpoint": "ipc:///x"}}}}})
+    with pytest.raises(ConfigError, match="router.engine.kv_events"):
         plan(given, inputs())
     given.kv_events.enabled = False
-    assert "http://x:1" in plan(given, inputs()).router_settings["kv_events"]
+    assert "http://x:1" in plan(given, inputs()).router_settings["engine"]["kv_events"]
 
 
 def test_shell_output_creates_the_socket_directory_first(tmp_path: Path) -> None:
@@ -136,13 +136,13 @@ def test_deployments_publish_only_where_the_router_can_listen() -> None:
     k8s = deploy_plan(cfg, DeployOptions(), target="kubernetes", plugin=({}, {}))
     for role in ("prefill", "decode"):  # every pod runs the role's argv: one port per role
         assert events_of(k8s.roles[role].argv)["endpoint"] == "tcp://*:5800"
-    sources = k8s.router_settings["kv_events"]
+    sources = k8s.router_settings["engine"]["kv_events"]
     assert len(sources) == 4
     for node in k8s.bundle.nodes:
         assert sources[node.url]["endpoint"] == f"tcp://{node.host}:5800"
     compose = deploy_plan(cfg, DeployOptions(gpus=4), target="compose", plugin=({}, {}))
     assert all(events_of(n.argv) is None for n in compose.bundle.nodes)
-    assert compose.router_settings["kv_events"] == {}
+    assert compose.router_settings["engine"]["kv_events"] == {}
 
 
 def test_the_disk_tier_publishes_its_blocks_when_events_are_on(tmp_path: Path) -> None:
@@ -167,7 +167,7 @@ def test_a_deep_run_dir_puts_the_sockets_in_a_short_temp_dir(tmp_path: Path) -> 
 
     deep = tmp_path / ("d" * 120)
     bp = plan(pd_config({"run_dir": str(deep)}), inputs())
-    endpoints = [src["endpoint"] for src in bp.router_settings["kv_events"].values()]
+    endpoints = [src["endpoint"] for src in bp.router_settings["engine"]["kv_events"].values()]
     assert endpoints and all(e.startswith("ipc://") for e in endpoints)
     paths = [Path(e[len("ipc://"):]) for e in endpoints]
     assert all(len(str(p)) <= IPC_PATH_MAX and deep not in p.parents for p in paths)

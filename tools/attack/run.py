@@ -52,12 +52,15 @@ MIB = 1024 * 1024
 SETTINGS: dict[str, Any] = {
     "tenants": [{"name": "acme", "api_keys": [GOOD, *BOBS]},
                 {"name": "flood", "api_keys": [FLOOD]}],
-    "header_timeout_s": 3.0, "body_timeout_s": 4.0, "stream_write_timeout_s": 3.0,
-    "max_connections": 1024, "max_connections_per_client": 128,
-    "max_streams_per_client": 32, "max_upstream_body_bytes": MIB,
-    "max_handles_per_tenant": 50, "retention_check_interval_s": 0.5,
-    "skip_prefill_max_tokens": 0, "health_interval_s": 5.0,
+    "limits": {"header_timeout_s": 3.0, "body_timeout_s": 4.0, "stream_write_timeout_s": 3.0,
+               "max_connections": 1024, "max_connections_per_client": 128,
+               "max_streams_per_client": 32, "max_upstream_body_bytes": MIB,
+               "max_handles_per_tenant": 50},
+    "retention": {"check_interval_s": 0.5},
+    "nodes": {"health_interval_s": 5.0},
+    "skip_prefill_max_tokens": 0,
 }
+LIMITS: dict[str, Any] = SETTINGS["limits"]
 
 
 # ------------------------------------------------------------------ measuring
@@ -518,9 +521,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             ("header_flood_4x256mib", lambda: attacks.header_flood(int(256 * s) or 1, 4)),
             ("slow_headers", lambda: attacks.slow_headers(int(1500 * s), q)),
             ("slow_bodies", lambda: attacks.slow_bodies(
-                int(200 * s), max(q, SETTINGS["body_timeout_s"] + 2))),
+                int(200 * s), max(q, LIMITS["body_timeout_s"] + 2))),
             ("slow_readers", lambda: attacks.slow_readers(
-                2, max(q, SETTINGS["stream_write_timeout_s"] + 12))),
+                2, max(q, LIMITS["stream_write_timeout_s"] + 12))),
             ("churn", lambda: attacks.churn(q)),
             ("hijack_quota_abuse", lambda: attacks.hijack_and_quota(int(300 * s) or 60)),
             ("quiet_after", lambda: asyncio.sleep(q)),
@@ -565,7 +568,7 @@ def check(phases: dict[str, Any], args: argparse.Namespace) -> dict[str, bool]:
     out = {
         "router_alive": all(p["router_alive"] for p in ran),
         "rss_under_cap": all((p["rss_mib_max"] or 0) < args.rss_cap_mib for p in ran),
-        "fds_under_cap": all((p["fds_max"] or 0) < SETTINGS["max_connections"] + 64
+        "fds_under_cap": all((p["fds_max"] or 0) < LIMITS["max_connections"] + 64
                              for p in ran),
         # A phase without a single finished turn means the client was stuck: a failure.
         "good_ttft_p99_within": all(p["ttft_ms_p99"] is not None

@@ -47,8 +47,8 @@ T = TypeVar("T")
 
 def event_source(router_settings: dict[str, Any], node_url: str) -> KVEventSource:
     """The router's source for a rendered node, exactly as the bundle writes it into the
-    router settings (`router.kv_events`); a clear error when the node does not publish."""
-    raw = (router_settings.get("kv_events") or {}).get(node_url)
+    router settings (`router.engine.kv_events`); a clear error when the node does not publish."""
+    raw = (router_settings.get("engine", {}).get("kv_events") or {}).get(node_url)
     if raw is None:
         raise SystemExit(f"the rendered node {node_url} publishes no KV events "
                          "(kv_events.enabled false, or its role not in kv_events.roles)")

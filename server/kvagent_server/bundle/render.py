@@ -255,10 +255,11 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
     router_settings = _router_settings(cfg, block_size, inputs.model,
                                        d_prompt_cap=d_prompt_cap or None)
     if event_sources:
-        if cfg.router.kv_events:
-            raise ConfigError([("router.kv_events: the bundle fills it from kv_events; set "
-                                "kv_events.enabled: false to list sources yourself")])
-        router_settings["kv_events"] = event_sources
+        if cfg.router.engine.kv_events:
+            raise ConfigError([("router.engine.kv_events: the bundle fills it from "
+                                "kv_events; set kv_events.enabled: false to list sources "
+                                "yourself")])
+        router_settings["engine"]["kv_events"] = event_sources
     settings_path = run_dir / ROUTER_SETTINGS_FILE
     router = None
     if cfg.router_enabled:
@@ -397,30 +398,42 @@ def _router_settings(cfg: BundleConfig, block_size: int, model: ModelSource, *,
                      d_prompt_cap: int | None) -> dict[str, Any]:
     """The router's settings with the node facts it must agree on filled in by the bundle
     (`d_prompt_cap`: the decode nodes' --long-prefill-token-threshold as they run it)."""
-    update: dict[str, Any] = {}
-    if "mm_placeholder_token_ids" not in cfg.router.model_fields_set:
+    router = cfg.router
+    update: dict[str, dict[str, Any]] = {"identity": {}, "nodes": {}, "retention": {}}
+    if "mm_placeholder_token_ids" not in router.identity.model_fields_set:
         # Known placeholders let a changed image stop reuse at its position instead of
         # recomputing the whole turn; unknown ones keep the safe default.
-        update["mm_placeholder_token_ids"] = list(model.mm_placeholder_token_ids)
-    synced = {"block_size": block_size, "kv_recompute_threshold": cfg.kv_recompute_threshold,
-              "decode_blocks_ttl_s": cfg.decoder_kv_blocks_ttl_s,
-              "decode_prompt_step_tokens": d_prompt_cap}
-    source = {"block_size": "block_size", "kv_recompute_threshold": "kv_recompute_threshold",
-              "decode_blocks_ttl_s": "decoder_kv_blocks_ttl_s",
-              "decode_prompt_step_tokens": "decode.long_prefill_token_threshold"}
-    fields = type(cfg.router).model_fields
+        update["identity"]["mm_placeholder_token_ids"] = list(model.mm_placeholder_token_ids)
+    # (section or "" for the top level, key): the value the nodes run, and where it is set
+    synced: dict[tuple[str, str], tuple[Any, str]] = {
+        ("nodes", "block_size"): (block_size, "block_size"),
+        ("nodes", "kv_recompute_threshold"): (cfg.kv_recompute_threshold,
+                                              "kv_recompute_threshold"),
+        ("retention", "decode_blocks_ttl_s"): (cfg.decoder_kv_blocks_ttl_s,
+                                               "decoder_kv_blocks_ttl_s"),
+        ("", "decode_prompt_step_tokens"): (d_prompt_cap,
+                                            "decode.long_prefill_token_threshold"),
+    }
     problems = []
-    for key, value in synced.items():
-        given = getattr(cfg.router, key, None)
-        if key in cfg.router.model_fields_set and given is not None and given != value:
+    top: dict[str, Any] = {}
+    for (section, key), (value, source) in synced.items():
+        holder = getattr(router, section) if section else router
+        given = getattr(holder, key)
+        if key in holder.model_fields_set and given is not None and given != value:
+            where = f"router.{section}.{key}" if section else f"router.{key}"
             problems.append(
-                f"router.{key}: {given} disagrees with the nodes' "
-                f"{source[key]} ({value}); set {source[key]} instead, the bundle passes it on")
+                f"{where}: {given} disagrees with the nodes' {source} ({value}); set "
+                f"{source} instead, the bundle passes it on")
+        if section:
+            update[section][key] = value
+        else:
+            top[key] = value
     if problems:
         raise ConfigError(problems)
-    update |= {k: v for k, v in synced.items() if k in fields}
-    dumped: dict[str, Any] = reveal_secrets(
-        cfg.router.model_copy(update=update).model_dump(mode="python"))
+    filled = router.model_copy(update=top | {
+        section: getattr(router, section).model_copy(update=values)
+        for section, values in update.items()})
+    dumped: dict[str, Any] = reveal_secrets(filled.model_dump(mode="python"))
     return dumped
 
 

@@ -12,6 +12,7 @@ from pydantic.fields import FieldInfo
 from kvagent_server.config.model import BundleConfig, KVEventsConfig, LoraModule, RoleConfig
 from kvagent_server.router.reuse.retention_policy import RETENTION_POLICIES
 from kvagent_server.router.settings import (
+    SECTIONS,
     PathPolicySettings,
     RetentionPolicySettings,
     RouterSettings,
@@ -34,20 +35,31 @@ def config_reference_markdown() -> str:
     for name, field in KVEventsConfig.model_fields.items():
         rows.append(_row(f"kv_events.{name}", field))
     for name, field in RouterSettings.model_fields.items():
-        rows.append(_row(f"router.{name}", field))
         if name == "policy":  # a section: its keys, then each path policy's params
+            rows.append(_row(f"router.{name}", field))
             for sub, subfield in PathPolicySettings.model_fields.items():
                 rows.append(_row(f"router.{name}.{sub}", subfield))
             for policy, path_policy in sorted(POLICIES.items()):
                 for param, pfield in path_policy.params.model_fields.items():
                     rows.append(_row(f"router.{name}.params.{param} ({policy})", pfield))
-        if name == "retention_policy":  # a section: its keys, then each policy's params
-            for sub, subfield in RetentionPolicySettings.model_fields.items():
+        elif name in SECTIONS:  # a section by concern: its keys
+            rows.append(_row(f"router.{name}", field))
+            for sub, subfield in SECTIONS[name].model_fields.items():
                 rows.append(_row(f"router.{name}.{sub}", subfield))
-            for policy, registered in sorted(RETENTION_POLICIES.items()):
-                for param, pfield in registered.params.model_fields.items():
-                    rows.append(_row(f"router.{name}.params.{param} ({policy})", pfield))
+                if subfield.annotation is RetentionPolicySettings:
+                    _retention_policy_rows(rows, f"router.{name}.{sub}")
+        else:
+            rows.append(_row(f"router.{name}", field))
     return "\n".join(rows) + "\n"
+
+
+def _retention_policy_rows(rows: list[str], key: str) -> None:
+    """The retention policy section's keys, then each retention policy's params."""
+    for sub, subfield in RetentionPolicySettings.model_fields.items():
+        rows.append(_row(f"{key}.{sub}", subfield))
+    for policy, registered in sorted(RETENTION_POLICIES.items()):
+        for param, pfield in registered.params.model_fields.items():
+            rows.append(_row(f"{key}.params.{param} ({policy})", pfield))
 
 
 def _role_default(name: str) -> str | None:

@@ -275,7 +275,7 @@ async def test_a_failed_d_direct_recomputes_on_another_decode_node() -> None:
 
 
 async def test_decode_restart_detected_by_epoch() -> None:
-    async with router_stack(skip_prefill_max_tokens=0, health_interval_s=0.05) as st:
+    async with router_stack(skip_prefill_max_tokens=0, nodes={"health_interval_s": 0.05}) as st:
         kva, answer, _ = await turn(st, FIRST)
         d = st.decode[0]
         d.healthy = False
@@ -523,7 +523,7 @@ async def test_several_samples_or_prompts_served_whole_on_decode() -> None:
 
 
 async def test_errors_are_openai_shaped() -> None:
-    async with router_stack(max_body_bytes=4096) as st:
+    async with router_stack(limits={"max_body_bytes": 4096}) as st:
         c = st.client
         r = await c.post("/v1/chat/completions", content=b"{not json",
                          headers={"content-type": "application/json"})
@@ -572,7 +572,7 @@ async def test_upstream_4xx_passed_as_openai_error() -> None:
 
 async def test_models_health_ready_metrics() -> None:
     async with router_stack(n_decode=2, skip_prefill_max_tokens=0,
-                            health_interval_s=0.05) as st:
+                            nodes={"health_interval_s": 0.05}) as st:
         c = st.client
         models = (await c.get("/v1/models")).json()
         assert models["data"][0]["id"] == MODEL
@@ -668,7 +668,7 @@ async def test_cli_serves_with_settings_file(tmp_path: Any) -> None:
     p, d = FakeNode(cluster, "prefill"), FakeNode(cluster, "decode")
     cfg = tmp_path / "router.json"
     cfg.write_text(json.dumps({"router": {"skip_prefill_max_tokens": 0,
-                                          "health_interval_s": 0.5}}))
+                                          "nodes": {"health_interval_s": 0.5}}}))
     port = free_port()
     async with serve(p.app) as p_url, serve(d.app) as d_url:
         proc = await asyncio.create_subprocess_exec(

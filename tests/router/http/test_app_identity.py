@@ -95,7 +95,8 @@ async def test_swapped_image_with_identical_placeholders_recomputes() -> None:
 async def test_swapped_image_stops_reuse_at_its_placeholder() -> None:
     """With the placeholder token id configured, reuse covers the text before the
     changed image and ends at its first placeholder."""
-    async with router_stack(skip_prefill_max_tokens=0, mm_placeholder_token_ids=[MEDIA]) as st:
+    async with router_stack(skip_prefill_max_tokens=0,
+                            identity={"mm_placeholder_token_ids": [MEDIA]}) as st:
         first = [{"role": "user", "content": [{"type": "text", "text": LONG}, image(PNG_A)]}]
         kva, answer = await turn(st, first)
         swapped = [{"role": "user", "content": [{"type": "text", "text": LONG},
@@ -222,7 +223,7 @@ async def test_image_urls_are_never_fetched_by_the_router() -> None:
 
 
 async def test_trusted_media_urls_reuse() -> None:
-    async with router_stack(skip_prefill_max_tokens=0, trust_media_urls=True) as st:
+    async with router_stack(skip_prefill_max_tokens=0, identity={"trust_media_urls": True}) as st:
         msgs = [{"role": "user", "content": [{"type": "text", "text": LONG},
                                              image("http://198.51.100.7/cat.png")]}]
         kva, answer = await turn(st, msgs)
@@ -235,7 +236,7 @@ async def test_trusted_media_urls_reuse() -> None:
     {"type": "input_audio", "input_audio": {"data": "A" * 5000, "format": "wav"}},
     {"type": "file", "file": {"file_data": "A" * 5000, "filename": "a.pdf"}}])
 async def test_inline_media_over_the_limit_is_413(part: dict[str, Any]) -> None:
-    async with router_stack(max_inline_media_bytes=4096) as st:
+    async with router_stack(limits={"max_inline_media_bytes": 4096}) as st:
         body = {"model": MODEL, "messages": [{"role": "user", "content": [part]}]}
         r = await st.client.post("/v1/chat/completions", json=body)
         assert r.status_code == 413, r.text

@@ -50,8 +50,8 @@ async def test_a_response_chained_onto_an_earlier_response_branches() -> None:
     from kvagent_server.router.settings import RouterSettings, TenantSettings
 
     settings = RouterSettings(tenants=[TenantSettings(name="t", api_keys=["key-a"])],
-                              health_interval_s=5.0, kv_recompute_threshold=64,
-                              skip_prefill_max_tokens=64)
+                              skip_prefill_max_tokens=64, nodes={"health_interval_s": 5.0,
+                                                                 "kv_recompute_threshold": 64})
     base = {"model": "fake-model", "instructions": "You are a coding agent. " * 40,
             "temperature": 0.0, "max_output_tokens": 8}
     async with router_stack(settings=settings) as st:

@@ -123,9 +123,9 @@ async def test_no_identity_reuses_by_content_each_conversation_its_own() -> None
 
 
 async def test_content_reuse_stays_within_the_callers_key() -> None:
-    settings = RouterSettings(tenants=[
-        TenantSettings(name="t", api_keys=["key-a", "key-b"])], skip_prefill_max_tokens=0,
-        health_interval_s=5.0, kv_recompute_threshold=64)
+    settings = RouterSettings(
+        tenants=[TenantSettings(name="t", api_keys=["key-a", "key-b"])],
+        skip_prefill_max_tokens=0, nodes={"health_interval_s": 5.0, "kv_recompute_threshold": 64})
     async with router_stack(settings=settings) as st:
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
         a = {"Authorization": "Bearer key-a"}

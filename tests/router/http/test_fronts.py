@@ -21,7 +21,7 @@ KEYS = {"a": {"Authorization": "Bearer key-a"}, "b": {"x-api-key": "key-b"}}
 
 def settings(**kw: Any) -> RouterSettings:
     return RouterSettings(tenants=[TenantSettings(name="t", api_keys=["key-a", "key-b"])],
-                          health_interval_s=5.0, kv_recompute_threshold=64, **kw)
+                          nodes={"health_interval_s": 5.0, "kv_recompute_threshold": 64}, **kw)
 
 
 async def test_messages_errors_are_anthropic_shaped() -> None:

@@ -61,7 +61,7 @@ HEAD = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
 
 async def test_oversized_header_block_is_answered_while_it_arrives() -> None:
     """A 4 MiB header that never ends: 431 after about max_header_bytes, not buffered."""
-    async with router_stack(max_header_bytes=16 * 1024) as st:
+    async with router_stack(limits={"max_header_bytes": 16 * 1024}) as st:
         block = [HEAD + b"x-big: "] + [b"a" * 65536] * 64  # never terminated
         out, sent_all = await _raw(st.url, block, read_timeout_s=5)
         assert out.startswith(b"HTTP/1.1 431"), out[:80]
@@ -71,7 +71,7 @@ async def test_oversized_header_block_is_answered_while_it_arrives() -> None:
 
 
 async def test_too_many_headers_is_431() -> None:
-    async with router_stack(max_header_count=20) as st:
+    async with router_stack(limits={"max_header_count": 20}) as st:
         lines = b"".join(b"x-h%d: v\r\n" % i for i in range(21))
         out, _ = await _raw(st.url, [HEAD + lines + b"content-length: 2\r\n\r\n{}"])
         assert out.startswith(b"HTTP/1.1 431"), out[:80]
@@ -82,7 +82,7 @@ async def test_too_many_headers_is_431() -> None:
 
 
 async def test_slow_header_is_cut_by_the_header_timeout() -> None:
-    async with router_stack(header_timeout_s=0.5) as st:
+    async with router_stack(limits={"header_timeout_s": 0.5}) as st:
         started = time.monotonic()
         # One header byte every 0.1 s, 400 of them: would take 40 s.
         out, _ = await _raw(st.url, [HEAD] + [b"x"] * 400, pause_s=0.1)
@@ -138,7 +138,7 @@ async def _answered_mid_body(url: str, head: bytes, *, window_s: float = 4.0
 async def test_slow_body_is_cut_by_the_body_timeout() -> None:
     """408 at the body timeout, and the connection closed although the body keeps
     arriving: a byte at a time must not hold it open after the answer."""
-    async with router_stack(body_timeout_s=0.5, header_timeout_s=1.0) as st:
+    async with router_stack(limits={"body_timeout_s": 0.5, "header_timeout_s": 1.0}) as st:
         head = HEAD + b"content-type: application/json\r\ncontent-length: 200\r\n\r\n{"
         out, closed_after = await _answered_mid_body(st.url, head)
         assert out.startswith(b"HTTP/1.1 408"), out[:80]
@@ -155,7 +155,7 @@ async def test_an_answer_before_the_body_ends_closes_the_connection(
         request_line: bytes, extra: bytes, status: bytes) -> None:
     length = b"100000000" if status == b"413" else b"200"
     async with router_stack(tenants=[{"name": "t", "api_keys": ["k"]}],
-                            header_timeout_s=1.0) as st:
+                            limits={"header_timeout_s": 1.0}) as st:
         head = (request_line + b" HTTP/1.1\r\nhost: x\r\n" + extra
                 + b"content-type: application/json\r\ncontent-length: " + length
                 + b"\r\n\r\n{")
@@ -170,7 +170,7 @@ async def test_an_upload_answered_early_still_gets_its_answer() -> None:
     """A client uploading a body the router refuses at once (413 on its declared length)
     gets the 413: the router reads the rest before closing, so the kernel does not reset
     the connection under the upload."""
-    async with router_stack(max_body_bytes=1024 * 1024) as st:
+    async with router_stack(limits={"max_body_bytes": 1024 * 1024}) as st:
         big = [{"role": "user", "content": "x" * (9 * 1024 * 1024)}]
         for _ in range(3):
             r = await st.client.post("/v1/chat/completions", json=chat_body(big))
@@ -191,7 +191,7 @@ async def test_a_connection_whose_body_arrived_stays_open_after_an_error() -> No
 
 
 async def test_connections_per_client_are_capped() -> None:
-    async with router_stack(max_connections_per_client=4) as st:
+    async with router_stack(limits={"max_connections_per_client": 4}) as st:
         held = [await asyncio.to_thread(_connect, st.url) for _ in range(4)]
         try:
             out, _ = await _raw(st.url, [b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"],
@@ -206,7 +206,7 @@ async def test_connections_per_client_are_capped() -> None:
 
 
 async def test_total_connections_are_capped() -> None:
-    async with router_stack(max_connections=3) as st:
+    async with router_stack(limits={"max_connections": 3}) as st:
         await st.client.aclose()  # its pooled connection would count
         held = [await asyncio.to_thread(_connect, st.url) for _ in range(3)]
         try:
@@ -222,7 +222,7 @@ async def test_total_connections_are_capped() -> None:
 
 
 async def test_messages_and_tools_are_capped() -> None:
-    async with router_stack(max_messages=4, max_tools=2) as st:
+    async with router_stack(limits={"max_messages": 4, "max_tools": 2}) as st:
         many = [{"role": "user", "content": "hi"}] * 5
         r = await st.client.post("/v1/chat/completions", json=chat_body(many, stream=False))
         assert r.status_code == 400 and r.json()["error"]["code"] == "too_many_messages"
@@ -235,7 +235,7 @@ async def test_messages_and_tools_are_capped() -> None:
 
 
 async def test_body_bytes_are_capped() -> None:
-    async with router_stack(max_body_bytes=4096) as st:
+    async with router_stack(limits={"max_body_bytes": 4096}) as st:
         big = [{"role": "user", "content": "x" * 5000}]
         r = await st.client.post("/v1/chat/completions", json=chat_body(big))
         assert r.status_code == 413
@@ -243,7 +243,7 @@ async def test_body_bytes_are_capped() -> None:
 
 async def test_streams_per_client_are_capped() -> None:
     cluster = FakeCluster(token_delay_s=0.05)
-    async with router_stack(cluster=cluster, max_streams_per_client=1) as st:
+    async with router_stack(cluster=cluster, limits={"max_streams_per_client": 1}) as st:
         slow = asyncio.create_task(st.client.post("/v1/chat/completions",
                                                   json=chat_body(FIRST)))
         await asyncio.sleep(0.3)
@@ -260,7 +260,8 @@ async def test_a_tenant_named_like_a_client_address_has_its_own_count() -> None:
     cluster = FakeCluster(token_delay_s=0.05)
     tenants = [{"name": "client:127.0.0.1", "api_keys": ["k"], "max_concurrent_streams": 2}]
     auth = {"Authorization": "Bearer k"}
-    async with router_stack(cluster=cluster, tenants=tenants, max_streams_per_client=2) as st:
+    async with router_stack(cluster=cluster, tenants=tenants,
+                            limits={"max_streams_per_client": 2}) as st:
         slow = asyncio.create_task(st.client.post("/v1/chat/completions",
                                                   json=chat_body(FIRST), headers=auth))
         await asyncio.sleep(0.3)
@@ -295,7 +296,7 @@ async def test_session_id_with_newline_is_rejected_by_the_router() -> None:
 async def test_create_app_keeps_an_empty_store() -> None:
     store = MemoryStore()
     assert len(store) == 0  # falsy: `store or ...` replaced it
-    app = create_app(RouterSettings(health_interval_s=60), ["http://127.0.0.1:9"],
+    app = create_app(RouterSettings(nodes={"health_interval_s": 60}), ["http://127.0.0.1:9"],
                      ["http://127.0.0.1:9"], model="m", store=store)
     async with app.router.lifespan_context(app):
         assert app.state.router.store is store
@@ -337,7 +338,7 @@ async def test_a_streamed_error_event_is_rebuilt_from_safe_parts() -> None:
 @pytest.mark.parametrize("stream", [True, False])
 async def test_a_node_that_never_answers_is_cut_at_the_request_timeout(
         role: str, stream: bool) -> None:
-    async with router_stack(request_timeout_s=1.0, skip_prefill_max_tokens=0) as st:
+    async with router_stack(skip_prefill_max_tokens=0, nodes={"request_timeout_s": 1.0}) as st:
         node = (st.prefill if role == "prefill" else st.decode)[0]
         node.stall_s = 60
         started = time.monotonic()
@@ -361,7 +362,7 @@ async def test_client_request_id_never_reaches_a_node() -> None:
 
 async def test_non_streamed_answer_is_read_with_a_cap() -> None:
     cluster = FakeCluster(reply=lambda ids: Reply(content="y" * 4000))
-    async with router_stack(cluster=cluster, max_upstream_body_bytes=2048) as st:
+    async with router_stack(cluster=cluster, limits={"max_upstream_body_bytes": 2048}) as st:
         r = await st.client.post("/v1/chat/completions", json=chat_body(FIRST, stream=False))
         assert r.status_code == 502
         assert_clean(st, r.text)
@@ -413,9 +414,9 @@ async def test_anonymous_callers_share_sessions_as_before() -> None:
 
 async def test_one_tenant_cannot_evict_another_and_evictions_release_on_d() -> None:
     tenants = [{"name": "flood", "api_keys": ["kf"]}, {"name": "quiet", "api_keys": ["kq"]}]
-    async with router_stack(tenants=tenants, max_handles_per_tenant=3,
-                            retention_check_interval_s=0.2,
-                            skip_prefill_max_tokens=0) as st:
+    async with router_stack(tenants=tenants, skip_prefill_max_tokens=0,
+                            limits={"max_handles_per_tenant": 3},
+                            retention={"check_interval_s": 0.2}) as st:
         quiet = {"Authorization": "Bearer kq"}
         _, answer, _ = await turn(st, FIRST, session="q", headers=quiet)
         for i in range(6):  # the flood's one-turn sessions
@@ -436,7 +437,7 @@ async def test_asgi_header_limits_hold_under_any_server() -> None:
     """The app's own middleware: the second line when served by another ASGI server."""
     import httpx
 
-    app = create_app(RouterSettings(max_header_count=20), ["http://127.0.0.1:9"],
+    app = create_app(RouterSettings(limits={"max_header_count": 20}), ["http://127.0.0.1:9"],
                      ["http://127.0.0.1:9"], model="m")
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
                                  base_url="http://r") as c:

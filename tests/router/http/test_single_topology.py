@@ -142,9 +142,9 @@ async def test_the_agent_front_doors_reuse_on_the_one_node() -> None:
 
 async def test_over_the_watermark_the_guard_evicts_on_the_node() -> None:
     cluster = FakeCluster(kv_blocks=200)
-    async with router_stack(n_prefill=0, cluster=cluster, retention_high_watermark=0.5,
-                            retention_low_watermark=0.25,
-                            retention_check_interval_s=0.05) as st:
+    async with router_stack(n_prefill=0, cluster=cluster,
+                            retention={"high_watermark": 0.5, "low_watermark": 0.25,
+                                       "check_interval_s": 0.05}) as st:
         d = st.decode[0]
         convs = {}
         for i in range(5):  # ~30 blocks each: the fourth or fifth crosses 50%
@@ -168,7 +168,7 @@ async def test_over_the_watermark_the_guard_evicts_on_the_node() -> None:
 
 
 async def test_health_ready_models_and_metrics_with_no_prefill_node() -> None:
-    async with router_stack(n_prefill=0, health_interval_s=0.05) as st:
+    async with router_stack(n_prefill=0, nodes={"health_interval_s": 0.05}) as st:
         c = st.client
         assert (await c.get("/v1/models")).json()["data"][0]["id"] == MODEL
         assert (await c.get("/health")).status_code == 200

@@ -2,7 +2,7 @@
 
 The fake P nodes' KV events are published the way vLLM's `ZmqEventPublisher` does
 (topic, 8-byte sequence number, msgpack batch) on ipc sockets; the router subscribes
-with its own `KVEventSubscriber` (the wiring `create_app` does from `settings.kv_events`).
+with its own `KVEventSubscriber` (the wiring `create_app` does from `settings.engine.kv_events`).
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ async def tiered(stack: Stack, tmp_path: Path) -> AsyncIterator[dict[str, Publis
     r = stack.router
     prefill = [n for n in r.registry.nodes.values() if n.role == "prefill"]
     endpoints = {n.name: f"ipc://{tmp_path}/{n.name}.ipc" for n in prefill}
-    settings = RouterSettings(kv_events={
-        n.url: KVEventSource(endpoint=endpoints[n.name], topic="kvagent") for n in prefill})
+    settings = RouterSettings(engine={"kv_events": {
+        n.url: KVEventSource(endpoint=endpoints[n.name], topic="kvagent") for n in prefill}})
     ctx = zmq.Context()
     pubs = {name: Publisher(ctx, ep) for name, ep in endpoints.items()}
     r.tiers, sub = tier_placement.from_settings(settings, r.registry)
@@ -143,16 +143,18 @@ def test_unreproducible_sources_get_no_subscription() -> None:
     from kvagent_server.router.nodes.registry import NodeRegistry
 
     reg = NodeRegistry(["http://p:1"], ["http://d:1"])
-    bad = RouterSettings(kv_events={"http://p:1": KVEventSource(endpoint="ipc:///x",
-                                                                hash_algo="xxhash")})
+    bad = RouterSettings(engine={"kv_events": {"http://p:1": KVEventSource(endpoint="ipc:///x",
+                                                                hash_algo="xxhash")}})
     tiers, sub = tier_placement.from_settings(bad, reg)
     assert tiers is not None and tiers.hashers == {} and sub is None
     assert tier_placement.from_settings(RouterSettings(), reg) == (None, None)
-    unknown = RouterSettings(kv_events={"http://elsewhere:1": KVEventSource(endpoint="ipc:///x")})
+    unknown = RouterSettings(engine={"kv_events": {
+        "http://elsewhere:1": KVEventSource(endpoint="ipc:///x")}})
     assert tier_placement.from_settings(unknown, reg) == (None, None)
 
 
 @pytest.mark.parametrize("field", ["kv_events"])
 def test_settings_round_trip(field: str) -> None:
-    s = RouterSettings.model_validate({field: {"http://p:1": {"endpoint": "tcp://p:5800"}}})
-    assert s.kv_events["http://p:1"].hash_algo == "sha256"
+    s = RouterSettings.model_validate(
+        {"engine": {field: {"http://p:1": {"endpoint": "tcp://p:5800"}}}})
+    assert s.engine.kv_events["http://p:1"].hash_algo == "sha256"

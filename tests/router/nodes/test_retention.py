@@ -159,8 +159,8 @@ async def _wait_for(cond, timeout: float = 10.0) -> None:
 async def test_decode_over_the_watermark_evicts_and_releases_the_oldest() -> None:
     cluster = FakeCluster(kv_blocks=200)
     async with router_stack(cluster=cluster, skip_prefill_max_tokens=0,
-                            retention_high_watermark=0.5, retention_low_watermark=0.25,
-                            retention_check_interval_s=0.05) as st:
+                            retention={"high_watermark": 0.5, "low_watermark": 0.25,
+                                       "check_interval_s": 0.05}) as st:
         d = st.decode[0]
         convs = {}
         for i in range(5):  # ~30 blocks each: the fourth or fifth crosses 50%
@@ -201,21 +201,22 @@ async def test_decode_over_the_watermark_evicts_and_releases_the_oldest() -> Non
 
 
 async def test_no_eviction_below_the_watermark_or_when_disabled() -> None:
-    for kw in ({"retention_high_watermark": 0.9}, {"retention_high_watermark": None}):
+    for high in (0.9, None):
         cluster = FakeCluster(kv_blocks=200)
         async with router_stack(cluster=cluster, skip_prefill_max_tokens=0,
-                                retention_check_interval_s=0.05, **kw) as st:
+                                retention={"high_watermark": high,
+                                           "check_interval_s": 0.05}) as st:
             for i in range(5):
                 await turn(st, [{"role": "user", "content": f"c{i}: {LONG}"}],
                            session=f"s{i}")
             await asyncio.sleep(0.3)
-            assert not cluster.events_of("release"), kw
+            assert not cluster.events_of("release"), high
 
 
 async def test_blocks_no_handle_records_are_released() -> None:
     """A turn nobody can name again (no session, content lookup off) gets no cache token,
     yet D retained its blocks: the router has them freed instead of pinned until the TTL."""
-    async with router_stack(retention_check_interval_s=0.05, content_reuse=False) as st:
+    async with router_stack(content_reuse=False, retention={"check_interval_s": 0.05}) as st:
         await turn(st, [{"role": "user", "content": LONG}], session=None)
         await _wait_for(lambda: st.cluster.events_of("release"))
         assert st.decode[0].kv_usage() == 0
@@ -242,9 +243,8 @@ async def test_under_pressure_final_answers_go_before_a_session_waiting_on_a_too
     answer and the tool session's next turn reuses its KV; `oldest_first` drops it."""
     cluster = FakeCluster(kv_blocks=200, reply=_tool_or_answer)
     async with router_stack(cluster=cluster, skip_prefill_max_tokens=0,
-                            retention_high_watermark=0.5, retention_low_watermark=0.25,
-                            retention_check_interval_s=0.05,
-                            retention_policy={"name": policy}) as st:
+                            retention={"high_watermark": 0.5, "low_watermark": 0.25,
+                                       "check_interval_s": 0.05, "policy": {"name": policy}}) as st:
         d = st.decode[0]
         tool_msgs = [{"role": "user", "content": f"please use a tool: {LONG}"}]
         tool_kva, _, evs = await turn(st, tool_msgs, session="tool")

@@ -128,21 +128,21 @@ def test_turns_that_ended_otherwise_go_by_age_after_answers_and_gone_sessions() 
 
 def test_policies_are_chosen_by_name_with_their_own_checked_params() -> None:
     assert isinstance(retention_policy_for(RouterSettings()), ExpectedReturn)
-    chosen = retention_policy_for(RouterSettings(retention_policy={
-        "name": "expected_return", "params": {"unseen_tool_pause_s": 5}}))
+    chosen = retention_policy_for(RouterSettings(retention={"policy": {
+        "name": "expected_return", "params": {"unseen_tool_pause_s": 5}}}))
     assert isinstance(chosen, ExpectedReturn) and chosen.params.unseen_tool_pause_s == 5
     assert isinstance(retention_policy_for(RouterSettings(
-        retention_policy={"name": "oldest_first"})), OldestFirst)
-    with pytest.raises(ValueError, match="unknown router.retention_policy.name 'lru'"):
-        retention_policy_for(RouterSettings(retention_policy={"name": "lru"}))
+        retention={"policy": {"name": "oldest_first"}})), OldestFirst)
+    with pytest.raises(ValueError, match="unknown router.retention.policy.name 'lru'"):
+        retention_policy_for(RouterSettings(retention={"policy": {"name": "lru"}}))
     with pytest.raises(ValueError, match="keep_soon_s"):
-        retention_policy_for(RouterSettings(retention_policy={
-            "name": "expected_return", "params": {"keep_soon_s": -1}}))
+        retention_policy_for(RouterSettings(retention={"policy": {
+            "name": "expected_return", "params": {"keep_soon_s": -1}}}))
     with pytest.raises(ValueError, match="typo"):
-        retention_policy_for(RouterSettings(retention_policy={
-            "name": "oldest_first", "params": {"typo": 1}}))
+        retention_policy_for(RouterSettings(retention={"policy": {
+            "name": "oldest_first", "params": {"typo": 1}}}))
     with pytest.raises(ValueError):
-        RouterSettings(retention_policy={"name": "oldest_first", "nope": 1})
+        RouterSettings(retention={"policy": {"name": "oldest_first", "nope": 1}})
 
 
 def test_a_registered_policy_is_built_by_name() -> None:
@@ -152,7 +152,7 @@ def test_a_registered_policy_is_built_by_name() -> None:
     register("test_newest_first", NoParams, newest_first)
     try:
         policy = retention_policy_for(RouterSettings(
-            retention_policy={"name": "test_newest_first"}))
+            retention={"policy": {"name": "test_newest_first"}}))
         assert policy.name == "newest_first"
         with pytest.raises(ValueError, match="already registered"):
             register("test_newest_first", NoParams, newest_first)

@@ -55,7 +55,7 @@ async def test_each_decode_leg_after_a_prefill_leg_takes_ps_prompt_ids() -> None
 
 
 async def test_setting_off_lets_d_render() -> None:
-    async with router_stack(skip_prefill_max_tokens=0, forward_prompt_ids=False) as st:
+    async with router_stack(skip_prefill_max_tokens=0, engine={"forward_prompt_ids": False}) as st:
         kvas = await _conversation(st, 3)
         assert kvas[-1]["path"] == "pd_reuse"
         assert not any(b.get("return_token_ids") for b in st.prefill[0].requests)
@@ -65,7 +65,7 @@ async def test_setting_off_lets_d_render() -> None:
 
 
 async def test_first_token_setting_off_keeps_the_ids() -> None:
-    async with router_stack(skip_prefill_max_tokens=0, forward_first_token=False) as st:
+    async with router_stack(skip_prefill_max_tokens=0, engine={"forward_first_token": False}) as st:
         await _conversation(st, 2)
         assert len(st.decode[0].forwarded_prompts) == 2
         assert st.decode[0].first_tokens == []

@@ -69,12 +69,12 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
     """
     parts = AppParts(
         settings=settings,
-        registry=NodeRegistry(prefill, decode, interval_s=settings.health_interval_s,
-                              probe_timeout_s=5.0, max_in_flight=settings.node_max_in_flight),
+        registry=NodeRegistry(prefill, decode, interval_s=settings.nodes.health_interval_s,
+                              probe_timeout_s=5.0, max_in_flight=settings.nodes.max_in_flight),
         metrics=metrics or RouterMetrics(),
         store=store if store is not None else make_store(settings),
         tenants=TenantResolver(settings), model=model,
-        admission=Admission(settings.max_streams_per_client))
+        admission=Admission(settings.limits.max_streams_per_client))
     # An unknown policy name, or one the topology cannot run, fails here, not on a turn.
     policy_for(settings, parts.registry.topology)
     retention_policy_for(settings)  # and so do bad retention parameters
@@ -93,8 +93,8 @@ def create_app(settings: RouterSettings, prefill: list[str], decode: list[str], 
     ]
     app = Starlette(routes=routes, lifespan=functools.partial(_lifespan, parts),
                     middleware=[Middleware(HeaderLimit,
-                                           max_header_bytes=settings.max_header_bytes,
-                                           max_header_count=settings.max_header_count),
+                                           max_header_bytes=settings.limits.max_header_bytes,
+                                           max_header_count=settings.limits.max_header_count),
                                 Middleware(RequestIdHeader)],
                     exception_handlers={404: route_not_found, 405: method_not_allowed})
     app.state.parts = parts
@@ -109,8 +109,9 @@ async def _lifespan(parts: AppParts, app: Starlette) -> AsyncIterator[None]:
         stack.push_async_callback(store.close)
         codec = TokenCodec(await key_ring_for(settings, store))
         # Every request to a node, legs and background alike, uses the node's pool.
-        legs = Legs(max_retries=settings.max_retries, timeout_s=settings.request_timeout_s,
-                    max_body_bytes=settings.max_upstream_body_bytes)
+        legs = Legs(max_retries=settings.nodes.max_retries,
+                    timeout_s=settings.nodes.request_timeout_s,
+                    max_body_bytes=settings.limits.max_upstream_body_bytes)
         stack.push_async_callback(legs.aclose)
         router = Router(settings=settings, registry=registry, legs=legs, store=store,
                         codec=codec, metrics=parts.metrics,
@@ -141,15 +142,15 @@ def _retention_guard(parts: AppParts, legs: Legs, router: Router) -> RetentionGu
     """Keeps decode nodes' retained KV under the watermark, dropping what the retention
     policy ranks first (nodes/retention.py)."""
     settings, metrics, nodes = parts.settings, parts.metrics, parts.registry.nodes
-    if settings.retention_high_watermark is None:
+    if settings.retention.high_watermark is None:
         return None
     evict = PolicyEviction(parts.store, retention_policy_for(settings), router.learned.pauses)
     return RetentionGuard(
         lambda name: legs.client(nodes[name]),
         nodes=lambda: [(n.name, n.url, n.epoch) for n in parts.registry.healthy("decode")],
         evict=evict, evict_for_turn=evict.for_turn, model=lambda: parts.model,
-        high=settings.retention_high_watermark, low=settings.retention_low_watermark,
-        interval_s=settings.retention_check_interval_s,
+        high=settings.retention.high_watermark, low=settings.retention.low_watermark,
+        interval_s=settings.retention.check_interval_s,
         on_evicted=metrics.retention_evictions.inc,
         on_released=lambda ok, n: metrics.retention_releases.labels(
             ok=str(ok).lower()).inc(n),
@@ -177,6 +178,6 @@ def _decode_gate(router: Router) -> DecodeGate | None:
 
     return DecodeGate(router.room, make_room=guard.make_room, refresh=guard.refresh,
                       release=guard.release, busy=busy,
-                      max_wait_s=router.settings.decode_room_wait_s,
+                      max_wait_s=router.settings.retention.decode_room_wait_s,
                       on_wait=router.metrics.room_waits.inc,
                       on_revoke=router.metrics.room_revocations.inc)

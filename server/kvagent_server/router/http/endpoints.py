@@ -79,7 +79,8 @@ async def count_tokens(request: Request) -> Response:
     try:
         tenant_of(request, parts.tenants)
         try:
-            raw = await read_json(request, r.settings.max_body_bytes, r.settings.body_timeout_s)
+            limits = r.settings.limits
+            raw = await read_json(request, limits.max_body_bytes, limits.body_timeout_s)
         except ClientDisconnect:
             return Response(status_code=499)
         try:

@@ -49,9 +49,10 @@ class ConnectionLimits:
 
     @classmethod
     def from_settings(cls, s: RouterSettings) -> ConnectionLimits:
-        return cls(max_header_bytes=s.max_header_bytes, max_header_count=s.max_header_count,
-                   header_timeout_s=s.header_timeout_s, max_connections=s.max_connections,
-                   max_connections_per_client=s.max_connections_per_client)
+        lim = s.limits
+        return cls(max_header_bytes=lim.max_header_bytes, max_header_count=lim.max_header_count,
+                   header_timeout_s=lim.header_timeout_s, max_connections=lim.max_connections,
+                   max_connections_per_client=lim.max_connections_per_client)
 
 
 class HeadMeter:
@@ -267,4 +268,4 @@ def uvicorn_config(app: Any, settings: RouterSettings, *, host: str, port: int,
     should someone switch to `http="h11"`."""
     kwargs.setdefault("http", make_protocol(ConnectionLimits.from_settings(settings)))
     return uvicorn.Config(app, host=host, port=port,
-                          h11_max_incomplete_event_size=settings.max_header_bytes, **kwargs)
+                          h11_max_incomplete_event_size=settings.limits.max_header_bytes, **kwargs)

@@ -124,7 +124,8 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
                  admission: Admission, arrived: float, front: Front | None) -> Response:
     tenant = tenant_of(request, tenants)
     try:
-        raw = await read_json(request, r.settings.max_body_bytes, r.settings.body_timeout_s)
+        limits = r.settings.limits
+        raw = await read_json(request, limits.max_body_bytes, limits.body_timeout_s)
     except ClientDisconnect:
         raise ClientGone from None
     api_session = None
@@ -134,10 +135,10 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
         prepared = await front.prepare(raw, tenant)
         body, api_session, endpoint = prepared.chat, prepared.session, CHAT
     chat = endpoint == CHAT
-    validate(body, chat=chat, max_tokens_limit=r.settings.max_tokens_limit,
-             max_messages=r.settings.max_messages, max_tools=r.settings.max_tools)
+    validate(body, chat=chat, max_tokens_limit=r.settings.limits.max_tokens_limit,
+             max_messages=r.settings.limits.max_messages, max_tools=r.settings.limits.max_tools)
     if chat:
-        check_media(body, r.settings.max_inline_media_bytes)
+        check_media(body, r.settings.limits.max_inline_media_bytes)
     session, source, token = _conversation(tenant, request, raw, body, api_session)
     wants_usage = bool((body.get("stream_options") or {}).get("include_usage"))
     keep_ids = bool(body.get("return_token_ids"))
@@ -168,7 +169,7 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
     handed_off = False
     try:
         turn = await _until_disconnect(request, open_turn(r, req),
-                                       r.settings.first_byte_timeout_s)
+                                       r.settings.limits.first_byte_timeout_s)
         scrubber = Scrubber(keep_token_ids=keep_ids, keep_usage=wants_usage or not req.stream,
                             stream=req.stream)
         if req.stream:
@@ -181,7 +182,7 @@ async def _serve(request: Request, r: Router, endpoint: str, tenants: TenantReso
                 relayed if front is None else front.stream(relayed, turn.facts.session),
                 media_type="text/event-stream", headers=headers,
                 background=BackgroundTask(cleanup, turn),
-                write_timeout_s=r.settings.stream_write_timeout_s,
+                write_timeout_s=r.settings.limits.stream_write_timeout_s,
                 on_stall=r.metrics.slow_clients.inc)
         try:
             return await _whole(r, turn, scrubber, front)

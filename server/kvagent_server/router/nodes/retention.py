@@ -14,7 +14,7 @@ and wait. Two things keep it bounded:
   `retention_high_watermark`, handles on that node are evicted from the store (claimed,
   so no turn can use them any more) until the blocks they hold cover the excess over
   `retention_low_watermark`, and released with one small request to the node. Which
-  go first is the retention policy's choice (`reuse.retention_policy`: by when each
+  go first is the retention policy's choice (`router.retention.policy`: by when each
   session is expected back, or by age); `PolicyEviction` asks it and claims its choice.
 
 Releasing is only safe for handles no one can present again: every released handle has

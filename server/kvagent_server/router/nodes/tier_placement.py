@@ -76,8 +76,8 @@ def from_settings(settings: RouterSettings, registry: NodeRegistry
     """The placement and its (not yet started) subscriber for the settings' KV event
     sources; (None, None) when there are none."""
     urls = {n.name: n.url for n in registry.nodes.values()}
-    sources = sources_by_node(settings.kv_events, urls)
-    unknown = {u.rstrip("/") for u in settings.kv_events} - set(urls.values())
+    sources = sources_by_node(settings.engine.kv_events, urls)
+    unknown = {u.rstrip("/") for u in settings.engine.kv_events} - set(urls.values())
     if unknown:
         log.warning("kv_events for unknown node URL(s) ignored: %s", ", ".join(sorted(unknown)))
     if not sources:
@@ -87,6 +87,6 @@ def from_settings(settings: RouterSettings, registry: NodeRegistry
     )
 
     index = KVIndex()
-    tiers = TierPlacement(index, sources, block_size=settings.block_size)
+    tiers = TierPlacement(index, sources, block_size=settings.nodes.block_size)
     usable = {name: s for name, s in sources.items() if name in tiers.hashers}
     return tiers, KVEventSubscriber(index, usable) if usable else None

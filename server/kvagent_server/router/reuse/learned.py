@@ -74,7 +74,7 @@ class Learned:
         #: estimates its delta from its new messages with it).
         self.message_chars = CharsPerToken()
         #: How long each tenant's tools keep a session away (retention keeps a waiting
-        #: session's KV by it: `reuse.retention_policy`).
+        #: session's KV by it: `router.retention.policy`).
         self.pauses = ToolPauses()
         #: The `/tokenize` round trip, seconds (running mean; None until one was made).
         self.tokenize_s: float | None = None

@@ -3,7 +3,7 @@
 A turn that ends on tool calls leaves its session waiting while the agent runs them; the
 session's next turn carries their results. The time between the two is the tool's pause,
 and retention keeps a waiting session's KV by when it is expected back
-(`reuse.retention_policy`). Learned per tenant and tool name (tool names are the
+(`router.retention.policy`). Learned per tenant and tool name (tool names are the
 client's own: two tenants' `search` need not be the same tool), as a running mean and
 mean deviation (the estimator TCP uses for round trips), so one odd pause moves it a
 little and a tool that varies a lot is given room before it counts as overdue.

@@ -5,7 +5,7 @@ free blocks (its usage past the retention guard's high watermark, or a turn wait
 room: `nodes.retention`, `nodes.admission`), a retention policy ranks the node's retained
 handles, and the first ones covering the blocks needed are evicted from the store and
 released. Policies are registered by name with their own parameters model;
-`router.retention_policy` names one and gives its parameters:
+`router.retention.policy` names one and gives its parameters:
 
 - `expected_return` (the default) keeps what is expected back soonest. A session whose
   turn ended on a final answer may be over: those go first, the longest idle first.
@@ -34,7 +34,7 @@ from kvagent_server.router.reuse.pauses import PauseStats, ToolKey
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.handle import Retained
 
-#: The retention policy a router runs unless `router.retention_policy` names another.
+#: The retention policy a router runs unless `router.retention.policy` names another.
 DEFAULT = "expected_return"
 
 
@@ -57,7 +57,7 @@ class RetentionFacts:
 class RetentionPolicy(Protocol):
     @property
     def name(self) -> str:
-        """What `router.retention_policy.name` calls it."""
+        """What `router.retention.policy.name` calls it."""
         ...
 
     def choose(self, facts: RetentionFacts) -> list[Retained]:
@@ -100,7 +100,7 @@ class OldestFirst:
 
 
 class ExpectedReturnParams(BaseModel):
-    """`expected_return`'s parameters (`router.retention_policy.params`)."""
+    """`expected_return`'s parameters (`router.retention.policy.params`)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -198,19 +198,19 @@ def register(name: str, params: type[BaseModel],
 
 
 def retention_policy_for(settings: RouterSettings) -> RetentionPolicy:
-    """The policy `router.retention_policy` names, built with its parameters; a
+    """The policy `router.retention.policy` names, built with its parameters; a
     ValueError names what is wrong with them."""
-    chosen = settings.retention_policy
+    chosen = settings.retention.policy
     try:
         registered = RETENTION_POLICIES[chosen.name]
     except KeyError:
-        raise ValueError(f"unknown router.retention_policy.name {chosen.name!r}; known: "
+        raise ValueError(f"unknown router.retention.policy.name {chosen.name!r}; known: "
                          f"{', '.join(sorted(RETENTION_POLICIES))}") from None
     try:
         params = registered.params.model_validate(chosen.params)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'params'}: {e['msg']}"
                              for e in exc.errors())
-        raise ValueError(f"router.retention_policy.params for {chosen.name!r}: "
+        raise ValueError(f"router.retention.policy.params for {chosen.name!r}: "
                          f"{problems}") from None
     return registered.build(params)

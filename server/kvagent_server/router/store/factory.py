@@ -21,10 +21,10 @@ def make_store(settings: RouterSettings) -> SessionStore:
         from kvagent_server.router.store.redis_store import RedisStore
 
         return RedisStore.from_url(settings.redis_url,
-                                   max_handles_per_tenant=settings.max_handles_per_tenant,
-                                   max_records_per_tenant=settings.max_records_per_tenant)
-    return MemoryStore(max_handles_per_tenant=settings.max_handles_per_tenant,
-                       max_records_per_tenant=settings.max_records_per_tenant)
+                                   max_handles_per_tenant=settings.limits.max_handles_per_tenant,
+                                   max_records_per_tenant=settings.limits.max_records_per_tenant)
+    return MemoryStore(max_handles_per_tenant=settings.limits.max_handles_per_tenant,
+                       max_records_per_tenant=settings.limits.max_records_per_tenant)
 
 
 async def key_ring_for(settings: RouterSettings, store: SessionStore) -> KeyRing:

@@ -102,7 +102,7 @@ _VLLM_BLOCK_SIZE = 16
 
 
 def _block_size(r: Router, node: Node) -> int:
-    return node.block_size or r.settings.block_size or _VLLM_BLOCK_SIZE
+    return node.block_size or r.settings.nodes.block_size or _VLLM_BLOCK_SIZE
 
 
 async def _admit(r: Router, node: Node | None, blocks: int, *,

@@ -61,7 +61,7 @@ async def gather(r: Router, req: TurnRequest) -> TurnFacts:
         handle_node_healthy=bool(d_node and d_node.healthy),
         handle_node_epoch=d_node.epoch if d_node else None, holder=holder,
         candidates=_candidates(r, costs), affinity=affinity, tiers=tiers,
-        counts_work=s.queue_aware_paths, prefill_block_size=s.block_size,
+        counts_work=s.queue_aware_paths, prefill_block_size=s.nodes.block_size,
         costs=costs, learned=learned, est_tokens=learned.estimate_tokens(req.body_chars),
         new_identity=new_ident, identity=_check_identity(r, handle, new_ident),
         tokenizable=tokenizer is not None)
@@ -92,7 +92,7 @@ def _with_ids(r: Router, facts: TurnFacts, ids: list[int]) -> TurnFacts:
     return dataclasses.replace(
         facts, prompt_ids=tuple(ids), ids_gathered=True, identity=_check_identity(
             r, facts.handle, identity.with_positions(new, ids,
-                                                     r.settings.mm_placeholder_token_ids)))
+                                                     r.settings.identity.mm_placeholder_token_ids)))
 
 
 def _tokenizer(r: Router) -> Node | None:
@@ -116,7 +116,7 @@ def _candidates(r: Router, costs: PathCosts) -> tuple[NodeFacts, ...]:
             line = costs.prefill if node.role == "prefill" else costs.d_direct
             work = r.work.work(node.name, now=now, per_token_s=line.per_token_s)
         out.append(NodeFacts(node=node, state=node.state(), work=work, kv_usage=node.kv_usage,
-                             block_size=s.block_size or node.block_size))
+                             block_size=s.nodes.block_size or node.block_size))
     return tuple(out)
 
 
@@ -285,8 +285,8 @@ async def _affinity(r: Router, req: TurnRequest, session: str | None) -> str | N
 def _identity_of(r: Router, req: TurnRequest, prompt_ids: list[int]) -> KVIdentity:
     s = r.settings
     return identity.identity_of(req.body, chat=req.chat, prompt_ids=prompt_ids,
-                                placeholder_ids=s.mm_placeholder_token_ids,
-                                extra_unverifiable=s.identity_unverifiable_fields)
+                                placeholder_ids=s.identity.mm_placeholder_token_ids,
+                                extra_unverifiable=s.identity.unverifiable_fields)
 
 
 def _check_identity(r: Router, handle: Handle | None,
@@ -294,4 +294,4 @@ def _check_identity(r: Router, handle: Handle | None,
     """The handle's KV identity against this prompt's (None: no handle to check)."""
     if handle is None:
         return None
-    return identity.check(handle.identity, new, trust_urls=r.settings.trust_media_urls)
+    return identity.check(handle.identity, new, trust_urls=r.settings.identity.trust_media_urls)

@@ -90,7 +90,7 @@ class ReuseParams(BaseModel):
 
     @classmethod
     def of(cls, settings: RouterSettings) -> ReuseParams:
-        return cls(reuse=settings.reuse, threshold=settings.kv_recompute_threshold,
+        return cls(reuse=settings.reuse, threshold=settings.nodes.kv_recompute_threshold,
                    skip_tokenize=settings.skip_tokenize_extensions)
 
 
@@ -112,7 +112,7 @@ class CostParams(BaseModel):
         ms = settings.d_direct_stall_max_ms
         return cls(skip_prefill_max_tokens=settings.skip_prefill_max_tokens,
                    d_stall_max_s=None if ms is None else ms / 1000,
-                   d_kv_high=settings.retention_high_watermark,
+                   d_kv_high=settings.retention.high_watermark,
                    fresh_on_decode=settings.fresh_on_decode,
                    decode_prompt_step_tokens=settings.decode_prompt_step_tokens)
 
@@ -134,11 +134,12 @@ class LegParams(BaseModel):
 
     @classmethod
     def of(cls, settings: RouterSettings) -> LegParams:
-        return cls(release_unused=settings.release_unused_handles,
-                   forward_prompt_ids=settings.forward_prompt_ids,
-                   forward_first_token=settings.forward_first_token,
-                   max_upstream_body_bytes=settings.max_upstream_body_bytes,
-                   read_within_s=settings.prefill_lease_s - settings.prefill_lease_margin_s,
+        return cls(release_unused=settings.retention.release_unused_handles,
+                   forward_prompt_ids=settings.engine.forward_prompt_ids,
+                   forward_first_token=settings.engine.forward_first_token,
+                   max_upstream_body_bytes=settings.limits.max_upstream_body_bytes,
+                   read_within_s=(settings.retention.prefill_lease_s
+                                  - settings.retention.prefill_lease_margin_s),
                    shift_blocks=settings.test_shift_blocks_header)
 
 
@@ -460,7 +461,7 @@ class Shared:
     @classmethod
     def of(cls, settings: RouterSettings) -> Shared:
         return cls(ReuseParams.of(settings), LegParams.of(settings),
-                   settings.retention_high_watermark)
+                   settings.retention.high_watermark)
 
 
 @dataclasses.dataclass(frozen=True)

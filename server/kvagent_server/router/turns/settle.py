@@ -144,21 +144,21 @@ async def _record(r: Router, turn: Turn, capture: Capture,
     name: found by content, it has nothing to carry) with its lifetime."""
     facts, req = turn.facts, turn.req
     s = r.settings
-    ttl = int(s.decode_blocks_ttl_s - s.token_safety_margin_s)
+    ttl = int(s.retention.decode_blocks_ttl_s - s.token_safety_margin_s)
     sequence = capture.sequence
     if (facts.session is None or capture.kv_params is None or not sequence or ttl <= 0
             or not s.reuse):
         return False, None, 0
     node = turn.decode.node
-    block_size = s.block_size or node.block_size
+    block_size = s.nodes.block_size or node.block_size
     if block_size is None:
-        log.warning("block size of %s unknown: set router.block_size", node.name)
+        log.warning("block size of %s unknown: set router.nodes.block_size", node.name)
         return False, None, 0
     now = time.time()
     ident = identity.identity_of(
         req.body, chat=req.chat, prompt_ids=capture.prompt_token_ids or [],
-        placeholder_ids=s.mm_placeholder_token_ids,
-        extra_unverifiable=s.identity_unverifiable_fields,
+        placeholder_ids=s.identity.mm_placeholder_token_ids,
+        extra_unverifiable=s.identity.unverifiable_fields,
         history=s.skip_tokenize_extensions)
     handle = Handle(handle_id=new_handle_id(), tenant=req.tenant.name, session=facts.session,
                     decode_node=node.name, decode_epoch=node.epoch,
