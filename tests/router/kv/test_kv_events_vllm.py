@@ -45,8 +45,8 @@ async def test_router_hashes_equal_the_node_published_hashes(bundle: KVAgentBund
     assert bundle.run_dir is not None
     settings = json.loads(Path(bundle.run_dir, ROUTER_SETTINGS_FILE).read_text())
     node_url = bundle.prefill_urls[0]
-    source = settings["kv_events"][node_url]
-    block = settings["block_size"]
+    source = settings["engine"]["kv_events"][node_url]
+    block = settings["nodes"]["block_size"]
     index = KVIndex()
     sub = KVEventSubscriber(index, {"p0": KVEventSource(endpoint=source["endpoint"],
                                                         topic=source["topic"])})
