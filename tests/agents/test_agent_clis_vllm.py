@@ -11,8 +11,9 @@ identifies the conversation from what the CLI sends, and the CLI shows no error.
 What a random-weight model cannot drive a CLI to (tool loops, subagents, compaction) is
 replayed from recorded sessions instead (test_agent_replay_vllm.py).
 
-One bundle serves the three CLIs: a 32k context, because Claude Code's first request alone
-is ~29k tokens (its system prompt and tool schemas).
+The suite's shared bundle serves the three CLIs: its context is 32k tokens
+(`support.SUITE_MAX_MODEL_LEN`), because Claude Code's first request alone is ~29k tokens (its
+system prompt and tool schemas).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import json
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,11 +33,9 @@ import replay
 from kvagent_server.bundle.runstate import LOG_DIR
 from kvagent_server.router.http.conversation import from_agents
 from support import (
+    SUITE_MAX_MODEL_LEN,
     KVAgentBundle,
-    bundle_config,
     skip_unless_required,
-    start_bundle,
-    vllm_available,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -76,15 +74,12 @@ class Played:
 
 
 @pytest.fixture(scope="module")
-def cli_bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVAgentBundle]:
-    if not vllm_available():
-        pytest.skip("vLLM is not installed (./dev test installs the CPU engine)")
-    config = bundle_config(tmp_path_factory.mktemp("cli-bundle"), max_model_len=32768)
-    handle, bundle = start_bundle(config)
-    try:
-        yield handle
-    finally:
-        bundle.stop()
+def cli_bundle(kvagent_bundle: KVAgentBundle) -> KVAgentBundle:
+    """The suite's bundle (`SUITE_MAX_MODEL_LEN` holds Claude Code's first request); each
+    play measures its own share of the router's counters and log."""
+    if not kvagent_bundle.available:
+        pytest.skip(kvagent_bundle.reason or "kvagent bundle unavailable")
+    return kvagent_bundle
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +247,7 @@ def test_first_request_size(session: Played) -> None:
               f"{clis.cached_tokens(p.name, run)}; " + "; ".join(
                   f"{(x.kvagent or {}).get('path')} reused {x.reused_tokens}"
                   for x in p.model_requests(i)))
-    assert usage_prompt and usage_prompt < 32768, first.line()
+    assert usage_prompt and usage_prompt < SUITE_MAX_MODEL_LEN, first.line()
 
 
 def _prompt_tokens(x: clis.Exchange) -> int | None:

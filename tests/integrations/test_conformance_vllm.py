@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from support import VLLMNode
+from support import SUITE_MAX_MODEL_LEN, VLLMNode
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -41,8 +41,8 @@ USAGE = {"stream_options": {"include_usage": True}}
 NO_USAGE = {"stream_options": {"include_usage": False}}
 CONTINUOUS = {"stream_options": {"include_usage": True, "continuous_usage_stats": True}}
 CONTINUOUS_ONLY = {"stream_options": {"include_usage": False, "continuous_usage_stats": True}}
-#: More tokens than the nodes' context (max_model_len 16384).
-TOO_LONG = "weather " * 17_000
+#: More tokens than the nodes' context (`SUITE_MAX_MODEL_LEN`, one token a word here).
+TOO_LONG = "weather " * (SUITE_MAX_MODEL_LEN + 1_000)
 
 #: (name, endpoint, body without "model"): every request both servers answer.
 CASES: list[tuple[str, str, dict[str, Any]]] = [
