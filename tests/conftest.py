@@ -155,17 +155,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if m != path.endswith(REAL_ENGINE_SUFFIX) and (m or not partial))
     if bad:
         raise pytest.UsageError("\n".join(bad))
-    _group_for_workers(items)
 
 
-def _group_for_workers(items: list[pytest.Item]) -> None:
-    """Work units for `pytest -n 2 --dist loadgroup` (what `./dev test` runs): every
-    real-engine module in one unit, in collection order, so one worker runs the vLLM nodes
-    (each a pinned P/D pair on both cores) one bundle at a time, as a serial run does, and
-    the order-dependent modules keep their order; every other module is a unit of its own
-    for the other worker, which keeps module fixtures to one setup. Without xdist the mark
-    is inert."""
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        group = "vllm" if module.endswith(REAL_ENGINE_SUFFIX) else module
-        item.add_marker(pytest.mark.xdist_group(group))
+# ------------------------------------------------------- two workers: `./dev test`
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit of work an xdist worker runs whole: every real-engine module together (in
+    collection order), every other module on its own."""
+    module = nodeid.split("::", 1)[0]
+    return "vllm" if module.endswith(REAL_ENGINE_SUFFIX) else module
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """`-n 2 --dist loadfile` (what `./dev test` runs): xdist's by-file scheduling, except
+    that the real-engine modules are one unit. One worker then runs the vLLM nodes (each a
+    P/D pair pinned to both cores) one bundle at a time and in order, as a serial run
+    does, while the other runs every other module beside it. (xdist's `loadgroup` marks
+    would say the same, but they rename node ids, which pytest 9 no longer allows.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RealEngineTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return RealEngineTogether(config, log)  # type: ignore[arg-type]
