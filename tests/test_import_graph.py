@@ -455,3 +455,16 @@ def test_test_modules_have_unique_basenames() -> None:
         if not (path.parent / "__init__.py").exists():
             seen[path.name].append(path.relative_to(ROOT).as_posix())
     assert not {n: ps for n, ps in seen.items() if len(ps) > 1}
+
+
+#: The most lines a router module may have: past it a module holds several things, and a
+#: reader needs a room per thing (split it by what it holds, as `turns.policy` and
+#: `turns.policy_params` are).
+ROUTER_MODULE_MAX_LINES = 450
+
+
+def test_no_router_module_is_over_the_line_limit() -> None:
+    router = SOURCES["kvagent_server"] / "router"
+    long = {str(p.relative_to(router)): n for p in router.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > ROUTER_MODULE_MAX_LINES}
+    assert not long, long
