@@ -99,7 +99,7 @@ def test_the_docs_have_python_blocks_to_run() -> None:
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    with threaded_router_stack(skip_prefill_max_tokens=0) as st:
+    with threaded_router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         yield st
 
 

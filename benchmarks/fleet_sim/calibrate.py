@@ -73,13 +73,16 @@ class Replayed:
     block_size: int | None = None  # None: the profile's
 
 
+#: The cost model told never to skip P (`router.policy`): every reuse is a pull.
+NEVER_SKIP_P: dict[str, Any] = {"name": "cost_model", "params": {"skip_prefill_max_tokens": 0}}
+
 #: The recorded P/D configurations the simulator replays (the aggregated one has no P/D).
 REPLAYED: dict[str, Replayed] = {
     "kvagent": Replayed(reuse=True, p_prefix_cache=True),
     "kvagent_always_pd_reuse": Replayed(reuse=True, p_prefix_cache=True,
-                                        settings={"skip_prefill_max_tokens": 0}),
+                                        settings={"policy": NEVER_SKIP_P}),
     "kvagent_always_pd_reuse_block512": Replayed(reuse=True, p_prefix_cache=True,
-                                                 settings={"skip_prefill_max_tokens": 0},
+                                                 settings={"policy": NEVER_SKIP_P},
                                                  block_size=512),
     "pd_noreuse_pcache_on": Replayed(reuse=False, p_prefix_cache=True),
     "pd_noreuse_pcache_off": Replayed(reuse=False, p_prefix_cache=False),

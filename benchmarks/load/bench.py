@@ -89,7 +89,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     settings = {
         "tenants": [{"name": "load", "api_keys": [API_KEY],
                      "max_concurrent_streams": max(64, args.sessions)}],
-        "skip_prefill_max_tokens": args.skip_prefill_max_tokens,
+        "policy": {"name": "cost_model",
+                   "params": {"skip_prefill_max_tokens": args.skip_prefill_max_tokens}},
         "nodes": {"max_in_flight": max(64, args.sessions * 2), "block_size": 16,
                   "request_timeout_s": 120},
         "limits": {"first_byte_timeout_s": 120},

@@ -50,8 +50,8 @@ TENANTS = {arm: {"name": f"{arm}-arm", "api_keys": [f"{arm}-arm-key"]} for arm i
 
 def arm_settings(arm: str) -> dict[str, Any]:
     """An arm's router settings: every reused turn through P, P's token to D or not."""
-    return {"skip_prefill_max_tokens": 0, "engine": {"forward_first_token": arm == ARMS[0]},
-            "tenants": [TENANTS[arm]]}
+    return {"policy": {"name": "cost_model", "params": {"skip_prefill_max_tokens": 0}},
+            "engine": {"forward_first_token": arm == ARMS[0]}, "tenants": [TENANTS[arm]]}
 
 
 def arm_headers(arm: str) -> dict[str, str]:

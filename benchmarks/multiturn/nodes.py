@@ -52,22 +52,24 @@ class BenchConfig(BaseModel):
     kind: Literal["bundle", "aggregated"]
     reuse: bool = False  # router setting `reuse` (bundle only)
     prefill_prefix_caching: bool = True  # P's vLLM prefix cache (bundle only)
-    #: Router setting `skip_prefill_max_tokens` (bundle only): None lets the cost model
-    #: choose between `d_direct` and `pd_reuse`; 0 never skips P; a huge value always does.
+    # The path policy's parameters (bundle only; every arm runs `cost_model`, and these
+    # are its `router.policy.params`: `router_policy`).
+    #: `skip_prefill_max_tokens`: None lets the cost model choose between `d_direct` and
+    #: `pd_reuse`; 0 never skips P; a huge value always does.
     skip_prefill_max_tokens: int | None = None
-    #: Router setting `queue_aware_paths` (bundle only): the cost model also prices the
-    #: work in flight on each node; None: the router's default.
+    #: `queue_aware_paths`: the cost model also prices the work in flight on each node;
+    #: None: the policy's default.
     queue_aware_paths: bool | None = None
-    #: Router setting `d_direct_stall_max_ms` (bundle only): None, the router's default.
+    #: `d_direct_stall_max_ms`: None, the policy's default.
     d_direct_stall_max_ms: float | None = None
-    #: True: no such cap (the router's setting null), the cost model's sums alone decide.
+    #: True: no such cap (the parameter null), the cost model's sums alone decide.
     stall_cap_off: bool = False
-    #: Router setting `fresh_on_decode` (bundle only). None: the router's default with the
-    #: cost model, `never` with a fixed `skip_prefill_max_tokens` (a fixed policy is P/D as
-    #: designed: P computes every prompt it does not skip).
+    #: `fresh_on_decode`. None: the policy's default, or `never` with a fixed
+    #: `skip_prefill_max_tokens` (a fixed threshold is P/D as designed: P computes every
+    #: prompt it does not skip).
     fresh_on_decode: Literal["auto", "never", "always"] | None = None
-    #: Router setting `skip_tokenize_extensions` (bundle only): False tokenizes every
-    #: reused turn, as the router did before turns could skip it.
+    #: `skip_tokenize_extensions`: False tokenizes every reused turn, as the router did
+    #: before turns could skip it.
     skip_tokenize_extensions: bool = True
     #: Router setting `engine.forward_prompt_ids` (bundle only): False lets D render the chat
     #: again instead of taking P's prompt token ids.
@@ -105,6 +107,26 @@ class BenchConfig(BaseModel):
     #: node's tiers travel in `node_args`/`node_env` (its own connector flags).
     kv_tiers: dict[str, Any] | None = None
 
+    def router_policy(self) -> dict[str, Any]:
+        """The router's `policy` section this configuration runs: `cost_model` with the
+        parameters it sets (the rest: the policy's defaults)."""
+        params: dict[str, Any] = {}
+        if self.skip_prefill_max_tokens is not None:
+            params["skip_prefill_max_tokens"] = self.skip_prefill_max_tokens
+        if self.queue_aware_paths is not None:
+            params["queue_aware_paths"] = self.queue_aware_paths
+        if self.stall_cap_off:
+            params["d_direct_stall_max_ms"] = None
+        elif self.d_direct_stall_max_ms is not None:
+            params["d_direct_stall_max_ms"] = self.d_direct_stall_max_ms
+        if self.fresh_on_decode is not None:
+            params["fresh_on_decode"] = self.fresh_on_decode
+        elif self.skip_prefill_max_tokens is not None:
+            params["fresh_on_decode"] = "never"
+        if not self.skip_tokenize_extensions:
+            params["skip_tokenize_extensions"] = False
+        return {"name": "cost_model", "params": params}
+
 
 CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig(name="kvagent", kind="bundle", reuse=True,
@@ -129,31 +151,34 @@ CPU_VLLM_STEP_TOKENS = 2048
 LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig(name="kvagent_queue_aware", kind="bundle", reuse=True, queue_aware_paths=True,
                 description="kvagent whose cost model also prices the work in flight on "
-                "P and D (router.queue_aware_paths)"),
+                "P and D (router.policy.params.queue_aware_paths)"),
     BenchConfig(name="kvagent_ttft_lines", kind="bundle", reuse=True, queue_aware_paths=False,
                 description="kvagent whose cost model compares each path's learned TTFT "
-                "line alone, blind to the work in flight (router.queue_aware_paths off)"),
+                "line alone, blind to the work in flight "
+                "(router.policy.params.queue_aware_paths off)"),
     BenchConfig(name="kvagent_stall_cap", kind="bundle", reuse=True,
                 d_direct_stall_max_ms=40,
                 description="kvagent whose cost model sends a delta to P while streams decode "
-                "on D if D would compute it for over 40 ms (router.d_direct_stall_max_ms; "
-                "set explicitly: the router's default from 2026-12-04 evening until it was "
-                "set from D's step time)"),
+                "on D if D would compute it for over 40 ms "
+                "(router.policy.params.d_direct_stall_max_ms; set explicitly: the router's "
+                "default from 2026-12-04 evening until it was set from D's step time)"),
     BenchConfig(name="kvagent_stall_cap_off", kind="bundle", reuse=True, stall_cap_off=True,
                 description="kvagent whose cost model's summed costs alone choose between "
                 "d_direct and pd_reuse, however long a delta stalls D's streams "
-                "(router.d_direct_stall_max_ms null), as before 2026-12-04 evening"),
+                "(router.policy.params.d_direct_stall_max_ms null), as before 2026-12-04 "
+                "evening"),
     BenchConfig(name="kvagent_fresh_on_p", kind="bundle", reuse=True, fresh_on_decode="never",
                 description="kvagent whose P computes every first turn, however much work "
-                "is queued on it (router.fresh_on_decode never)"),
+                "is queued on it (router.policy.params.fresh_on_decode never)"),
     BenchConfig(name="kvagent_always_pd_reuse_fresh_auto", kind="bundle", reuse=True,
                 skip_prefill_max_tokens=0, fresh_on_decode="auto",
                 description="kvagent_always_pd_reuse whose first turns D computes itself "
-                "while P is busier (router.fresh_on_decode auto)"),
+                "while P is busier (router.policy.params.fresh_on_decode auto)"),
     BenchConfig(name="kvagent_tokenize_always", kind="bundle", reuse=True,
                 skip_tokenize_extensions=False,
                 description="kvagent that tokenizes every reused turn, even one whose "
-                "messages extend the held turn's (router.skip_tokenize_extensions off)"),
+                "messages extend the held turn's "
+                "(router.policy.params.skip_tokenize_extensions off)"),
     BenchConfig(name="kvagent_render", kind="bundle", reuse=True, forward_prompt_ids=False,
                 description="kvagent whose D renders the chat again after a P leg instead "
                 "of taking P's prompt token ids (router.engine.forward_prompt_ids off)"),
@@ -168,8 +193,8 @@ LOAD_ONLY_CONFIGS: dict[str, BenchConfig] = {c.name: c for c in (
     BenchConfig(name="kvagent_always_pd_reuse_tokenize_always", kind="bundle", reuse=True,
                 skip_prefill_max_tokens=0, skip_tokenize_extensions=False,
                 description="kvagent_always_pd_reuse that tokenizes every reused turn "
-                "(router.skip_tokenize_extensions off: the router verifies every offer "
-                "itself, as it did before P checked its pulls)"),
+                "(router.policy.params.skip_tokenize_extensions off: the router verifies "
+                "every offer itself, as it did before P checked its pulls)"),
     BenchConfig(name="kvagent_always_pd_reuse_render", kind="bundle", reuse=True,
                 skip_prefill_max_tokens=0, forward_prompt_ids=False,
                 description="kvagent_always_pd_reuse whose D renders the chat again "
@@ -458,21 +483,8 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
         prefill["extra_env"] = {**config.node_env, **config.prefill_env}
         decode["extra_env"] = dict(config.node_env)
     # server_timing: the per-stage budget of each turn reaches the records
-    router: dict = {"port": ports[-1], "reuse": config.reuse, "server_timing": True}
-    if config.skip_prefill_max_tokens is not None:
-        router["skip_prefill_max_tokens"] = config.skip_prefill_max_tokens
-    if config.queue_aware_paths is not None:
-        router["queue_aware_paths"] = config.queue_aware_paths
-    if config.stall_cap_off:
-        router["d_direct_stall_max_ms"] = None
-    elif config.d_direct_stall_max_ms is not None:
-        router["d_direct_stall_max_ms"] = config.d_direct_stall_max_ms
-    if config.fresh_on_decode is not None:
-        router["fresh_on_decode"] = config.fresh_on_decode
-    elif config.skip_prefill_max_tokens is not None:
-        router["fresh_on_decode"] = "never"
-    if not config.skip_tokenize_extensions:
-        router["skip_tokenize_extensions"] = False
+    router: dict = {"port": ports[-1], "reuse": config.reuse, "server_timing": True,
+                    "policy": config.router_policy()}
     engine: dict[str, bool] = {}
     if not config.forward_prompt_ids:
         engine["forward_prompt_ids"] = False

@@ -303,8 +303,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         for name, skip in (("router", 0), ("router_dd", 1000)):
             port = free_port()
             cfg = tmp / f"{name}.json"
-            cfg.write_text(json.dumps({"skip_prefill_max_tokens": skip, "nodes": {
-                "block_size": 16, "kv_recompute_threshold": 16, "max_in_flight": 1024}}))
+            cfg.write_text(json.dumps({
+                "policy": {"name": "cost_model", "params": {"skip_prefill_max_tokens": skip}},
+                "nodes": {"block_size": 16, "kv_recompute_threshold": 16,
+                          "max_in_flight": 1024}}))
             procs.append(start([sys.executable, "-m", "kvagent_server.router", "--port",
                                 str(port), "--prefill", f"http://127.0.0.1:{p_port}",
                                 "--decode", f"http://127.0.0.1:{d_port}", "--model", MODEL,

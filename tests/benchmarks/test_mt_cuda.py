@@ -74,8 +74,10 @@ def test_check_catches_a_bad_layout(tmp_path: Path) -> None:
     assert any("sum to 1.30" in p for p in problems)
 
 
-def _router(port: int, **extra: object) -> dict:
-    return {"port": port, "reuse": True, "server_timing": True, **extra}
+def _router(port: int, **params: object) -> dict:
+    """The router section a configuration renders: `cost_model` with `params`."""
+    return {"port": port, "reuse": True, "server_timing": True,
+            "policy": {"name": "cost_model", "params": params}}
 
 
 def test_cpu_settings_unchanged(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 from kvagent_server.config import validate_config
-from kvagent_server.router.settings import RouterSettings
+from kvagent_server.router.turns.policy import CostModelPolicy, policy_for
 from kvagent_server.vllm_plugin.env import DEFAULT_SPIN_MS, SPIN_ENV
 
 from benchmarks.api import (
@@ -117,10 +117,11 @@ def test_bundle_settings_validate(name: str, tmp_path: Path) -> None:
                                           cores=[0, 1], kv_cache_gib=1,
                                           startup_timeout_s=60))
     assert cfg.prefill.count == c.prefill_count and cfg.router.reuse == c.reuse
-    assert cfg.router.skip_prefill_max_tokens == c.skip_prefill_max_tokens
-    assert cfg.router.queue_aware_paths == (
-        RouterSettings().queue_aware_paths if c.queue_aware_paths is None
-        else c.queue_aware_paths)
+    assert cfg.router.policy.model_dump() == c.router_policy()
+    chosen = policy_for(cfg.router, c.topology)  # the policy takes every parameter set
+    if isinstance(chosen, CostModelPolicy):
+        assert chosen.costs.skip_prefill_max_tokens == c.skip_prefill_max_tokens
+        assert chosen.counts_work == (c.queue_aware_paths is not False)
     assert cfg.router.server_timing and cfg.router.port == 9000 + n - 1
     assert cfg.prefill.prefix_caching == c.prefill_prefix_caching
     assert cfg.block_size == c.block_size

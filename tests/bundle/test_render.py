@@ -132,7 +132,7 @@ def test_router_knows_the_decode_nodes_prompt_step() -> None:
     from kvagent_server.config import ConfigError
 
     def step(raw: dict[str, Any], **kw: Any) -> Any:
-        return plan(pd_config(raw), fake_inputs(**kw)).router_settings[
+        return plan(pd_config(raw), fake_inputs(**kw)).router_settings["policy"]["params"][
             "decode_prompt_step_tokens"]
 
     assert step({}) == 128  # the CPU default
@@ -140,9 +140,14 @@ def test_router_knows_the_decode_nodes_prompt_step() -> None:
     assert step({"decode": {"long_prefill_token_threshold": 0}}) is None  # off
     assert step({"device": "cuda"}, gpus=2) is None  # vLLM's default: off
     assert step({"decode": {"count": 2}, "cpu_pinning": False}) == 128
-    assert step({"router": {"decode_prompt_step_tokens": 128}}) == 128
-    with pytest.raises(ConfigError, match="decode_prompt_step_tokens: 64 disagrees"):
-        step({"router": {"decode_prompt_step_tokens": 64}})
+    assert step({"router": {"policy": {"params": {"decode_prompt_step_tokens": 128}}}}) == 128
+    assert step({"router": {"decode_prompt_step_tokens": 128}}) == 128  # the older flat key
+    with pytest.raises(ConfigError, match="router.policy.params.decode_prompt_step_tokens: 64 "
+                                          "disagrees"):
+        step({"router": {"policy": {"params": {"decode_prompt_step_tokens": 64}}}})
+    # a policy that does not read D's step is not given it (its model would refuse it)
+    fixed = plan(pd_config({"router": {"policy": {"name": "pd_reuse"}}}), fake_inputs())
+    assert fixed.router_settings["policy"] == {"name": "pd_reuse", "params": {}}
 
 
 def test_router_gets_the_models_placeholder_tokens_unless_configured(tmp_path: Any) -> None:

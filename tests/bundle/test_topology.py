@@ -102,7 +102,7 @@ def test_single_on_cpu_is_one_node_on_every_core() -> None:
     assert "--prefill" not in argv and argv.count("--decode") == 1
     assert argv[argv.index("--decode") + 1] == node.url
     assert bp.router_settings["engine"]["kv_events"] == {}
-    assert bp.router_settings["decode_prompt_step_tokens"] == 128
+    assert bp.router_settings["policy"]["params"]["decode_prompt_step_tokens"] == 128
 
 
 def test_single_on_one_gpu_renders_instead_of_refusing() -> None:

@@ -131,7 +131,7 @@ def test_ports_match_the_kubernetes_manifests(rendered: dict[str, dict[str, Any]
         "router-settings.json"])
     assert urlsplit(secret["redis_url"]).port == REDIS_PORT
     given = rendered["ra"]["router"]["settings"]
-    assert secret["skip_prefill_max_tokens"] == given["skip_prefill_max_tokens"]
+    assert secret["policy"] == given["policy"]
     for section, key in (("nodes", "block_size"), ("retention", "decode_blocks_ttl_s"),
                          ("nodes", "kv_recompute_threshold")):
         assert secret[section][key] == given[section][key], key

@@ -61,7 +61,7 @@ def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
             "redis_url": redis_server.url,
             "signing_keys": {SIGNING_KID: SIGNING_KEY},
             "token_safety_margin_s": MARGIN_S,
-            "skip_prefill_max_tokens": SKIP_PREFILL_MAX,
+            "policy": {"params": {"skip_prefill_max_tokens": SKIP_PREFILL_MAX}},
             # The negative control's header (wrong blocks on purpose); off in service.
             "test_shift_blocks_header": True,
             "tenants": [{"name": "alpha", "api_keys": [ALPHA_KEY]},

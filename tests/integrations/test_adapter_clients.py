@@ -24,7 +24,7 @@ from langchain_core.messages import HumanMessage
 
 @pytest.fixture(scope="module")
 def stack() -> Iterator[Stack]:
-    with threaded_router_stack(skip_prefill_max_tokens=0) as st:
+    with threaded_router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         yield st
 
 

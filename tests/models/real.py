@@ -41,7 +41,8 @@ def serve(run_dir: Path, **overrides: Any) -> Iterator[Served]:
     into the router's); stopped on exit."""
     if not vllm_available():
         pytest.skip("vLLM is not installed (./dev test installs the CPU engine)")
-    router = {"port": free_port(), "skip_prefill_max_tokens": 0, **overrides.pop("router", {})}
+    router = {"port": free_port(), "policy": {"params": {"skip_prefill_max_tokens": 0}},
+              **overrides.pop("router", {})}
     config = bundle_config(run_dir, **{"max_model_len": 4096, "router": router, **overrides})
     handle, bundle = start_bundle(config)
     try:

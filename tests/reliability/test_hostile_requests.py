@@ -168,7 +168,7 @@ async def test_unknown_fields_pass_through_but_transfer_fields_never_do() -> Non
     """vLLM accepts its own extensions (top_k, guided_json, ...) and ignores unknown ones
     with a warning, so the router forwards every field it does not own; only the fields
     that steer KV transfers are removed (also when smuggled through `vllm_xargs`)."""
-    async with router_stack(skip_prefill_max_tokens=0) as stack:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as stack:
         body = {**GOOD_CHAT, "top_k": 5, "min_p": 0.1, "guided_json": {"type": "object"},
                 "x_vendor_extension": {"deep": [1, 2]},
                 "vllm_xargs": {"kv_transfer_params": "x", "ec_transfer_params": "y",
@@ -205,7 +205,8 @@ async def test_no_response_or_error_leaks_internals() -> None:
     tokens) against nodes that sometimes fail and echo the request they got (like a
     validation error quoting its input): every byte back is scanned for internals."""
     cluster = FakeCluster(reply=lambda p: Reply(content="fine answer " * 10))
-    async with router_stack(cluster=cluster, skip_prefill_max_tokens=0) as stack:
+    async with router_stack(cluster=cluster,
+                            policy={"params": {"skip_prefill_max_tokens": 0}}) as stack:
         for node in stack.nodes:
             node.echo_errors = True
         bridge = LoopBridge()

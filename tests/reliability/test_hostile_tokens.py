@@ -135,7 +135,8 @@ MUTATIONS = ["none", "as_is", "substitute", "truncate", "extend", "rebind", "exp
 
 async def test_no_token_reads_another_conversations_blocks() -> None:
     cluster = FakeCluster()
-    async with router_stack(cluster=cluster, tenants=TENANTS, skip_prefill_max_tokens=0,
+    async with router_stack(cluster=cluster, tenants=TENANTS,
+                            policy={"params": {"skip_prefill_max_tokens": 0}},
                             signing_keys={"k1": "0" * 32}) as stack:
         world = World(stack, {o: Conversation(*o) for o in OWNERS})
         for conv in world.convs.values():
@@ -174,7 +175,7 @@ async def test_no_token_reads_another_conversations_blocks() -> None:
 async def test_a_validly_signed_token_naming_another_sessions_handle_is_refused() -> None:
     """Even a token signed with the real key (a key holder's forgery) that binds this
     session to another session's handle neither reuses nor releases that handle."""
-    async with router_stack(tenants=TENANTS, skip_prefill_max_tokens=0,
+    async with router_stack(tenants=TENANTS, policy={"params": {"skip_prefill_max_tokens": 0}},
                             signing_keys={"k1": "0" * 32}) as stack:
         world = World(stack, {o: Conversation(*o) for o in OWNERS})
         for conv in world.convs.values():

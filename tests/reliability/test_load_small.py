@@ -16,7 +16,8 @@ SESSIONS, TURNS = 20, 10
 
 
 async def test_concurrent_sessions_get_their_own_answers() -> None:
-    async with router_stack(cluster=make_cluster(), skip_prefill_max_tokens=0,
+    async with router_stack(cluster=make_cluster(),
+                            policy={"params": {"skip_prefill_max_tokens": 0}},
                             nodes={"request_timeout_s": 60}) as st:
         result = await run_load(st.url, sessions=SESSIONS, turns=TURNS, cap_s=240)
         s = result.summary()
@@ -40,7 +41,8 @@ async def test_crossed_answers_are_detected() -> None:
         return reply
 
     cluster.reply = off_by_one
-    async with router_stack(cluster=cluster, skip_prefill_max_tokens=0) as st:
+    async with router_stack(cluster=cluster,
+                            policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         result = await run_load(st.url, sessions=2, turns=3, cap_s=60)
         s = result.summary()
         assert s["crossed"] == 2 and s["lost"] == 0, s

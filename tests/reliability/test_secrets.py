@@ -56,7 +56,8 @@ async def test_key_rotation_keeps_live_sessions(redis_server: Any) -> None:
     async def replica(keys: dict[str, str]) -> AsyncIterator[httpx.AsyncClient]:
         store = RedisStore.from_url(redis_server.url, prefix="rot")
         stores.append(store)
-        settings = RouterSettings(signing_keys=keys, skip_prefill_max_tokens=0,
+        settings = RouterSettings(signing_keys=keys,
+                                  policy={"params": {"skip_prefill_max_tokens": 0}},
                                   nodes={"health_interval_s": 5.0})
         app = create_app(settings, [p_url], [d_url], model=MODEL, store=store)
         async with serve(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as c:
@@ -144,7 +145,7 @@ async def test_no_key_or_token_in_any_log() -> None:
     wrong_key = "sk-not-a-real-key-1234567890"
     with capture_all_logs() as logs:
         async with router_stack(tenants=tenants, signing_keys=signing,
-                                skip_prefill_max_tokens=0) as st:
+                                policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
             tokens = await _traffic(st, api_keys, wrong_key)
     text = "\n".join(logs.records)
     assert len(logs.records) > 10, "the capture saw nothing: it would prove nothing"

@@ -83,11 +83,74 @@ def test_a_key_given_flat_and_nested_with_different_values_is_an_error() -> None
 
 
 def test_every_old_flat_key_has_a_place() -> None:
-    from kvagent_server.router.settings import FLAT_KEYS, SECTIONS
+    from kvagent_server.router.settings import FLAT_KEYS, SECTIONS, PathPolicySettings
+    from kvagent_server.router.turns.policy_params import CostModelParams
 
-    for old, (section, new) in FLAT_KEYS.items():
+    for old, path in FLAT_KEYS.items():
         assert old not in RouterSettings.model_fields, old
-        assert new in SECTIONS[section].model_fields, (old, section, new)
+        section, key, *rest = path
+        model = PathPolicySettings if section == "policy" else SECTIONS[section]
+        assert key in model.model_fields, (old, path)
+        if rest:  # a path policy's parameter: the default policy's model takes it
+            assert path[:2] == ("policy", "params") and rest == [old], path
+            assert old in CostModelParams.model_fields, old
+    # the table is derived from the sections: the renamed keys and the policy's are in it
+    assert FLAT_KEYS["node_max_in_flight"] == ("nodes", "max_in_flight")
+    assert FLAT_KEYS["identity_unverifiable_fields"] == ("identity", "unverifiable_fields")
+    assert FLAT_KEYS["max_tools"] == ("limits", "max_tools")
+    assert FLAT_KEYS["path_policy"] == ("policy", "name")
+    assert len(FLAT_KEYS) == 45, sorted(FLAT_KEYS)
+
+
+def test_the_path_policy_defaults_to_the_cost_model_with_no_params() -> None:
+    assert RouterSettings().policy.model_dump() == {"name": "cost_model", "params": {}}
+
+
+def test_an_old_flat_policy_key_moves_into_the_policy_with_one_warning(caplog) -> None:
+    from kvagent_server.router.settings import model as module
+
+    for key in ("path_policy", "skip_prefill_max_tokens", "queue_aware_paths"):
+        module._WARNED.discard(key)
+    with caplog.at_level("WARNING", logger="kvagent.router"):
+        s = RouterSettings(path_policy="cost_model", skip_prefill_max_tokens=0,
+                           queue_aware_paths=False)
+        RouterSettings(skip_prefill_max_tokens=0)  # warned once per key and process
+    assert s.policy.name == "cost_model"
+    assert s.policy.params == {"skip_prefill_max_tokens": 0, "queue_aware_paths": False}
+    warnings = [r.getMessage() for r in caplog.records]
+    assert sum("router.skip_prefill_max_tokens is now "
+               "router.policy.params.skip_prefill_max_tokens" in w for w in warnings) == 1
+    assert any("router.path_policy is now router.policy.name" in w for w in warnings)
+    assert any("router.queue_aware_paths is now router.policy.params.queue_aware_paths" in w
+               for w in warnings)
+
+
+def test_a_flat_policy_key_joins_the_policys_own_params() -> None:
+    given = {"name": "cost_model", "params": {"fresh_on_decode": "never"}}
+    s = RouterSettings(skip_tokenize_extensions=False, policy=given)
+    assert s.policy.params == {"fresh_on_decode": "never", "skip_tokenize_extensions": False}
+    assert given == {"name": "cost_model", "params": {"fresh_on_decode": "never"}}  # as given
+    same = RouterSettings(fresh_on_decode="never", policy=given)
+    assert same.policy.params == {"fresh_on_decode": "never"}
+    named = RouterSettings(path_policy="d_direct", policy={"params": {}})
+    assert named.policy.name == "d_direct"
+
+
+def test_a_flat_policy_key_that_disagrees_with_the_policy_is_an_error() -> None:
+    import pytest
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=r"router\.skip_prefill_max_tokens \(5\) and "
+                                              r"router\.policy\.params\.skip_prefill_max_tokens "
+                                              r"\(0\) disagree: keep router\.policy\.params"):
+        RouterSettings(skip_prefill_max_tokens=5,
+                       policy={"params": {"skip_prefill_max_tokens": 0}})
+    with pytest.raises(ValidationError, match=r"router\.path_policy \('pd_reuse'\) and "
+                                              r"router\.policy\.name \('d_direct'\) disagree"):
+        RouterSettings(path_policy="pd_reuse", policy={"name": "d_direct"})
+    with pytest.raises(ValidationError, match="router.fresh_on_decode .* and "
+                                              "router.policy.params.fresh_on_decode"):
+        RouterSettings(fresh_on_decode="never", policy={"params": {"fresh_on_decode": "auto"}})
 
 
 def test_watermarks_are_checked_in_their_section() -> None:

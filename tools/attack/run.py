@@ -58,7 +58,7 @@ SETTINGS: dict[str, Any] = {
                "max_handles_per_tenant": 50},
     "retention": {"check_interval_s": 0.5},
     "nodes": {"health_interval_s": 5.0},
-    "skip_prefill_max_tokens": 0,
+    "policy": {"params": {"skip_prefill_max_tokens": 0}},
 }
 LIMITS: dict[str, Any] = SETTINGS["limits"]
 

@@ -51,7 +51,7 @@ def start(run_dir: Path, args: argparse.Namespace) -> tuple[Any, Target]:
         "startup_timeout_s": 900, "stop_grace_s": 10,
         "prefill": {"ports": [free_port()], "side_channel_ports": [free_port()]},
         "decode": {"ports": [free_port()], "side_channel_ports": [free_port()]},
-        "router": {"port": free_port(), "skip_prefill_max_tokens": 96,
+        "router": {"port": free_port(), "policy": {"params": {"skip_prefill_max_tokens": 96}},
                    "test_shift_blocks_header": args.shift_blocks,
                    "tenants": [{"name": "fuzz", "api_keys": [API_KEY]}]},
     }

@@ -77,7 +77,7 @@ def rehearsal_config(topo: Topology, run_dir: str,
         "decode": {"hosts": [topo.addr("d")], "extra_args": list(engine_args)},
         "router": {"host": topo.addr("ra"), "port": ROUTER_PORT, "redis_url": topo.redis_url,
                    # Every reuse is a pull from D to P over NIXL, never D extending itself.
-                   "skip_prefill_max_tokens": 0},
+                   "policy": {"params": {"skip_prefill_max_tokens": 0}}},
         "kv_events": {"enabled": False},
         "startup_timeout_s": 600, "stop_grace_s": 10,
     }

@@ -17,6 +17,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from pydantic import BaseModel
+
 from kvagent_server.bundle.topology import (
     HostFacts,  # the plan's input (tests and tools import it from here too)
     TopologyChoice,
@@ -27,6 +29,8 @@ from kvagent_server.bundle.topology import (
 from kvagent_server.common.types import Device, Role, Topology
 from kvagent_server.config import BundleConfig, ConfigError, reveal_secrets
 from kvagent_server.engine.tiers import TierConfigError, render_tiers
+from kvagent_server.router.settings import RouterSettings
+from kvagent_server.router.turns.policy import POLICIES
 
 VLLM_MODULE = "vllm.entrypoints.openai.api_server"
 ROUTER_MODULE = "kvagent_server.router"
@@ -399,42 +403,51 @@ def _router_settings(cfg: BundleConfig, block_size: int, model: ModelSource, *,
     """The router's settings with the node facts it must agree on filled in by the bundle
     (`d_prompt_cap`: the decode nodes' --long-prefill-token-threshold as they run it)."""
     router = cfg.router
-    update: dict[str, dict[str, Any]] = {"identity": {}, "nodes": {}, "retention": {}}
+    dumped: dict[str, Any] = router.model_dump(mode="python")
     if "mm_placeholder_token_ids" not in router.identity.model_fields_set:
         # Known placeholders let a changed image stop reuse at its position instead of
         # recomputing the whole turn; unknown ones keep the safe default.
-        update["identity"]["mm_placeholder_token_ids"] = list(model.mm_placeholder_token_ids)
-    # (section or "" for the top level, key): the value the nodes run, and where it is set
-    synced: dict[tuple[str, str], tuple[Any, str]] = {
+        dumped["identity"]["mm_placeholder_token_ids"] = list(model.mm_placeholder_token_ids)
+    # path under `router:` -> the value the nodes run, and where it is set
+    synced: dict[tuple[str, ...], tuple[Any, str]] = {
         ("nodes", "block_size"): (block_size, "block_size"),
         ("nodes", "kv_recompute_threshold"): (cfg.kv_recompute_threshold,
                                               "kv_recompute_threshold"),
         ("retention", "decode_blocks_ttl_s"): (cfg.decoder_kv_blocks_ttl_s,
                                                "decoder_kv_blocks_ttl_s"),
-        ("", "decode_prompt_step_tokens"): (d_prompt_cap,
-                                            "decode.long_prefill_token_threshold"),
     }
+    registered = POLICIES.get(router.policy.name)
+    if registered is not None and "decode_prompt_step_tokens" in registered.params.model_fields:
+        # only a policy that reads D's prompt step takes it (the others refuse it)
+        synced[("policy", "params", "decode_prompt_step_tokens")] = (
+            d_prompt_cap, "decode.long_prefill_token_threshold")
     problems = []
-    top: dict[str, Any] = {}
-    for (section, key), (value, source) in synced.items():
-        holder = getattr(router, section) if section else router
-        given = getattr(holder, key)
-        if key in holder.model_fields_set and given is not None and given != value:
-            where = f"router.{section}.{key}" if section else f"router.{key}"
+    for path, (value, source) in synced.items():
+        *sections, key = path
+        holder: dict[str, Any] = dumped
+        for section in sections:
+            holder = holder.setdefault(section, {})
+        given = holder.get(key)
+        if _is_set(router, path) and given is not None and given != value:
             problems.append(
-                f"{where}: {given} disagrees with the nodes' {source} ({value}); set "
-                f"{source} instead, the bundle passes it on")
-        if section:
-            update[section][key] = value
-        else:
-            top[key] = value
+                f"router.{'.'.join(path)}: {given} disagrees with the nodes' {source} "
+                f"({value}); set {source} instead, the bundle passes it on")
+        holder[key] = value
     if problems:
         raise ConfigError(problems)
-    filled = router.model_copy(update=top | {
-        section: getattr(router, section).model_copy(update=values)
-        for section, values in update.items()})
-    dumped: dict[str, Any] = reveal_secrets(filled.model_dump(mode="python"))
-    return dumped
+    revealed: dict[str, Any] = reveal_secrets(dumped)
+    return revealed
+
+
+def _is_set(router: RouterSettings, path: tuple[str, ...]) -> bool:
+    """Whether the settings as given set the key at `path` (a section's field, or a key
+    of a dict such as `policy.params`)."""
+    holder: Any = router
+    for name in path[:-1]:
+        holder = getattr(holder, name) if isinstance(holder, BaseModel) else holder.get(name, {})
+    if isinstance(holder, BaseModel):
+        return path[-1] in holder.model_fields_set
+    return path[-1] in holder
 
 
 def _cpu_binds(cfg: BundleConfig, host: HostFacts, roles: list[tuple[Role, int]]

@@ -39,9 +39,7 @@ def config_reference_markdown() -> str:
             rows.append(_row(f"router.{name}", field))
             for sub, subfield in PathPolicySettings.model_fields.items():
                 rows.append(_row(f"router.{name}.{sub}", subfield))
-            for policy, path_policy in sorted(POLICIES.items()):
-                for param, pfield in path_policy.params.model_fields.items():
-                    rows.append(_row(f"router.{name}.params.{param} ({policy})", pfield))
+            _path_policy_rows(rows, f"router.{name}")
         elif name in SECTIONS:  # a section by concern: its keys
             rows.append(_row(f"router.{name}", field))
             for sub, subfield in SECTIONS[name].model_fields.items():
@@ -51,6 +49,17 @@ def config_reference_markdown() -> str:
         else:
             rows.append(_row(f"router.{name}", field))
     return "\n".join(rows) + "\n"
+
+
+def _path_policy_rows(rows: list[str], key: str) -> None:
+    """Each path policy's params, a parameter several policies share in one row."""
+    takers: dict[tuple[str, Any], tuple[FieldInfo, list[str]]] = {}
+    for policy, registered in sorted(POLICIES.items()):
+        for param, pfield in registered.params.model_fields.items():
+            same = (param, (pfield.annotation, pfield.default, pfield.description))
+            takers.setdefault(same, (pfield, []))[1].append(policy)
+    for (param, _same), (pfield, policies) in takers.items():
+        rows.append(_row(f"{key}.params.{param} ({', '.join(policies)})", pfield))
 
 
 def _retention_policy_rows(rows: list[str], key: str) -> None:

@@ -32,7 +32,7 @@ from router_client import (
 
 
 async def test_fresh_then_reuse_pd() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         kva, answer, evs = await turn(st, FIRST)
         assert kva["path"] == "pd_fresh" and kva["reused_tokens"] == 0
         assert kva["cache_token"].startswith("kva1.") and 0 < kva["expires_in"] <= 480
@@ -65,7 +65,7 @@ async def test_fresh_then_reuse_pd() -> None:
 
 
 async def test_token_round_trip_over_many_turns() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         messages = list(FIRST)
         token = None
         reused = []
@@ -81,7 +81,7 @@ async def test_token_round_trip_over_many_turns() -> None:
 
 
 async def test_session_without_token_reuses_latest_handle() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         _, answer, _ = await turn(st, FIRST)
         kva, _, _ = await turn(st, second(answer))
         assert kva["path"] == "pd_reuse" and kva["reused_tokens"] > 0
@@ -95,7 +95,7 @@ async def test_no_session_no_token() -> None:
 
 
 async def test_edited_history_reuses_only_verified_prefix() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         kva, answer, _ = await turn(st, FIRST)
         edited = second(answer[:-3] + "XYZ")  # the client rewrote the assistant's answer
         kva2, _, _ = await turn(st, edited, token=kva["cache_token"])
@@ -120,7 +120,7 @@ async def test_work_in_flight_is_counted_and_released() -> None:
     back to idle once the turns are answered, streamed or not, whatever path they took."""
     from kvagent_server.router.reuse.queue import IDLE
 
-    async with router_stack(queue_aware_paths=True) as st:
+    async with router_stack(policy={"params": {"queue_aware_paths": True}}) as st:
         kva, answer, _ = await turn(st, FIRST)
         router = st.router
         # the first turn's P leg, estimated from the body's size, taught the ratio
@@ -139,7 +139,7 @@ async def test_work_in_flight_is_counted_and_released() -> None:
 
 
 async def test_d_direct_when_delta_small() -> None:
-    async with router_stack(skip_prefill_max_tokens=64) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 64}}) as st:
         kva, answer, _ = await turn(st, FIRST)
         p_calls = len(st.prefill[0].requests)
         kva2, _, evs = await turn(st, second(answer, "ok"), token=kva["cache_token"])
@@ -166,7 +166,7 @@ async def test_d_direct_when_delta_small() -> None:
 
 
 async def test_bad_tokens_recompute_with_fresh_token() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         kva, answer, _ = await turn(st, FIRST)
         good = kva["cache_token"]
         head, payload, mac = good.split(".")
@@ -186,7 +186,7 @@ async def test_bad_tokens_recompute_with_fresh_token() -> None:
 
 
 async def test_replayed_token_recomputes() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         kva, answer, _ = await turn(st, FIRST)
         ok, _, _ = await turn(st, second(answer), token=kva["cache_token"])
         replay, _, _ = await turn(st, second(answer), token=kva["cache_token"])
@@ -195,7 +195,7 @@ async def test_replayed_token_recomputes() -> None:
 
 
 async def test_racing_requests_on_one_handle_reuse_once() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         kva, answer, _ = await turn(st, FIRST)
         results = await asyncio.gather(*(turn(st, second(answer), token=kva["cache_token"])
                                          for _ in range(4)))
@@ -209,7 +209,8 @@ async def test_racing_requests_on_one_handle_reuse_once() -> None:
 async def test_other_tenant_token_recomputes() -> None:
     tenants = [{"name": "acme", "api_keys": ["key-acme"], "max_concurrent_streams": 8},
                {"name": "globex", "api_keys": ["key-globex"]}]
-    async with router_stack(skip_prefill_max_tokens=0, tenants=tenants) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}},
+                            tenants=tenants) as st:
         acme = {"Authorization": "Bearer key-acme"}
         globex = {"Authorization": "Bearer key-globex"}
         kva, answer, _ = await turn(st, FIRST, headers=acme)
@@ -248,7 +249,7 @@ async def test_tenant_concurrency_limit() -> None:
 
 
 async def test_decode_lost_between_turns_recomputes_elsewhere() -> None:
-    async with router_stack(n_decode=2, skip_prefill_max_tokens=0) as st:
+    async with router_stack(n_decode=2, policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         kva, answer, _ = await turn(st, FIRST)
         holder = next(d for d in st.decode if d.requests)
         other = next(d for d in st.decode if d is not holder)
@@ -263,7 +264,8 @@ async def test_decode_lost_between_turns_recomputes_elsewhere() -> None:
 async def test_a_failed_d_direct_recomputes_on_another_decode_node() -> None:
     """A holder that answers 500 to its `d_direct` leg is tried last for the recompute,
     whose D leg pulls from P and so is not retried elsewhere."""
-    async with router_stack(n_decode=2, skip_prefill_max_tokens=100_000) as st:
+    async with router_stack(n_decode=2,
+                            policy={"params": {"skip_prefill_max_tokens": 100_000}}) as st:
         kva, answer, _ = await turn(st, FIRST)
         holder = next(d for d in st.decode if d.requests)
         other = next(d for d in st.decode if d is not holder)
@@ -275,7 +277,8 @@ async def test_a_failed_d_direct_recomputes_on_another_decode_node() -> None:
 
 
 async def test_decode_restart_detected_by_epoch() -> None:
-    async with router_stack(skip_prefill_max_tokens=0, nodes={"health_interval_s": 0.05}) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}},
+                            nodes={"health_interval_s": 0.05}) as st:
         kva, answer, _ = await turn(st, FIRST)
         d = st.decode[0]
         d.healthy = False
@@ -382,7 +385,7 @@ async def test_client_disconnect_during_prefill_aborts_it() -> None:
 
 
 async def test_conversation_id_alias_and_body_object_removed() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         kva, answer, _ = await turn(st, FIRST, session=None, conversation_id="conv-7")
         assert kva["cache_token"]
         kva2, _, _ = await turn(st, second(answer), session=None,
@@ -401,7 +404,8 @@ async def test_non_streamed_keeps_tool_calls_usage_logprobs() -> None:
     cluster = FakeCluster(reply=lambda p: Reply(tool_calls=[call]))
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}}}}]
-    async with router_stack(cluster=cluster, skip_prefill_max_tokens=0) as st:
+    async with router_stack(cluster=cluster,
+                            policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         r = await st.client.post("/v1/chat/completions", headers={"X-Session-ID": "t"},
                                  json=chat_body(FIRST, stream=False, tools=tools, logprobs=True))
         assert r.status_code == 200
@@ -484,7 +488,7 @@ async def test_usage_chunk_only_when_asked() -> None:
 
 
 async def test_completions_endpoint_stream_and_whole() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         prompt = LONG
         r = await st.client.post("/v1/completions", headers={"X-Session-ID": "c"}, json={
             "model": MODEL, "prompt": prompt, "stream": True,
@@ -571,7 +575,7 @@ async def test_upstream_4xx_passed_as_openai_error() -> None:
 
 
 async def test_models_health_ready_metrics() -> None:
-    async with router_stack(n_decode=2, skip_prefill_max_tokens=0,
+    async with router_stack(n_decode=2, policy={"params": {"skip_prefill_max_tokens": 0}},
                             nodes={"health_interval_s": 0.05}) as st:
         c = st.client
         models = (await c.get("/v1/models")).json()
@@ -611,7 +615,7 @@ async def test_spans_per_turn_and_leg(monkeypatch: pytest.MonkeyPatch) -> None:
     provider = TracerProvider()
     provider.add_span_processor(SimpleSpanProcessor(exporter))
     monkeypatch.setattr(telemetry, "_tracer", provider.get_tracer("test"))
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         kva, answer, _ = await turn(st, FIRST, session="otel-1")
         await turn(st, second(answer), session="otel-1", token=kva["cache_token"])
         for _ in range(50):  # the streamed turn's span ends after the last byte
@@ -651,7 +655,7 @@ async def test_negative_control_unverified_reuse_is_caught(monkeypatch: pytest.M
         return planner.ReusePlan(reuse_tokens=n, reason="hit")
 
     monkeypatch.setattr(planner, "plan_reuse", trusting)
-    async with router_stack(skip_prefill_max_tokens=0,
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}},
                             cluster=FakeCluster(pull_check=p_checks)) as st:
         kva, _, _ = await turn(st, FIRST)
         await turn(st, second("a rewritten answer " * 12), token=kva["cache_token"])
@@ -698,7 +702,7 @@ async def test_cli_serves_with_settings_file(tmp_path: Any) -> None:
 async def test_shift_blocks_header_is_honoured_only_with_the_test_setting(hook_on: bool) -> None:
     """The negative control's hook: only `test_shift_blocks_header` makes the header hand
     P shifted blocks; every D leg carries P's lease end."""
-    async with router_stack(skip_prefill_max_tokens=0,
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}},
                             test_shift_blocks_header=hook_on) as st:
         kva, answer, _ = await turn(st, FIRST)
         d_params = st.decode[0].requests[-1]["kv_transfer_params"]

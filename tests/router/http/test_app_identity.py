@@ -63,7 +63,7 @@ FIRST = [{"role": "user", "content": LONG}]
 async def test_model_or_adapter_switch_recomputes(skip_prefill: int) -> None:
     """A LoRA adapter is chosen by `model`; its KV differs for the same token ids. With
     P skipping allowed, the stale handle must not send the turn to D either."""
-    async with router_stack(skip_prefill_max_tokens=skip_prefill) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": skip_prefill}}) as st:
         kva, answer = await turn(st, FIRST)
         msgs = follow(FIRST, answer, "and now?")
         kva2, answer2 = await turn(st, msgs, kva["cache_token"], model="fake-model-lora-b")
@@ -80,7 +80,7 @@ async def test_model_or_adapter_switch_recomputes(skip_prefill: int) -> None:
 
 
 async def test_swapped_image_with_identical_placeholders_recomputes() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         first = [{"role": "user", "content": [{"type": "text", "text": LONG}, image(PNG_A)]}]
         kva, answer = await turn(st, first)
         swapped = [{"role": "user", "content": [{"type": "text", "text": LONG},
@@ -95,7 +95,7 @@ async def test_swapped_image_with_identical_placeholders_recomputes() -> None:
 async def test_swapped_image_stops_reuse_at_its_placeholder() -> None:
     """With the placeholder token id configured, reuse covers the text before the
     changed image and ends at its first placeholder."""
-    async with router_stack(skip_prefill_max_tokens=0,
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}},
                             identity={"mm_placeholder_token_ids": [MEDIA]}) as st:
         first = [{"role": "user", "content": [{"type": "text", "text": LONG}, image(PNG_A)]}]
         kva, answer = await turn(st, first)
@@ -111,7 +111,7 @@ async def test_swapped_image_stops_reuse_at_its_placeholder() -> None:
 
 async def test_truncate_prompt_tokens_recomputes() -> None:
     """vLLM truncates after rendering and /tokenize does not: the positions shift."""
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         kva, answer = await turn(st, FIRST)
         kva2, _ = await turn(st, follow(FIRST, answer, "and now?"), kva["cache_token"],
                              truncate_prompt_tokens=200)
@@ -122,7 +122,7 @@ async def test_truncate_prompt_tokens_recomputes() -> None:
 
 
 async def test_unknown_field_recomputes_and_is_not_an_error() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         kva, answer = await turn(st, FIRST)
         msgs = follow(FIRST, answer, "and now?")
         kva2, answer2 = await turn(st, msgs, kva["cache_token"], future_kv_knob={"x": 1})
@@ -134,7 +134,7 @@ async def test_unknown_field_recomputes_and_is_not_an_error() -> None:
 
 
 async def test_ignored_fields_keep_reuse() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         kva, answer = await turn(st, FIRST, temperature=0.0)
         kva2, _ = await turn(st, follow(FIRST, answer, "and now?"), kva["cache_token"],
                              temperature=0.7, top_p=0.5, seed=3, user="u", stop=["zz"],
@@ -156,7 +156,7 @@ async def test_ignored_fields_keep_reuse() -> None:
 async def test_rendering_fields_are_seen_in_the_token_ids(field: str, value: Any) -> None:
     """Setting a rendering field on turn 2 changes the ids the router compares exactly as
     it changes the prompt P computes: reuse ends where they differ (here: at once)."""
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         kva, answer = await turn(st, FIRST)
         kva2, _ = await turn(st, follow(FIRST, answer, "and now?"), kva["cache_token"],
                              **{field: value})
@@ -167,7 +167,7 @@ async def test_rendering_fields_are_seen_in_the_token_ids(field: str, value: Any
 
 
 async def test_add_generation_prompt_is_rendered() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         kva, answer = await turn(st, FIRST)
         msgs = follow(FIRST, answer, "and now?")
         kva2, _ = await turn(st, msgs, kva["cache_token"], add_generation_prompt=False)
@@ -180,7 +180,7 @@ async def test_add_generation_prompt_is_rendered() -> None:
 
 
 async def test_conversation_with_images_reuses_when_nothing_changed() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         msgs = [{"role": "user", "content": [{"type": "text", "text": LONG}, image(PNG_A)]}]
         kva, answer = await turn(st, msgs)
         msgs = follow(msgs, answer, [{"type": "text", "text": "and this one?"}, image(PNG_B)])
@@ -207,7 +207,7 @@ async def test_image_urls_are_never_fetched_by_the_router() -> None:
     port = server.sockets[0].getsockname()[1]
     url = f"http://127.0.0.1:{port}/cat.png"
     try:
-        async with router_stack(skip_prefill_max_tokens=0) as st:
+        async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
             msgs = [{"role": "user", "content": [{"type": "text", "text": LONG}, image(url)]}]
             kva, answer = await turn(st, msgs)
             kva2, _ = await turn(st, follow(msgs, answer, "and now?"), kva["cache_token"])
@@ -223,7 +223,8 @@ async def test_image_urls_are_never_fetched_by_the_router() -> None:
 
 
 async def test_trusted_media_urls_reuse() -> None:
-    async with router_stack(skip_prefill_max_tokens=0, identity={"trust_media_urls": True}) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}},
+                            identity={"trust_media_urls": True}) as st:
         msgs = [{"role": "user", "content": [{"type": "text", "text": LONG},
                                              image("http://198.51.100.7/cat.png")]}]
         kva, answer = await turn(st, msgs)

@@ -33,7 +33,7 @@ def get_weather(city: str) -> str:
 
 
 async def test_async_session_multi_turn_reuse() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         async with AsyncSession(f"{st.url}/v1", MODEL, session_id="sdk-1",
                                 system="You are terse. " * 10) as s:
             first = await s.send("Tell me about the sea. " * 5)
@@ -48,7 +48,8 @@ async def test_async_session_multi_turn_reuse() -> None:
 
 async def test_async_tool_loop_reuses_across_tool_results() -> None:
     cluster = FakeCluster(reply=tool_then_answer)
-    async with router_stack(cluster=cluster, skip_prefill_max_tokens=0) as st:
+    async with router_stack(cluster=cluster,
+                            policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         async with AsyncSession(f"{st.url}/v1", MODEL, tools=[get_weather]) as s:
             run = await s.run("What is the weather in Paris? " * 8)
         assert run.stop_reason == "final"
@@ -61,7 +62,7 @@ async def test_async_tool_loop_reuses_across_tool_results() -> None:
 
 
 async def test_sync_session_against_router() -> None:
-    async with router_stack(skip_prefill_max_tokens=64) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 64}}) as st:
         def conversation() -> list[str | None]:
             with Session(f"{st.url}/v1", MODEL, session_id="sync-1") as s:
                 paths = [s.send("Describe a lighthouse. " * 10).path]
@@ -73,7 +74,7 @@ async def test_sync_session_against_router() -> None:
 
 
 async def test_cut_stream_raises_stream_interrupted_then_recovers() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         async with AsyncSession(f"{st.url}/v1", MODEL, session_id="cut-1") as s:
             await s.send("Start a long story. " * 8)
             st.decode[0].cut_after_chunks = 3

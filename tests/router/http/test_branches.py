@@ -12,7 +12,7 @@ from router_client import FIRST, no_wrong_kv, second, turn
 async def test_an_intruder_under_the_owner_s_session_id_branches() -> None:
     """Two conversations share one session id and send no cache token: each keeps its own
     handle (the intruder's is found by its content), and both reuse on their next turns."""
-    async with router_stack(skip_prefill_max_tokens=64) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 64}}) as st:
         _, answer1, _ = await turn(st, FIRST, session="shared")
         owner2 = second(answer1, "Now shorter, please.")
         kva2, answer2, _ = await turn(st, owner2, session="shared")
@@ -35,7 +35,7 @@ async def test_an_intruder_under_the_owner_s_session_id_branches() -> None:
 
 
 async def test_a_turn_that_continues_the_latest_still_claims_it() -> None:
-    async with router_stack(skip_prefill_max_tokens=64) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 64}}) as st:
         _, answer1, _ = await turn(st, FIRST, session="own")
         kva2, _, _ = await turn(st, second(answer1, "ok"), session="own")
         assert kva2["path"] == "d_direct" and kva2["reused_tokens"] > 0
@@ -50,7 +50,8 @@ async def test_a_response_chained_onto_an_earlier_response_branches() -> None:
     from kvagent_server.router.settings import RouterSettings, TenantSettings
 
     settings = RouterSettings(tenants=[TenantSettings(name="t", api_keys=["key-a"])],
-                              skip_prefill_max_tokens=64, nodes={"health_interval_s": 5.0,
+                              policy={"params": {"skip_prefill_max_tokens": 64}},
+                              nodes={"health_interval_s": 5.0,
                                                                  "kv_recompute_threshold": 64})
     base = {"model": "fake-model", "instructions": "You are a coding agent. " * 40,
             "temperature": 0.0, "max_output_tokens": 8}

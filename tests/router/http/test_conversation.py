@@ -105,7 +105,7 @@ async def converse(client: Any, first: str, turns: int, headers: dict[str, str])
 
 
 async def test_agent_headers_reuse_and_subagents_keep_their_own() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         main = {"X-Claude-Code-Session-Id": "cc-1"}
         sub = {**main, "X-Claude-Code-Agent-Id": "agent-7"}
         paths = await asyncio.gather(converse(st.client, "Fix the bug in parser.py", 3, main),
@@ -115,7 +115,7 @@ async def test_agent_headers_reuse_and_subagents_keep_their_own() -> None:
 
 
 async def test_no_identity_reuses_by_content_each_conversation_its_own() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         runs = await asyncio.gather(*(converse(st.client, f"Task {n}: refactor module {n}", 3,
                                                {}) for n in range(3)))
         assert all(reused_later(p) for p in runs), runs
@@ -125,7 +125,8 @@ async def test_no_identity_reuses_by_content_each_conversation_its_own() -> None
 async def test_content_reuse_stays_within_the_callers_key() -> None:
     settings = RouterSettings(
         tenants=[TenantSettings(name="t", api_keys=["key-a", "key-b"])],
-        skip_prefill_max_tokens=0, nodes={"health_interval_s": 5.0, "kv_recompute_threshold": 64})
+        policy={"params": {"skip_prefill_max_tokens": 0}},
+        nodes={"health_interval_s": 5.0, "kv_recompute_threshold": 64})
     async with router_stack(settings=settings) as st:
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hi"}]
         a = {"Authorization": "Bearer key-a"}
@@ -141,7 +142,8 @@ async def test_content_reuse_stays_within_the_callers_key() -> None:
 
 
 async def test_content_reuse_off_is_todays_behaviour() -> None:
-    async with router_stack(skip_prefill_max_tokens=0, content_reuse=False) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}},
+                            content_reuse=False) as st:
         assert all(p in FRESH for p in await converse(st.client, "Plan a trip", 2, {}))
 
 
@@ -172,7 +174,7 @@ async def test_sharing_only_a_system_prompt_takes_no_other_conversations_turn() 
     one's prompt ended inside a block, its last indexed block) must not claim its handle:
     the other conversation's next turn still reuses. Padding moves where the prompts end
     relative to the index's blocks."""
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         for pad in range(0, 32, 4):
             system = SYSTEM + "x" * pad
             a = [{"role": "system", "content": system}, {"role": "user", "content": "A?"}]

@@ -338,7 +338,8 @@ async def test_a_streamed_error_event_is_rebuilt_from_safe_parts() -> None:
 @pytest.mark.parametrize("stream", [True, False])
 async def test_a_node_that_never_answers_is_cut_at_the_request_timeout(
         role: str, stream: bool) -> None:
-    async with router_stack(skip_prefill_max_tokens=0, nodes={"request_timeout_s": 1.0}) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}},
+                            nodes={"request_timeout_s": 1.0}) as st:
         node = (st.prefill if role == "prefill" else st.decode)[0]
         node.stall_s = 60
         started = time.monotonic()
@@ -388,7 +389,8 @@ TWO_CALLERS = [{"name": "acme", "api_keys": ["key-alice", "key-bob"]}]
 async def test_a_session_id_alone_does_not_claim_another_callers_kv() -> None:
     alice = {"Authorization": "Bearer key-alice"}
     bob = {"Authorization": "Bearer key-bob"}
-    async with router_stack(tenants=TWO_CALLERS, skip_prefill_max_tokens=0) as st:
+    async with router_stack(tenants=TWO_CALLERS,
+                            policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         first, answer, _ = await turn(st, FIRST, session="shared", headers=alice)
         # Bob knows the session id (no token): he must not reuse, nor burn, Alice's KV.
         kv, _, _ = await turn(st, second(answer), session="shared", headers=bob)
@@ -403,7 +405,7 @@ async def test_a_session_id_alone_does_not_claim_another_callers_kv() -> None:
 
 
 async def test_anonymous_callers_share_sessions_as_before() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         _, answer, _ = await turn(st, FIRST, session="s")
         kv, _, _ = await turn(st, second(answer), session="s")
         assert kv["reused_tokens"] > 0
@@ -414,7 +416,7 @@ async def test_anonymous_callers_share_sessions_as_before() -> None:
 
 async def test_one_tenant_cannot_evict_another_and_evictions_release_on_d() -> None:
     tenants = [{"name": "flood", "api_keys": ["kf"]}, {"name": "quiet", "api_keys": ["kq"]}]
-    async with router_stack(tenants=tenants, skip_prefill_max_tokens=0,
+    async with router_stack(tenants=tenants, policy={"params": {"skip_prefill_max_tokens": 0}},
                             limits={"max_handles_per_tenant": 3},
                             retention={"check_interval_s": 0.2}) as st:
         quiet = {"Authorization": "Bearer kq"}

@@ -222,7 +222,7 @@ async def test_the_command_line_runs_single_without_prefill(tmp_path: Any) -> No
 
 
 async def test_the_single_policy_sends_no_leg_to_a_prefill_node_even_where_one_exists() -> None:
-    async with router_stack(path_policy="single") as st:
+    async with router_stack(policy={"name": "single"}) as st:
         kva, answer, _ = await turn(st, FIRST)
         kva2, _, _ = await turn(st, second(answer), token=kva["cache_token"])
         assert (kva["path"], kva2["path"]) == ("d_fresh", "d_direct")

@@ -182,7 +182,9 @@ async def test_a_turn_with_no_room_on_decode_evicts_the_oldest_handle_first() ->
     does not fit beside two retained conversations makes room by evicting the oldest."""
     cluster = FakeCluster(kv_blocks=64)
     # No watermark eviction below 100 %: only the gate frees room here.
-    async with router_stack(cluster=cluster, skip_prefill_max_tokens=0, fresh_on_decode="never",
+    async with router_stack(cluster=cluster,
+                            policy={"params": {"skip_prefill_max_tokens": 0,
+                                               "fresh_on_decode": "never"}},
                             retention={"high_watermark": 1.0, "low_watermark": 0.9,
                                        "check_interval_s": 0.05}) as st:
         d = st.decode[0]

@@ -158,7 +158,7 @@ async def _wait_for(cond, timeout: float = 10.0) -> None:
 
 async def test_decode_over_the_watermark_evicts_and_releases_the_oldest() -> None:
     cluster = FakeCluster(kv_blocks=200)
-    async with router_stack(cluster=cluster, skip_prefill_max_tokens=0,
+    async with router_stack(cluster=cluster, policy={"params": {"skip_prefill_max_tokens": 0}},
                             retention={"high_watermark": 0.5, "low_watermark": 0.25,
                                        "check_interval_s": 0.05}) as st:
         d = st.decode[0]
@@ -203,7 +203,7 @@ async def test_decode_over_the_watermark_evicts_and_releases_the_oldest() -> Non
 async def test_no_eviction_below_the_watermark_or_when_disabled() -> None:
     for high in (0.9, None):
         cluster = FakeCluster(kv_blocks=200)
-        async with router_stack(cluster=cluster, skip_prefill_max_tokens=0,
+        async with router_stack(cluster=cluster, policy={"params": {"skip_prefill_max_tokens": 0}},
                                 retention={"high_watermark": high,
                                            "check_interval_s": 0.05}) as st:
             for i in range(5):
@@ -242,7 +242,7 @@ async def test_under_pressure_final_answers_go_before_a_session_waiting_on_a_too
     watermark, `expected_return` drops the newer conversations that ended on a final
     answer and the tool session's next turn reuses its KV; `oldest_first` drops it."""
     cluster = FakeCluster(kv_blocks=200, reply=_tool_or_answer)
-    async with router_stack(cluster=cluster, skip_prefill_max_tokens=0,
+    async with router_stack(cluster=cluster, policy={"params": {"skip_prefill_max_tokens": 0}},
                             retention={"high_watermark": 0.5, "low_watermark": 0.25,
                                        "check_interval_s": 0.05, "policy": {"name": policy}}) as st:
         d = st.decode[0]
@@ -288,7 +288,8 @@ async def test_the_turn_end_is_recorded_from_every_front_door() -> None:
     cluster = FakeCluster(reply=_tool_or_answer)
     tools = [{"type": "function", "function": {"name": "build", "parameters": {
         "type": "object", "properties": {}}}}]
-    async with router_stack(cluster=cluster, skip_prefill_max_tokens=0) as st:
+    async with router_stack(cluster=cluster,
+                            policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         store = st.app.state.parts.store
         r = await st.client.post("/v1/chat/completions", headers={"X-Session-ID": "chat"},
                                  json=chat_body([{"role": "user", "content": "use a tool"}],

@@ -87,7 +87,8 @@ def test_d_fresh_is_priced_and_learned_as_d_computing() -> None:
 
 
 async def test_always_computes_the_first_turn_on_d_and_the_next_turn_reuses_it() -> None:
-    async with router_stack(skip_prefill_max_tokens=0, fresh_on_decode="always") as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0,
+                                               "fresh_on_decode": "always"}}) as st:
         p, d = st.prefill[0], st.decode[0]
         kva, answer, _ = await turn(st, FIRST)
         assert kva["path"] == "d_fresh" and kva["reused_tokens"] == 0
@@ -108,7 +109,7 @@ async def test_always_computes_the_first_turn_on_d_and_the_next_turn_reuses_it()
 
 
 async def test_auto_moves_a_first_turn_to_d_only_while_p_is_busy() -> None:
-    async with router_stack(fresh_on_decode="auto") as st:
+    async with router_stack(policy={"params": {"fresh_on_decode": "auto"}}) as st:
         kva, _, _ = await turn(st, FIRST, session="idle")
         assert kva["path"] == "pd_fresh"
         samples = st.router.learned.chars.samples
@@ -125,7 +126,8 @@ async def test_auto_moves_a_first_turn_to_d_only_while_p_is_busy() -> None:
 
 
 async def test_auto_with_short_steps_on_d_counts_ps_legs_not_its_estimate() -> None:
-    async with router_stack(fresh_on_decode="auto", decode_prompt_step_tokens=128) as st:
+    async with router_stack(policy={"params": {"fresh_on_decode": "auto",
+                                               "decode_prompt_step_tokens": 128}}) as st:
         p_name = st.router.registry.role("prefill")[0].name
         d_name = st.router.registry.role("decode")[0].name
         now = time.monotonic()
@@ -143,7 +145,7 @@ async def test_auto_with_short_steps_on_d_counts_ps_legs_not_its_estimate() -> N
 
 
 async def test_never_keeps_every_fresh_prompt_on_p() -> None:
-    async with router_stack(fresh_on_decode="never") as st:
+    async with router_stack(policy={"params": {"fresh_on_decode": "never"}}) as st:
         p_name = st.router.registry.role("prefill")[0].name
         st.router.work.begin(p_name, prefill_tokens=100_000, stream=False,
                              now=time.monotonic())
@@ -152,7 +154,7 @@ async def test_never_keeps_every_fresh_prompt_on_p() -> None:
 
 
 async def test_a_failing_d_leg_falls_back_to_p() -> None:
-    async with router_stack(fresh_on_decode="always", n_decode=2) as st:
+    async with router_stack(policy={"params": {"fresh_on_decode": "always"}}, n_decode=2) as st:
         st.decode[0].fail_next = [500]
         st.decode[1].fail_next = [500]
         kva, _, _ = await turn(st, FIRST)
@@ -165,7 +167,7 @@ async def test_the_p_d_retry_tries_the_decode_nodes_that_failed_last() -> None:
     """With more decode nodes than a leg tries, the P/D retry of a failed `d_fresh` starts
     on one it has not tried: the one that failed first would refuse P's KV as well, and a
     D leg that pulls is not retried on another node."""
-    async with router_stack(fresh_on_decode="always", n_decode=4) as st:
+    async with router_stack(policy={"params": {"fresh_on_decode": "always"}}, n_decode=4) as st:
         for node in st.decode[:3]:
             node.fail_next = [500] * 3
         kva, _, _ = await turn(st, FIRST)
@@ -178,7 +180,7 @@ async def test_the_p_d_retry_tries_the_decode_nodes_that_failed_last() -> None:
 async def test_reuse_off_keeps_every_turn_p_d() -> None:
     """`reuse: false` is the P/D-without-reuse baseline: D's prefix cache must not serve
     its turns, so none goes to D alone."""
-    async with router_stack(fresh_on_decode="always", reuse=False) as st:
+    async with router_stack(policy={"params": {"fresh_on_decode": "always"}}, reuse=False) as st:
         kva, answer, _ = await turn(st, FIRST)
         kva2, _, _ = await turn(st, second(answer))
         assert kva["path"] == kva2["path"] == "pd_fresh"

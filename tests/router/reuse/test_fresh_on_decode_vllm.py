@@ -32,8 +32,10 @@ def test_a_first_turn_on_d_answers_as_a_recompute_and_p_pulls_it_next(kvagent_bu
         {"role": "system", "content": SYSTEM},
         {"role": "user", "content": f"Release {uuid.uuid4().hex[:6]} is ready. First step?"}]
     turns = []
-    with second_router(b, tmp_path, fresh_on_decode="always", skip_prefill_max_tokens=0,
-                       skip_tokenize_extensions=False) as url:
+    with second_router(b, tmp_path,
+                       policy={"params": {"fresh_on_decode": "always",
+                                          "skip_prefill_max_tokens": 0,
+                                          "skip_tokenize_extensions": False}}) as url:
         for i in range(3):
             out = greedy_chat(url, b.model, messages, {"X-Session-ID": session})
             text = out["choices"][0]["message"]["content"] or ""

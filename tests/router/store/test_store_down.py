@@ -12,7 +12,7 @@ LONG = "Please summarise the following text carefully. " * 6
 
 async def test_turns_succeed_without_reuse_when_redis_is_down() -> None:
     dead_redis = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
-    async with router_stack(redis_url=dead_redis, skip_prefill_max_tokens=0,
+    async with router_stack(redis_url=dead_redis, policy={"params": {"skip_prefill_max_tokens": 0}},
                             signing_keys={"k1": "0123456789abcdef0123456789abcdef"}) as st:
         messages = [{"role": "user", "content": LONG}]
         for _ in range(2):

@@ -48,7 +48,7 @@ async def test_server_timing_per_path_on_fake_nodes() -> None:
     before the headers never exceed the total."""
     cluster = FakeCluster(prefill_delay_s=0.12)
     async with router_stack(cluster=cluster, server_timing=True,
-                            skip_prefill_max_tokens=0) as st:
+                            policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         r, evs = await _post(st, FIRST)
         t = parse_server_timing(r.headers["server-timing"])
         assert evs[-2]["kvagent"]["path"] == "pd_fresh"
@@ -66,7 +66,7 @@ async def test_server_timing_per_path_on_fake_nodes() -> None:
         assert "first_token" not in t  # after the headers: spans only
 
     async with router_stack(cluster=FakeCluster(prefill_delay_s=0.12), server_timing=True,
-                            skip_prefill_max_tokens=100_000) as st:
+                            policy={"params": {"skip_prefill_max_tokens": 100_000}}) as st:
         r, evs = await _post(st, FIRST)
         answer = "".join(e["choices"][0]["delta"].get("content") or ""
                          for e in evs[:-1] if e.get("choices"))

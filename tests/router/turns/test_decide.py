@@ -14,7 +14,7 @@ from kvagent_server.router.reuse.identity import IdentityCheck
 from kvagent_server.router.reuse.learned import LearnedView
 from kvagent_server.router.reuse.queue import IDLE, NodeWork
 from kvagent_server.router.settings import RouterSettings
-from kvagent_server.router.turns import policy
+from kvagent_server.router.turns import policy, policy_params
 from kvagent_server.router.turns.shapes import (
     NEED_PROMPT_IDS,
     NodeFacts,
@@ -27,8 +27,8 @@ from test_stages import COST_MODEL, D_CHEAP, PROMPT, _extension_facts, _facts, _
 
 HOLDER = Node(name="d0", url="http://d0", role="decode", healthy=True)
 OTHER = Node(name="d1", url="http://d1", role="decode", healthy=True)
-PD_REUSE = policy.FixedPolicy(policy.ReuseParams(), "pd_reuse", on_decode=False)
-SINGLE = policy.SinglePolicy(policy.ReuseParams())
+PD_REUSE = policy.FixedPolicy(policy_params.ReuseParams(), "pd_reuse", on_decode=False)
+SINGLE = policy.SinglePolicy(policy_params.ReuseParams())
 
 
 # ------------------------------------------------------------------ the prompt's ids
@@ -56,20 +56,20 @@ def test_no_ids_are_asked_for_where_they_cannot_change_the_reuse() -> None:
 
 
 def test_an_extension_skips_tokenize_only_when_one_path_fits_every_delta() -> None:
-    fixed = policy.CostModelPolicy(policy.ReuseParams(),
-                                   policy.CostParams(skip_prefill_max_tokens=10_000))
+    fixed = policy.CostModelPolicy(policy_params.ReuseParams(),
+                                   policy_params.CostParams(skip_prefill_max_tokens=10_000))
     plan = _plan(fixed.decide(_extension_facts()))
     assert (plan.path, plan.reuse.tokenized, plan.reuse.reuse_tokens) == ("d_direct", False,
                                                                           128)
     # not learned enough yet, or switched off, or a policy that never skips: ask
     unlearned = _extension_facts(learned=LearnedView(message_samples=2, tokenize_s=0.01))
     assert fixed.decide(unlearned) is NEED_PROMPT_IDS
-    off = policy.CostModelPolicy(policy.ReuseParams(skip_tokenize=False),
-                                 policy.CostParams(skip_prefill_max_tokens=10_000))
+    off = policy.CostModelPolicy(policy_params.ReuseParams(skip_tokenize=False),
+                                 policy_params.CostParams(skip_prefill_max_tokens=10_000))
     assert off.decide(_extension_facts()) is NEED_PROMPT_IDS
     assert PD_REUSE.decide(_extension_facts()) is NEED_PROMPT_IDS
-    never = policy.CostModelPolicy(policy.ReuseParams(),
-                                   policy.CostParams(skip_prefill_max_tokens=0))
+    never = policy.CostModelPolicy(policy_params.ReuseParams(),
+                                   policy_params.CostParams(skip_prefill_max_tokens=0))
     assert never.decide(_extension_facts()) is NEED_PROMPT_IDS
     # D not holding the prefix: the turn is verified by its ids
     assert fixed.decide(_extension_facts(d_holds=False)) is NEED_PROMPT_IDS
@@ -91,8 +91,8 @@ def test_a_claimed_handle_not_reused_is_released_by_the_turns_own_leg() -> None:
     plan = _plan(COST_MODEL.decide(diverged))
     assert plan.path == "recompute"
     assert plan.prefill_params()[transfer.REMOTE_NUM_TOKENS] == 0  # P tells D to free it
-    keep = policy.CostModelPolicy(policy.ReuseParams(), policy.CostParams(),
-                                  legs=policy.LegParams(release_unused=False))
+    keep = policy.CostModelPolicy(policy_params.ReuseParams(), policy_params.CostParams(),
+                                  legs=policy_params.LegParams(release_unused=False))
     assert _plan(keep.decide(diverged)).prefill_params() == transfer.fresh()
     # with no P (single), the d_fresh leg frees it, on the node that holds it only
     fresh = _plan(SINGLE.decide(dataclasses.replace(diverged, d_first=HOLDER)))
@@ -122,7 +122,7 @@ def test_an_unverified_offer_with_no_checking_p_node_releases_whatever_the_setti
 
 
 def test_what_d_takes_from_ps_answer() -> None:
-    legs = policy.LegParams.of(RouterSettings())
+    legs = policy_params.LegParams.of(RouterSettings())
     chat = policy.leg_choices(_facts(), legs)
     assert chat.forward_prompt_ids and chat.forward_first_token and not chat.shift_blocks
     assert chat.read_within_s == 25.0
@@ -130,9 +130,9 @@ def test_what_d_takes_from_ps_answer() -> None:
     assert not n2.forward_first_token
     shifted = _facts(req=_req(shift_blocks=True))
     assert not policy.leg_choices(shifted, legs).shift_blocks  # the hook is off
-    hooked = policy.LegParams.of(RouterSettings(test_shift_blocks_header=True))
+    hooked = policy_params.LegParams.of(RouterSettings(test_shift_blocks_header=True))
     assert policy.leg_choices(shifted, hooked).shift_blocks
-    plan = _plan(policy.FixedPolicy(policy.ReuseParams(), "pd_reuse", on_decode=False,
+    plan = _plan(policy.FixedPolicy(policy_params.ReuseParams(), "pd_reuse", on_decode=False,
                                     legs=hooked).decide(dataclasses.replace(
                                         shifted, holder=HOLDER, ids_gathered=True)))
     assert plan.prefill_params() == transfer.shifted_blocks(
@@ -148,12 +148,18 @@ def test_the_policy_section_names_a_policy_and_its_own_parameters() -> None:
                                          "fresh_on_decode": "never"}}))
     assert isinstance(chosen, policy.CostModelPolicy)
     assert (chosen.costs.skip_prefill_max_tokens, chosen.costs.fresh_on_decode) == (0, "never")
-    assert chosen.costs.d_stall_max_s == 0.055  # left out: the flat setting's value
+    assert chosen.costs.d_stall_max_s == 0.055  # left out: its default
+    assert chosen.counts_work and chosen.skips_tokenize
     assert policy.policy_for(RouterSettings(policy={"name": "pd_reuse"})).name == "pd_reuse"
-    # the older flat form keeps working, and means the same
-    flat = policy.policy_for(RouterSettings(skip_prefill_max_tokens=0,
-                                            fresh_on_decode="never"))
+    # the older flat form keeps working (moved into `policy`), and means the same
+    flat = policy.policy_for(RouterSettings(skip_prefill_max_tokens=0, fresh_on_decode="never"))
     assert flat == chosen
+    blind = policy.policy_for(RouterSettings(policy={"params": {
+        "queue_aware_paths": False, "skip_tokenize_extensions": False}}))
+    assert not blind.counts_work and not blind.skips_tokenize
+    fixed = policy.policy_for(RouterSettings(policy={
+        "name": "d_direct", "params": {"skip_tokenize_extensions": False}}))
+    assert fixed.counts_work and not fixed.skips_tokenize  # its legs are still queued
 
 
 def test_bad_policy_settings_name_what_is_wrong_and_where() -> None:
@@ -165,17 +171,18 @@ def test_bad_policy_settings_name_what_is_wrong_and_where() -> None:
         policy.policy_for(RouterSettings(policy={"name": "pd_reuse", "params": {"typo": 1}}))
     with pytest.raises(ValueError, match="unknown router.policy.name 'fastest'"):
         policy.policy_for(RouterSettings(policy={"name": "fastest"}))
-    with pytest.raises(ValueError, match="named by router.policy.name now"):
-        RouterSettings(path_policy="pd_reuse", policy={"name": "d_direct"})
-    with pytest.raises(ValueError, match="keep router.policy.params.skip_prefill_max_tokens"):
-        RouterSettings(skip_prefill_max_tokens=5,
-                       policy={"name": "cost_model", "params": {"skip_prefill_max_tokens": 0}})
-    # a bundle writes every key out: flat keys at their defaults say nothing
+    # a parameter the named policy does not take is refused, moved flat key or not
+    with pytest.raises(ValueError, match="router.policy.params for 'pd_reuse': "
+                                         "skip_prefill_max_tokens"):
+        policy.policy_for(RouterSettings(path_policy="pd_reuse", skip_prefill_max_tokens=0))
+    # a bundle writes every key out: what it writes reads back the same
     written = RouterSettings(policy={"name": "d_direct"}).model_dump(mode="python")
     assert policy.policy_for(RouterSettings.model_validate(written)).name == "d_direct"
-    # with no prefill node the default runs as `single`, its parameters moot
-    single = RouterSettings(policy={"name": "cost_model", "params": {"fresh_on_decode": "never"}})
-    assert policy.policy_for(single, "single").name == "single"
+    # with no prefill node the default runs as `single`, keeping the parameters it takes
+    single = RouterSettings(policy={"name": "cost_model", "params": {
+        "fresh_on_decode": "never", "skip_tokenize_extensions": False}})
+    chosen = policy.policy_for(single, "single")
+    assert chosen.name == "single" and not chosen.skips_tokenize
     with pytest.raises(ValueError, match="router.policy.name 'pd_reuse' needs a prefill"):
         policy.policy_for(RouterSettings(policy={"name": "pd_reuse"}), "single")
 
@@ -185,7 +192,7 @@ def test_a_registered_policy_brings_its_own_parameters() -> None:
         model_config = ConfigDict(extra="forbid")
         on_decode: bool = False
 
-    def build(p: Params, shared: policy.Shared) -> policy.PathPolicy:
+    def build(p: Params, shared: policy_params.Shared) -> policy_params.PathPolicy:
         return policy.FixedPolicy(shared.reuse, "test_fixed", on_decode=p.on_decode,
                                   legs=shared.legs)
 

@@ -15,7 +15,8 @@ from fakes import router_stack
 from kvagent_server.router.auth.tenancy import Tenant
 from kvagent_server.router.nodes.legs import sampled_token
 from kvagent_server.router.settings import RouterSettings
-from kvagent_server.router.turns.policy import LegParams, forwards_first_token, forwards_prompt_ids
+from kvagent_server.router.turns.policy import forwards_first_token, forwards_prompt_ids
+from kvagent_server.router.turns.policy_params import LegParams
 from kvagent_server.router.turns.shapes import TurnRequest
 from router_client import FIRST, no_wrong_kv, turn
 
@@ -40,7 +41,7 @@ async def _conversation(st: Any, turns: int) -> list[dict[str, Any]]:
 
 
 async def test_each_decode_leg_after_a_prefill_leg_takes_ps_prompt_ids() -> None:
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         kvas = await _conversation(st, 4)
         assert [k["path"] for k in kvas] == ["pd_fresh"] + ["pd_reuse"] * 3
         p, d = st.prefill[0], st.decode[0]
@@ -55,7 +56,8 @@ async def test_each_decode_leg_after_a_prefill_leg_takes_ps_prompt_ids() -> None
 
 
 async def test_setting_off_lets_d_render() -> None:
-    async with router_stack(skip_prefill_max_tokens=0, engine={"forward_prompt_ids": False}) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}},
+                            engine={"forward_prompt_ids": False}) as st:
         kvas = await _conversation(st, 3)
         assert kvas[-1]["path"] == "pd_reuse"
         assert not any(b.get("return_token_ids") for b in st.prefill[0].requests)
@@ -65,7 +67,8 @@ async def test_setting_off_lets_d_render() -> None:
 
 
 async def test_first_token_setting_off_keeps_the_ids() -> None:
-    async with router_stack(skip_prefill_max_tokens=0, engine={"forward_first_token": False}) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}},
+                            engine={"forward_first_token": False}) as st:
         await _conversation(st, 2)
         assert len(st.decode[0].forwarded_prompts) == 2
         assert st.decode[0].first_tokens == []
@@ -73,7 +76,7 @@ async def test_first_token_setting_off_keeps_the_ids() -> None:
 
 
 async def test_d_direct_turns_have_no_prefill_leg_to_forward_from() -> None:
-    async with router_stack(skip_prefill_max_tokens=1_000_000) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 1_000_000}}) as st:
         kvas = await _conversation(st, 3)
         assert [k["path"] for k in kvas[1:]] == ["d_direct"] * 2
         assert len(st.decode[0].forwarded_prompts) == 1  # the first turn's P/D recompute

@@ -82,7 +82,7 @@ def test_pd_reuse_turns_with_forwarded_ids_answer_as_a_recompute(kvagent_bundle:
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
                                       {"role": "user", "content": "Checkout errors spiked."}]
     turns = []
-    with second_router(b, tmp_path, skip_prefill_max_tokens=0) as url:
+    with second_router(b, tmp_path, policy={"params": {"skip_prefill_max_tokens": 0}}) as url:
         for i in range(4):
             body = {"model": b.model, "messages": messages, "tools": TOOLS, **GREEDY}
             text, kva = _streamed(url, body, {"X-Session-ID": session})

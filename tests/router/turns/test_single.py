@@ -9,11 +9,11 @@ import pytest
 from kvagent_server.router.nodes.registry import NodeRegistry, topology_of
 from kvagent_server.router.reuse import planner
 from kvagent_server.router.settings import RouterSettings
-from kvagent_server.router.turns import policy
+from kvagent_server.router.turns import policy, policy_params
 from kvagent_server.router.turns.shapes import TurnPlan
 from test_stages import D_CHEAP, PROMPT, _extension_facts, _facts, _req
 
-SINGLE = policy.SinglePolicy(policy.ReuseParams())
+SINGLE = policy.SinglePolicy(policy_params.ReuseParams())
 
 
 # ------------------------------------------------------------------ the topology
@@ -45,15 +45,15 @@ def test_a_single_registry_is_ready_with_its_decode_node_alone() -> None:
 def test_single_runs_the_single_policy_and_refuses_a_policy_that_needs_p() -> None:
     # The default (`cost_model`, also what a bundle writes out in full) becomes `single`.
     assert policy.policy_for(RouterSettings(), "single").name == "single"
-    assert policy.policy_for(RouterSettings(path_policy="single"), "single").name == "single"
+    assert policy.policy_for(RouterSettings(policy={"name": "single"}), "single").name == "single"
     for name in ("pd_reuse", "d_direct"):
         with pytest.raises(ValueError, match=f"'{name}' needs a prefill node"):
-            policy.policy_for(RouterSettings(path_policy=name), "single")
-    with pytest.raises(ValueError, match="unknown router.path_policy"):
-        policy.policy_for(RouterSettings(path_policy="fastest"), "single")
+            policy.policy_for(RouterSettings(policy={"name": name}), "single")
+    with pytest.raises(ValueError, match="unknown router.policy.name"):
+        policy.policy_for(RouterSettings(policy={"name": "fastest"}), "single")
     # With P nodes, the setting is taken as it is (`single` too: D computes every prompt).
     assert policy.policy_for(RouterSettings(), "pd").name == "cost_model"
-    assert policy.policy_for(RouterSettings(path_policy="single"), "pd").name == "single"
+    assert policy.policy_for(RouterSettings(policy={"name": "single"}), "pd").name == "single"
 
 
 # ------------------------------------------------------------------ its paths (pure)
@@ -96,7 +96,7 @@ def test_every_turn_without_a_usable_prefix_is_computed_on_the_node() -> None:
         assert (plan.path, plan.reuse.reason, plan.reuse.reuse_tokens) == (
             "d_fresh", reason, 0), reason
         assert plan.est_tokens == (len(facts.prompt_ids) or facts.est_tokens)
-    off = policy.SinglePolicy(policy.ReuseParams(reuse=False)).decide(_facts())
+    off = policy.SinglePolicy(policy_params.ReuseParams(reuse=False)).decide(_facts())
     assert (off.path, off.reuse.reason) == ("d_fresh", planner.Reason.REUSE_DISABLED)
 
 

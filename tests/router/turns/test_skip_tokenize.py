@@ -40,7 +40,7 @@ def _skipped(st: Any) -> float:
 
 
 async def test_extending_turns_skip_tokenize_once_the_ratio_is_learned() -> None:
-    async with router_stack(skip_prefill_max_tokens=10_000) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 10_000}}) as st:
         kvas = await _conversation(st, MIN_RATIO_SAMPLES + 3)
         assert [k["tokenized"] for k in kvas] == (
             [False] + [True] * (MIN_RATIO_SAMPLES - 1) + [False] * 3)
@@ -54,8 +54,8 @@ async def test_extending_turns_skip_tokenize_once_the_ratio_is_learned() -> None
 
 
 async def test_setting_off_tokenizes_every_reused_turn() -> None:
-    async with router_stack(skip_prefill_max_tokens=10_000,
-                            skip_tokenize_extensions=False) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 10_000,
+                                               "skip_tokenize_extensions": False}}) as st:
         kvas = await _conversation(st, MIN_RATIO_SAMPLES + 2)
         assert [k["tokenized"] for k in kvas] == [False] + [True] * (MIN_RATIO_SAMPLES + 1)
         assert _skipped(st) == 0
@@ -64,7 +64,7 @@ async def test_setting_off_tokenizes_every_reused_turn() -> None:
 
 @pytest.mark.parametrize("change", ["edited_message", "tools", "template_kwargs"])
 async def test_a_changed_history_or_rendering_is_tokenized_and_verified(change: str) -> None:
-    async with router_stack(skip_prefill_max_tokens=10_000) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 10_000}}) as st:
         messages, token = list(FIRST), None
         for i in range(MIN_RATIO_SAMPLES + 1):
             kva, answer, _ = await turn(st, messages, token=token)
@@ -90,7 +90,7 @@ async def test_a_changed_history_or_rendering_is_tokenized_and_verified(change: 
 async def test_a_long_new_message_is_tokenized_and_priced() -> None:
     """With `skip_prefill_max_tokens` 1,000, a delta estimated near or past it cannot
     skip: the turn is tokenized and the long delta goes through P."""
-    async with router_stack(skip_prefill_max_tokens=1_000) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 1_000}}) as st:
         messages, token = list(FIRST), None
         for i in range(MIN_RATIO_SAMPLES + 1):
             kva, answer, _ = await turn(st, messages, token=token)
@@ -111,7 +111,7 @@ async def test_pulls_skip_tokenize_once_p_was_seen_checking_them() -> None:
     """Always `pd_reuse`: P pulls an offer the router did not tokenize for only from a P
     node seen checking what it pulls (its first reuse leg answered with the verified
     count); the fake P cuts the offer with the plugin's own `pull_check`."""
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         kvas = await _conversation(st, MIN_RATIO_SAMPLES + 3)
         assert [k["tokenized"] for k in kvas] == (
             [False] + [True] * (MIN_RATIO_SAMPLES - 1) + [False] * 3)
@@ -122,7 +122,7 @@ async def test_pulls_skip_tokenize_once_p_was_seen_checking_them() -> None:
 
 
 async def test_a_p_node_that_does_not_check_pulls_gets_tokenized_offers() -> None:
-    async with router_stack(skip_prefill_max_tokens=0,
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}},
                             cluster=FakeCluster(pull_check=False)) as st:
         kvas = await _conversation(st, MIN_RATIO_SAMPLES + 3)
         assert all(k["tokenized"] for k in kvas[1:])
@@ -168,7 +168,7 @@ async def test_with_no_checking_p_node_left_an_unverified_pull_recomputes(
     recomputes on another P node (D's blocks freed by the release params), no wrong KV."""
     from kvagent_server.router.turns import execute
 
-    async with router_stack(skip_prefill_max_tokens=0) as st:
+    async with router_stack(policy={"params": {"skip_prefill_max_tokens": 0}}) as st:
         kvas = await _conversation(st, MIN_RATIO_SAMPLES + 1)
         assert kvas[-1]["tokenized"] is False and kvas[-1]["path"] == "pd_reuse"
         monkeypatch.setattr(execute, "prefill_candidates", lambda ranked, plan, _checks: (

@@ -40,7 +40,8 @@ def test_turns_that_skip_tokenize_answer_as_a_recompute(kvagent_bundle: Any, tmp
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM},
                                       {"role": "user", "content": "Checkout is slow."}]
     turns = []
-    with second_router(b, tmp_path, skip_prefill_max_tokens=skip_prefill_max_tokens) as url:
+    params = {"skip_prefill_max_tokens": skip_prefill_max_tokens}
+    with second_router(b, tmp_path, policy={"params": params}) as url:
         for i in range(6):
             out = greedy_chat(url, b.model, messages, {"X-Session-ID": session})
             text = out["choices"][0]["message"]["content"] or ""

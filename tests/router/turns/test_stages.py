@@ -23,7 +23,7 @@ from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.handle import Handle
 from kvagent_server.router.store.memory import MemoryStore
 from kvagent_server.router.telemetry.metrics import RouterMetrics
-from kvagent_server.router.turns import policy
+from kvagent_server.router.turns import policy, policy_params
 from kvagent_server.router.turns.context import Router
 from kvagent_server.router.turns.gather import gather, with_prompt_ids
 from kvagent_server.router.turns.settle import settle
@@ -114,7 +114,7 @@ def _plan(decision: TurnPlan | NeedPromptIds) -> TurnPlan:
     return decision
 
 
-COST_MODEL = policy.CostModelPolicy(policy.ReuseParams(), policy.CostParams())
+COST_MODEL = policy.CostModelPolicy(policy_params.ReuseParams(), policy_params.CostParams())
 #: D computing a delta is cheap, P's prefill dear: the cost model picks `d_direct`.
 D_CHEAP = PathCosts(prefill=LinearCost(fixed_s=0.1, per_token_s=1e-3),
                     d_direct=LinearCost(fixed_s=0.0, per_token_s=1e-4))
@@ -169,13 +169,13 @@ def test_a_first_turn_goes_to_d_only_while_p_is_busy() -> None:
                                             healthy=True))
     plan = COST_MODEL.decide(busy)
     assert plan.path == "d_fresh" and plan.est_tokens == 500
-    never = policy.CostModelPolicy(policy.ReuseParams(),
-                                   policy.CostParams(fresh_on_decode="never"))
+    never = policy.CostModelPolicy(policy_params.ReuseParams(),
+                                   policy_params.CostParams(fresh_on_decode="never"))
     assert never.decide(busy).path == "pd_fresh"
 
 
 def test_reuse_off_and_unsplittable_requests() -> None:
-    off = policy.CostModelPolicy(policy.ReuseParams(reuse=False), policy.CostParams())
+    off = policy.CostModelPolicy(policy_params.ReuseParams(reuse=False), policy_params.CostParams())
     plan = off.decide(_facts())
     assert (plan.path, plan.reuse.reason) == ("pd_fresh", planner.Reason.REUSE_DISABLED)
     n2 = _req({"model": "m", "n": 2, "messages": []})
@@ -188,11 +188,12 @@ def test_a_failed_tokenize_recomputes() -> None:
 
 
 def test_policies_are_found_by_name_and_unknown_names_fail_clearly() -> None:
-    assert policy.policy_for(RouterSettings(path_policy="pd_reuse")).name == "pd_reuse"
+    assert policy.policy_for(RouterSettings(policy={"name": "pd_reuse"})).name == "pd_reuse"
     with pytest.raises(ValueError, match="known: cost_model, d_direct, pd_reuse, single"):
-        policy.policy_for(RouterSettings(path_policy="fastest"))
+        policy.policy_for(RouterSettings(policy={"name": "fastest"}))
     with pytest.raises(ValueError, match="already registered"):
-        policy.register("cost_model", policy.NoParams, policy.POLICIES["cost_model"].build)
+        policy.register("cost_model", policy_params.PolicyParams,
+                        policy.POLICIES["cost_model"].build)
 
 
 # ------------------------------------------------------------------ the plan's fallbacks
@@ -300,7 +301,8 @@ async def test_settle_without_a_session_records_nothing() -> None:
 def test_a_decode_node_at_its_kv_high_watermark_computes_no_prompt() -> None:
     """Its retained turns fill its cache: a prompt it computed (and the release riding on
     it) would wait in its queue; P's pull frees its blocks without that queue."""
-    policy_ = policy.CostModelPolicy(policy.ReuseParams(), policy.CostParams(d_kv_high=0.8))
+    policy_ = policy.CostModelPolicy(policy_params.ReuseParams(),
+                                     policy_params.CostParams(d_kv_high=0.8))
     assert policy_.decide(_facts(costs=D_CHEAP, d_kv_usage=0.5)).path == "d_direct"
     full = _facts(costs=D_CHEAP, d_kv_usage=0.85)
     plan = policy_.decide(full)
@@ -311,4 +313,5 @@ def test_a_decode_node_at_its_kv_high_watermark_computes_no_prompt() -> None:
                         p_work=NodeWork(prefill_tokens=50_000, prompts=3),
                         p_first=Node(name="p0", url="http://p0", role="prefill", healthy=True))
     assert policy_.decide(busy_first).path == "pd_fresh"
-    assert policy.CostParams.of(RouterSettings()).d_kv_high == 0.8
+    default = policy.policy_for(RouterSettings())
+    assert isinstance(default, policy.CostModelPolicy) and default.costs.d_kv_high == 0.8

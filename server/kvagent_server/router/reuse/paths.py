@@ -14,7 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kvagent_server.router.reuse.planner import FRESH_REASONS, ReusePlan
 from kvagent_server.router.reuse.queue import IDLE, NodeWork
-from kvagent_server.router.settings import FreshPolicy
 
 #: How a turn was served (`kvagent.path` on the wire; the same names as
 #: `kvagent.protocol.PATHS` and the path table in docs/router.md).
@@ -23,6 +22,10 @@ Path = Literal["pd_fresh", "pd_reuse", "d_direct", "d_fresh", "recompute", "deco
 #: The paths whose prompt the decode node computes itself (no P leg): they are priced,
 #: learned and stall D's streams alike.
 ON_DECODE: frozenset[str] = frozenset({"d_direct", "d_fresh"})
+
+#: Where a turn with nothing to reuse computes its prompt (`cost_model`'s
+#: `fresh_on_decode`): as the costs say, always on P, or always on D.
+FreshPolicy = Literal["auto", "never", "always"]
 
 
 class LinearCost(BaseModel):

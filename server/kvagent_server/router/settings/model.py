@@ -1,11 +1,12 @@
-"""`RouterSettings`: the router's own keys, its path policy and its sections by concern."""
+"""`RouterSettings`: the router's own keys and its sections by concern (the path policy's
+among them), and the move of the older flat keys into their sections."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import logging
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
@@ -15,16 +16,13 @@ from kvagent_server.router.settings.sections import (
     IdentitySettings,
     LimitSettings,
     NodeSettings,
+    PathPolicySettings,
     RetentionSettings,
 )
 
 log = logging.getLogger("kvagent.router")
 
 _SALT_CONTEXT = b"kvagent/cache_salt/v1"
-
-#: Where a turn with nothing to reuse computes its prompt (`fresh_on_decode`).
-FreshPolicy = Literal["auto", "never", "always"]
-
 
 def derive_cache_salt(tenant_name: str) -> str:
     """A stable per-tenant salt, identical on every replica and across restarts.
@@ -49,31 +47,6 @@ class TenantSettings(BaseModel):
         default=64, ge=1, description="Completions in flight for the whole tenant (429 above).")
 
 
-class PathPolicySettings(BaseModel):
-    """Which path policy decides each turn, and that policy's own parameters
-    (`turns.policy`)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    name: str = Field(default="cost_model",
-        description="`cost_model` (the learned per-path costs and each node's queue), "
-        "`pd_reuse` (P computes every prompt and pulls a verified prefix from D), "
-        "`d_direct` (the decode node holding a conversation extends its later turns "
-        "itself), `single` (never P: what a router with no prefill node runs in place "
-        "of `cost_model`), or one registered by a plugin. Every policy reuses only "
-        "verified prefixes.")
-    params: dict[str, Any] = Field(default_factory=dict,
-        description="The policy's parameters, checked against its own model at start-up "
-        "(docs/router.md, \"Choosing the path\"). A parameter left out takes the value "
-        "of the flat `router.*` setting of the same name, where there is one.")
-
-
-#: The flat `router.*` settings that are also a path policy's parameters: set in
-#: `router.policy.params` instead, they must not be set flat too.
-POLICY_PARAM_SETTINGS = ("skip_prefill_max_tokens", "d_direct_stall_max_ms",
-                         "fresh_on_decode", "decode_prompt_step_tokens")
-
-
 _WARNED: set[str] = set()  # flat keys already warned about, once per process
 
 
@@ -94,58 +67,9 @@ class RouterSettings(BaseModel):
         description="Tokens expire this many seconds before the decode node drops the blocks.")
     tenants: list[TenantSettings] = Field(default_factory=list,
         description="Tenants; empty means a single anonymous tenant and no API key check.")
-    policy: PathPolicySettings | None = Field(default=None,
-        description="How each turn's path is chosen (`name`, and its `params`): "
-        "`cost_model` by default. Unset: `path_policy` names it and the flat settings "
-        "below are its parameters.")
-    path_policy: str = Field(default="cost_model",
-        description="The path policy's name where `policy` is unset (the older flat "
-        "form of `policy.name`; setting both is an error): `cost_model` (the learned "
-        "per-path costs and each node's queue; the settings below up to "
-        "`decode_prompt_step_tokens` are its parameters), `pd_reuse`, `d_direct` or "
-        "`single` (see `policy.name`).")
-    skip_prefill_max_tokens: int | None = Field(default=None,
-        description="Skip the P leg when the uncached delta is at most this many tokens (0: "
-        "never skip, None: decide from measured costs).")
-    queue_aware_paths: bool = Field(default=True,
-        description="With `skip_prefill_max_tokens` None: price each path with the work in "
-        "flight on its node (prompt tokens queued on P, D's queued deltas and decode streams) "
-        "and the stall a `d_direct` delta puts on D's streams. False: each path's learned "
-        "TTFT line alone, blind to the queues (docs/benchmarks.md runs 5 and 9-11).")
-    d_direct_stall_max_ms: float | None = Field(default=55.0, gt=0,
-        description="With `queue_aware_paths`: while streams decode on the D node, a turn "
-        "whose prompt work D would compute for longer than this (its learned `d_direct` "
-        "cost: a reused turn's delta, or a `d_fresh` prompt) goes to P instead, so no other "
-        "turn's prefill stalls D's streams past this gap; the summed costs alone would "
-        "trade one stream's long gap for seconds saved elsewhere. None: the sums alone "
-        "decide (docs/benchmarks.md runs 15, 17 and 18). The default is one step of D "
-        "computing a prompt at its CPU cap of 128 tokens per step at the built-in models' "
-        "longest context (16,384 tokens): a 7.8 ms decode step plus 128 x (20.2 us + 21.1 ns "
-        "per token of context), the lone-engine fit of docs/benchmarks.md's floor benchmark, "
-        "~55 ms; a turn within it stalls D's streams no longer than a step of any prompt D "
-        "computes. It is not a benchmark's inter-token bound, which is an SLO of its own.")
-    fresh_on_decode: FreshPolicy = Field(default="auto",
-        description="Where a turn with nothing to reuse (a first turn) computes its prompt. "
-        "`auto`, with `queue_aware_paths`: on the decode node itself (`d_fresh`, which keeps "
-        "its KV for the next turn like any other) while work is queued on P and the costs "
-        "say D, the stall on its streams included, answers sooner, or, with "
-        "`decode_prompt_step_tokens`, while P computes other legs and D no prompt: "
-        "conditional disaggregation. `never`: P computes every such prompt (`pd_fresh`). "
-        "`always`: D does (an aggregated node's first turns, P kept for reused turns). Not "
-        "with `reuse` off, whose turns all stay P/D.")
-    decode_prompt_step_tokens: int | None = Field(default=None, ge=1,
-        description="The most tokens of a prompt a decode node computes per step while "
-        "other requests share it (vLLM's --long-prefill-token-threshold on D; the bundle "
-        "fills it in). Known, `fresh_on_decode: auto` also sends a first turn to D whenever "
-        "P is computing other legs and D no prompt of its own: D's streams then wait one "
-        "short step per chunk, not the whole prompt (docs/benchmarks.md run 22). None: "
-        "D's steps are not known to be short; the costs and the stall cap decide.")
-    skip_tokenize_extensions: bool = Field(default=True,
-        description="A chat turn whose messages repeat the held turn's exactly (same "
-        "rendering inputs) and add new ones goes `d_direct` without the router's `/tokenize` "
-        "when the path would be `d_direct` for any delta near the one its new messages' size "
-        "suggests: D's prefix cache matches the tokens itself. False: tokenize every "
-        "reused turn.")
+    policy: PathPolicySettings = Field(default_factory=PathPolicySettings,
+        description="How each turn's path is chosen: the path policy's `name` and its own "
+        "`params` (below, by policy; docs/router.md, \"Choosing the path\").")
     reuse: bool = Field(default=True,
         description="Reuse is disabled entirely (for A/B comparisons and benchmarks).")
     content_reuse: bool = Field(default=True,
@@ -186,20 +110,20 @@ class RouterSettings(BaseModel):
             return data
         data = dict(data)
         for old in [k for k in data if k in FLAT_KEYS]:
-            section, new = FLAT_KEYS[old]
+            *sections, key = FLAT_KEYS[old]
+            new = ".".join(FLAT_KEYS[old])
             value = data.pop(old)
-            given = data.get(section) or {}
-            nested = (given.model_dump(exclude_unset=True) if isinstance(given, BaseModel)
-                      else dict(given))
-            if new in nested and nested[new] != value:
-                raise ValueError(f"router.{old} ({value!r}) and router.{section}.{new} "
-                                 f"({nested[new]!r}) disagree: keep router.{section}.{new}")
-            nested[new] = value
-            data[section] = nested
+            holder = data
+            for section in sections:  # copies: the caller's own dicts stay as given
+                holder[section] = holder = _plain(holder.get(section))
+            if key in holder and holder[key] != value:
+                raise ValueError(f"router.{old} ({value!r}) and router.{new} "
+                                 f"({holder[key]!r}) disagree: keep router.{new}")
+            holder[key] = value
             if old not in _WARNED:
                 _WARNED.add(old)
-                log.warning("router.%s is now router.%s.%s: the flat key still works, but "
-                            "move it into its section", old, section, new)
+                log.warning("router.%s is now router.%s: the flat key still works, but "
+                            "move it into its section", old, new)
         return data
 
     @model_validator(mode="after")
@@ -214,30 +138,11 @@ class RouterSettings(BaseModel):
             seen[salt] = tenant.name
         return self
 
-    @model_validator(mode="after")
-    def _one_place_per_policy_setting(self) -> RouterSettings:
-        """The nested `policy` section and the older flat keys may not say two things (a
-        bundle writes every key out, so a flat key at its default says nothing)."""
-        if self.policy is None:
-            return self
-        fields = type(self).model_fields
-        if self.path_policy not in (fields["path_policy"].default, self.policy.name):
-            raise ValueError(f"router.path_policy ({self.path_policy!r}) and "
-                             f"router.policy.name ({self.policy.name!r}) disagree: the path "
-                             "policy is named by router.policy.name now; remove "
-                             "router.path_policy")
-        for key in POLICY_PARAM_SETTINGS:
-            flat = getattr(self, key)
-            if (key in self.policy.params and flat != fields[key].default
-                    and self.policy.params[key] != flat):
-                raise ValueError(f"router.{key} ({flat!r}) and router.policy.params.{key} "
-                                 f"({self.policy.params[key]!r}) disagree: keep "
-                                 f"router.policy.params.{key}")
-        return self
 
-    def policy_choice(self) -> tuple[str, dict[str, Any], str]:
-        """The path policy's name, its parameters as configured, and where its name was
-        set (for messages)."""
-        if self.policy is not None:
-            return self.policy.name, dict(self.policy.params), "router.policy.name"
-        return self.path_policy, {}, "router.path_policy"
+def _plain(given: Any) -> dict[str, Any]:
+    """A section as given (a dict, a model, or absent) as a dict of the keys it sets."""
+    if isinstance(given, BaseModel):
+        return given.model_dump(exclude_unset=True)
+    if given is not None and not isinstance(given, dict):
+        raise ValueError(f"a section must be a mapping, not {given!r}")
+    return dict(given or {})

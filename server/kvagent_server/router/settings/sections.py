@@ -197,47 +197,52 @@ class EngineSettings(BaseModel):
         "first token.")
 
 
-#: Where each older flat `router.*` key lives now: (section, key in it).
-FLAT_KEYS: dict[str, tuple[str, str]] = {
-    "first_byte_timeout_s": ("limits", "first_byte_timeout_s"),
-    "stream_write_timeout_s": ("limits", "stream_write_timeout_s"),
-    "max_body_bytes": ("limits", "max_body_bytes"),
-    "max_header_bytes": ("limits", "max_header_bytes"),
-    "max_header_count": ("limits", "max_header_count"),
-    "header_timeout_s": ("limits", "header_timeout_s"),
-    "body_timeout_s": ("limits", "body_timeout_s"),
-    "max_connections": ("limits", "max_connections"),
-    "max_connections_per_client": ("limits", "max_connections_per_client"),
-    "max_streams_per_client": ("limits", "max_streams_per_client"),
-    "max_messages": ("limits", "max_messages"), "max_tools": ("limits", "max_tools"),
-    "max_inline_media_bytes": ("limits", "max_inline_media_bytes"),
-    "max_tokens_limit": ("limits", "max_tokens_limit"),
-    "max_upstream_body_bytes": ("limits", "max_upstream_body_bytes"),
-    "max_handles_per_tenant": ("limits", "max_handles_per_tenant"),
-    "max_records_per_tenant": ("limits", "max_records_per_tenant"),
-    "health_interval_s": ("nodes", "health_interval_s"),
-    "request_timeout_s": ("nodes", "request_timeout_s"),
-    "max_retries": ("nodes", "max_retries"),
-    "node_max_in_flight": ("nodes", "max_in_flight"),
-    "block_size": ("nodes", "block_size"),
-    "kv_recompute_threshold": ("nodes", "kv_recompute_threshold"),
-    "decode_blocks_ttl_s": ("retention", "decode_blocks_ttl_s"),
-    "prefill_lease_s": ("retention", "prefill_lease_s"),
-    "prefill_lease_margin_s": ("retention", "prefill_lease_margin_s"),
-    "release_unused_handles": ("retention", "release_unused_handles"),
-    "retention_high_watermark": ("retention", "high_watermark"),
-    "retention_low_watermark": ("retention", "low_watermark"),
-    "retention_policy": ("retention", "policy"),
-    "retention_check_interval_s": ("retention", "check_interval_s"),
-    "decode_room_wait_s": ("retention", "decode_room_wait_s"),
-    "mm_placeholder_token_ids": ("identity", "mm_placeholder_token_ids"),
-    "trust_media_urls": ("identity", "trust_media_urls"),
-    "identity_unverifiable_fields": ("identity", "unverifiable_fields"),
-    "kv_events": ("engine", "kv_events"),
-    "forward_prompt_ids": ("engine", "forward_prompt_ids"),
-    "forward_first_token": ("engine", "forward_first_token"),
-}
-#: The sections by concern, by their key under `router:`.
+class PathPolicySettings(BaseModel):
+    """Which path policy decides each turn, and that policy's own parameters
+    (`turns.policy`): every path policy's parameters live here, and only here."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(default="cost_model",
+        description="`cost_model` (the learned per-path costs and each node's queue), "
+        "`pd_reuse` (P computes every prompt and pulls a verified prefix from D), "
+        "`d_direct` (the decode node holding a conversation extends its later turns "
+        "itself), `single` (never P: what a router with no prefill node runs in place "
+        "of `cost_model`), or one registered by a plugin. Every policy reuses only "
+        "verified prefixes.")
+    params: dict[str, Any] = Field(default_factory=dict,
+        description="The policy's parameters, checked against its own model at start-up "
+        "(below, by policy; docs/router.md, \"Choosing the path\"). A parameter left out "
+        "takes its default.")
+
+
+#: The sections by concern, by their key under `router:` (the path policy's, `policy`,
+#: is a section of its own: `PathPolicySettings`).
 SECTIONS: dict[str, type[BaseModel]] = {
     "limits": LimitSettings, "nodes": NodeSettings, "retention": RetentionSettings,
     "identity": IdentitySettings, "engine": EngineSettings}
+
+#: Every key of a section above was once a flat `router.*` key of the same name, except
+#: these, whose flat name said their section: (section, key) -> the older flat key.
+_RENAMED: dict[tuple[str, str], str] = {
+    ("nodes", "max_in_flight"): "node_max_in_flight",
+    ("retention", "high_watermark"): "retention_high_watermark",
+    ("retention", "low_watermark"): "retention_low_watermark",
+    ("retention", "policy"): "retention_policy",
+    ("retention", "check_interval_s"): "retention_check_interval_s",
+    ("identity", "unverifiable_fields"): "identity_unverifiable_fields",
+}
+
+#: The path policy's parameters that were flat `router.*` keys: `cost_model`'s, and
+#: `skip_tokenize_extensions`, every built-in policy's (`turns.policy_params`).
+POLICY_FLAT_PARAMS = ("skip_prefill_max_tokens", "queue_aware_paths",
+                      "d_direct_stall_max_ms", "fresh_on_decode",
+                      "decode_prompt_step_tokens", "skip_tokenize_extensions")
+
+#: Where each older flat `router.*` key lives now: its path under `router:`.
+FLAT_KEYS: dict[str, tuple[str, ...]] = {
+    **{_RENAMED.get((section, key), key): (section, key)
+       for section, model in SECTIONS.items() for key in model.model_fields},
+    "path_policy": ("policy", "name"),
+    **{key: ("policy", "params", key) for key in POLICY_FLAT_PARAMS},
+}

@@ -17,7 +17,7 @@ from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.base import SessionStore
 from kvagent_server.router.store.factory import KeySync
 from kvagent_server.router.telemetry.metrics import RouterMetrics
-from kvagent_server.router.turns.policy import PathPolicy
+from kvagent_server.router.turns.policy_params import PathPolicy
 
 
 @dataclass
@@ -30,7 +30,7 @@ class Router:
     store: SessionStore
     codec: TokenCodec
     metrics: RouterMetrics
-    #: Decides each turn's path from its facts (`turns.policy`, by name in settings).
+    #: Decides each turn's path from its facts (`turns.policy`, by `router.policy.name`).
     policy: PathPolicy
     #: What turns teach later turns: costs, token ratios, tool pauses, the `/tokenize`
     #: round trip, P nodes seen checking their pulls (written only by `turns.settle`).
@@ -48,3 +48,14 @@ class Router:
     gate: DecodeGate | None = None
     #: Shares signing keys with other replicas through Redis (None: configured keys).
     key_sync: KeySync | None = None
+
+    @property
+    def counts_work(self) -> bool:
+        """The policy reads each node's work in flight: gather counts it."""
+        return self.policy.counts_work
+
+    @property
+    def skips_tokenize(self) -> bool:
+        """The policy may skip `/tokenize` for an extension of the held turn: settle
+        learns what that needs (tokens per message byte, the turn's rendering inputs)."""
+        return self.policy.skips_tokenize

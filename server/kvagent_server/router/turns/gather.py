@@ -61,7 +61,7 @@ async def gather(r: Router, req: TurnRequest) -> TurnFacts:
         handle_node_healthy=bool(d_node and d_node.healthy),
         handle_node_epoch=d_node.epoch if d_node else None, holder=holder,
         candidates=_candidates(r, costs), affinity=affinity, tiers=tiers,
-        counts_work=s.queue_aware_paths, prefill_block_size=s.nodes.block_size,
+        counts_work=r.counts_work, prefill_block_size=s.nodes.block_size,
         costs=costs, learned=learned, est_tokens=learned.estimate_tokens(req.body_chars),
         new_identity=new_ident, identity=_check_identity(r, handle, new_ident),
         tokenizable=tokenizer is not None)
@@ -106,13 +106,13 @@ def _tokenizer(r: Router) -> Node | None:
 
 
 def _candidates(r: Router, costs: PathCosts) -> tuple[NodeFacts, ...]:
-    """Every node as placement weighs it: its state, work in flight (with
-    `queue_aware_paths`), KV usage and block size."""
+    """Every node as placement weighs it: its state, work in flight (where the policy
+    reads it: `Router.counts_work`), KV usage and block size."""
     s, now = r.settings, time.monotonic()
     out = []
     for node in r.registry.nodes.values():
         work = None
-        if s.queue_aware_paths:
+        if r.counts_work:
             line = costs.prefill if node.role == "prefill" else costs.d_direct
             work = r.work.work(node.name, now=now, per_token_s=line.per_token_s)
         out.append(NodeFacts(node=node, state=node.state(), work=work, kv_usage=node.kv_usage,

@@ -3,9 +3,10 @@
 A policy turns `TurnFacts` into a `TurnPlan`: the path, the reuse, the nodes to try
 first and how each leg's transfer params are built (`TurnPlan.legs`); it never awaits and
 never touches the router's state, so each is tested on plain data. Policies are
-registered by name with a parameters model of their own (`register`); `router.policy`
-names one and gives its `params` (the older `router.path_policy` and flat keys still
-work), so a benchmark arm or an operator names a policy instead of flipping switches:
+registered by name with a parameters model of their own (`register`;
+`turns.policy_params` holds the models and the protocol); `router.policy` names one and
+gives its `params`, so a benchmark arm or an operator names a policy instead of flipping
+switches:
 
 - `cost_model` (the default): the learned per-path costs and the work in flight on
   each node choose between `pd_reuse` and `d_direct`, and between `pd_fresh` and
@@ -30,118 +31,39 @@ suggest (`untokenized_plan`). The pipeline then gathers the ids and asks again.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from kvagent_server.common.types import Topology
 from kvagent_server.router.reuse import identity, paths, placement, planner
 from kvagent_server.router.reuse.queue import IDLE
-from kvagent_server.router.settings import FreshPolicy, RouterSettings
+from kvagent_server.router.settings import RouterSettings
+from kvagent_server.router.turns.policy_params import (
+    CostModelParams,
+    CostParams,
+    Decision,
+    LegParams,
+    PathPolicy,
+    PolicyParams,
+    Registered,
+    ReuseParams,
+    Shared,
+)
 from kvagent_server.router.turns.shapes import (
     NEED_PROMPT_IDS,
     LegChoices,
-    NeedPromptIds,
     TurnFacts,
     TurnPlan,
     TurnRequest,
 )
 
-#: The path policy a router runs unless `router.path_policy` names another.
+#: The path policy a router runs unless `router.policy.name` names another.
 DEFAULT = "cost_model"
 #: Turns whose prompt tokens per message byte were learned before a turn may estimate its
 #: delta from its messages' size (and skip `/tokenize`).
 MIN_RATIO_SAMPLES = 3
-
-#: What a policy answers: the plan, or that it needs the prompt's token ids first.
-Decision = TurnPlan | NeedPromptIds
-
-
-class PathPolicy(Protocol):
-    @property
-    def name(self) -> str:
-        """What `router.path_policy` calls it."""
-        ...
-
-    def decide(self, facts: TurnFacts) -> Decision:
-        """The turn's plan, or `NEED_PROMPT_IDS` (pure)."""
-        ...
-
-    def untokenized_path(self, facts: TurnFacts, plan: planner.ReusePlan,
-                         deltas: tuple[int, int], tokenize_s: float) -> paths.Path | None:
-        """The path of an extension whose uncached delta is only known to lie in
-        `deltas`, if this policy would choose it for any delta there (the turn then
-        skips `/tokenize`); None: tokenize to choose."""
-        ...
-
-
-class ReuseParams(BaseModel):
-    """How much may be reused: every policy's."""
-
-    model_config = ConfigDict(frozen=True)
-
-    #: Reuse off: every turn computes its prompt (the P/D-without-reuse baseline).
-    reuse: bool = True
-    #: Verified prefixes shorter than this many tokens are recomputed.
-    threshold: int = 64
-    #: An extension of the held turn's messages may skip `/tokenize` (`untokenized_plan`).
-    skip_tokenize: bool = True
-
-    @classmethod
-    def of(cls, settings: RouterSettings) -> ReuseParams:
-        return cls(reuse=settings.reuse, threshold=settings.nodes.kv_recompute_threshold,
-                   skip_tokenize=settings.skip_tokenize_extensions)
-
-
-class CostParams(BaseModel):
-    """The cost model's knobs (each is a `router.*` setting of the same meaning)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    skip_prefill_max_tokens: int | None = None
-    d_stall_max_s: float | None = None
-    #: At this share of D's KV cache in use (the retention guard's high watermark), D
-    #: computes no prompt (None: no limit).
-    d_kv_high: float | None = None
-    fresh_on_decode: FreshPolicy = "auto"
-    decode_prompt_step_tokens: int | None = None
-
-    @classmethod
-    def of(cls, settings: RouterSettings) -> CostParams:
-        ms = settings.d_direct_stall_max_ms
-        return cls(skip_prefill_max_tokens=settings.skip_prefill_max_tokens,
-                   d_stall_max_s=None if ms is None else ms / 1000,
-                   d_kv_high=settings.retention.high_watermark,
-                   fresh_on_decode=settings.fresh_on_decode,
-                   decode_prompt_step_tokens=settings.decode_prompt_step_tokens)
-
-
-class LegParams(BaseModel):
-    """How the legs' transfer params are built: every policy's (router-wide settings)."""
-
-    model_config = ConfigDict(frozen=True)
-
-    release_unused: bool = True
-    forward_prompt_ids: bool = True
-    forward_first_token: bool = True
-    #: The largest node answer the router reads (P's answer carries the prompt's ids).
-    max_upstream_body_bytes: int = 64 * 1024 * 1024
-    #: P's lease on its blocks less the margin a D leg must start reading within.
-    read_within_s: float = 25.0
-    #: The test-only shifted-blocks header is honoured (`test_shift_blocks_header`).
-    shift_blocks: bool = False
-
-    @classmethod
-    def of(cls, settings: RouterSettings) -> LegParams:
-        return cls(release_unused=settings.retention.release_unused_handles,
-                   forward_prompt_ids=settings.engine.forward_prompt_ids,
-                   forward_first_token=settings.engine.forward_first_token,
-                   max_upstream_body_bytes=settings.limits.max_upstream_body_bytes,
-                   read_within_s=(settings.retention.prefill_lease_s
-                                  - settings.retention.prefill_lease_margin_s),
-                   shift_blocks=settings.test_shift_blocks_header)
-
 
 #: Bytes of JSON per prompt token id in P's answer, at most ("151935," is 7).
 _ID_JSON_BYTES = 8
@@ -182,9 +104,21 @@ def leg_choices(facts: TurnFacts, params: LegParams) -> LegChoices:
 
 
 class _Decides:
-    """Every policy's `decide`: its own `_decide`, then the legs' transfer choices."""
+    """Every policy's `decide`: its own `_decide`, then the legs' transfer choices; and
+    what every policy declares to the stages (`PathPolicy`)."""
 
+    reuse: ReuseParams
     legs: LegParams
+
+    @property
+    def skips_tokenize(self) -> bool:
+        return self.reuse.skip_tokenize
+
+    @property
+    def counts_work(self) -> bool:
+        # Legs in flight are counted for every policy (a turn's place in its node's
+        # queue); only the cost model may be told to price paths blind to them.
+        return True
 
     def _decide(self, facts: TurnFacts) -> Decision:
         raise NotImplementedError
@@ -319,6 +253,10 @@ class CostModelPolicy(_Decides):
     name: str = "cost_model"
     legs: LegParams = dataclasses.field(default_factory=LegParams)
 
+    @property
+    def counts_work(self) -> bool:
+        return self.costs.queue_aware
+
     def _decide(self, facts: TurnFacts) -> Decision:
         if (early := _settled_early(self, facts, self.reuse)) is not None:
             return early
@@ -421,83 +359,18 @@ class SinglePolicy(_Decides):
         return "d_direct"  # D's own prefix cache matches the real tokens
 
 
-class NoParams(BaseModel):
-    """A policy with no parameters of its own."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class CostModelParams(BaseModel):
-    """`cost_model`'s parameters (`router.policy.params`; each also has an older flat
-    `router.*` setting of the same name, whose value it takes when left out)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    skip_prefill_max_tokens: int | None = Field(default=None, ge=0,
-        description="Skip the P leg when the uncached delta is at most this many tokens "
-        "(0: never skip, None: decide from the learned costs).")
-    d_direct_stall_max_ms: float | None = Field(default=55.0, gt=0,
-        description="While streams decode on D, a turn whose prompt work D would compute "
-        "for longer than this goes to P (None: the summed costs alone decide).")
-    fresh_on_decode: FreshPolicy = Field(default="auto",
-        description="Where a turn with nothing to reuse computes its prompt: `auto` "
-        "(on D while P is busy and the costs say so), `never` (P), `always` (D).")
-    decode_prompt_step_tokens: int | None = Field(default=None, ge=1,
-        description="The most prompt tokens D computes per step beside its streams "
-        "(its --long-prefill-token-threshold); known, a first turn goes to D whenever P "
-        "computes other legs and D no prompt.")
-
-
-@dataclasses.dataclass(frozen=True)
-class Shared:
-    """What every policy is built with besides its own parameters: router-wide settings."""
-
-    reuse: ReuseParams
-    legs: LegParams
-    #: The retention guard's high watermark: at this share of D's KV cache in use, D
-    #: computes no prompt (None: no limit).
-    d_kv_high: float | None = None
-
-    @classmethod
-    def of(cls, settings: RouterSettings) -> Shared:
-        return cls(ReuseParams.of(settings), LegParams.of(settings),
-                   settings.retention.high_watermark)
-
-
-@dataclasses.dataclass(frozen=True)
-class Registered:
-    """A path policy by name: its parameters model and how it is built from them."""
-
-    params: type[BaseModel]
-    build: Callable[[Any, Shared], PathPolicy]
-
-    def __call__(self, settings: RouterSettings,
-                 params: Mapping[str, Any] | None = None) -> PathPolicy:
-        """The policy for `settings`, with `params` over the flat settings that share a
-        parameter's name (a `ValidationError` names a bad one)."""
-        flat = {k: getattr(settings, k) for k in self.params.model_fields
-                if k in type(settings).model_fields}
-        return self.build(self.params.model_validate(flat | dict(params or {})),
-                          Shared.of(settings))
-
-
 def _cost_model(p: CostModelParams, shared: Shared) -> PathPolicy:
-    ms = p.d_direct_stall_max_ms
-    costs = CostParams(skip_prefill_max_tokens=p.skip_prefill_max_tokens,
-                       d_stall_max_s=None if ms is None else ms / 1000,
-                       d_kv_high=shared.d_kv_high, fresh_on_decode=p.fresh_on_decode,
-                       decode_prompt_step_tokens=p.decode_prompt_step_tokens)
-    return CostModelPolicy(shared.reuse, costs, legs=shared.legs)
+    return CostModelPolicy(shared.reuse, CostParams.of(p, shared.d_kv_high), legs=shared.legs)
 
 
 #: Policy name -> its parameters model and builder.
 POLICIES: dict[str, Registered] = {
     "cost_model": Registered(CostModelParams, _cost_model),
-    "pd_reuse": Registered(NoParams, lambda p, sh: FixedPolicy(
+    "pd_reuse": Registered(PolicyParams, lambda p, sh: FixedPolicy(
         sh.reuse, "pd_reuse", on_decode=False, legs=sh.legs)),
-    "d_direct": Registered(NoParams, lambda p, sh: FixedPolicy(
+    "d_direct": Registered(PolicyParams, lambda p, sh: FixedPolicy(
         sh.reuse, "d_direct", on_decode=True, legs=sh.legs)),
-    "single": Registered(NoParams, lambda p, sh: SinglePolicy(sh.reuse, legs=sh.legs)),
+    "single": Registered(PolicyParams, lambda p, sh: SinglePolicy(sh.reuse, legs=sh.legs)),
 }
 
 #: Policies that send turns to a prefill node: refused where there is none.
@@ -514,17 +387,16 @@ def register(name: str, params: type[BaseModel],
 
 
 def policy_name(settings: RouterSettings, topology: Topology = "pd") -> str:
-    """The policy a router of `topology` runs: `router.policy.name` (or the older
-    `router.path_policy`), except that the `single` topology runs `single` where it
-    names the default `cost_model` (with no P there is nothing to weigh), and refuses a
-    policy that needs a prefill node."""
-    name, _params, where = settings.policy_choice()
+    """The policy a router of `topology` runs: `router.policy.name`, except that the
+    `single` topology runs `single` where it names the default `cost_model` (with no P
+    there is nothing to weigh), and refuses a policy that needs a prefill node."""
+    name = settings.policy.name
     if topology != "single":
         return name
     if name == DEFAULT:
         return "single"
     if name in NEEDS_PREFILL:
-        raise ValueError(f"{where} {name!r} needs a prefill node; with no "
+        raise ValueError(f"router.policy.name {name!r} needs a prefill node; with no "
                          "--prefill the router serves the single topology: set it to "
                          f"'single' or leave it '{DEFAULT}'")
     return name
@@ -533,15 +405,15 @@ def policy_name(settings: RouterSettings, topology: Topology = "pd") -> str:
 def policy_for(settings: RouterSettings, topology: Topology = "pd") -> PathPolicy:
     """The policy a router of `topology` runs (`policy_name`), built with its parameters;
     a ValueError names what is wrong with them."""
-    configured, params, where = settings.policy_choice()
+    configured, params = settings.policy.name, dict(settings.policy.params)
     name = policy_name(settings, topology)
     try:
         registered = POLICIES[name]
     except KeyError:
-        raise ValueError(f"unknown {where} {name!r}; known: "
+        raise ValueError(f"unknown router.policy.name {name!r}; known: "
                          f"{', '.join(sorted(POLICIES))}") from None
     if name != configured:  # `single` in place of the default: the cost model's are moot
-        params = {}
+        params = {k: v for k, v in params.items() if k in registered.params.model_fields}
     try:
         return registered(settings, params)
     except ValidationError as exc:

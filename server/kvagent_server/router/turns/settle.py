@@ -47,7 +47,7 @@ async def _settle(r: Router, turn: Turn, capture: Capture) -> Final:
         reported = usage_cached(usage)
     cached = reported if reported is not None else planned
     _learn_from_legs(r, turn)
-    if req.chat and prompt_tokens and r.settings.skip_tokenize_extensions:
+    if req.chat and prompt_tokens and r.skips_tokenize:
         r.learned.message_chars.observe(identity.message_chars(req.body.get("messages")),
                                         prompt_tokens)
     reused = min(planned, cached) if plan.path == "pd_reuse" else (
@@ -159,7 +159,7 @@ async def _record(r: Router, turn: Turn, capture: Capture,
         req.body, chat=req.chat, prompt_ids=capture.prompt_token_ids or [],
         placeholder_ids=s.identity.mm_placeholder_token_ids,
         extra_unverifiable=s.identity.unverifiable_fields,
-        history=s.skip_tokenize_extensions)
+        history=r.skips_tokenize)
     handle = Handle(handle_id=new_handle_id(), tenant=req.tenant.name, session=facts.session,
                     decode_node=node.name, decode_epoch=node.epoch,
                     kv_transfer_params=capture.kv_params, token_ids=sequence,

@@ -100,7 +100,7 @@ class NodeFacts:
 
     node: Node
     state: NodeState
-    #: Work in flight there (None: not counted, `queue_aware_paths` off).
+    #: Work in flight there (None: not counted, the policy does not read it).
     work: NodeWork | None = None
     #: The share of its KV cache in use at the retention guard's last read (decode).
     kv_usage: float | None = None
@@ -149,7 +149,7 @@ class TurnFacts:
     affinity: str | None = None
     #: Where P nodes cache the prompt's prefix (None: not looked up).
     tiers: TierFacts | None = None
-    #: Work in flight is counted (`queue_aware_paths`): a missing node's is idle.
+    #: Work in flight is counted (`PathPolicy.counts_work`): a missing node's is idle.
     counts_work: bool = False
     #: Why `p_first` and `d_first` were placed there (None: not placed by decide).
     p_reason: PrefillReason | None = None
