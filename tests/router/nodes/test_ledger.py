@@ -3,8 +3,11 @@ a leg leaves it exactly once whatever ends it."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from kvagent_server.router.nodes.ledger import LegLedger, blocks_for
+from kvagent_server.router.nodes.registry import NodeRegistry
 from kvagent_server.router.reuse.queue import IDLE, NodeWork
 
 
@@ -59,6 +62,19 @@ def test_a_retry_elsewhere_moves_the_leg_and_what_it_carries() -> None:
     assert led.work("d1", now=2.0, per_token_s=0.0) == NodeWork(prefill_tokens=200,
                                                                  streams=1, prompts=1)
     assert led.promised("d0") == 0 and led.free("d1", 2.0) == 70
+
+
+def test_the_registry_ranks_and_places_by_the_ledgers_legs() -> None:
+    """Placement's load is the ledger's count: a stream decoding on d0 makes d1 the least
+    loaded until it ends."""
+    reg = NodeRegistry(["http://p:1"], ["http://d:1", "http://d:2"])
+    for node in reg.nodes.values():
+        node.mark_up()
+    leg = reg.ledger.open("d0", role="decode", stream=True, now=time.monotonic())
+    assert [n.name for n in reg.ranked("decode")] == ["d1", "d0"]
+    assert {s.node_id: s.in_flight for s in reg.states()} == {"p0": 0, "d0": 1, "d1": 0}
+    reg.ledger.close(leg, time.monotonic())
+    assert [n.name for n in reg.ranked("decode")] == ["d0", "d1"]
 
 
 # ------------------------------------------------------------------ work ahead (queue.NodeWork)

@@ -179,7 +179,7 @@ def pulls_kv(body: dict[str, Any]) -> bool:
 class Legs:
     """Runs legs on candidate nodes, in the order placement ranked them.
 
-    Every request it sends is a leg in `ledger` (the registry's): a caller that owns the
+    Every completion it sends is a leg in `ledger` (the registry's): a caller that owns the
     leg (opened it, closes it once it is over) names it by its ticket (`leg=`), and each
     try marks it sent to the node tried; a request sent with no leg named (a drain of
     P's blocks) is a leg of its own for as long as its answer takes."""

@@ -207,7 +207,7 @@ async def _run_pd(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
             plan = plan.without_room()
         p_params = plan.prefill_params()
         return await _pd_legs(r, facts, plan, started, body, p_params, p_nodes, d_nodes,
-                              admitted, d_leg)
+                              d_leg)
     except BaseException:
         _close(r, d_leg)
         raise
@@ -234,8 +234,7 @@ def _prompt_tokens(facts: TurnFacts, plan: TurnPlan) -> int:
 
 async def _pd_legs(r: Router, facts: TurnFacts, plan: TurnPlan, started: float,
                    body: dict[str, Any], p_params: dict[str, Any], p_nodes: list[Node],
-                   d_nodes: list[Node], admitted: Admitted | None,
-                   d_leg: int | None) -> Turn:
+                   d_nodes: list[Node], d_leg: int | None) -> Turn:
     req = facts.req
     chars = 0
     if plan.path == "pd_reuse":
