@@ -116,8 +116,9 @@ async def test_edited_history_reuses_only_verified_prefix() -> None:
 
 
 async def test_work_in_flight_is_counted_and_released() -> None:
-    """The router's count of legs per node (what the queue-aware path choice reads) is
-    back to idle once the turns are answered, streamed or not, whatever path they took."""
+    """The router's ledger of legs (what placement, the queue-aware path choice and the
+    decode gate read) is back to idle once the turns are answered, streamed or not,
+    whatever path they took."""
     from kvagent_server.router.reuse.queue import IDLE
 
     async with router_stack(policy={"params": {"queue_aware_paths": True}}) as st:
@@ -134,8 +135,12 @@ async def test_work_in_flight_is_counted_and_released() -> None:
         now = time.monotonic()
         for node in st.nodes:
             name = "p0" if node in st.prefill else "d0"
-            assert router.work.work(name, now=now, per_token_s=1e-3) == IDLE
-        assert not router.work._legs
+            assert router.ledger.work(name, now=now, per_token_s=1e-3) == IDLE
+            assert router.ledger.in_flight(name) == 0
+        # What the D legs allocated counts against D's room until a read of D shows it.
+        assert router.retention is not None
+        await router.retention.refresh(router.registry.nodes["d0"])
+        assert len(router.ledger) == 0 and router.ledger.promised("d0") == 0
 
 
 async def test_d_direct_when_delta_small() -> None:

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import pytest
 from fakes import FakeCluster, router_stack
-from kvagent_server.router.kv.room import DecodeRoom
-from kvagent_server.router.nodes.admission import DecodeGate, NoRoom
+from kvagent_server.router.nodes.admission import Admitted, DecodeGate, NoRoom
+from kvagent_server.router.nodes.ledger import LegLedger
 from kvagent_server.router.nodes.registry import Node
 from router_client import LONG, no_wrong_kv, turn
 
@@ -24,7 +24,6 @@ class FakeDecode:
     unclaimed: list[int] = field(default_factory=list)  # oldest first
     pinned: dict[str, int] = field(default_factory=dict)
     other: int = 0
-    busy: bool = False
     reports: bool = True  # its /metrics has the block count
     stalled: bool = False  # nothing runs while requests wait
     released: list[str] = field(default_factory=list)
@@ -35,7 +34,7 @@ class FakeDecode:
         return sum(self.unclaimed) + sum(self.pinned.values()) + self.other
 
 
-def _gate(d: FakeDecode, room: DecodeRoom, *, max_wait_s: float = 2.0) -> DecodeGate:
+def _gate(d: FakeDecode, room: LegLedger, *, max_wait_s: float = 2.0) -> DecodeGate:
     async def refresh(node: Node) -> None:
         if d.reports:
             room.observe(node.name, total_blocks=d.total, usage=d.used / d.total,
@@ -55,48 +54,66 @@ def _gate(d: FakeDecode, room: DecodeRoom, *, max_wait_s: float = 2.0) -> Decode
             d.released.append(rid)
 
     return DecodeGate(room, make_room=make_room, refresh=refresh, release=release,
-                      busy=lambda node: d.busy, max_wait_s=max_wait_s, poll_s=0.01)
+                      max_wait_s=max_wait_s, poll_s=0.01)
 
 
 NODE = Node(name="d0", url="http://d0", role="decode", healthy=True)
 
 
+def _leg(room: LegLedger) -> int:
+    """A D leg for the node, waiting for its room (not sent)."""
+    return room.open(NODE.name, role="decode", stream=True, sent=False, now=time.monotonic())
+
+
+def _running(room: LegLedger) -> int:
+    """A leg the router sent to the node that has not ended (the node is busy)."""
+    return room.open(NODE.name, role="decode", stream=True, now=time.monotonic())
+
+
+async def _admit(gate: DecodeGate, blocks: int, *, pinned: str | None = None,
+                 pinned_blocks: int = 0, freed_by_p: bool = False) -> Admitted:
+    """A new D leg's admission to the node."""
+    return await gate.admit(NODE, _leg(gate.ledger), blocks, pinned=pinned,
+                            pinned_blocks=pinned_blocks, freed_by_p=freed_by_p)
+
+
 async def test_admits_at_once_with_room_and_without_a_known_size() -> None:
-    d, room = FakeDecode(total=100, unclaimed=[30], reports=False), DecodeRoom()
+    d, room = FakeDecode(total=100, unclaimed=[30], reports=False), LegLedger()
     gate = _gate(d, room)
-    unknown = await gate.admit(NODE, 500)  # no block count: nothing to promise against
-    assert unknown.ticket is None and not unknown.revoked
+    unknown = await _admit(gate, 500)  # no block count: nothing to promise against
+    assert not unknown.promised and not unknown.revoked
     d.reports = True
-    a = await gate.admit(NODE, 60)  # read first: the router may have just started
-    assert a.ticket is not None and room.free("d0", time.monotonic()) == 10
+    a = await _admit(gate, 60)  # read first: the router may have just started
+    assert a.promised and room.free("d0", time.monotonic()) == 10
     assert not d.evictions
 
 
 async def test_evicts_unclaimed_handles_for_the_shortfall_only() -> None:
-    d, room = FakeDecode(total=100, unclaimed=[20, 20, 20, 20]), DecodeRoom()
+    d, room = FakeDecode(total=100, unclaimed=[20, 20, 20, 20]), LegLedger()
     gate = _gate(d, room)
     await gate.refresh(NODE)
-    a = await gate.admit(NODE, 50)
-    assert a.ticket is not None and not a.revoked
+    a = await _admit(gate, 50)
+    assert a.promised and not a.revoked
     assert d.evictions == [40] and d.unclaimed == [20, 20]  # 30 short: the two oldest
 
 
 async def test_a_turn_may_count_the_handle_its_own_pull_frees() -> None:
-    d, room = FakeDecode(total=100, pinned={"h1": 60}, other=30), DecodeRoom()
+    d, room = FakeDecode(total=100, pinned={"h1": 60}, other=30), LegLedger()
     gate = _gate(d, room)
     await gate.refresh(NODE)
-    a = await gate.admit(NODE, 65, pinned="h1", pinned_blocks=60, freed_by_p=True)
-    assert a.ticket is not None and not a.revoked and not d.released
+    a = await _admit(gate, 65, pinned="h1", pinned_blocks=60, freed_by_p=True)
+    assert a.promised and not a.revoked and not d.released
 
 
 async def test_waits_in_line_for_legs_in_flight() -> None:
-    d, room = FakeDecode(total=100, other=80, busy=True), DecodeRoom()
+    d, room = FakeDecode(total=100, other=80), LegLedger()
+    running = _running(room)
     gate = _gate(d, room)
     await gate.refresh(NODE)
     order: list[str] = []
 
     async def turn(name: str, blocks: int) -> None:
-        await gate.admit(NODE, blocks)
+        await _admit(gate, blocks)
         order.append(name)
 
     first = asyncio.create_task(turn("first", 50))
@@ -104,7 +121,8 @@ async def test_waits_in_line_for_legs_in_flight() -> None:
     second = asyncio.create_task(turn("second", 5))  # would fit, but waits its turn
     await asyncio.sleep(0.05)
     assert order == [] and not first.done() and not second.done()
-    d.other, d.busy = 0, False  # the legs in flight ended
+    d.other = 0  # the leg in flight ended
+    assert room.close(running, time.monotonic())
     await asyncio.wait_for(asyncio.gather(first, second), 2)
     assert order == ["first", "second"] and not d.released
 
@@ -113,67 +131,73 @@ async def test_gives_up_the_newest_waiters_handle_when_nothing_else_frees_room()
     # D holds only two conversations' handles, each claimed by a turn that waits: the
     # P/D deadlock's shape. The first in line has no handle of its own on D.
     d = FakeDecode(total=100, pinned={"older": 45, "newer": 45})
-    room = DecodeRoom()
+    room = LegLedger()
     gate = _gate(d, room)
     await gate.refresh(NODE)
-    d.busy = True
-    first = asyncio.create_task(gate.admit(NODE, 40))
+    running = _running(room)
+    leg_a, leg_b = _leg(room), _leg(room)
+    first = asyncio.create_task(gate.admit(NODE, leg_a, 40))
     await asyncio.sleep(0.02)
-    older = asyncio.create_task(gate.admit(NODE, 50, pinned="older", pinned_blocks=45,
-                                           freed_by_p=True))
-    newer = asyncio.create_task(gate.admit(NODE, 50, pinned="newer", pinned_blocks=45,
-                                           freed_by_p=True))
+    older = asyncio.create_task(gate.admit(NODE, leg_b, 50, pinned="older",
+                                           pinned_blocks=45, freed_by_p=True))
+    newer = asyncio.create_task(_admit(gate, 50, pinned="newer", pinned_blocks=45,
+                                       freed_by_p=True))
     await asyncio.sleep(0.05)
     assert not first.done() and not d.released  # legs in flight: wait for them
-    d.busy = False
+    room.close(running, time.monotonic())
     a = await asyncio.wait_for(first, 2)
-    assert a.ticket is not None and d.released == ["newer"]
+    assert a.promised and d.released == ["newer"]
     # The first turn's leg is on D: the older turn fits, counting the handle its pull frees.
-    room.allocated(a.ticket, time.monotonic())
+    room.sent(leg_a, NODE.name, time.monotonic())
+    room.first_token(leg_a, time.monotonic())
     d.other = 40
     b = await asyncio.wait_for(older, 2)
     assert not b.revoked and d.released == ["newer"]
     # Both legs end; D retains them unclaimed, evictable: the newer turn, whose handle
     # is gone, is admitted to recompute.
-    assert b.ticket is not None
-    room.allocated(b.ticket, time.monotonic())
+    assert b.promised
+    room.sent(leg_b, NODE.name, time.monotonic())
+    room.first_token(leg_b, time.monotonic())
+    room.close(leg_a, time.monotonic())
+    room.close(leg_b, time.monotonic())
     d.pinned.pop("older")
     d.other, d.unclaimed = 0, [40, 50]
     c = await asyncio.wait_for(newer, 2)
-    assert c.revoked and c.ticket is not None and d.evictions == [40]
+    assert c.revoked and c.promised and d.evictions == [40]
 
 
 async def test_the_only_waiter_gives_up_its_own_handle() -> None:
-    d, room = FakeDecode(total=100, pinned={"mine": 70}, other=25), DecodeRoom()
+    d, room = FakeDecode(total=100, pinned={"mine": 70}, other=25), LegLedger()
     gate = _gate(d, room)
     await gate.refresh(NODE)
     # d_direct reuses its handle in place (no credit) and needs 10 more blocks
-    a = await asyncio.wait_for(gate.admit(NODE, 10, pinned="mine", pinned_blocks=70), 2)
+    a = await asyncio.wait_for(_admit(gate, 10, pinned="mine", pinned_blocks=70), 2)
     assert a.revoked and d.released == ["mine"]
 
 
 async def test_refused_when_what_holds_the_room_is_not_the_routers() -> None:
-    d, room = FakeDecode(total=100, other=95), DecodeRoom()
+    d, room = FakeDecode(total=100, other=95), LegLedger()
     gate = _gate(d, room, max_wait_s=0.1)
     await gate.refresh(NODE)
     with pytest.raises(NoRoom) as err:
-        await gate.admit(NODE, 20)
+        await _admit(gate, 20)
     assert err.value.status == 503
     # more than the node holds at all: not the gate's to refuse (vLLM answers)
-    assert (await gate.admit(NODE, 500)).ticket is not None
+    assert (await _admit(gate, 500)).promised
 
 
 async def test_a_stalled_node_gives_up_a_waiters_handle_though_legs_are_on_it() -> None:
     # A leg on D waits for blocks (nothing runs): it will not end by itself, so waiting
     # for it is no way to room.
-    d = FakeDecode(total=100, pinned={"h": 60}, other=30, busy=True, stalled=True)
-    room = DecodeRoom()
+    d = FakeDecode(total=100, pinned={"h": 60}, other=30, stalled=True)
+    room = LegLedger()
+    _running(room)
     gate = _gate(d, room, max_wait_s=1.0)
     await gate.refresh(NODE)
-    first = asyncio.create_task(gate.admit(NODE, 40))
-    waiter = asyncio.create_task(gate.admit(NODE, 5, pinned="h", pinned_blocks=60))
+    first = asyncio.create_task(_admit(gate, 40))
+    waiter = asyncio.create_task(_admit(gate, 5, pinned="h", pinned_blocks=60))
     a = await asyncio.wait_for(first, 2)
-    assert a.ticket is not None and d.released == ["h"]
+    assert a.promised and d.released == ["h"]
     assert (await asyncio.wait_for(waiter, 2)).revoked
 
 

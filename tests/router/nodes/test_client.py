@@ -107,7 +107,7 @@ async def test_connection_dropped_before_response_is_sent_again_once() -> None:
         await legs.aclose()
     assert result.kv_params == {"remote_block_ids": [[1]]}
     assert script.connections == 2 and len(script.requests) == 2
-    assert n.healthy and n.in_flight == 0
+    assert n.healthy and legs.ledger.in_flight(n.name) == 0 and len(legs.ledger) == 0
 
 
 async def test_dropped_twice_is_a_failed_leg_not_a_third_send() -> None:
@@ -144,7 +144,8 @@ async def test_refused_connection_marks_the_node_down_and_tries_the_next() -> No
         await legs.aclose()
     assert result.node is alive
     assert not dead.healthy and dead.last_error == "ClientConnectorError"
-    assert dead.in_flight == 0 and alive.in_flight == 0
+    assert legs.ledger.in_flight("p0") == 0 and legs.ledger.in_flight("p1") == 0
+    assert len(legs.ledger) == 0
 
 
 async def test_silent_node_times_out_without_resending() -> None:

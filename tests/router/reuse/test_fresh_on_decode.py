@@ -99,7 +99,7 @@ async def test_always_computes_the_first_turn_on_d_and_the_next_turn_reuses_it()
                                                         "do_remote_prefill": False}
         # The turn's D leg is over: nothing of it stays counted on D.
         d_name = st.router.registry.role("decode")[0].name
-        assert st.router.work.work(d_name, now=time.monotonic(), per_token_s=1e-3) == IDLE
+        assert st.router.ledger.work(d_name, now=time.monotonic(), per_token_s=1e-3) == IDLE
 
         kva2, _, _ = await turn(st, second(answer), token=kva["cache_token"])
         assert kva2["path"] == "pd_reuse" and kva2["reused_tokens"] > 0
@@ -114,12 +114,12 @@ async def test_auto_moves_a_first_turn_to_d_only_while_p_is_busy() -> None:
         assert kva["path"] == "pd_fresh"
         samples = st.router.learned.chars.samples
         p_name = st.router.registry.role("prefill")[0].name
-        ticket = st.router.work.begin(p_name, prefill_tokens=100_000, stream=False,
+        ticket = st.router.ledger.open(p_name, role="prefill", tokens=100_000,
                                       now=time.monotonic())
         kva, _, _ = await turn(st, FIRST, session="busy")
         assert kva["path"] == "d_fresh" and kva["cache_token"]
         assert st.router.learned.chars.samples == samples + 1  # D's usage teaches tokens per byte
-        st.router.work.end(ticket, time.monotonic())
+        st.router.ledger.close(ticket, time.monotonic())
         kva, _, _ = await turn(st, FIRST, session="idle-again")
         assert kva["path"] == "pd_fresh"
         no_wrong_kv(st)
@@ -132,22 +132,22 @@ async def test_auto_with_short_steps_on_d_counts_ps_legs_not_its_estimate() -> N
         d_name = st.router.registry.role("decode")[0].name
         now = time.monotonic()
         # P's leg was due long ago by P's line (the estimate reads 0); D streams.
-        st.router.work.begin(p_name, prefill_tokens=10, stream=False, now=now - 60)
-        stream = st.router.work.begin(d_name, prefill_tokens=0, stream=True, now=now)
-        assert st.router.work.work(p_name, now=now, per_token_s=1e-3).prefill_tokens == 0
+        st.router.ledger.open(p_name, role="prefill", tokens=10, now=now - 60)
+        stream = st.router.ledger.open(d_name, role="decode", stream=True, tokens=0, now=now)
+        assert st.router.ledger.work(p_name, now=now, per_token_s=1e-3).prefill_tokens == 0
         kva, _, _ = await turn(st, FIRST, session="late-p")
         assert kva["path"] == "d_fresh"
-        st.router.work.begin(d_name, prefill_tokens=5_000, stream=True, now=now)
+        st.router.ledger.open(d_name, role="decode", stream=True, tokens=5_000, now=now)
         kva, _, _ = await turn(st, FIRST, session="d-computing")
         assert kva["path"] == "pd_fresh"  # D's steps already carry a prompt
-        st.router.work.end(stream, time.monotonic())
+        st.router.ledger.close(stream, time.monotonic())
         no_wrong_kv(st)
 
 
 async def test_never_keeps_every_fresh_prompt_on_p() -> None:
     async with router_stack(policy={"params": {"fresh_on_decode": "never"}}) as st:
         p_name = st.router.registry.role("prefill")[0].name
-        st.router.work.begin(p_name, prefill_tokens=100_000, stream=False,
+        st.router.ledger.open(p_name, role="prefill", tokens=100_000,
                              now=time.monotonic())
         kva, _, _ = await turn(st, FIRST)
         assert kva["path"] == "pd_fresh"

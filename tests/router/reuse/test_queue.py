@@ -1,9 +1,11 @@
-"""Queue-aware path choice: the router's count of work in flight per node, and the
-choice between `d_direct` and `pd_reuse` it drives."""
+"""Queue-aware path choice: the work in flight per node (counted by the router's ledger of
+legs, tests/router/nodes/test_ledger.py) and the choice between `d_direct` and `pd_reuse`
+it drives."""
 
 from __future__ import annotations
 
 import pytest
+from kvagent_server.router.nodes.ledger import LegLedger
 from kvagent_server.router.reuse.paths import (
     CostModel,
     LinearCost,
@@ -13,7 +15,7 @@ from kvagent_server.router.reuse.paths import (
     untokenized_path,
 )
 from kvagent_server.router.reuse.planner import ReusePlan
-from kvagent_server.router.reuse.queue import IDLE, CharsPerToken, NodeWork, WorkLedger
+from kvagent_server.router.reuse.queue import IDLE, CharsPerToken, NodeWork
 
 #: Roughly this machine's measured lines (P ~0.4 ms/token, D ~0.5 ms/token).
 COSTS = PathCosts(prefill=LinearCost(fixed_s=0.08, per_token_s=4e-4),
@@ -116,8 +118,8 @@ def test_p_legs_in_flight_are_streams_about_to_start_on_d() -> None:
 def test_p_legs_count_while_ps_estimate_reads_empty() -> None:
     """P slower than its line: the estimate of its queue is 0 while its legs still
     compute, and those legs still start on D (the ledger below gives this `NodeWork`)."""
-    led = WorkLedger()
-    led.begin("p0", prefill_tokens=5000, stream=False, now=0.0)
+    led = LegLedger()
+    led.open("p0", role="prefill", tokens=5000, now=0.0)
     overdue = led.work("p0", now=2.0, per_token_s=1e-4)  # 0.5 s of work by the line
     assert overdue == NodeWork(prefill_tokens=0, prompts=1)
     assert choose_path(REUSE, PROMPT, COSTS, p_work=overdue, d_work=IDLE, d_stall_max_s=0.05,
@@ -144,53 +146,6 @@ def test_tokens_ahead() -> None:
     assert tokens_ahead("d_direct", w) == 304
     assert tokens_ahead("pd_reuse", w) == 300
     assert tokens_ahead("pd_fresh", w) == 300
-
-
-def test_ledger_counts_tokens_and_streams_per_node() -> None:
-    led = WorkLedger()
-    p1 = led.begin("p0", prefill_tokens=2000, stream=False, now=0.0)
-    led.begin("p0", prefill_tokens=500, stream=False, now=0.0)
-    d1 = led.begin("d0", prefill_tokens=150, stream=True, now=0.0)
-    led.begin("d0", prefill_tokens=0, stream=True, now=0.0)
-    assert led.work("p0", now=0.0, per_token_s=1e-3) == NodeWork(prefill_tokens=2500, prompts=2)
-    assert led.work("d0", now=0.0, per_token_s=1e-3) == NodeWork(prefill_tokens=150, streams=2,
-                                                              prompts=1)
-    assert led.work("p1", now=0.0, per_token_s=1e-3) == IDLE
-    led.prefilled(d1, 0.05)  # the delta's first token: it decodes from now on
-    assert led.work("d0", now=0.05, per_token_s=1e-3) == NodeWork(streams=2)
-    led.end(d1, 1.0)
-    led.end(d1, 1.0)  # idempotent
-    assert led.work("d0", now=1.0, per_token_s=1e-3) == NodeWork(streams=1)
-    led.end(p1, 2.0)
-    assert led.work("p0", now=2.0, per_token_s=1e-3) == NodeWork(prefill_tokens=500,
-                                                                      prompts=1)
-
-
-def test_ledger_counts_progress_since_the_node_last_finished() -> None:
-    led = WorkLedger()
-    big = led.begin("p0", prefill_tokens=2000, stream=False, now=10.0)
-    # 0.5 s at 1 ms/token: a quarter of it done
-    assert led.work("p0", now=10.5, per_token_s=1e-3).prefill_tokens == pytest.approx(1500)
-    assert led.work("p0", now=13.0, per_token_s=1e-3).prefill_tokens == 0  # overdue: 0
-    led.end(big, 13.0)
-    first = led.begin("p0", prefill_tokens=1000, stream=False, now=20.0)
-    led.begin("p0", prefill_tokens=1000, stream=False, now=20.0)
-    led.end(first, 21.0)  # the second one starts only now
-    assert led.work("p0", now=21.2, per_token_s=1e-3).prefill_tokens == pytest.approx(800)
-
-
-def test_ledger_forgets_legs_never_ended() -> None:
-    led = WorkLedger(max_age_s=60)
-    led.begin("d0", prefill_tokens=0, stream=True, now=0.0)
-    assert led.work("d0", now=59.0, per_token_s=1e-3).streams == 1
-    assert led.work("d0", now=61.0, per_token_s=1e-3).streams == 0
-
-
-def test_ledger_rejects_negative_work() -> None:
-    with pytest.raises(ValueError):
-        WorkLedger().begin("p0", prefill_tokens=-1, stream=False, now=0.0)
-    with pytest.raises(ValueError):
-        WorkLedger(max_age_s=0)
 
 
 def test_chars_per_token_learns_the_ratio() -> None:

@@ -213,8 +213,8 @@ def test_a_registered_policy_brings_its_own_parameters() -> None:
 def _candidate(name: str, role: str, in_flight: int = 0, healthy: bool = True,
                **kw: Any) -> NodeFacts:
     node = Node(name=name, url=f"http://{name}", role=role,  # type: ignore[arg-type]
-                healthy=healthy, in_flight=in_flight)
-    return NodeFacts(node=node, state=node.state(), **kw)
+                healthy=healthy)
+    return NodeFacts(node=node, state=node.state(in_flight), **kw)
 
 
 def _unplaced(candidates: tuple[NodeFacts, ...], **kw: Any) -> TurnFacts:

@@ -74,7 +74,8 @@ def _router(**settings: Any) -> Router:
     for node in registry.nodes.values():
         node.mark_up()
     return Router(settings=s, registry=registry,
-                  legs=Legs(max_retries=0, timeout_s=1, max_body_bytes=1 << 20),
+                  legs=Legs(max_retries=0, timeout_s=1, max_body_bytes=1 << 20,
+                            ledger=registry.ledger),
                   store=MemoryStore(), codec=TokenCodec(KeyRing.generate()),
                   metrics=RouterMetrics(),
                   policy=policy.policy_for(s))
@@ -266,7 +267,7 @@ def _turn(r: Router, plan: TurnPlan, facts: TurnFacts) -> Turn:
     node = r.registry.get("d0")
     assert node is not None
     start = DecodeStart(node=node, response=None, elapsed_s=0.01)  # type: ignore[arg-type]  # settle reads no response
-    return Turn(r.work, facts, plan, None, start, time.perf_counter())
+    return Turn(r.ledger, facts, plan, None, start, time.perf_counter())
 
 
 async def test_settle_records_the_retained_blocks_and_mints_a_token_for_them() -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import time
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
@@ -111,7 +110,8 @@ async def _lifespan(parts: AppParts, app: Starlette) -> AsyncIterator[None]:
         # Every request to a node, legs and background alike, uses the node's pool.
         legs = Legs(max_retries=settings.nodes.max_retries,
                     timeout_s=settings.nodes.request_timeout_s,
-                    max_body_bytes=settings.limits.max_upstream_body_bytes)
+                    max_body_bytes=settings.limits.max_upstream_body_bytes,
+                    ledger=registry.ledger)
         stack.push_async_callback(legs.aclose)
         router = Router(settings=settings, registry=registry, legs=legs, store=store,
                         codec=codec, metrics=parts.metrics,
@@ -160,10 +160,10 @@ def _retention_guard(parts: AppParts, legs: Legs, router: Router) -> RetentionGu
 def _record_kv(nodes: dict[str, Node], parts: AppParts, name: str, kv: NodeKV,
                read_at: float) -> None:
     """What the guard read of a decode node's KV: its usage (`policy` weighs it) and, with
-    its block count, its free blocks (`DecodeRoom`)."""
+    its block count, its free blocks (the ledger's `free`)."""
     nodes[name].kv_usage = kv.usage
     if kv.total_blocks and parts.router is not None:
-        parts.router.room.observe(name, total_blocks=kv.total_blocks, usage=kv.usage,
+        parts.router.ledger.observe(name, total_blocks=kv.total_blocks, usage=kv.usage,
                                   read_at=read_at, stalled=kv.stalled)
 
 
@@ -172,12 +172,8 @@ def _decode_gate(router: Router) -> DecodeGate | None:
     guard = router.retention
     if guard is None:
         return None
-
-    def busy(node: Node) -> bool:
-        return router.work.work(node.name, now=time.monotonic(), per_token_s=0.0).streams > 0
-
-    return DecodeGate(router.room, make_room=guard.make_room, refresh=guard.refresh,
-                      release=guard.release, busy=busy,
+    return DecodeGate(router.ledger, make_room=guard.make_room, refresh=guard.refresh,
+                      release=guard.release,
                       max_wait_s=router.settings.retention.decode_room_wait_s,
                       on_wait=router.metrics.room_waits.inc,
                       on_revoke=router.metrics.room_revocations.inc)

@@ -1,2 +1,2 @@
 """Where KV blocks live: vLLM block hashes, the per-node block index fed by KV events, tier
-scoring, and each decode node's free blocks."""
+and scoring (a decode node's free blocks are the legs' ledger's: `nodes.ledger`)."""

@@ -1,7 +1,8 @@
 """Admit a turn to a decode node only when the node has KV room for it.
 
 Every leg the router sends to a decode node waits here first, in arrival order per node,
-until the node's free blocks (`kv.room.DecodeRoom`) cover what the leg will allocate.
+until the node's free blocks (`nodes.ledger.LegLedger.free`) cover what the leg will
+allocate; the blocks are then promised to the leg in the same ledger.
 That is what keeps P and D from deadlocking under KV pressure: a P leg leases P's blocks
 only for a D leg that D can take, so P's leases always end, and D's blocks held for P's
 pulls are freed by P legs that always run.
@@ -23,7 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-from kvagent_server.router.kv.room import DecodeRoom
+from kvagent_server.router.nodes.ledger import LegLedger
 from kvagent_server.router.nodes.legs import LegError
 from kvagent_server.router.nodes.registry import Node
 
@@ -59,70 +60,69 @@ class Waiter:
 
 @dataclass(frozen=True)
 class Admitted:
-    """Room promised on the node (`ticket` for `DecodeRoom.allocated`/`cancel`; None when
-    the node's size is unknown and nothing was promised)."""
+    """The leg may go to the node: its blocks are promised to it in the ledger (`promised`
+    False: the node's size is unknown, nothing to promise against)."""
 
     node: str
-    ticket: int | None
+    promised: bool
     #: The turn's pinned handle was released while it waited: it must not be reused.
     revoked: bool = False
 
 
 #: `make_room(node, blocks)` evicts and releases unclaimed handles of the node holding
 #: about `blocks` blocks, in the retention policy's order (`nodes.retention`), returning the blocks freed; `refresh(node)` reads the
-#: node's figure into the ledger; `release(node, ids)` frees
-#: decode request ids; `busy(node)` says whether legs run there.
+#: node's figure into the ledger; `release(node, ids)` frees decode request ids.
 MakeRoom = Callable[[Node, int], Awaitable[int]]
 Refresh = Callable[[Node], Awaitable[None]]
 Release = Callable[[Node, list[str]], Awaitable[None]]
-Busy = Callable[[Node], bool]
 
 
 class DecodeGate:
     """Admits legs to decode nodes by their room, one node's turns in arrival order."""
 
-    def __init__(self, room: DecodeRoom, *, make_room: MakeRoom, refresh: Refresh,
-                 release: Release, busy: Busy, max_wait_s: float, poll_s: float = 0.25,
+    def __init__(self, ledger: LegLedger, *, make_room: MakeRoom, refresh: Refresh,
+                 release: Release, max_wait_s: float, poll_s: float = 0.25,
                  clock: Callable[[], float] = time.monotonic,
                  on_wait: Callable[[], None] = lambda: None,
                  on_revoke: Callable[[], None] = lambda: None) -> None:
         if max_wait_s <= 0 or poll_s <= 0:
             raise ValueError("max_wait_s and poll_s must be positive")
-        self.room = room
-        self.make_room, self.refresh, self.release, self.busy = (
-            make_room, refresh, release, busy)
+        self.ledger = ledger
+        self.make_room, self.refresh, self.release = make_room, refresh, release
         self.max_wait_s, self.poll_s, self.clock = max_wait_s, poll_s, clock
         self._lines: dict[str, list[Waiter]] = {}
         self._turn: dict[str, asyncio.Lock] = {}
         self.on_wait, self.on_revoke = on_wait, on_revoke
 
-    async def admit(self, node: Node, blocks: int, *, pinned: str | None = None,
+    async def admit(self, node: Node, leg: int, blocks: int, *, pinned: str | None = None,
                     pinned_blocks: int = 0, freed_by_p: bool = False) -> Admitted:
-        """Wait, in line, until `node` has room for `blocks` blocks, and promise them."""
+        """Wait, in line, until `node` has room for `blocks` blocks, and promise them to
+        `leg` (its ticket in the ledger, opened for `node` and not sent yet)."""
         me = Waiter(blocks, pinned, pinned_blocks if pinned else 0, freed_by_p)
         line = self._lines.setdefault(node.name, [])
         line.append(me)
         lock = self._turn.setdefault(node.name, asyncio.Lock())
         try:
             async with lock:  # one turn at a time takes room: the others keep their order
-                return await self._take(node, me)
+                return await self._take(node, leg, me)
         finally:
             line.remove(me)
 
-    async def _take(self, node: Node, me: Waiter) -> Admitted:
+    async def _take(self, node: Node, leg: int, me: Waiter) -> Admitted:
         deadline = self.clock() + self.max_wait_s
         refreshed = waited = False
         while True:
             now = self.clock()
-            free, total = self.room.free(node.name, now), self.room.total(node.name)
+            free, total = self.ledger.free(node.name, now), self.ledger.total(node.name)
             credit = me.credit
             # More than the node holds is not ours to wait for (vLLM refuses or preempts);
             # a node that reports no size leaves nothing to promise against.
             fits = free is not None and total is not None and (
                 me.blocks > total or free + credit >= me.blocks)
             if fits or (free is None and refreshed):
-                ticket = None if free is None else self.room.promise(node.name, me.blocks, now)
-                return Admitted(node.name, ticket, revoked=me.revoked)
+                if free is not None:
+                    self.ledger.promise(leg, me.blocks)
+                return Admitted(node.name, free is not None, revoked=me.revoked)
             if not refreshed:  # not read yet, or read before legs that have ended since
                 refreshed = True
                 await self.refresh(node)
@@ -145,8 +145,8 @@ class DecodeGate:
     def _stuck(self, node: Node) -> bool:
         """Nothing the router sent will free room by itself: the node is stalled (nothing
         runs, requests wait), or no leg runs there and none is on its way."""
-        return self.room.stalled(node.name) or not (self.busy(node)
-                                                    or self.room.promised(node.name))
+        return self.ledger.stalled(node.name) or not (
+            self.ledger.in_flight(node.name) or self.ledger.promised(node.name))
 
     async def _revoke(self, node: Node, short: int) -> int:
         """Release waiters' pinned handles, newest first, until about `short` blocks are

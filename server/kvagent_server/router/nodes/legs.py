@@ -28,6 +28,7 @@ from kvagent_server.router.nodes.client import (
     StaleConnection,
     UpstreamError,
 )
+from kvagent_server.router.nodes.ledger import LegLedger
 from kvagent_server.router.nodes.prompt_ids import CHAT_TEMPLATE_FIELDS
 from kvagent_server.router.nodes.registry import Node
 from kvagent_server.router.reuse import transfer
@@ -176,11 +177,18 @@ def pulls_kv(body: dict[str, Any]) -> bool:
 
 
 class Legs:
-    """Runs legs on candidate nodes, in the order placement ranked them."""
+    """Runs legs on candidate nodes, in the order placement ranked them.
+
+    Every completion it sends is a leg in `ledger` (the registry's): a caller that owns the
+    leg (opened it, closes it once it is over) names it by its ticket (`leg=`), and each
+    try marks it sent to the node tried; a request sent with no leg named (a drain of
+    P's blocks) is a leg of its own for as long as its answer takes."""
 
     def __init__(self, *, max_retries: int, timeout_s: float,
                  on_node_error: Callable[[Node, str], None] | None = None,
-                 max_body_bytes: int = MAX_BODY_BYTES) -> None:
+                 max_body_bytes: int = MAX_BODY_BYTES,
+                 ledger: LegLedger | None = None) -> None:
+        self.ledger = ledger if ledger is not None else LegLedger()
         self.max_body_bytes = max_body_bytes
         self.clients: dict[str, NodeClient] = {}
         self.max_retries = max_retries
@@ -201,12 +209,16 @@ class Legs:
         self.clients.clear()
 
     async def _post(self, node: Node, path: str, body: dict[str, Any],
-                    *, stream: bool) -> NodeResponse:
+                    *, stream: bool, leg: int | None = None) -> NodeResponse:
         """POST once more on the same node if the connection dropped before any response
         (a pooled keep-alive connection the node had just closed) — unless the request
         pulls KV (see `pulls_kv`). A node that refuses connections is marked down at once;
         one slow to accept (overloaded) is left to the health checks."""
-        node.in_flight += 1
+        own = leg is None
+        if leg is None:
+            leg = self.ledger.open(node.name, role=node.role, now=time.monotonic())
+        else:
+            self.ledger.sent(leg, node.name, time.monotonic())
         try:
             client = self.client(node)
             url = f"{node.url}{path}"
@@ -222,13 +234,15 @@ class Legs:
                     raise
             raise AssertionError("unreachable")
         finally:
-            node.in_flight -= 1
+            if own:
+                self.ledger.close(leg, time.monotonic())
 
     async def prefill(self, candidates: Sequence[Node], path: str, body: Mapping[str, Any],
-                      kv_params: dict[str, Any], *, prompt_ids: bool = False
-                      ) -> PrefillResult:
+                      kv_params: dict[str, Any], *, prompt_ids: bool = False,
+                      leg: int | None = None) -> PrefillResult:
         """Run the P leg on the first candidate that answers; a failed pull re-runs fresh.
-        `prompt_ids`: also return the prompt's token ids as P computed them."""
+        `prompt_ids`: also return the prompt's token ids as P computed them; `leg`: its
+        ticket in the ledger (the caller closes it)."""
         reuse = transfer.offers_remote_blocks(kv_params)
         pull_failed = False
         last: LegError | None = None
@@ -238,7 +252,7 @@ class Legs:
             try:
                 resp = await self._post(node, path,
                                         prefill_body(body, params, prompt_ids=prompt_ids),
-                                        stream=False)
+                                        stream=False, leg=leg)
             except UpstreamError as exc:
                 last = _unreachable("prefill", exc)
                 if reuse and not isinstance(exc, ConnectFailed):
@@ -253,7 +267,7 @@ class Legs:
                     resp = await self._post(node, path,
                                             prefill_body(body, transfer.fresh(),
                                                          prompt_ids=prompt_ids),
-                                            stream=False)
+                                            stream=False, leg=leg)
                 except UpstreamError as exc:
                     last = _unreachable("prefill", exc)
                     continue
@@ -280,8 +294,9 @@ class Legs:
         raise last or LegError("no healthy prefill node", status=503, leg="prefill")
 
     async def decode(self, candidates: Sequence[Node], path: str, body: dict[str, Any],
-                     *, stream: bool) -> DecodeStart:
-        """Open the D leg on the first candidate that answers 200 (headers only when streamed)."""
+                     *, stream: bool, leg: int | None = None) -> DecodeStart:
+        """Open the D leg on the first candidate that answers 200 (headers only when
+        streamed); `leg`: its ticket in the ledger (the caller closes it)."""
         last: LegError | None = None
         pulls = pulls_kv(body)
         tried: list[str] = []
@@ -289,7 +304,7 @@ class Legs:
             tried.append(node.name)
             started = time.perf_counter()
             try:
-                resp = await self._post(node, path, body, stream=stream)
+                resp = await self._post(node, path, body, stream=stream, leg=leg)
             except UpstreamError as exc:
                 last = _unreachable("decode", exc)
                 if pulls and not isinstance(exc, ConnectFailed):

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from kvagent_server.common.types import Role, Topology
 from kvagent_server.router.common.periodic import Periodic
 from kvagent_server.router.nodes.client import ConnectFailed, NodeHttp, UpstreamError
+from kvagent_server.router.nodes.ledger import LegLedger
 from kvagent_server.router.reuse.placement import NodeState
 
 log = logging.getLogger("kvagent.router.nodes")
@@ -49,7 +50,7 @@ class Node:
     role: Role
     healthy: bool = False  # until its first successful probe
     epoch: str = "c1"
-    in_flight: int = 0
+    #: Legs in flight at which the node is saturated (the count is the registry's ledger's).
     max_in_flight: int = 64
     #: KV block size reported by the node (None until known).
     block_size: int | None = None
@@ -82,17 +83,18 @@ class Node:
         self.failures = 0
         self.last_error = None
 
-    def state(self) -> NodeState:
-        """The node as the placement core sees it."""
+    def state(self, in_flight: int = 0) -> NodeState:
+        """The node as the placement core sees it, with `in_flight` legs on it."""
         return NodeState(node_id=self.name, url=self.url, role=self.role, healthy=self.healthy,
-                         in_flight=self.in_flight, epoch=self.epoch,
+                         in_flight=in_flight, epoch=self.epoch,
                          max_in_flight=self.max_in_flight)
 
 
 class NodeRegistry:
     """All P and D nodes; a background task probes `/health` every `interval_s`.
 
-    No prefill node and one decode node is the `single` topology (`topology_of`)."""
+    No prefill node and one decode node is the `single` topology (`topology_of`). `ledger`
+    holds the legs in flight on every node: the one count of them the router keeps."""
 
     def __init__(self, prefill: list[str], decode: list[str], *, interval_s: float = 2.0,
                  probe_timeout_s: float = 2.0, max_in_flight: int = 64,
@@ -106,6 +108,7 @@ class NodeRegistry:
                 name = f"{prefix}{i}"
                 self.nodes[name] = Node(name=name, url=url.rstrip("/"), role=role,
                                         max_in_flight=max_in_flight)
+        self.ledger = LegLedger()
         self.interval_s = interval_s
         self.probe_timeout_s = probe_timeout_s
         self.failures_to_down = failures_to_down
@@ -126,8 +129,15 @@ class NodeRegistry:
         return bool(self.healthy("decode")) and (
             self.topology == "single" or bool(self.healthy("prefill")))
 
+    def in_flight(self, node: Node) -> int:
+        """Legs in flight on `node`, from the ledger."""
+        return self.ledger.in_flight(node.name, time.monotonic())
+
+    def state(self, node: Node) -> NodeState:
+        return node.state(self.in_flight(node))
+
     def states(self) -> list[NodeState]:
-        return [n.state() for n in self.nodes.values()]
+        return [self.state(n) for n in self.nodes.values()]
 
     def ranked(self, role: Role, first: Node | None = None) -> list[Node]:
         """Healthy nodes of `role`, least loaded first, `first` (if given) at the front.
@@ -136,7 +146,7 @@ class NodeRegistry:
         (the health check may just have been too slow on a loaded machine)."""
         pool = self.healthy(role) or self.role(role)
         rest = sorted((n for n in pool if n is not first),
-                      key=lambda n: (n.in_flight / n.max_in_flight, n.name))
+                      key=lambda n: (self.in_flight(n) / n.max_in_flight, n.name))
         return [first, *rest] if first is not None else rest
 
     async def probe(self, client: NodeHttp, node: Node) -> bool:

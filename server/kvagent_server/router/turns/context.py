@@ -5,14 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvagent_server.router.auth.cache_token import TokenCodec
-from kvagent_server.router.kv.room import DecodeRoom
 from kvagent_server.router.nodes.admission import DecodeGate
+from kvagent_server.router.nodes.ledger import LegLedger
 from kvagent_server.router.nodes.legs import Legs
 from kvagent_server.router.nodes.registry import NodeRegistry
 from kvagent_server.router.nodes.retention import RetentionGuard
 from kvagent_server.router.nodes.tier_placement import TierPlacement
 from kvagent_server.router.reuse.learned import Learned
-from kvagent_server.router.reuse.queue import WorkLedger
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.base import SessionStore
 from kvagent_server.router.store.factory import KeySync
@@ -35,19 +34,26 @@ class Router:
     #: What turns teach later turns: costs, token ratios, tool pauses, the `/tokenize`
     #: round trip, P nodes seen checking their pulls (written only by `turns.settle`).
     learned: Learned = field(default_factory=Learned)
-    #: The legs in flight per node, in tokens of work (what a new leg queues behind).
-    work: WorkLedger = field(default_factory=WorkLedger)
     #: Tier-aware P placement from the nodes' KV events (None: by load only).
     tiers: TierPlacement | None = None
     #: Bounds what decode nodes retain (nodes/retention.py; None: TTL only).
     retention: RetentionGuard | None = None
-    #: Each decode node's free KV blocks, less what legs on their way were promised.
-    room: DecodeRoom = field(default_factory=DecodeRoom)
     #: Admits a leg to a decode node only when it has room (nodes/admission.py; None: the
     #: retention guard is off, so nothing reads the nodes' KV figures).
     gate: DecodeGate | None = None
     #: Shares signing keys with other replicas through Redis (None: configured keys).
     key_sync: KeySync | None = None
+
+    def __post_init__(self) -> None:
+        if self.legs.ledger is not self.registry.ledger:
+            raise ValueError("the legs must record into the registry's ledger "
+                             "(Legs(ledger=registry.ledger))")
+
+    @property
+    def ledger(self) -> LegLedger:
+        """The legs in flight on every node, with what they carry (`nodes.ledger`): the
+        one count of them, read for placement, queue-aware prices and decode room."""
+        return self.registry.ledger
 
     @property
     def counts_work(self) -> bool:

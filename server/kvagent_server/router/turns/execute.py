@@ -10,6 +10,10 @@ ever needs P there.
 Every leg carries the transfer params the plan chose (`TurnPlan.prefill_params`,
 `decode_params`); execute chooses nothing of its own beyond the fallbacks the plan
 describes, and learns nothing (settle does, from the `Turn` it hands on).
+
+Every leg is opened in the router's ledger (`nodes.ledger`) before it is sent, with the
+work it carries, and closed once: a P leg here when its answer is in (or it failed), a D
+leg by the `Turn` that owns it (`Turn.close`), or here if no turn comes of it.
 """
 
 from __future__ import annotations
@@ -21,8 +25,8 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from kvagent_server.router.kv import room
 from kvagent_server.router.nodes.admission import Admitted, NoRoom
+from kvagent_server.router.nodes.ledger import blocks_for
 from kvagent_server.router.nodes.legs import LegError, decode_body, usage_stream_options
 from kvagent_server.router.nodes.registry import Node
 from kvagent_server.router.nodes.retention import remote_request_id
@@ -105,33 +109,30 @@ def _block_size(r: Router, node: Node) -> int:
     return node.block_size or r.settings.nodes.block_size or _VLLM_BLOCK_SIZE
 
 
-async def _admit(r: Router, node: Node | None, blocks: int, *,
+async def _admit(r: Router, node: Node | None, leg: int | None, blocks: int, *,
                  pinned: Handle | None = None, freed_by_p: bool = False) -> Admitted | None:
-    """Room for `blocks` blocks on `node` (nodes/admission.py); None without a gate. `NoRoom`
-    (a 503) when the node found none in time."""
-    if r.gate is None or node is None:
+    """Room for `blocks` blocks on `node` for the D leg `leg` (nodes/admission.py); None
+    without a gate. `NoRoom` (a 503) when the node found none in time."""
+    if r.gate is None or node is None or leg is None:
         return None
     rid = remote_request_id(pinned) if pinned is not None else None
-    return await r.gate.admit(node, blocks, pinned=rid,
+    return await r.gate.admit(node, leg, blocks, pinned=rid,
                               pinned_blocks=handle_blocks(pinned) if pinned else 0,
                               freed_by_p=freed_by_p)
 
 
-def _promised(r: Router, turn: Turn, admitted: Admitted | None) -> Turn:
-    """Hand the D leg's promised room to the turn (kept if the leg went to that node)."""
-    if admitted is None or admitted.ticket is None:
-        return turn
-    if turn.decode.node.name == admitted.node:
-        turn.room, turn.room_ticket = r.room, admitted.ticket
-    else:
-        _give_back(r, admitted)
-    return turn
+def _open_decode(r: Router, node: Node | None, tokens: int) -> int | None:
+    """The D leg in the ledger, for `node`, before it is admitted and sent: `tokens` of
+    prompt for D to compute, then a stream (None: no decode node to open it for)."""
+    if node is None:
+        return None
+    return r.ledger.open(node.name, role="decode", tokens=tokens, stream=True,
+                         sent=False, now=time.monotonic())
 
 
-def _give_back(r: Router, admitted: Admitted | None) -> None:
-    """The promised room is not taken (no D leg, or one on another node)."""
-    if admitted is not None and admitted.ticket is not None:
-        r.room.cancel(admitted.ticket)
+def _close(r: Router, leg: int | None) -> None:
+    if leg is not None:
+        r.ledger.close(leg, time.monotonic())
 
 
 async def _run_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
@@ -155,30 +156,29 @@ async def _run_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
     # D frees the handle the turn supersedes or does not reuse when this request ends
     params = plan.decode_params(target)
     held = tokens if plan.path == "d_direct" else _prompt_tokens(facts, plan)
-    admitted = await _admit(r, target, room.blocks_for(held, _block_size(r, target))
-                            if target else 0, pinned=pinned)
-    if admitted is not None and admitted.revoked:
-        _give_back(r, admitted)
-        return None
+    leg = _open_decode(r, target, tokens)
     try:
+        admitted = await _admit(r, target, leg, blocks_for(held, _block_size(r, target))
+                                if target else 0, pinned=pinned)
+        if admitted is not None and admitted.revoked:
+            _close(r, leg)
+            return None
         with leg_span(req.span, "decode") as span:
             t0 = time.perf_counter()
             try:
                 start = await r.legs.decode(nodes, req.endpoint,
                                             decode_body(req.body, params),
-                                            stream=req.stream)
+                                            stream=req.stream, leg=leg)
             finally:
                 req.budget.add("decode", time.perf_counter() - t0)
             span.set_attribute("kvagent.node", start.node.name)
     except BaseException:
-        _give_back(r, admitted)
+        _close(r, leg)
         raise
     r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
-    turn = _promised(r, Turn(r.work, facts, plan, None, start, started), admitted)
+    turn = Turn(r.ledger, facts, plan, None, start, started, leg=leg)
     if plan.d_work is not None:
         turn.ahead = paths.tokens_ahead(plan.path, plan.d_work)
-        turn.d_ticket = r.work.begin(start.node.name, prefill_tokens=tokens, stream=True,
-                                     now=time.monotonic())
     return turn
 
 
@@ -199,27 +199,29 @@ async def _run_pd(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
     d_nodes = r.registry.ranked("decode", _healthy(plan.d_first))
     # Stable: the rest keep their rank, the nodes that just failed the prompt go last.
     d_nodes.sort(key=lambda n: n.name in plan.d_failed)
-    admitted = await _admit_pd(r, facts, plan, d_nodes[0] if d_nodes else None)
-    if admitted is not None and admitted.revoked:  # its handle is gone: nothing to reuse
-        plan = plan.without_room()
-    p_params = plan.prefill_params()
+    target = d_nodes[0] if d_nodes else None
+    d_leg = _open_decode(r, target, 0)  # D pulls the prompt P computes
     try:
+        admitted = await _admit_pd(r, facts, plan, target, d_leg)
+        if admitted is not None and admitted.revoked:  # its handle is gone: no reuse
+            plan = plan.without_room()
+        p_params = plan.prefill_params()
         return await _pd_legs(r, facts, plan, started, body, p_params, p_nodes, d_nodes,
-                              admitted)
+                              d_leg)
     except BaseException:
-        _give_back(r, admitted)
+        _close(r, d_leg)
         raise
 
 
 async def _admit_pd(r: Router, facts: TurnFacts, plan: TurnPlan,
-                    target: Node | None) -> Admitted | None:
+                    target: Node | None, leg: int | None) -> Admitted | None:
     """Room on the decode node for a P/D turn's D leg, before its P leg leases P's blocks
     to it. The handle it reuses or releases is freed by its own P leg before its D leg
     allocates (when the same node holds it)."""
     if target is None:
         return None
     handle = plan.handle if plan.holder is target else None
-    return await _admit(r, target, room.blocks_for(_prompt_tokens(facts, plan),
+    return await _admit(r, target, leg, blocks_for(_prompt_tokens(facts, plan),
                                                    _block_size(r, target)),
                         pinned=handle, freed_by_p=handle is not None)
 
@@ -232,30 +234,26 @@ def _prompt_tokens(facts: TurnFacts, plan: TurnPlan) -> int:
 
 async def _pd_legs(r: Router, facts: TurnFacts, plan: TurnPlan, started: float,
                    body: dict[str, Any], p_params: dict[str, Any], p_nodes: list[Node],
-                   d_nodes: list[Node], admitted: Admitted | None) -> Turn:
+                   d_nodes: list[Node], d_leg: int | None) -> Turn:
     req = facts.req
-    queued = plan.p_work is not None and bool(p_nodes)
     chars = 0
-    if not queued:
-        p_tokens = 0
-    elif plan.path == "pd_reuse":
+    if plan.path == "pd_reuse":
         p_tokens = plan.prompt_len - plan.reuse.reuse_tokens
     elif plan.prompt_len:
         p_tokens = plan.prompt_len
     else:  # not tokenized: estimated from the body's size
         chars = req.body_chars
         p_tokens = facts.learned.estimate_tokens(chars)
-    p_ticket = (r.work.begin(p_nodes[0].name, prefill_tokens=p_tokens, stream=False,
-                             now=time.monotonic()) if queued else None)
+    p_leg = (r.ledger.open(p_nodes[0].name, role="prefill", tokens=max(p_tokens, 0),
+                           sent=False, now=time.monotonic()) if p_nodes else None)
     with leg_span(req.span, "prefill") as span:
         t0 = time.perf_counter()
         try:
             prefill = await r.legs.prefill(p_nodes, req.endpoint, body, p_params,
-                                           prompt_ids=plan.legs.forward_prompt_ids)
+                                           prompt_ids=plan.legs.forward_prompt_ids, leg=p_leg)
         finally:
             req.budget.add("prefill", time.perf_counter() - t0)
-            if p_ticket is not None:
-                r.work.end(p_ticket, time.monotonic())
+            _close(r, p_leg)
         span.set_attribute("kvagent.node", prefill.node.name)
         span.set_attribute("kvagent.pull_failed", prefill.pull_failed)
         verified = transfer.answered_verified(prefill.kv_params)
@@ -266,10 +264,9 @@ async def _pd_legs(r: Router, facts: TurnFacts, plan: TurnPlan, started: float,
         r.metrics.retries.labels(leg="prefill").inc()
     if prefill.pull_failed and plan.path == "pd_reuse":
         plan = plan.recomputed(planner.Reason.PULL_FAILED)
-    if admitted is not None and admitted.ticket is not None and prefill.prompt_tokens:
+    if d_leg is not None and prefill.prompt_tokens:
         # the prompt's real size, where the promise may have been an estimate
-        r.room.resize(admitted.ticket, room.blocks_for(
-            prefill.prompt_tokens, _block_size(r, d_nodes[0])))
+        r.ledger.resize(d_leg, blocks_for(prefill.prompt_tokens, _block_size(r, d_nodes[0])))
     # P's lease on its blocks started about now: a D that sees the leg later recomputes.
     read_by = time.time() + plan.legs.read_within_s
     d_params = transfer.with_read_by(prefill.kv_params, read_by)
@@ -284,7 +281,7 @@ async def _pd_legs(r: Router, facts: TurnFacts, plan: TurnPlan, started: float,
             t0 = time.perf_counter()
             try:
                 start = await r.legs.decode(d_nodes, req.endpoint, decode_body(body, d_params),
-                                            stream=req.stream)
+                                            stream=req.stream, leg=d_leg)
             finally:
                 req.budget.add("decode", time.perf_counter() - t0)
             span.set_attribute("kvagent.node", start.node.name)
@@ -299,13 +296,10 @@ async def _pd_legs(r: Router, facts: TurnFacts, plan: TurnPlan, started: float,
     r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
     if d_nodes and start.node is not d_nodes[0]:
         r.metrics.retries.labels(leg="decode").inc()
-    turn = _promised(r, Turn(r.work, facts, plan, prefill, start, started), admitted)
-    turn.p_chars = chars  # settle learns tokens per byte from P's answer
-    if queued:
-        assert plan.p_work is not None
+    turn = Turn(r.ledger, facts, plan, prefill, start, started, leg=d_leg)
+    if plan.p_work is not None and p_nodes:  # costs learned against the work ahead
+        turn.p_chars = chars  # settle learns tokens per byte from P's answer
         turn.ahead = paths.tokens_ahead(plan.path, plan.p_work)
-        turn.d_ticket = r.work.begin(start.node.name, prefill_tokens=0, stream=True,
-                                     now=time.monotonic())
     return turn
 
 
@@ -317,15 +311,21 @@ async def _whole_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
     body["return_token_ids"] = True
     if req.stream:
         body["stream_options"] = usage_stream_options(body.get("stream_options"))
-    with leg_span(req.span, "decode") as span:
-        t0 = time.perf_counter()
-        try:
-            start = await r.legs.decode(r.registry.ranked("decode"), req.endpoint, body,
-                                        stream=req.stream)
-        finally:
-            req.budget.add("decode", time.perf_counter() - t0)
-        span.set_attribute("kvagent.node", start.node.name)
-    return Turn(r.work, facts, plan, None, start, started)
+    nodes = r.registry.ranked("decode")
+    leg = _open_decode(r, nodes[0] if nodes else None, plan.prompt_len)
+    try:
+        with leg_span(req.span, "decode") as span:
+            t0 = time.perf_counter()
+            try:
+                start = await r.legs.decode(nodes, req.endpoint, body, stream=req.stream,
+                                            leg=leg)
+            finally:
+                req.budget.add("decode", time.perf_counter() - t0)
+            span.set_attribute("kvagent.node", start.node.name)
+    except BaseException:
+        _close(r, leg)
+        raise
+    return Turn(r.ledger, facts, plan, None, start, started, leg=leg)
 
 
 def _healthy(node: Node | None) -> Node | None:

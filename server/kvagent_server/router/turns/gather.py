@@ -106,16 +106,17 @@ def _tokenizer(r: Router) -> Node | None:
 
 
 def _candidates(r: Router, costs: PathCosts) -> tuple[NodeFacts, ...]:
-    """Every node as placement weighs it: its state, work in flight (where the policy
-    reads it: `Router.counts_work`), KV usage and block size."""
+    """Every node as placement weighs it: its state (legs in flight), work in flight (where
+    the policy reads it: `Router.counts_work`), KV usage and block size: plain values read
+    from the router's ledger of legs now, which decide reads and cannot change."""
     s, now = r.settings, time.monotonic()
     out = []
     for node in r.registry.nodes.values():
         work = None
         if r.counts_work:
             line = costs.prefill if node.role == "prefill" else costs.d_direct
-            work = r.work.work(node.name, now=now, per_token_s=line.per_token_s)
-        out.append(NodeFacts(node=node, state=node.state(), work=work, kv_usage=node.kv_usage,
+            work = r.ledger.work(node.name, now=now, per_token_s=line.per_token_s)
+        out.append(NodeFacts(node=node, state=r.registry.state(node), work=work, kv_usage=node.kv_usage,
                              block_size=s.nodes.block_size or node.block_size))
     return tuple(out)
 

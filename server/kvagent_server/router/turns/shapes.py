@@ -23,15 +23,15 @@ from typing import Any
 
 from kvagent_server.router.auth.tenancy import Tenant
 from kvagent_server.router.common import fastjson
-from kvagent_server.router.kv.room import DecodeRoom
 from kvagent_server.router.kv.tiers import NodeTierHits, TierCosts
+from kvagent_server.router.nodes.ledger import LegLedger
 from kvagent_server.router.nodes.legs import DecodeStart, PrefillResult
 from kvagent_server.router.nodes.registry import Node
 from kvagent_server.router.reuse import identity, planner, transfer
 from kvagent_server.router.reuse.learned import LearnedView
 from kvagent_server.router.reuse.paths import Path, PathCosts
 from kvagent_server.router.reuse.placement import DecodeReason, NodeState, PrefillReason
-from kvagent_server.router.reuse.queue import NodeWork, WorkLedger
+from kvagent_server.router.reuse.queue import NodeWork
 from kvagent_server.router.store.handle import Handle, KVIdentity
 from kvagent_server.router.telemetry.budget import TurnBudget
 
@@ -319,8 +319,8 @@ def _request_id(handle: Handle) -> str | None:
 class Turn:
     """An executed turn whose decode leg is open, until its answer is relayed."""
 
-    #: The router's count of work in flight per node, where the D leg is counted.
-    work: WorkLedger
+    #: The router's ledger of legs in flight, where the D leg is (`leg`).
+    ledger: LegLedger
     facts: TurnFacts
     #: The plan as executed (after any fallback: `path` is what served the turn).
     plan: TurnPlan
@@ -331,14 +331,11 @@ class Turn:
     #: Tokens of work ahead on the node that computed the prompt when the turn was sent
     #: (what `CostModel.observe` learns the TTFT against; 0 without queue-aware costs).
     ahead: float = 0.0
-    #: The D leg in the router's `WorkLedger` (None: not counted).
-    d_ticket: int | None = None
+    #: The D leg's ticket in the ledger: the turn owns it and closes it (`end_leg`).
+    leg: int | None = None
     #: The body bytes the P leg's prompt tokens were estimated from (0: tokenized, or
     #: not counted): settle learns the ratio from P's answer.
     p_chars: int = 0
-    #: The room promised to the D leg on its node (`DecodeRoom`; None: none promised).
-    room: DecodeRoom | None = None
-    room_ticket: int | None = None
 
     @property
     def req(self) -> TurnRequest:
@@ -351,26 +348,21 @@ class Turn:
     def mark_first_byte(self) -> float:
         """The client's first byte: D's prompt work is done, it decodes from now on."""
         self.first_byte_at = time.perf_counter()
-        if self.d_ticket is not None:
-            self.work.prefilled(self.d_ticket, time.monotonic())
-        if self.room is not None and self.room_ticket is not None:
-            self.room.allocated(self.room_ticket, time.monotonic())
+        if self.leg is not None:  # its prompt is computed, its blocks allocated
+            self.ledger.first_token(self.leg, time.monotonic())
         return self.first_byte_at
 
-    def end_work(self) -> None:
-        """The D leg is over (idempotent): it no longer counts as a stream on D, and room
-        promised to it that it never allocated is free again."""
-        if self.d_ticket is not None:
-            self.work.end(self.d_ticket, time.monotonic())
-            self.d_ticket = None
-        if self.room is not None and self.room_ticket is not None:
-            self.room.cancel(self.room_ticket)
-            self.room_ticket = None
+    def end_leg(self) -> None:
+        """The D leg is over (idempotent): it leaves the ledger (room promised to it that
+        it never allocated is free again)."""
+        if self.leg is not None:
+            self.ledger.close(self.leg, time.monotonic())
+            self.leg = None
 
     async def close(self) -> None:
         """Idempotent: the D leg is over; closing D's response aborts its request if it
         is still running (a client gone, a cut stream)."""
-        self.end_work()
+        self.end_leg()
         await self.decode.response.aclose()
 
 
