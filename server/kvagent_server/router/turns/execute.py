@@ -27,14 +27,19 @@ from typing import Any
 
 from kvagent_server.router.nodes.admission import Admitted, NoRoom
 from kvagent_server.router.nodes.ledger import blocks_for
-from kvagent_server.router.nodes.legs import LegError, decode_body, usage_stream_options
+from kvagent_server.router.nodes.legs import (
+    DecodeStart,
+    LegError,
+    decode_body,
+    usage_stream_options,
+)
 from kvagent_server.router.nodes.registry import Node
 from kvagent_server.router.nodes.retention import remote_request_id
 from kvagent_server.router.reuse import paths, planner, transfer
 from kvagent_server.router.store.handle import Handle, handle_blocks
 from kvagent_server.router.telemetry.spans import leg_span
 from kvagent_server.router.turns.context import Router
-from kvagent_server.router.turns.shapes import Turn, TurnFacts, TurnPlan
+from kvagent_server.router.turns.shapes import Turn, TurnFacts, TurnPlan, TurnRequest
 
 log = logging.getLogger("kvagent.router.turn")
 
@@ -163,15 +168,7 @@ async def _run_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
         if admitted is not None and admitted.revoked:
             _close(r, leg)
             return None
-        with leg_span(req.span, "decode") as span:
-            t0 = time.perf_counter()
-            try:
-                start = await r.legs.decode(nodes, req.endpoint,
-                                            decode_body(req.body, params),
-                                            stream=req.stream, leg=leg)
-            finally:
-                req.budget.add("decode", time.perf_counter() - t0)
-            span.set_attribute("kvagent.node", start.node.name)
+        start = await _send_decode(r, req, nodes, decode_body(req.body, params), leg)
     except BaseException:
         _close(r, leg)
         raise
@@ -314,18 +311,24 @@ async def _whole_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
     nodes = r.registry.ranked("decode")
     leg = _open_decode(r, nodes[0] if nodes else None, plan.prompt_len)
     try:
-        with leg_span(req.span, "decode") as span:
-            t0 = time.perf_counter()
-            try:
-                start = await r.legs.decode(nodes, req.endpoint, body, stream=req.stream,
-                                            leg=leg)
-            finally:
-                req.budget.add("decode", time.perf_counter() - t0)
-            span.set_attribute("kvagent.node", start.node.name)
+        start = await _send_decode(r, req, nodes, body, leg)
     except BaseException:
         _close(r, leg)
         raise
     return Turn(r.ledger, facts, plan, None, start, started, leg=leg)
+
+
+async def _send_decode(r: Router, req: TurnRequest, nodes: list[Node], body: dict[str, Any],
+                       leg: int | None) -> DecodeStart:
+    """Send a D leg (trying `nodes` in order) inside its span, timing it in the budget."""
+    with leg_span(req.span, "decode") as span:
+        t0 = time.perf_counter()
+        try:
+            start = await r.legs.decode(nodes, req.endpoint, body, stream=req.stream, leg=leg)
+        finally:
+            req.budget.add("decode", time.perf_counter() - t0)
+        span.set_attribute("kvagent.node", start.node.name)
+    return start
 
 
 def _healthy(node: Node | None) -> Node | None:
