@@ -176,14 +176,12 @@ class LegLedger:
         """Legs sent to `node` and not ended."""
         if now is not None:
             self._expire(now)
-        return sum(1 for leg in self._legs.values()
-                   if leg.node == node and leg.sent is not None and not leg.ended)
+        return len(self._sent_to(node))
 
     def work(self, node: str, *, now: float, per_token_s: float) -> NodeWork:
         """What a leg sent to `node` at `now` finds ahead of it (legs sent, not ended)."""
         self._expire(now)
-        legs = [leg for leg in self._legs.values()
-                if leg.node == node and leg.sent is not None and not leg.ended]
+        legs = self._sent_to(node)
         queued = [leg for leg in legs if leg.tokens]
         tokens = float(sum(leg.tokens for leg in queued))
         if queued and per_token_s > 0:
@@ -192,6 +190,11 @@ class LegLedger:
             tokens = max(0.0, tokens - max(0.0, now - since) / per_token_s)
         return NodeWork(prefill_tokens=tokens, streams=sum(leg.stream for leg in legs),
                         prompts=len(queued))
+
+    def _sent_to(self, node: str) -> list[_Leg]:
+        """Legs sent to `node` and not ended: what its load and its queue are made of."""
+        return [leg for leg in self._legs.values()
+                if leg.node == node and leg.sent is not None and not leg.ended]
 
     def total(self, node: str) -> int | None:
         """The decode node's KV blocks (None until it reported them)."""
