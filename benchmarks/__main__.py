@@ -29,6 +29,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "compare": Benchmark(
         "benchmarks.compare.run", "every arm (aggregated, affine-2, pd-noreuse, kvagent) on one "
         "workload, into one report", vllm=True),
+    "outside": Benchmark(
+        "benchmarks.outside.run", "the same arms measured by an outside harness (aiperf, "
+        "multi-turn, session id only)", vllm=True),
     "multiturn": Benchmark(
         "benchmarks.multiturn.run", "the multi-turn agent workload against each configuration",
         vllm=True),

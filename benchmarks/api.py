@@ -32,6 +32,7 @@ NAMES: dict[str, tuple[str, str | None]] = {
     "sticky_round_robin": ("benchmarks.compare.arms", "sticky_round_robin"),
     "WORKLOADS": ("benchmarks.compare.workloads", "WORKLOADS"),
     "compare_workload": ("benchmarks.compare.workloads", "workload"),
+    "outside_harness": ("benchmarks.outside.harness", None),
     "calibrate": ("benchmarks.fleet_sim.calibrate", None),
     "Profile": ("benchmarks.fleet_sim.profiles", "Profile"),
     "derive_from_reuse_report": ("benchmarks.fleet_sim.profiles", "derive_from_reuse_report"),

@@ -31,7 +31,7 @@ SCHEMA = 1
 #: `git show <this>:benchmarks/multiturn/results/<run>/results.json.gz > results.json.gz`.
 RAW_RECORDS_COMMIT = "b7cb55e69738da42d499748b013bcecb480948dc"
 
-Kind = Literal["compare", "multiturn", "multiturn-load", "first-token-ab", "router-overhead", "load",
+Kind = Literal["compare", "outside", "multiturn", "multiturn-load", "first-token-ab", "router-overhead", "load",
                "nixl-bandwidth", "fleet-sim", "fuzz", "attack", "soak", "multihost", "gpu",
                "idle-stability"]
 Figure = float | int | str | bool | None
@@ -225,6 +225,25 @@ def entry_from_compare(folder: Path, s: dict[str, Any], *, root: Path = ROOT,
                          in_tree=True))
 
 
+def entry_from_outside(folder: Path, s: dict[str, Any], *, root: Path = ROOT,
+                       label: str | None = None) -> Run:
+    """The line of a `python -m benchmarks outside` folder (its summary.json, which names
+    its harness): per arm the later-turn TTFT p50/p90 and TPOT p99 as the harness measured."""
+    figures: dict[str, Figure] = {"harness": f"aiperf {s['aiperf']}"}
+    for arm, a in s["arms"].items():
+        f = a.get("summary")
+        if not f:
+            continue
+        figures[f"{arm}.later_ttft_p50_ms"] = _round(f["later_ttft_ms"]["p50"])
+        figures[f"{arm}.later_ttft_p90_ms"] = _round(f["later_ttft_ms"]["p90"])
+        figures[f"{arm}.tpot_p99_ms"] = _round(f["tpot_ms"]["p99"])
+    return Run(id=folder.name, kind="outside", date=s["date"], label=label,
+               command=s["command"], commit=s.get("commit"), machine=_machine(s.get("machine")),
+               quiet=s.get("foreign_vllm_max") == 0, figures=figures,
+               data=Data(path=folder.resolve().relative_to(root.resolve()).as_posix(),
+                         in_tree=True))
+
+
 def _round(v: Any) -> int | None:
     return None if v is None else round(v)
 
@@ -292,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = read()
     if args.add and (args.add / "summary.json").is_file():
         summary = json.loads((args.add / "summary.json").read_text())
-        runs.append(entry_from_compare(args.add, summary, label=args.label))
+        entry = entry_from_outside if "aiperf" in summary else entry_from_compare
+        runs.append(entry(args.add, summary, label=args.label))
         write(sorted(runs, key=lambda r: r.date))
     elif args.add:
         report = read_results(args.add)
