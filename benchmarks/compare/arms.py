@@ -244,8 +244,12 @@ KVAGENT_TIERS = "kvagent-tiers"
 
 def subject_of(names: list[str]) -> str:
     """The arm the report measures the others against: kvagent with tiers when it runs
-    (plain kvagent is then one of its baselines), else kvagent."""
-    return KVAGENT_TIERS if KVAGENT_TIERS in names else KVAGENT
+    (plain kvagent is then one of its baselines), else kvagent, else the first other
+    kvagent arm named (`kvagent-pd-tiers` against its baselines)."""
+    for name in (KVAGENT_TIERS, KVAGENT):
+        if name in names:
+            return name
+    return next((n for n in names if n.startswith(KVAGENT)), KVAGENT)
 #: The arms run when `--arms` is not given: the untiered ones (the tiered arms add two
 #: start-ups and two workloads per repetition; name them with `--arms`).
 DEFAULT_ARMS = ("aggregated", "affine-2", "pd-noreuse", "kvagent-pd", "kvagent")

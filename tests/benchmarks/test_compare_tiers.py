@@ -61,6 +61,7 @@ def test_tier_arms_are_named_not_run_by_default() -> None:
     assert subject_of(["aggregated-tier", "kvagent-tiers"]) == "kvagent-tiers"
     assert subject_of(["kvagent", "kvagent-tiers"]) == "kvagent-tiers"
     assert subject_of(default) == "kvagent"
+    assert subject_of(["aggregated-tier", "kvagent-pd-tiers"]) == "kvagent-pd-tiers"
 
 
 def test_kvagent_pd_tiers_gives_p_and_d_one_shared_disk_after_nixl(tmp_path: Path) -> None:
