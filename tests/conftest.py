@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import vllm_lock
 from kvagent_server.bundle.processes import stop_groups
 from support import (
     REQUIRE_REAL_ENV,
@@ -134,6 +135,14 @@ def pytest_make_collect_report(collector: pytest.Collector) -> Iterator[None]:
 #: A module with any test marked `vllm` (needs the real engine) is named `test_*_vllm.py`,
 #: and every such module has one, so the marker and the file names find the same tests.
 REAL_ENGINE_SUFFIX = "_vllm.py"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A real-engine test waits for the machine's vLLM lock first (`vllm_lock`), before
+    its fixtures start any node."""
+    if item.get_closest_marker("vllm"):
+        vllm_lock.hold()
 
 
 @pytest.hookimpl(tryfirst=True)
