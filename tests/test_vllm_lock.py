@@ -29,10 +29,10 @@ def test_a_lock_held_by_an_ancestor_is_ours_and_another_is_not(tmp_path: Path) -
         assert os.getpid() in vllm_lock.holders(lock)
         assert vllm_lock.holders(lock) & vllm_lock.ancestors()
         # a child process sees its parent (us) as the holder: an ancestor
-        code = ("import sys; sys.path.insert(0, sys.argv[1]); import vllm_lock, pathlib; "
-                "p = pathlib.Path(sys.argv[2]); "
+        code = ("import sys, pathlib, vllm_lock; p = pathlib.Path(sys.argv[1]); "
                 "print(bool(vllm_lock.holders(p) & vllm_lock.ancestors()))")
-        out = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent),
-                              str(lock)], capture_output=True, text=True, check=True)
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent)}
+        out = subprocess.run([sys.executable, "-c", code, str(lock)], env=env,
+                             capture_output=True, text=True, check=True)
         assert out.stdout.strip() == "True"
     assert vllm_lock.holders(lock) == set()
