@@ -155,13 +155,19 @@ def _ms(v: float | None) -> str:
     return "-" if v is None else f"{v:,.0f}" if v >= 10 else f"{v:.1f}"
 
 
+def _machine(m: dict[str, Any] | None) -> str:
+    if not m:
+        return "unknown"
+    return f"{m.get('cpu')}, {m.get('cores')} cores, {m.get('memory_gib')} GiB, GPU {m.get('gpu')}"
+
+
 def markdown(report: dict[str, Any]) -> str:
     """The report: how it ran, one row per arm, the subject's ratios to each baseline."""
     shape, arms = report["shape"], report["arms"]
     lines = [
         f"# Outside harness: aiperf {report['aiperf']} — {report['date']}", "",
         f"`{report['command']}`", "",
-        f"- machine: {report['machine']}", (f"- commit: `{report['commit']}`; foreign vLLM "
+        f"- machine: {_machine(report['machine'])}", (f"- commit: `{report['commit']}`; foreign vLLM "
         f"processes during the runs: {report['foreign_vllm_max']}"),
         (f"- shape: {shape['conversations']} conversations x {shape['turns']} turns, "
         f"{shape['concurrency']} requests in flight, {shape['isl']}-token user messages, "
@@ -180,6 +186,14 @@ def markdown(report: dict[str, Any]) -> str:
             f"| {_ms(s['first_ttft_ms']['p50'])} | {_ms(s['tpot_ms']['p50'])} / "
             f"{_ms(s['tpot_ms']['p99'])} | {'-' if cached is None else f'{cached:.0%}'} | "
             f"{s['errors']}/{s['requests']} |")
+    runs = [r for r in report.get("runs", []) if r.get("summary")]
+    if len(runs) > len(arms):
+        lines += ["", "Each run (in run order; the arms alternate, ABBA):", "",
+                  "| rep | arm | later TTFT p50 / p90 ms | TPOT p99 ms |", "|---|---|---|---|"]
+        for r in runs:
+            s = r["summary"]
+            lines.append(f"| {r['rep']} | {r['arm']} | {_ms(s['later_ttft_ms']['p50'])} / "
+                         f"{_ms(s['later_ttft_ms']['p90'])} | {_ms(s['tpot_ms']['p99'])} |")
     for base, r in report.get("ratios", {}).items():
         cells = ", ".join(f"{k} {'-' if v is None else f'{v:.2f}x'}" for k, v in r.items())
         lines += ["", (f"{report['subject']} / {base}: {cells} (< 1: {report['subject']} "
