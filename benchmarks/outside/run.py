@@ -223,7 +223,7 @@ def build_report(runs: list[dict[str, Any]], arms: list[Arm], subject: str, shap
            if name != subject and subj is not None and a.get("summary") is not None}
     kept = [{k: v for k, v in r.items() if k != "records"} for r in runs]
     return {"schema": 1, "aiperf": AIPERF_VERSION, "command": command, "commit": commit(),
-            "machine": machine(), "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+            "machine": machine(), "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "shape": asdict(shape), "subject": subject, "arms": arms_out, "ratios": rat,
             "runs": kept,
             "foreign_vllm_max": max((r.get("foreign_vllm") or 0 for r in runs), default=0)}
