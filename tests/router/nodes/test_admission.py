@@ -231,3 +231,47 @@ async def test_a_turn_with_no_room_on_decode_evicts_the_oldest_handle_first() ->
         metrics = (await st.client.get("/metrics")).text
         assert "kvagent_router_decode_room_waits_total 1.0" in metrics
         no_wrong_kv(st)
+
+
+async def test_a_first_turn_longer_than_estimated_tops_its_room_up() -> None:
+    """A first turn's size is estimated from its body: one that tokenizes far denser than
+    the router learned (code, identifiers, base64) fits beside the retained
+    conversations by its estimate, so the gate admits it at once. P then reports the real
+    prompt, too large for what is left, and the oldest handle is evicted before the D leg
+    goes (else D waits, nothing running, for blocks only a TTL frees)."""
+    cluster = FakeCluster(kv_blocks=64)
+    async with router_stack(cluster=cluster,
+                            policy={"params": {"skip_prefill_max_tokens": 0,
+                                               "fresh_on_decode": "never"}},
+                            retention={"high_watermark": 1.0, "low_watermark": 0.9,
+                                       "check_interval_s": 0.05}) as st:
+        d = st.decode[0]
+        for i in range(2):
+            await turn(st, [{"role": "user", "content": f"conversation {i}: {LONG}"}],
+                       session=f"s{i}")
+        retained = [r.request_id for r in cluster.retained.values()
+                    if r.engine_id == d.engine_id]
+        assert len(retained) == 2 and d.kv_usage() > 0.9
+        await asyncio.sleep(0.3)  # the guard has read D holding both
+        st.app.state.router.learned.prompt_chars.ratio = 0.05  # ~2 blocks, really ~20
+        kva, _, _ = await turn(st, [{"role": "user", "content": f"conversation 2: {LONG}"}],
+                               session="s2")
+        assert kva["path"] == "pd_fresh"
+        released = [e.detail["id"] for e in cluster.events_of("release")]
+        assert released == retained[:1]  # the oldest, for what the estimate missed
+        metrics = (await st.client.get("/metrics")).text
+        assert "kvagent_router_decode_room_waits_total 0.0" in metrics  # never waited
+        no_wrong_kv(st)
+
+
+async def test_top_up_evicts_only_what_the_growth_leaves_short() -> None:
+    d, room = FakeDecode(total=100, unclaimed=[20, 20, 20]), LegLedger()
+    gate = _gate(d, room)
+    await gate.refresh(NODE)  # 60 retained, 40 free
+    leg = _leg(room)
+    assert (await gate.admit(NODE, leg, 30)).promised and not d.evictions
+    assert await gate.top_up(NODE, room.resize(leg, 35)) == 0  # grew by 5: still fits
+    assert await gate.top_up(NODE, room.resize(leg, 55)) == 20  # 15 short: one handle
+    assert d.evictions == [20] and d.unclaimed == [20, 20]
+    assert room.resize(leg, 10) == 0  # shrinking frees its promise, evicts nothing
+    assert await gate.top_up(NODE, 0) == 0 and d.evictions == [20]

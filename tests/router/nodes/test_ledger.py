@@ -215,13 +215,13 @@ def test_resize_and_expiry_of_promises() -> None:
     b = _room(led, "d0", 10, now=5.0)
     _room(led, "d1", 7, now=5.0)
     assert led.free("d0", now=5.0) == 70 and led.free("d1", now=5.0) == 43
-    led.resize(b, 25)  # the real prompt was longer than estimated
+    assert led.resize(b, 25) == 15  # the real prompt was longer than estimated
     assert led.free("d0", now=5.0) == 55
     led.close(a, 5.0)
     assert led.free("d0", now=5.0) == 75
     assert led.free("d0", now=16.0) == 100  # b is older than max_age_s: dropped
     unpromised = led.open("d0", role="decode", now=20.0)
-    led.resize(unpromised, 10)  # nothing was promised to it: nothing to resize
+    assert led.resize(unpromised, 10) == 0  # nothing was promised to it: nothing to resize
     assert led.promised("d0") == 0
 
 

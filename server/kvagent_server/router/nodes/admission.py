@@ -142,6 +142,22 @@ class DecodeGate:
                 await asyncio.sleep(self.poll_s)
             await self.refresh(node)
 
+    async def top_up(self, node: Node, grown: int) -> int:
+        """A leg's promise grew by `grown` blocks after it was admitted (a first turn's
+        prompt is estimated from its body until P reports its size): evict unclaimed
+        handles of the node for what it is now short, at once, since the D leg goes next
+        with P's lease running. Without this a prompt that tokenizes denser than the
+        estimate goes to a node without room for it, where it waits, nothing running, for
+        retained blocks only their TTL frees. Returns the blocks freed."""
+        free = self.ledger.free(node.name, self.clock())
+        if grown <= 0 or free is None or free >= 0:
+            return 0
+        freed = await self.make_room(node, min(grown, -free))
+        if freed:
+            log.info("decode %s: a prompt was %d blocks longer than estimated; evicted "
+                     "%d blocks of retained handles for it", node.name, grown, freed)
+        return freed
+
     def _stuck(self, node: Node) -> bool:
         """Nothing the router sent will free room by itself: the node is stalled (nothing
         runs, requests wait), or no leg runs there and none is on its way."""

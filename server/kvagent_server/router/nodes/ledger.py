@@ -113,11 +113,15 @@ class LegLedger:
         if leg is not None:
             leg.blocks, leg.promised = blocks, True
 
-    def resize(self, ticket: int, blocks: int) -> None:
-        """The promise's real size, once known (a first turn's prompt was estimated)."""
+    def resize(self, ticket: int, blocks: int) -> int:
+        """The promise's real size, once known (a first turn's prompt was estimated).
+        Returns the blocks it grew by (0: it shrank, or nothing was promised)."""
         leg = self._live(ticket)
-        if leg is not None and leg.promised and leg.first_token is None:
-            leg.blocks = max(0, blocks)
+        if leg is None or not leg.promised or leg.first_token is not None:
+            return 0
+        grown = max(0, blocks) - leg.blocks
+        leg.blocks = max(0, blocks)
+        return max(0, grown)
 
     def first_token(self, ticket: int, now: float) -> None:
         """The leg's first token came: its prompt is computed, its blocks allocated (the

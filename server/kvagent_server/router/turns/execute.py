@@ -263,7 +263,10 @@ async def _pd_legs(r: Router, facts: TurnFacts, plan: TurnPlan, started: float,
         plan = plan.recomputed(planner.Reason.PULL_FAILED)
     if d_leg is not None and prefill.prompt_tokens:
         # the prompt's real size, where the promise may have been an estimate
-        r.ledger.resize(d_leg, blocks_for(prefill.prompt_tokens, _block_size(r, d_nodes[0])))
+        grown = r.ledger.resize(d_leg, blocks_for(prefill.prompt_tokens,
+                                                  _block_size(r, d_nodes[0])))
+        if grown and r.gate is not None:
+            await r.gate.top_up(d_nodes[0], grown)
     # P's lease on its blocks started about now: a D that sees the leg later recomputes.
     read_by = time.time() + plan.legs.read_within_s
     d_params = transfer.with_read_by(prefill.kv_params, read_by)
