@@ -46,7 +46,9 @@ from kvagent_server.router.nodes.admission import DecodeGate
 from kvagent_server.router.nodes.legs import Legs
 from kvagent_server.router.nodes.registry import Node, NodeRegistry
 from kvagent_server.router.nodes.retention import NodeKV, PolicyEviction, RetentionGuard
+from kvagent_server.router.nodes.spills import Spills
 from kvagent_server.router.reuse.retention_policy import retention_policy_for
+from kvagent_server.router.reuse.spill import tiers_by_name
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.base import SessionStore
 from kvagent_server.router.store.factory import key_ring_for, key_sync_for, make_store
@@ -120,6 +122,7 @@ async def _lifespan(parts: AppParts, app: Starlette) -> AsyncIterator[None]:
         parts.router = app.state.router = router
         # KV events feed tier-aware P placement (tier_placement; None without sources)
         router.tiers, kv_events = tier_placement.from_settings(settings, registry)
+        router.spills = _spills(parts)
         if kv_events is not None:
             kv_events.start()
             stack.push_async_callback(kv_events.stop)
@@ -138,6 +141,17 @@ async def _lifespan(parts: AppParts, app: Starlette) -> AsyncIterator[None]:
         yield
 
 
+def _spills(parts: AppParts) -> Spills | None:
+    """Records conversations given up on tiered decode nodes as spilled (nodes/spills.py)."""
+    settings, registry = parts.settings, parts.registry
+    tiers = tiers_by_name(settings.engine.kv_tiers,
+                          {n.name: n.url for n in registry.nodes.values()})
+    if not tiers or settings.retention.spill_ttl_s <= 0:
+        return None
+    return Spills(parts.store, tiers, ttl_s=settings.retention.spill_ttl_s,
+                  on_spilled=parts.metrics.spills.inc)
+
+
 def _retention_guard(parts: AppParts, legs: Legs, router: Router) -> RetentionGuard | None:
     """Keeps decode nodes' retained KV under the watermark, dropping what the retention
     policy ranks first (nodes/retention.py)."""
@@ -154,7 +168,8 @@ def _retention_guard(parts: AppParts, legs: Legs, router: Router) -> RetentionGu
         on_evicted=metrics.retention_evictions.inc,
         on_released=lambda ok, n: metrics.retention_releases.labels(
             ok=str(ok).lower()).inc(n),
-        on_kv=functools.partial(_record_kv, nodes, parts))
+        on_kv=functools.partial(_record_kv, nodes, parts),
+        on_given_up=router.spills.record if router.spills is not None else None)
 
 
 def _record_kv(nodes: dict[str, Node], parts: AppParts, name: str, kv: NodeKV,

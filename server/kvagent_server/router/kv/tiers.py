@@ -9,7 +9,31 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from pydantic import BaseModel, ConfigDict, Field
+
 TierName = Literal["gpu", "cpu", "disk"]
+
+
+class NodeTiers(BaseModel):
+    """The KV tiers one node's bundle gave it, as the router is told (the bundle writes
+    them into `router.engine.kv_tiers` by node URL): where a decode node's blocks go when
+    the router gives its retained copy up (docs/tiers.md, "How the router uses it")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: bool = Field(default=False, description="A host-memory (`cpu`) tier.")
+    disk: bool = Field(default=False, description="A disk tier.")
+    shared: bool = Field(default=False, description="The disk tier is one directory every "
+                         "tiered node reads (`kv_tiers.disk.shared`).")
+    chunk_tokens: int = Field(default=16, ge=1, description="The offload chunk in tokens "
+                              "(`kv_tiers.min_prefix_tokens`): only whole chunks are stored.")
+    prompt_only: bool = Field(default=True, description="Only prompt blocks are stored "
+                              "(`kv_tiers.offload_prompt_only`), not generated ones.")
+
+    @property
+    def holds(self) -> bool:
+        """A given-up copy lands somewhere: the node has a tier."""
+        return self.host or self.disk
 
 
 @dataclass(frozen=True)

@@ -233,6 +233,7 @@ class RetentionGuard:
                  on_evicted: Callable[[int], None] = lambda n: None,
                  on_released: Callable[[bool, int], None] = lambda ok, n: None,
                  on_kv: Callable[[str, NodeKV, float], None] = lambda name, kv, at: None,
+                 on_given_up: Callable[[list[Handle]], Awaitable[object]] | None = None,
                  scan_limit: int = 512, blind_batch: int = 16,
                  timeout_s: float = 30.0) -> None:
         blocks_to_free(NodeKV(usage=0.0, total_blocks=None), high=high, low=low)  # checks
@@ -244,6 +245,7 @@ class RetentionGuard:
         self.high, self.low, self.interval_s = high, low, interval_s
         self.on_evicted, self.on_released = on_evicted, on_released
         self.on_kv = on_kv
+        self.on_given_up = on_given_up
         self.scan_limit = scan_limit
         self.blind_batch = blind_batch
         self.timeout_s = timeout_s
@@ -290,6 +292,8 @@ class RetentionGuard:
                and (rid := remote_request_id(h)) is not None]
         self.queue.add(name, ids)
         self.on_evicted(len(evicted))
+        if self.on_given_up is not None:  # spilled to the node's tiers (nodes.spills)
+            await self.on_given_up(evicted)
         await self.flush(name, url)
         return evicted
 

@@ -86,7 +86,8 @@ def from_settings(settings: RouterSettings, registry: NodeRegistry
         KVEventSubscriber,  # pyzmq only when there is something to hear
     )
 
-    index = KVIndex()
+    tiers_by_node = sources_by_node(settings.engine.kv_tiers, urls)
+    index = KVIndex(shared=[n for n, t in tiers_by_node.items() if t.disk and t.shared])
     tiers = TierPlacement(index, sources, block_size=settings.nodes.block_size)
     usable = {name: s for name, s in sources.items() if name in tiers.hashers}
     return tiers, KVEventSubscriber(index, usable) if usable else None

@@ -10,6 +10,7 @@ from kvagent_server.router.nodes.ledger import LegLedger
 from kvagent_server.router.nodes.legs import Legs
 from kvagent_server.router.nodes.registry import NodeRegistry
 from kvagent_server.router.nodes.retention import RetentionGuard
+from kvagent_server.router.nodes.spills import Spills
 from kvagent_server.router.nodes.tier_placement import TierPlacement
 from kvagent_server.router.reuse.learned import Learned
 from kvagent_server.router.settings import RouterSettings
@@ -36,6 +37,9 @@ class Router:
     learned: Learned = field(default_factory=Learned)
     #: Tier-aware P placement from the nodes' KV events (None: by load only).
     tiers: TierPlacement | None = None
+    #: Where given-up conversations went: their decode nodes' KV tiers (nodes/spills.py;
+    #: None: no tiered node, or `retention.spill_ttl_s` 0).
+    spills: Spills | None = None
     #: Bounds what decode nodes retain (nodes/retention.py; None: TTL only).
     retention: RetentionGuard | None = None
     #: Admits a leg to a decode node only when it has room (nodes/admission.py; None: the

@@ -125,9 +125,12 @@ def _release_unrecorded(r: Router, turn: Turn, capture: Capture) -> None:
         r.retention.queue.add(turn.decode.node.name, [rid])
 
 
-def _release_evicted(r: Router, handles: list[Handle] | None) -> None:
+async def _release_evicted(r: Router, handles: list[Handle] | None) -> None:
     """Handles the store evicted to make room (the tenant's quota, its bounds) are
-    claimed, so nobody can reuse them: let their decode nodes free the blocks now."""
+    claimed, so nobody can reuse them: let their decode nodes free the blocks now (their
+    conversations spilled to those nodes' tiers, where they have some)."""
+    if handles and r.spills is not None:
+        await r.spills.record(handles)
     if not handles or r.retention is None:
         return  # without the retention guard they are freed at D's TTL
     for handle in handles:
@@ -164,7 +167,8 @@ async def _record(r: Router, turn: Turn, capture: Capture,
                     decode_node=node.name, decode_epoch=node.epoch,
                     kv_transfer_params=capture.kv_params, token_ids=sequence,
                     block_size=block_size, created_at=now, expires_at=now + ttl,
-                    identity=ident, end=end)
+                    identity=ident, end=end,
+                    prompt_tokens=len(capture.prompt_token_ids or ()) or None)
     if transfer.retained_tokens(handle) is None:
         log.warning("decode node %s returned unusable kv_transfer_params", node.name)
         return False, None, 0
@@ -175,7 +179,7 @@ async def _record(r: Router, turn: Turn, capture: Capture,
                     type(exc).__name__)
         r.metrics.miss("store_unavailable")
         return False, None, 0
-    _release_evicted(r, evicted)
+    await _release_evicted(r, evicted)
     if facts.source == "content":
         await _index_content(r, turn, handle, len(capture.prompt_token_ids or ()))
         return True, None, 0
