@@ -140,3 +140,24 @@ def test_a_shared_disk_is_one_place_for_every_node_that_shares_it() -> None:
     # a sharing node whose events may have been missed empties the shared set
     idx.apply("p0", 5, [])  # a gap
     assert idx.prefix_blocks("p0", [1, 2, 3])["disk"] == 0
+
+
+def test_the_holding_nodes_events_say_how_much_of_a_spill_is_still_there() -> None:
+    from kvagent_server.router.kv.index import KVEventSource
+    from kvagent_server.router.nodes.tier_placement import TierPlacement
+
+    idx = KVIndex(shared=["d0", "p0"])
+    src = KVEventSource(endpoint="ipc:///x")
+    tp = TierPlacement(idx, {"d0": src, "p0": src, "d1": src})
+    ids = list(range(64))
+    keys = tp.hashers["d0"].keys(ids, 16, cache_salt="s")
+    # nothing heard from d0's tiers: unknown, not empty (it may publish none)
+    idx.apply("d0", 0, [Stored(hashes=tuple(keys), medium="GPU")])
+    assert tp.reach("d0", ids, block_size=16, cache_salt="s") is None
+    # its host tier holds two blocks, the shared disk three: engine memory lost them
+    idx.apply("d0", 1, [Removed(hashes=tuple(keys), medium="GPU"),
+                        Stored(hashes=tuple(keys[:2]), medium="CPU"),
+                        Stored(hashes=tuple(keys[:3]), medium="STORAGE")])
+    assert tp.reach("d0", ids, block_size=16, cache_salt="s") == (32, 48)
+    assert tp.reach("d0", ids, block_size=16, cache_salt="other") == (0, 0)
+    assert tp.reach("d1", ids, block_size=16, cache_salt="s") is None  # never heard of

@@ -22,12 +22,12 @@ from __future__ import annotations
 import json
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvagent_server.router.kv.tiers import NodeTiers
+from kvagent_server.router.kv.tiers import NodeTiers, TierCosts
 from kvagent_server.router.reuse.identity import IdentityCheck
 from kvagent_server.router.reuse.planner import common_prefix_len
 from kvagent_server.router.store.handle import Handle, pack_handle, unpack_handle
@@ -97,6 +97,8 @@ class Spilled:
     handle: Handle
     host_reach: int | None = None
     disk_reach: int | None = None
+    #: What a load from each tier costs (the router's `TierCosts`).
+    costs: TierCosts = field(default_factory=TierCosts)
 
 
 @dataclass(frozen=True)

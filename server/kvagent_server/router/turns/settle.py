@@ -95,7 +95,9 @@ def _account(r: Router, turn: Turn, prompt_tokens: int, cached: int, reused: int
     if plan.path == "d_fresh" and prompt_tokens:  # D computed a prompt it was estimated by
         r.learned.chars.observe(turn.req.body_chars, max(0, prompt_tokens - cached))
         r.learned.prompt_chars.observe(turn.req.body_chars, prompt_tokens)
-    if turn.first_byte_at is not None and prompt_tokens and plan.path != "decode_only":
+    # a tier load's time is not the path's line (it would read as D's fixed cost)
+    if (turn.first_byte_at is not None and prompt_tokens and plan.path != "decode_only"
+            and plan.tier is None):
         ttft = turn.first_byte_at - turn.started
         try:
             r.learned.costs.observe(plan.path, max(0, prompt_tokens - cached), ttft,
