@@ -41,6 +41,7 @@ from kvagent_server.router.http.turn import (
     messages_turn,
     responses_turn,
 )
+from kvagent_server.router.kv.tiers import TierCostLearner
 from kvagent_server.router.nodes import tier_placement
 from kvagent_server.router.nodes.admission import DecodeGate
 from kvagent_server.router.nodes.legs import Legs
@@ -123,6 +124,7 @@ async def _lifespan(parts: AppParts, app: Starlette) -> AsyncIterator[None]:
         # KV events feed tier-aware P placement (tier_placement; None without sources)
         router.tiers, kv_events = tier_placement.from_settings(settings, registry)
         router.spills = _spills(parts)
+        router.tier_costs = TierCostLearner(router.tiers.costs if router.tiers else None)
         if kv_events is not None:
             kv_events.start()
             stack.push_async_callback(kv_events.stop)
@@ -174,9 +176,16 @@ def _retention_guard(parts: AppParts, legs: Legs, router: Router) -> RetentionGu
 
 def _record_kv(nodes: dict[str, Node], parts: AppParts, name: str, kv: NodeKV,
                read_at: float) -> None:
-    """What the guard read of a decode node's KV: its usage (`policy` weighs it) and, with
-    its block count, its free blocks (the ledger's `free`)."""
+    """What the guard read of a decode node's KV: its usage (`policy` weighs it), its
+    tier loads (the learned tier prices) and, with its block count, its free blocks (the
+    ledger's `free`)."""
     nodes[name].kv_usage = kv.usage
+    if kv.loads is not None and parts.router is not None:  # what its tier loads cost
+        learner = parts.router.tier_costs
+        learner.observe(name, kv.loads)
+        costs = learner.costs()
+        parts.metrics.tier_load_cost.labels(tier="host").set(costs.cpu_s_per_token)
+        parts.metrics.tier_load_cost.labels(tier="disk").set(costs.disk_s_per_token)
     if kv.total_blocks and parts.router is not None:
         parts.router.ledger.observe(name, total_blocks=kv.total_blocks, usage=kv.usage,
                                   read_at=read_at, stalled=kv.stalled)

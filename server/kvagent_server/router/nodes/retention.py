@@ -37,6 +37,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvagent_server.router.common.periodic import Periodic
+from kvagent_server.router.kv.tiers import TierLoads, parse_tier_loads
 from kvagent_server.router.nodes.client import NodeHttp, UpstreamError
 from kvagent_server.router.nodes.registry import Node
 from kvagent_server.router.reuse import transfer
@@ -68,6 +69,8 @@ class NodeKV:
     #: Requests running and waiting (None: not reported).
     running: int | None = None
     waiting: int | None = None
+    #: Its tier-load counters (None: no offloading connector: `kv.tiers.parse_tier_loads`).
+    loads: TierLoads | None = None
 
     @property
     def stalled(self) -> bool:
@@ -87,7 +90,8 @@ def parse_node_kv(metrics_text: str) -> NodeKV | None:
     blocks = _BLOCKS_RE.search(metrics_text)
     return NodeKV(usage=usage, total_blocks=int(blocks.group(1)) if blocks else None,
                   running=_count(_RUNNING_RE, metrics_text),
-                  waiting=_count(_WAITING_RE, metrics_text))
+                  waiting=_count(_WAITING_RE, metrics_text),
+                  loads=parse_tier_loads(metrics_text))
 
 
 def _count(pattern: re.Pattern[str], text: str) -> int | None:

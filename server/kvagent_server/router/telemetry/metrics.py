@@ -106,6 +106,11 @@ class RouterMetrics:
             "Turns of a spilled conversation planned to load its prefix from a tier, by "
             "source (tier_host: the holding node's host tier, d_direct; tier_disk: the "
             "shared disk, through P).", ["source"], registry=r)
+        self.tier_load_cost = Gauge(
+            "kvagent_router_tier_load_seconds_per_token",
+            "Seconds per prompt token loaded from a KV tier, learned from the decode nodes' "
+            "vllm:kv_offload_load_time and vllm:prompt_tokens_cached_by_source (the prior "
+            "until measured).", ["tier"], registry=r)
         self.node_healthy = Gauge("kvagent_router_node_healthy", "1 when a node is healthy.",
                                   ["node", "role"], registry=r)
 

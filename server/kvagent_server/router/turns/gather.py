@@ -21,7 +21,6 @@ import time
 import uuid
 
 from kvagent_server.router.auth.cache_token import TokenError, verify_binding
-from kvagent_server.router.kv.tiers import TierCosts
 from kvagent_server.router.nodes.prompt_ids import TokenizeError, tokenize
 from kvagent_server.router.nodes.registry import Node
 from kvagent_server.router.reuse import content, identity, placement
@@ -114,8 +113,7 @@ async def _spilled(r: Router, req: TurnRequest, session: str | None) -> Spilled 
     found = await r.spills.find(req.tenant.name, session)
     if found is None:
         return None
-    costs = r.tiers.costs if r.tiers is not None else TierCosts()
-    return Spilled(found[0], found[1], costs=costs)
+    return Spilled(found[0], found[1], costs=r.tier_costs.costs())
 
 
 def _spill_reach(r: Router, facts: TurnFacts, ids: list[int]) -> Spilled | None:
@@ -180,7 +178,8 @@ async def _tier_facts(r: Router, req: TurnRequest, tokenizer: Node | None,
     salt = req.body.get("cache_salt")
     hits, bs = r.tiers.hits(states, ids, cache_salt=salt if isinstance(salt, str) else None,
                             default_block_size=tokenizer.block_size)
-    return TierFacts(hits=hits, block_size=bs, prompt_tokens=len(ids), costs=r.tiers.costs)
+    return TierFacts(hits=hits, block_size=bs, prompt_tokens=len(ids),
+                     costs=r.tier_costs.costs())
 
 
 async def _find_by_content(r: Router, req: TurnRequest,
