@@ -170,7 +170,10 @@ async def _record(r: Router, turn: Turn, capture: Capture,
                     kv_transfer_params=capture.kv_params, token_ids=sequence,
                     block_size=block_size, created_at=now, expires_at=now + ttl,
                     identity=ident, end=end,
-                    prompt_tokens=len(capture.prompt_token_ids or ()) or None)
+                    # what a tiered node's tiers keep of it once given up (nodes.spills);
+                    # only then, as a router of an earlier version cannot read the field
+                    prompt_tokens=(len(capture.prompt_token_ids or ()) or None)
+                    if r.spills is not None else None)
     if transfer.retained_tokens(handle) is None:
         log.warning("decode node %s returned unusable kv_transfer_params", node.name)
         return False, None, 0
