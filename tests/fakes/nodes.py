@@ -723,10 +723,15 @@ class Stack:
 @contextlib.asynccontextmanager
 async def router_stack(*, n_prefill: int = 1, n_decode: int = 1, settings: Any = None,
                        cluster: FakeCluster | None = None,
+                       node_tiers: dict[str, dict[str, Any]] | None = None,
                        **settings_kw: Any) -> AsyncIterator[Stack]:
-    """Start fake nodes and a router (uvicorn, real sockets) for one test."""
+    """Start fake nodes and a router (uvicorn, real sockets) for one test.
+
+    `node_tiers`: `router.engine.kv_tiers` by node name (`p0`, `d0`, ...), as the bundle
+    writes them by URL once the nodes' ports are known."""
     import httpx
     from kvagent_server.router.http.app import create_app
+    from kvagent_server.router.kv.tiers import NodeTiers
     from kvagent_server.router.settings import RouterSettings
 
     cluster = cluster or FakeCluster()
@@ -743,6 +748,12 @@ async def router_stack(*, n_prefill: int = 1, n_decode: int = 1, settings: Any =
         d_urls = [await stack.enter_async_context(serve(n.app)) for n in decode]
         for node, url in zip([*prefill, *decode], [*p_urls, *d_urls], strict=True):
             node.internal_strings.append(url.rsplit(":", 1)[1])  # the node's HTTP port
+        if node_tiers:
+            urls = {**{f"p{i}": u for i, u in enumerate(p_urls)},
+                    **{f"d{i}": u for i, u in enumerate(d_urls)}}
+            engine = settings.engine.model_copy(update={"kv_tiers": {
+                urls[name]: NodeTiers(**t) for name, t in node_tiers.items()}})
+            settings = settings.model_copy(update={"engine": engine})
         app = create_app(settings, p_urls, d_urls, model="fake-model")
         url = await stack.enter_async_context(serve(app, settings))
         client = await stack.enter_async_context(httpx.AsyncClient(base_url=url, timeout=30))

@@ -179,3 +179,22 @@ def test_a_deep_run_dir_puts_the_sockets_in_a_short_temp_dir(tmp_path: Path) -> 
     assert ipc_socket_dirs(again) == ipc_socket_dirs(bp)  # every process agrees
     other = plan(pd_config({"run_dir": str(tmp_path / ("e" * 120))}), inputs())
     assert ipc_socket_dirs(other) != ipc_socket_dirs(bp)
+
+
+def test_the_router_is_told_each_tiered_nodes_tiers(tmp_path: Path) -> None:
+    """Where a decode node's given-up blocks go (router/reuse/spill.py): the bundle writes
+    each tiered node's tiers into the router's settings by URL, as it does KV events."""
+    cfg = pd_config({
+        "run_dir": str(tmp_path / "run"), "device": "cuda",
+        "kv_tiers": {"cpu": {"size_gib": 8}, "min_prefix_tokens": 256,
+                     "disk": {"path": str(tmp_path / "kv"), "shared": True},
+                     "roles": ["decode"]}})
+    bp = plan(cfg, inputs(gpus=2))
+    p, d = bp.nodes
+    assert bp.router_settings["engine"]["kv_tiers"] == {d.url: {
+        "host": True, "disk": True, "shared": True, "chunk_tokens": 256,
+        "prompt_only": True}}
+    settings = RouterSettings.model_validate(bp.router_settings)
+    assert settings.engine.kv_tiers[d.url].shared and p.url not in settings.engine.kv_tiers
+    no_tiers = plan(pd_config({"run_dir": str(tmp_path / "run")}), inputs())
+    assert no_tiers.router_settings["engine"]["kv_tiers"] == {}

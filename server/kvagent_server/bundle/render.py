@@ -28,7 +28,12 @@ from kvagent_server.bundle.topology import (
 )
 from kvagent_server.common.types import Device, Role, Topology
 from kvagent_server.config import BundleConfig, ConfigError, reveal_secrets
-from kvagent_server.engine.tiers import TierConfigError, render_tiers
+from kvagent_server.engine.tiers import (
+    LMCACHE_DEFAULT_CHUNK,
+    KVTiers,
+    TierConfigError,
+    render_tiers,
+)
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.turns.policy import POLICIES
 
@@ -157,6 +162,7 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
     event_nodes = set(cfg.kv_event_nodes()) if topology == "pd" else set()
     event_ports = cfg.kv_event_ports()
     event_sources: dict[str, dict[str, Any]] = {}
+    tier_facts: dict[str, dict[str, Any]] = {}
 
     nodes: list[ProcessSpec] = []
     d_prompt_caps: set[int] = set()  # each decode node's --long-prefill-token-threshold
@@ -236,6 +242,8 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
 
         if role == "decode":
             d_prompt_caps.add(int(last_flag(args, "--long-prefill-token-threshold") or 0))
+        if cfg.kv_tiers.enabled and role in cfg.kv_tiers.roles:
+            tier_facts[http_url(host, port)] = router_tier_facts(cfg.kv_tiers, block_size)
         if events is not None:
             event_sources[http_url(host, port)] = {
                 "endpoint": events[1], "topic": cfg.kv_events.topic,
@@ -264,6 +272,10 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
                                 "kv_events; set kv_events.enabled: false to list sources "
                                 "yourself")])
         router_settings["engine"]["kv_events"] = event_sources
+    if tier_facts:  # where a decode node's given-up blocks go (router/reuse/spill.py)
+        if cfg.router.engine.kv_tiers:
+            raise ConfigError([("router.engine.kv_tiers: the bundle fills it from kv_tiers")])
+        router_settings["engine"]["kv_tiers"] = tier_facts
     settings_path = run_dir / ROUTER_SETTINGS_FILE
     router = None
     if cfg.router_enabled:
@@ -326,6 +338,15 @@ def builtin_answer_args(cfg: BundleConfig, model: ModelSource) -> list[str]:
         return []
     return ["--override-generation-config",
             json.dumps({"max_new_tokens": BUILTIN_DEFAULT_MAX_TOKENS}, separators=(",", ":"))]
+
+
+def router_tier_facts(tiers: KVTiers, block_size: int) -> dict[str, Any]:
+    """What the router is told of one tiered node's tiers (`router.engine.kv_tiers`)."""
+    chunk = tiers.min_prefix_tokens or (LMCACHE_DEFAULT_CHUNK if tiers.backend == "lmcache"
+                                        else block_size)
+    return {"host": tiers.cpu is not None, "disk": tiers.disk is not None,
+            "shared": tiers.disk is not None and tiers.disk.shared,
+            "chunk_tokens": chunk, "prompt_only": tiers.offload_prompt_only}
 
 
 def lora_args(cfg: BundleConfig, model: ModelSource) -> list[str]:

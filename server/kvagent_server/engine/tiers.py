@@ -74,6 +74,10 @@ LMCACHE_FS_URL = "fs://localhost:0{path}"
 _GIB = 1 << 30
 
 
+#: LMCache's chunk in tokens when `min_prefix_tokens` is unset.
+LMCACHE_DEFAULT_CHUNK = 256
+
+
 class TierConfigError(ValueError):
     """A tier setting that cannot work here; the message says which key and why."""
 
@@ -360,7 +364,7 @@ def _lmcache_connector() -> dict[str, Any]:
 
 def _lmcache_env(tiers: KVTiers) -> dict[str, str]:
     """LMCache reads `LMCACHE_<KEY>` for every key of its config when no file is given."""
-    env = {"LMCACHE_CHUNK_SIZE": str(tiers.min_prefix_tokens or 256),
+    env = {"LMCACHE_CHUNK_SIZE": str(tiers.min_prefix_tokens or LMCACHE_DEFAULT_CHUNK),
            "LMCACHE_SAVE_UNFULL_CHUNK": "False"}
     if tiers.cpu is not None:
         env.update(LMCACHE_LOCAL_CPU="True", LMCACHE_MAX_LOCAL_CPU_SIZE=_num(tiers.cpu.size_gib),

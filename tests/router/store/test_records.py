@@ -82,3 +82,23 @@ async def test_one_tenant_s_large_records_evict_its_own_not_another_s() -> None:
     assert await records.get_record("quiet", RESPONSES, "q") == b"x" * 100
     assert await records.get_record("flood", RESPONSES, "f9") is not None
     assert await records.get_record("flood", RESPONSES, "f0") is None
+
+
+async def test_a_spill_is_a_record_both_stores_keep(make: Callable[..., Any]) -> None:
+    """Spilled conversations (nodes.spills) live in the records, so Redis replicas share
+    them as they share handles."""
+    import time
+
+    from kvagent_server.router.kv.tiers import NodeTiers
+    from kvagent_server.router.nodes.spills import Spills
+    from kvagent_server.router.store.handle import Handle
+
+    now = time.time()
+    handle = Handle(handle_id="h", tenant="t", session="caller/s 1", decode_node="d0",
+                    decode_epoch="e", kv_transfer_params={}, token_ids=list(range(300)),
+                    block_size=16, created_at=now, expires_at=now + 60, prompt_tokens=290)
+    spills = Spills(make(), {"d0": NodeTiers(host=True, chunk_tokens=32)}, ttl_s=60)
+    assert await spills.record([handle]) == 1
+    found = await spills.find("t", "caller/s 1")
+    assert found is not None and found[0].stored_tokens == 288 and found[1] == handle
+    assert await spills.find("t", "caller/s 2") is None

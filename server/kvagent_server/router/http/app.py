@@ -41,12 +41,15 @@ from kvagent_server.router.http.turn import (
     messages_turn,
     responses_turn,
 )
+from kvagent_server.router.kv.tiers import TierCostLearner
 from kvagent_server.router.nodes import tier_placement
 from kvagent_server.router.nodes.admission import DecodeGate
 from kvagent_server.router.nodes.legs import Legs
 from kvagent_server.router.nodes.registry import Node, NodeRegistry
 from kvagent_server.router.nodes.retention import NodeKV, PolicyEviction, RetentionGuard
+from kvagent_server.router.nodes.spills import Spills
 from kvagent_server.router.reuse.retention_policy import retention_policy_for
+from kvagent_server.router.reuse.spill import tiers_by_name
 from kvagent_server.router.settings import RouterSettings
 from kvagent_server.router.store.base import SessionStore
 from kvagent_server.router.store.factory import key_ring_for, key_sync_for, make_store
@@ -120,6 +123,8 @@ async def _lifespan(parts: AppParts, app: Starlette) -> AsyncIterator[None]:
         parts.router = app.state.router = router
         # KV events feed tier-aware P placement (tier_placement; None without sources)
         router.tiers, kv_events = tier_placement.from_settings(settings, registry)
+        router.spills = _spills(parts)
+        router.tier_costs = TierCostLearner(router.tiers.costs if router.tiers else None)
         if kv_events is not None:
             kv_events.start()
             stack.push_async_callback(kv_events.stop)
@@ -138,6 +143,17 @@ async def _lifespan(parts: AppParts, app: Starlette) -> AsyncIterator[None]:
         yield
 
 
+def _spills(parts: AppParts) -> Spills | None:
+    """Records conversations given up on tiered decode nodes as spilled (nodes/spills.py)."""
+    settings, registry = parts.settings, parts.registry
+    tiers = tiers_by_name(settings.engine.kv_tiers,
+                          {n.name: n.url for n in registry.nodes.values()})
+    if not tiers or settings.retention.spill_ttl_s <= 0:
+        return None
+    return Spills(parts.store, tiers, ttl_s=settings.retention.spill_ttl_s,
+                  on_spilled=parts.metrics.spills.inc)
+
+
 def _retention_guard(parts: AppParts, legs: Legs, router: Router) -> RetentionGuard | None:
     """Keeps decode nodes' retained KV under the watermark, dropping what the retention
     policy ranks first (nodes/retention.py)."""
@@ -154,14 +170,22 @@ def _retention_guard(parts: AppParts, legs: Legs, router: Router) -> RetentionGu
         on_evicted=metrics.retention_evictions.inc,
         on_released=lambda ok, n: metrics.retention_releases.labels(
             ok=str(ok).lower()).inc(n),
-        on_kv=functools.partial(_record_kv, nodes, parts))
+        on_kv=functools.partial(_record_kv, nodes, parts),
+        on_given_up=router.spills.record if router.spills is not None else None)
 
 
 def _record_kv(nodes: dict[str, Node], parts: AppParts, name: str, kv: NodeKV,
                read_at: float) -> None:
-    """What the guard read of a decode node's KV: its usage (`policy` weighs it) and, with
-    its block count, its free blocks (the ledger's `free`)."""
+    """What the guard read of a decode node's KV: its usage (`policy` weighs it), its
+    tier loads (the learned tier prices) and, with its block count, its free blocks (the
+    ledger's `free`)."""
     nodes[name].kv_usage = kv.usage
+    if kv.loads is not None and parts.router is not None:  # what its tier loads cost
+        learner = parts.router.tier_costs
+        learner.observe(name, kv.loads)
+        costs = learner.costs()
+        parts.metrics.tier_load_cost.labels(tier="host").set(costs.cpu_s_per_token)
+        parts.metrics.tier_load_cost.labels(tier="disk").set(costs.disk_s_per_token)
     if kv.total_blocks and parts.router is not None:
         parts.router.ledger.observe(name, total_blocks=kv.total_blocks, usage=kv.usage,
                                   read_at=read_at, stalled=kv.stalled)

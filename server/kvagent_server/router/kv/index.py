@@ -15,6 +15,13 @@ CPU node) is `gpu`; `CPU` and `STORAGE` (OffloadingConnector tiers) are `cpu`, `
 The GPU block pool re-announces blocks reused from its prefix cache without a matching
 removal, so `gpu` is a set; the offloading tiers announce each chunk's hashes once per
 store and once per eviction (overlapping chunks repeat a hash), so they are counted.
+
+A disk tier that is one directory shared by every node (`kv_tiers.disk.shared`) is one
+place, not one per node: the `STORAGE` events of the nodes named `shared` go to one
+shared set that counts for each of them. Two nodes storing one block write one file, and
+one removal deletes it, so the shared set is not counted: a block leaves it at the first
+removal (a missed hit at worst), and it is emptied whenever one of those nodes is
+forgotten (its removals may have been missed).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,6 +39,8 @@ from kvagent_server.router.kv.tiers import NodeTierHits, TierName
 MEDIUM_TIERS: dict[str | None, TierName] = {None: "gpu", "GPU": "gpu", "CPU": "cpu",
                                             "STORAGE": "disk"}
 _COUNTED: frozenset[TierName] = frozenset({"cpu", "disk"})
+
+_V = TypeVar("_V")
 
 ApplyResult = Literal["ok", "first", "gap", "restart"]
 
@@ -96,8 +105,11 @@ class NodeBlocks:
 class KVIndex:
     """Per node and tier, the block hashes stored there."""
 
-    def __init__(self) -> None:
+    def __init__(self, shared: Iterable[str] = ()) -> None:
         self.nodes: dict[str, NodeBlocks] = {}
+        #: Nodes whose disk tier is the shared directory, and the blocks it holds.
+        self.shared_nodes: frozenset[str] = frozenset(shared)
+        self.shared: set[int] = set()
 
     def node(self, name: str) -> NodeBlocks:
         return self.nodes.setdefault(name, NodeBlocks())
@@ -107,6 +119,8 @@ class KVIndex:
         nb = self.node(name)
         nb.clear()
         nb.resets += 1
+        if name in self.shared_nodes:
+            self.shared.clear()
 
     def observe_epoch(self, name: str, epoch: str) -> bool:
         """Record the node's incarnation; True (and forgotten) when it changed."""
@@ -137,19 +151,24 @@ class KVIndex:
             self.forget(name)
         nb.seq = seq
         for event in events:
-            self._apply_one(nb, event)
+            self._apply_one(nb, event, shared=name in self.shared_nodes)
         return result
 
-    @staticmethod
-    def _apply_one(nb: NodeBlocks, event: Event) -> None:
+    def _apply_one(self, nb: NodeBlocks, event: Event, *, shared: bool) -> None:
         if isinstance(event, Cleared):
-            nb.clear()
+            nb.clear()  # the engine's caches; the shared directory is not the node's
             return
         if event.group not in (None, 0):
             return  # only the first KV cache group (all of it on full-attention models)
         tier = MEDIUM_TIERS.get(event.medium)
         if tier is None:
             return  # a medium this version does not know: ignore rather than guess
+        if tier == "disk" and shared:
+            if isinstance(event, Stored):
+                self.shared.update(event.hashes)
+            else:
+                self.shared.difference_update(event.hashes)
+            return
         blocks = nb.tiers[tier]
         if isinstance(event, Stored):
             if tier == "gpu" and event.block_size:
@@ -166,7 +185,8 @@ class KVIndex:
 
     def holds_any(self, names: Iterable[str]) -> bool:
         """Whether any of these nodes is known to hold a block (else matching is moot)."""
-        return any(self.nodes[n].size for n in names if n in self.nodes)
+        return any((n in self.nodes and self.nodes[n].size)
+                   or (n in self.shared_nodes and self.shared) for n in names)
 
     def block_size(self, name: str) -> int | None:
         nb = self.nodes.get(name)
@@ -180,9 +200,11 @@ class KVIndex:
         tier's reach (the CPU tier may still serve blocks in that stretch).
         """
         nb = self.nodes.get(name)
-        if nb is None:
+        if nb is None and name not in self.shared_nodes:
             return {"gpu": 0, "cpu": 0, "disk": 0}
-        gpu, cpu, disk = nb.tiers["gpu"], nb.tiers["cpu"], nb.tiers["disk"]
+        nb = nb or NodeBlocks()
+        gpu, cpu = nb.tiers["gpu"], nb.tiers["cpu"]
+        disk = self.shared if name in self.shared_nodes else nb.tiers["disk"]
         i = 0
         while i < len(keys) and keys[i] in gpu:
             i += 1
@@ -203,8 +225,7 @@ class KVIndex:
                             in_flight=in_flight)
 
 
-def sources_by_node(sources: Mapping[str, KVEventSource],
-                    urls: Mapping[str, str]) -> dict[str, KVEventSource]:
+def sources_by_node(sources: Mapping[str, _V], urls: Mapping[str, str]) -> dict[str, _V]:
     """Settings name sources by node URL; the index names nodes like the registry.
     `urls` maps node name to URL. Sources for unknown URLs are dropped."""
     by_url = {u.rstrip("/"): s for u, s in sources.items()}

@@ -37,6 +37,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvagent_server.router.common.periodic import Periodic
+from kvagent_server.router.kv.tiers import TierLoads, parse_tier_loads
 from kvagent_server.router.nodes.client import NodeHttp, UpstreamError
 from kvagent_server.router.nodes.registry import Node
 from kvagent_server.router.reuse import transfer
@@ -68,6 +69,8 @@ class NodeKV:
     #: Requests running and waiting (None: not reported).
     running: int | None = None
     waiting: int | None = None
+    #: Its tier-load counters (None: no offloading connector: `kv.tiers.parse_tier_loads`).
+    loads: TierLoads | None = None
 
     @property
     def stalled(self) -> bool:
@@ -87,7 +90,8 @@ def parse_node_kv(metrics_text: str) -> NodeKV | None:
     blocks = _BLOCKS_RE.search(metrics_text)
     return NodeKV(usage=usage, total_blocks=int(blocks.group(1)) if blocks else None,
                   running=_count(_RUNNING_RE, metrics_text),
-                  waiting=_count(_WAITING_RE, metrics_text))
+                  waiting=_count(_WAITING_RE, metrics_text),
+                  loads=parse_tier_loads(metrics_text))
 
 
 def _count(pattern: re.Pattern[str], text: str) -> int | None:
@@ -233,6 +237,7 @@ class RetentionGuard:
                  on_evicted: Callable[[int], None] = lambda n: None,
                  on_released: Callable[[bool, int], None] = lambda ok, n: None,
                  on_kv: Callable[[str, NodeKV, float], None] = lambda name, kv, at: None,
+                 on_given_up: Callable[[list[Handle]], Awaitable[object]] | None = None,
                  scan_limit: int = 512, blind_batch: int = 16,
                  timeout_s: float = 30.0) -> None:
         blocks_to_free(NodeKV(usage=0.0, total_blocks=None), high=high, low=low)  # checks
@@ -244,6 +249,7 @@ class RetentionGuard:
         self.high, self.low, self.interval_s = high, low, interval_s
         self.on_evicted, self.on_released = on_evicted, on_released
         self.on_kv = on_kv
+        self.on_given_up = on_given_up
         self.scan_limit = scan_limit
         self.blind_batch = blind_batch
         self.timeout_s = timeout_s
@@ -290,6 +296,8 @@ class RetentionGuard:
                and (rid := remote_request_id(h)) is not None]
         self.queue.add(name, ids)
         self.on_evicted(len(evicted))
+        if self.on_given_up is not None:  # spilled to the node's tiers (nodes.spills)
+            await self.on_given_up(evicted)
         await self.flush(name, url)
         return evicted
 

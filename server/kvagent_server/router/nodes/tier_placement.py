@@ -70,6 +70,22 @@ class TierPlacement:
                                                   in_flight=s.in_flight)
         return out, used
 
+    def reach(self, name: str, prompt_ids: Sequence[int], *, block_size: int,
+              cache_salt: str | None) -> tuple[int, int] | None:
+        """How far (tokens) node `name`'s host tier, and then its disk tier (the shared
+        directory for a node that shares one), reach into the prompt, counting what its
+        engine memory still caches before them; None when the index has heard nothing
+        from those tiers of the node (it may publish none: unknown, not empty)."""
+        hasher = self.hashers.get(name)
+        nb = self.index.nodes.get(name)
+        shared = name in self.index.shared_nodes and bool(self.index.shared)
+        if hasher is None or nb is None or not (nb.tiers["cpu"] or nb.tiers["disk"] or shared):
+            return None
+        bs = self.index.block_size(name) or block_size
+        keys = hasher.keys(prompt_ids, bs, cache_salt=cache_salt)
+        blocks = self.index.prefix_blocks(name, keys)
+        return blocks["cpu"] * bs, blocks["disk"] * bs
+
 
 def from_settings(settings: RouterSettings, registry: NodeRegistry
                   ) -> tuple[TierPlacement | None, KVEventSubscriber | None]:
@@ -86,7 +102,8 @@ def from_settings(settings: RouterSettings, registry: NodeRegistry
         KVEventSubscriber,  # pyzmq only when there is something to hear
     )
 
-    index = KVIndex()
+    tiers_by_node = sources_by_node(settings.engine.kv_tiers, urls)
+    index = KVIndex(shared=[n for n, t in tiers_by_node.items() if t.disk and t.shared])
     tiers = TierPlacement(index, sources, block_size=settings.nodes.block_size)
     usable = {name: s for name, s in sources.items() if name in tiers.hashers}
     return tiers, KVEventSubscriber(index, usable) if usable else None

@@ -12,8 +12,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvagent_server.router.kv.tiers import TierCosts
 from kvagent_server.router.reuse.planner import FRESH_REASONS, ReusePlan
 from kvagent_server.router.reuse.queue import IDLE, NodeWork
+from kvagent_server.router.reuse.spill import TierReuse
 
 #: How a turn was served (`kvagent.path` on the wire; the same names as
 #: `kvagent.protocol.PATHS` and the path table in docs/router.md).
@@ -191,6 +193,59 @@ def fresh_path(prompt_tokens: float, costs: PathCosts, *, policy: FreshPolicy,
         return "pd_fresh"
     d_cost = costs.queued_cost("d_fresh", n, 0, d_work)
     return "d_fresh" if d_cost < costs.queued_cost("pd_fresh", n, 0, p_work) else "pd_fresh"
+
+
+#: Where a spilled turn's prompt is computed (`spill_path`): on the node whose tiers hold
+#: it (`d_direct`, loading its host or disk tier), on P loading the shared disk, or on P
+#: from scratch.
+SpillChoice = Literal["d_direct", "p_tier", "recompute"]
+
+
+def tier_load_s(tier: TierReuse, costs: TierCosts, *, shared_only: bool = False) -> float:
+    """Seconds to load `tier`'s prefix: its host-tier part at the host price, the rest of
+    its disk part at the disk price (a disk chunk is promoted through the host tier).
+    `shared_only`: from the shared disk alone (a P node, whose host tier never held it)."""
+    if shared_only:
+        return tier.disk_tokens * costs.disk_s_per_token
+    host = tier.host_tokens
+    return host * costs.cpu_s_per_token + max(0, tier.disk_tokens - host) * costs.disk_s_per_token
+
+
+def spill_path(tier: TierReuse, prompt_len: int, costs: PathCosts, tier_costs: TierCosts, *,
+               d_ok: bool, p_work: NodeWork | None = None, d_work: NodeWork | None = None,
+               d_stall_max_s: float | None = None) -> SpillChoice:
+    """Where a turn whose session spilled to a decode node's tiers computes its prompt.
+
+    Three prices, as `choose_path` prices the others (the lines at the node's work ahead,
+    the stall on D's streams and its cap): `d_direct` on the holding node (`d_ok`: placed
+    there, healthy, same epoch, not at its watermark), which loads the prefix from its
+    tiers (`tier_load_s`) and computes the rest; `p_tier`, P loading the prefix from the
+    shared disk and computing the rest; `recompute`, P computing it all. A load is worth
+    it only where it is cheaper than computing those tokens on that node: otherwise the
+    option is the recompute it would be, so a short prefix, or a tier slower than
+    prefill, never pays a promotion."""
+    if not 0 < tier.tokens < prompt_len:
+        raise ValueError("a tier reuse must leave at least one prompt token to compute")
+    p_work, idle_d = p_work or IDLE, d_work or IDLE
+    best: SpillChoice = "recompute"
+    best_s = costs.queued_cost("recompute", prompt_len, 0, p_work)
+    if tier.shared and tier.disk_tokens:
+        load = tier_load_s(tier, tier_costs, shared_only=True)
+        if load < costs.prefill.per_token_s * tier.disk_tokens:
+            p_s = load + costs.queued_cost("recompute", prompt_len - tier.disk_tokens, 0, p_work)
+            if p_s < best_s:
+                best, best_s = "p_tier", p_s
+    if d_ok:
+        load = tier_load_s(tier, tier_costs)
+        delta = prompt_len - tier.tokens
+        soon = 1 if p_work.prompts > 0 else 0
+        if (load < costs.d_direct.per_token_s * tier.tokens
+                and not _past_stall_cap(costs, delta, idle_d, d_stall_max_s,
+                                        streams_soon=soon)):
+            d_s = load + costs.queued_cost("d_direct", prompt_len, tier.tokens, idle_d)
+            if d_s < best_s:
+                best = "d_direct"
+    return best
 
 
 def skip_tokenize_pays(plan: ReusePlan, deltas: tuple[int, int], costs: PathCosts,

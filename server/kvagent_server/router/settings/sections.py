@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from kvagent_server.router.kv.index import KVEventSource
+from kvagent_server.router.kv.tiers import NodeTiers
 
 
 class RetentionPolicySettings(BaseModel):
@@ -143,6 +144,12 @@ class RetentionSettings(BaseModel):
         description="How long a turn waits for KV room on its decode node (every leg "
         "there is admitted only when the node can allocate it: docs/router.md, \"KV room "
         "on decode nodes\") before it is refused with 503. Needs the retention guard.")
+    spill_ttl_s: float = Field(default=900.0, ge=0,
+        description="How long a conversation whose retained copy on a tiered decode node was "
+        "given up (the watermark, a waiting turn's room, the store's bounds) is remembered as "
+        "spilled to that node's tiers (`engine.kv_tiers`), so its next turn is priced as a "
+        "load from there; 0: forgotten at once, as without tiers. Where the node publishes KV "
+        "events, the tiers' own events say what is still there (docs/tiers.md).")
 
     @model_validator(mode="after")
     def _watermarks(self) -> RetentionSettings:
@@ -180,6 +187,11 @@ class EngineSettings(BaseModel):
         description="KV event sources by node URL (the bundle fills this from `kv_events`): "
         "prefill placement then weighs the prompt's cached prefix per node and tier against "
         "load.")
+    kv_tiers: dict[str, NodeTiers] = Field(default_factory=dict,
+        description="KV tiers by node URL (the bundle fills this from `kv_tiers`): a "
+        "conversation whose retained copy on a tiered decode node is given up is recorded as "
+        "spilled to that node's host tier or the shared disk, and its next turn is priced as "
+        "a load from there (docs/tiers.md).")
 
     forward_prompt_ids: bool = Field(default=True,
         description="A chat turn's D leg after a P leg takes the prompt token ids P computed "
@@ -239,10 +251,15 @@ POLICY_FLAT_PARAMS = ("skip_prefill_max_tokens", "queue_aware_paths",
                       "d_direct_stall_max_ms", "fresh_on_decode",
                       "decode_prompt_step_tokens", "skip_tokenize_extensions")
 
+#: Keys added after the sections were: no older file has them flat.
+_SECTION_ONLY: frozenset[tuple[str, str]] = frozenset({("engine", "kv_tiers"),
+                                                       ("retention", "spill_ttl_s")})
+
 #: Where each older flat `router.*` key lives now: its path under `router:`.
 FLAT_KEYS: dict[str, tuple[str, ...]] = {
     **{_RENAMED.get((section, key), key): (section, key)
-       for section, model in SECTIONS.items() for key in model.model_fields},
+       for section, model in SECTIONS.items() for key in model.model_fields
+       if (section, key) not in _SECTION_ONLY},
     "path_policy": ("policy", "name"),
     **{key: ("policy", "params", key) for key in POLICY_FLAT_PARAMS},
 }

@@ -109,6 +109,9 @@ class Handle(BaseModel):
     identity: KVIdentity | None = None
     #: How the turn ended; None on handles from routers that did not record it.
     end: TurnEnd | None = None
+    #: How many of `token_ids` were the prompt (the rest D generated): what KV tiers that
+    #: store prompts only hold of it once it is given up. None: not recorded.
+    prompt_tokens: int | None = Field(default=None, ge=0)
     created_at: float  # router wall clock
     expires_at: float  # router wall clock, safety margin already subtracted
 
@@ -143,6 +146,8 @@ def pack_handle(handle: Handle) -> bytes:
         exclude["identity"] = {"history"}
     if handle.end is None:
         exclude["end"] = True  # the same for routers that predate the turn's end
+    if handle.prompt_tokens is None:
+        exclude["prompt_tokens"] = True
     meta = handle.model_dump_json(exclude=exclude).encode()
     ids = array("I", handle.token_ids)
     if sys.byteorder == "big":

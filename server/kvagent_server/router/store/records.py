@@ -1,11 +1,13 @@
 """Small keyed records beside the handles: stored Responses and the content index.
 
-Two things a turn may look up besides its session's handle:
+Three things a turn may look up besides its session's handle:
 
 - `RESPONSES`: a stored Response (`store: true`) and the conversation it ends, so a turn
   that names it in `previous_response_id` gets its history and its session back;
 - `CONTENT`: block-hash keys of a held turn's tokens -> its session, so a caller that
-  sends no conversation id at all still finds the turn its prompt extends.
+  sends no conversation id at all still finds the turn its prompt extends;
+- `SPILLED`: a session whose retained copy was given up to its decode node's KV tiers
+  (`reuse.spill`), so its next turn loads from there instead of recomputing.
 
 Records are per tenant, expire (TTL), and are bounded per tenant (count) and, in memory,
 in bytes overall; the oldest go first, and over the byte bound the oldest of the tenant
@@ -22,9 +24,12 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Literal, Protocol, runtime_checkable
 
-Kind = Literal["responses", "content"]
+Kind = Literal["responses", "content", "spilled"]
 RESPONSES: Kind = "responses"
 CONTENT: Kind = "content"
+#: A session's conversation once its decode copy was given up to the node's KV tiers
+#: (`reuse.spill`): the session -> the spill and the handle it was.
+SPILLED: Kind = "spilled"
 
 
 @runtime_checkable

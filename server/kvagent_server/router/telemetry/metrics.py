@@ -97,6 +97,20 @@ class RouterMetrics:
             "kvagent_router_decode_placements",
             "D-node choices by reason (affinity, least_loaded, affinity_unknown, "
             "affinity_unhealthy, affinity_overloaded, no_healthy_node).", ["reason"], registry=r)
+        self.spills = Counter(
+            "kvagent_router_spills",
+            "Given-up handles recorded as spilled to their decode node's KV tiers "
+            "(reuse/spill.py).", registry=r)
+        self.tier_reuse = Counter(
+            "kvagent_router_tier_reuse",
+            "Turns of a spilled conversation planned to load its prefix from a tier, by "
+            "source (tier_host: the holding node's host tier, d_direct; tier_disk: the "
+            "shared disk, through P).", ["source"], registry=r)
+        self.tier_load_cost = Gauge(
+            "kvagent_router_tier_load_seconds_per_token",
+            "Seconds per prompt token loaded from a KV tier, learned from the decode nodes' "
+            "vllm:kv_offload_load_time and vllm:prompt_tokens_cached_by_source (the prior "
+            "until measured).", ["tier"], registry=r)
         self.node_healthy = Gauge("kvagent_router_node_healthy", "1 when a node is healthy.",
                                   ["node", "role"], registry=r)
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvagent_server.router.auth.cache_token import TokenCodec
+from kvagent_server.router.kv.tiers import TierCostLearner
 from kvagent_server.router.nodes.admission import DecodeGate
 from kvagent_server.router.nodes.ledger import LegLedger
 from kvagent_server.router.nodes.legs import Legs
 from kvagent_server.router.nodes.registry import NodeRegistry
 from kvagent_server.router.nodes.retention import RetentionGuard
+from kvagent_server.router.nodes.spills import Spills
 from kvagent_server.router.nodes.tier_placement import TierPlacement
 from kvagent_server.router.reuse.learned import Learned
 from kvagent_server.router.settings import RouterSettings
@@ -36,6 +38,12 @@ class Router:
     learned: Learned = field(default_factory=Learned)
     #: Tier-aware P placement from the nodes' KV events (None: by load only).
     tiers: TierPlacement | None = None
+    #: Per-token tier load prices, learned from the decode nodes' `/metrics` as the
+    #: retention guard reads them (placement and the spilled turns' path price them).
+    tier_costs: TierCostLearner = field(default_factory=TierCostLearner)
+    #: Where given-up conversations went: their decode nodes' KV tiers (nodes/spills.py;
+    #: None: no tiered node, or `retention.spill_ttl_s` 0).
+    spills: Spills | None = None
     #: Bounds what decode nodes retain (nodes/retention.py; None: TTL only).
     retention: RetentionGuard | None = None
     #: Admits a leg to a decode node only when it has room (nodes/admission.py; None: the

@@ -84,6 +84,10 @@ def _record_decision(r: Router, facts: TurnFacts, plan: TurnPlan) -> None:
         r.metrics.decode_placements.labels(reason=plan.d_reason).inc()
         if span is not None:
             span.set_attribute("kvagent.decode_placement", plan.d_reason)
+    if plan.tier_source is not None:  # a spilled prefix loaded from a tier (tier_path)
+        r.metrics.tier_reuse.labels(source=plan.tier_source).inc()
+        if span is not None:
+            span.set_attribute("kvagent.reuse_source", plan.tier_source)
     if not plan.reuse.tokenized:
         r.metrics.tokenize_skipped.inc()
         if span is not None:
@@ -160,7 +164,9 @@ async def _run_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
     target = nodes[0] if nodes else None
     # D frees the handle the turn supersedes or does not reuse when this request ends
     params = plan.decode_params(target)
-    held = tokens if plan.path == "d_direct" else _prompt_tokens(facts, plan)
+    # a retained prefix is on D already; one loaded from a tier needs blocks too
+    held = tokens if plan.path == "d_direct" and plan.tier is None else _prompt_tokens(
+        facts, plan)
     leg = _open_decode(r, target, tokens)
     try:
         admitted = await _admit(r, target, leg, blocks_for(held, _block_size(r, target))

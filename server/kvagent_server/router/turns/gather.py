@@ -25,6 +25,7 @@ from kvagent_server.router.nodes.prompt_ids import TokenizeError, tokenize
 from kvagent_server.router.nodes.registry import Node
 from kvagent_server.router.reuse import content, identity, placement
 from kvagent_server.router.reuse.paths import PathCosts
+from kvagent_server.router.reuse.spill import Spilled
 from kvagent_server.router.store.base import StoreUnavailable
 from kvagent_server.router.store.handle import Handle, KVIdentity
 from kvagent_server.router.store.records import CONTENT
@@ -53,17 +54,19 @@ async def gather(r: Router, req: TurnRequest) -> TurnFacts:
                         and d_node.epoch == handle.decode_epoch
                         and not handle.expired(time.time())) else None
     tiers = await _tier_facts(r, req, tokenizer, holder, known_ids)
-    affinity = handle.decode_node if handle else await _affinity(r, req, session)
+    spilled = await _spilled(r, req, session) if handle is None else None
+    affinity = handle.decode_node if handle else (
+        spilled.spill.node if spilled else await _affinity(r, req, session))
     costs, learned = r.learned.costs.snapshot(), r.learned.view()
     new_ident = _identity_of(r, req, [])
     facts = TurnFacts(
         req=req, session=session, source=source, handle=handle, rejected=rejected,
         handle_node_healthy=bool(d_node and d_node.healthy),
         handle_node_epoch=d_node.epoch if d_node else None, holder=holder,
-        candidates=_candidates(r, costs), affinity=affinity, tiers=tiers,
+        candidates=_candidates(r, costs), affinity=affinity, tiers=tiers, spilled=spilled,
         counts_work=r.counts_work, prefill_block_size=s.nodes.block_size,
         costs=costs, learned=learned, est_tokens=learned.estimate_tokens(req.body_chars),
-        new_identity=new_ident, identity=_check_identity(r, handle, new_ident),
+        new_identity=new_ident, identity=_check_identity(r, _held(handle, spilled), new_ident),
         tokenizable=tokenizer is not None)
     if known_ids is not None and facts.ids_matter:
         # what the content lookup tokenized is the prompt: no second /tokenize
@@ -90,9 +93,42 @@ def _with_ids(r: Router, facts: TurnFacts, ids: list[int]) -> TurnFacts:
     new = facts.new_identity
     assert new is not None
     return dataclasses.replace(
-        facts, prompt_ids=tuple(ids), ids_gathered=True, identity=_check_identity(
-            r, facts.handle, identity.with_positions(new, ids,
-                                                     r.settings.identity.mm_placeholder_token_ids)))
+        facts, prompt_ids=tuple(ids), ids_gathered=True,
+        spilled=_spill_reach(r, facts, ids), identity=_check_identity(
+            r, _held(facts.handle, facts.spilled), identity.with_positions(
+                new, ids, r.settings.identity.mm_placeholder_token_ids)))
+
+
+def _held(handle: Handle | None, spilled: Spilled | None) -> Handle | None:
+    """The handle whose KV identity the prompt's is checked against: the claimed one, or
+    the one a spill kept."""
+    return handle if handle is not None else (spilled.handle if spilled else None)
+
+
+async def _spilled(r: Router, req: TurnRequest, session: str | None) -> Spilled | None:
+    """The session's spill to a decode node's KV tiers (nodes.spills), for a turn that
+    claimed no handle; None: none recorded, or nothing spills here."""
+    if r.spills is None or session is None or not r.settings.reuse:
+        return None
+    found = await r.spills.find(req.tenant.name, session)
+    if found is None:
+        return None
+    return Spilled(found[0], found[1], costs=r.tier_costs.costs())
+
+
+def _spill_reach(r: Router, facts: TurnFacts, ids: list[int]) -> Spilled | None:
+    """The spill with what the holding node's KV events show still in its tiers, in
+    tokens of this prompt's prefix (the host tier's reach, then the disk's); unknown
+    (None) where the node publishes no events or none from its tiers yet."""
+    spilled = facts.spilled
+    if spilled is None or r.tiers is None:
+        return spilled
+    salt = facts.req.body.get("cache_salt")
+    reach = r.tiers.reach(spilled.spill.node, ids, block_size=spilled.handle.block_size,
+                          cache_salt=salt if isinstance(salt, str) else None)
+    if reach is None:
+        return spilled
+    return dataclasses.replace(spilled, host_reach=reach[0], disk_reach=reach[1])
 
 
 def _tokenizer(r: Router) -> Node | None:
@@ -142,7 +178,8 @@ async def _tier_facts(r: Router, req: TurnRequest, tokenizer: Node | None,
     salt = req.body.get("cache_salt")
     hits, bs = r.tiers.hits(states, ids, cache_salt=salt if isinstance(salt, str) else None,
                             default_block_size=tokenizer.block_size)
-    return TierFacts(hits=hits, block_size=bs, prompt_tokens=len(ids), costs=r.tiers.costs)
+    return TierFacts(hits=hits, block_size=bs, prompt_tokens=len(ids),
+                     costs=r.tier_costs.costs())
 
 
 async def _find_by_content(r: Router, req: TurnRequest,

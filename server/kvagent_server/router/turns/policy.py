@@ -40,6 +40,7 @@ from kvagent_server.common.types import Topology
 from kvagent_server.router.reuse import identity, paths, placement, planner
 from kvagent_server.router.reuse.queue import IDLE
 from kvagent_server.router.settings import RouterSettings
+from kvagent_server.router.turns import tier_path
 from kvagent_server.router.turns.policy_params import (
     CostModelParams,
     CostParams,
@@ -280,7 +281,8 @@ class CostModelPolicy(_Decides):
                 d_work=facts.d_work, d_stall_max_s=c.d_stall_max_s,
                 d_prompt_step_tokens=c.decode_prompt_step_tokens)
             plan = dataclasses.replace(plan, path=fresh, est_tokens=facts.est_tokens)
-        return plan
+        return tier_path.with_spill(facts, plan, threshold=self.reuse.threshold, d_free=d_free,
+                                    d_stall_max_s=c.d_stall_max_s)
 
     def d_full(self, facts: TurnFacts) -> bool:
         """D's KV cache is at the retention guard's high watermark: D computes no prompt.

@@ -95,7 +95,9 @@ def _account(r: Router, turn: Turn, prompt_tokens: int, cached: int, reused: int
     if plan.path == "d_fresh" and prompt_tokens:  # D computed a prompt it was estimated by
         r.learned.chars.observe(turn.req.body_chars, max(0, prompt_tokens - cached))
         r.learned.prompt_chars.observe(turn.req.body_chars, prompt_tokens)
-    if turn.first_byte_at is not None and prompt_tokens and plan.path != "decode_only":
+    # a tier load's time is not the path's line (it would read as D's fixed cost)
+    if (turn.first_byte_at is not None and prompt_tokens and plan.path != "decode_only"
+            and plan.tier is None):
         ttft = turn.first_byte_at - turn.started
         try:
             r.learned.costs.observe(plan.path, max(0, prompt_tokens - cached), ttft,
@@ -125,9 +127,12 @@ def _release_unrecorded(r: Router, turn: Turn, capture: Capture) -> None:
         r.retention.queue.add(turn.decode.node.name, [rid])
 
 
-def _release_evicted(r: Router, handles: list[Handle] | None) -> None:
+async def _release_evicted(r: Router, handles: list[Handle] | None) -> None:
     """Handles the store evicted to make room (the tenant's quota, its bounds) are
-    claimed, so nobody can reuse them: let their decode nodes free the blocks now."""
+    claimed, so nobody can reuse them: let their decode nodes free the blocks now (their
+    conversations spilled to those nodes' tiers, where they have some)."""
+    if handles and r.spills is not None:
+        await r.spills.record(handles)
     if not handles or r.retention is None:
         return  # without the retention guard they are freed at D's TTL
     for handle in handles:
@@ -164,7 +169,11 @@ async def _record(r: Router, turn: Turn, capture: Capture,
                     decode_node=node.name, decode_epoch=node.epoch,
                     kv_transfer_params=capture.kv_params, token_ids=sequence,
                     block_size=block_size, created_at=now, expires_at=now + ttl,
-                    identity=ident, end=end)
+                    identity=ident, end=end,
+                    # what a tiered node's tiers keep of it once given up (nodes.spills);
+                    # only then, as a router of an earlier version cannot read the field
+                    prompt_tokens=(len(capture.prompt_token_ids or ()) or None)
+                    if r.spills is not None else None)
     if transfer.retained_tokens(handle) is None:
         log.warning("decode node %s returned unusable kv_transfer_params", node.name)
         return False, None, 0
@@ -175,7 +184,7 @@ async def _record(r: Router, turn: Turn, capture: Capture,
                     type(exc).__name__)
         r.metrics.miss("store_unavailable")
         return False, None, 0
-    _release_evicted(r, evicted)
+    await _release_evicted(r, evicted)
     if facts.source == "content":
         await _index_content(r, turn, handle, len(capture.prompt_token_ids or ()))
         return True, None, 0

@@ -32,6 +32,7 @@ from kvagent_server.router.reuse.learned import LearnedView
 from kvagent_server.router.reuse.paths import Path, PathCosts
 from kvagent_server.router.reuse.placement import DecodeReason, NodeState, PrefillReason
 from kvagent_server.router.reuse.queue import NodeWork
+from kvagent_server.router.reuse.spill import Source, Spilled, TierReuse
 from kvagent_server.router.store.handle import Handle, KVIdentity
 from kvagent_server.router.telemetry.budget import TurnBudget
 
@@ -149,6 +150,9 @@ class TurnFacts:
     affinity: str | None = None
     #: Where P nodes cache the prompt's prefix (None: not looked up).
     tiers: TierFacts | None = None
+    #: Without a handle, the session's conversation spilled to a decode node's KV tiers
+    #: (`reuse.spill`; None: none recorded). `identity` is then checked against it.
+    spilled: Spilled | None = None
     #: Work in flight is counted (`PathPolicy.counts_work`): a missing node's is idle.
     counts_work: bool = False
     #: Why `p_first` and `d_first` were placed there (None: not placed by decide).
@@ -194,7 +198,7 @@ class TurnFacts:
         ident = self.identity
         final = ident is not None and ident.cap == 0 and ident.detail != "media_url" and (
             ident.reason != "multimodal_changed")
-        return self.holder is not None and not final
+        return (self.holder is not None or self.spilled is not None) and not final
 
 
 # ------------------------------------------------------------------ the plan
@@ -251,6 +255,11 @@ class TurnPlan:
     #: Decode nodes a failed `d_fresh` or `d_direct` leg was sent to: tried last.
     d_failed: tuple[str, ...] = ()
     legs: LegChoices = field(default_factory=LegChoices)
+    #: A spilled prefix the serving node loads from a KV tier (`reuse.spill`), and from
+    #: which (`tier_host`: `d_direct` on the node holding it; `tier_disk`: the shared
+    #: disk, or the holding node's own disk): None, no tier load was planned.
+    tier: TierReuse | None = None
+    tier_source: Source | None = None
 
     def prefill_params(self) -> dict[str, Any]:
         """The P leg's `kv_transfer_params`: pull the verified prefix from D
@@ -282,7 +291,8 @@ class TurnPlan:
             return dataclasses.replace(self, path="pd_fresh", d_failed=tried)
         return dataclasses.replace(
             self, path="recompute", holder=None, d_first=None, d_failed=tried,
-            reuse=planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.DECODE_FAILED))
+            reuse=planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.DECODE_FAILED),
+            tier=None, tier_source=None)
 
     def without_room(self) -> TurnPlan:
         """The plan once the handle it would reuse or release was given up for another
@@ -291,15 +301,16 @@ class TurnPlan:
         if self.path not in ("pd_reuse", "d_direct"):
             return dataclasses.replace(self, holder=None)
         return dataclasses.replace(
-            self, path="recompute", holder=None,
+            self, path="recompute", holder=None, tier=None, tier_source=None,
             reuse=planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.NO_ROOM))
 
     def recomputed(self, reason: planner.Reason, detail: str | None = None, *,
                    release: bool = False) -> TurnPlan:
         """The plan when its reuse cannot happen after all: P recomputes the prompt
         (`release`: and tells D to free the handle's blocks, whatever the setting)."""
-        plan = dataclasses.replace(self, path="recompute", reuse=planner.ReusePlan(
-            reuse_tokens=0, reason=reason, detail=detail))
+        plan = dataclasses.replace(self, path="recompute", tier=None, tier_source=None,
+                                   reuse=planner.ReusePlan(reuse_tokens=0, reason=reason,
+                                                           detail=detail))
         if release:
             plan = dataclasses.replace(plan, legs=dataclasses.replace(plan.legs,
                                                                       release_unused=True))

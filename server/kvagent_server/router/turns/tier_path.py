@@ -1,0 +1,52 @@
+"""Decide, for a turn whose session spilled to a decode node's KV tiers: where its prompt
+is computed, loading the spilled prefix from a tier. Pure (docs/tiers.md, "Spilled, not
+gone").
+
+A path policy calls `with_spill` on the plan it made without the spill (a turn with no
+handle is `pd_fresh`, `d_fresh` or `recompute`): when the prompt repeats whole chunks of
+what the tiers got (`spill.plan_spill`), `paths.spill_path` prices a load from the
+holding node's tiers (`d_direct` there), P loading the shared disk, and P recomputing.
+The path names stay the protocol's: a tier-served `d_direct` says where its prefix came
+from in its reason's detail (`hit:tier_host`, `hit:tier_disk`), and every tier load
+planned is set on the turn's span (`kvagent.reuse_source`) and counted
+(`kvagent_router_tier_reuse_total{source}`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from kvagent_server.router.reuse import paths, planner, spill
+from kvagent_server.router.turns.shapes import TurnFacts, TurnPlan
+
+
+def with_spill(facts: TurnFacts, plan: TurnPlan, *, threshold: int, d_free: bool,
+               d_stall_max_s: float | None = None) -> TurnPlan:
+    """`plan`, or where a spilled prefix makes a tier load pay, the plan that loads it:
+    `d_direct` on the holding node (`d_free`: its KV cache is below the watermark), or
+    the same P path tagged as loading the shared disk."""
+    spilled = facts.spilled
+    if (spilled is None or plan.reuse.reuses or not facts.prompt_ids
+            or plan.path == "decode_only"):
+        return plan
+    tier = spill.plan_spill(facts.prompt_ids, spilled, threshold=threshold,
+                            identity=facts.identity)
+    if tier is None:
+        return plan
+    d = facts.d_first
+    d_ok = (d_free and facts.d_healthy and d is not None and d.name == tier.node
+            and d.epoch == tier.epoch)
+    choice = paths.spill_path(
+        tier, len(facts.prompt_ids), facts.costs, spilled.costs, d_ok=d_ok,
+        p_work=facts.p_work if facts.p_first is not None else None, d_work=facts.d_work,
+        d_stall_max_s=d_stall_max_s)
+    if choice == "d_direct":
+        source: spill.Source = "tier_host" if tier.host_tokens else "tier_disk"
+        reuse = planner.ReusePlan(reuse_tokens=tier.tokens, reason=planner.Reason.HIT,
+                                  detail=source, common_prefix=tier.common_prefix,
+                                  cached_tokens=tier.tokens)
+        return dataclasses.replace(plan, path="d_direct", reuse=reuse, holder=d,
+                                   tier=tier, tier_source=source)
+    if choice == "p_tier" and plan.path not in paths.ON_DECODE:
+        return dataclasses.replace(plan, tier=tier, tier_source="tier_disk")
+    return plan

