@@ -64,7 +64,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         return {"ports": [free_port()], "side_channel_ports": [free_port()],
                 "extra_args": ["--num-gpu-blocks-override", str(blocks)]}
 
+    # spills off: this is the P fall-through a router that does not know where the
+    # conversation went relies on (test_spill_vllm.py covers the router's spill path)
     config = bundle_config(base / "run", max_model_len=MAX_MODEL_LEN, kv_tiers=tiers,
+                           router={"port": free_port(), "retention": {"spill_ttl_s": 0}},
                            prefill=node(P_BLOCKS), decode=node(D_BLOCKS))
     handle, bundle = start_bundle(config)
     try:
