@@ -95,3 +95,23 @@ async def test_sessions_spread_over_the_nodes_by_load() -> None:
         kvb, _, _ = await turn(st, FIRST, session="b")
         assert kvb["path"] == "d_fresh" and len(d0.requests) == 1
         assert (await st.client.get("/ready")).status_code == 200
+
+
+async def test_a_failed_pull_is_recomputed_on_another_node_and_the_handle_released() -> None:
+    async with router_stack(n_prefill=0, n_decode=2, nodes={"max_in_flight": 1}) as st:
+        d0, d1 = st.decode
+        kva, answer, _ = await turn(st, FIRST)
+        held = [r.request_id for r in st.cluster.retained.values()
+                if r.engine_id == d0.engine_id]
+        leg = _busy(st, "d0")
+        d1.fail_next = [500]  # the node the session moves to fails the pull's leg
+        kva2, _, _ = await turn(st, second(answer), token=kva["cache_token"])
+        assert (kva2["path"], kva2["reason"], kva2["reused_tokens"]) == (
+            "d_fresh", "decode_failed", 0)
+        # Not retried with the pull's params (the first read frees the holder's blocks):
+        # recomputed on the other node, which is the holder here, so it frees them itself.
+        assert RETAIN_KEY in d1.requests[-1]["kv_transfer_params"]
+        assert _params(d0)[RELEASE_KEY] == held
+        assert [e.detail["id"] for e in st.cluster.events_of("release")] == held
+        st.router.ledger.close(leg, time.monotonic())
+        no_wrong_kv(st)
