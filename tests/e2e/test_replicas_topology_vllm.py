@@ -7,7 +7,10 @@ equals the same request recomputed (sent straight to a node under a fresh random
 `cache_salt`, so nothing cached matches), so wrong KV shows as a different answer.
 
 One bundle start, four turns of one session and one long turn of another that keeps the
-first node busy (`router.nodes.max_in_flight: 1`). The rules and the fake-node tests:
+first node busy (`router.nodes.max_in_flight: 1`); a third session moves at the same time
+with the holder's blocks shifted on purpose (the test-only header): its answer differs
+from the recompute, so the differential does catch wrong KV on this path. The rules and
+the fake-node tests:
 tests/router/turns/test_replicas.py, tests/router/http/test_replicas_topology.py.
 """
 
@@ -76,7 +79,8 @@ def test_a_session_moves_with_its_kv_and_every_answer_equals_a_recompute(
         tmp_path / "run", topology="replicas",
         decode={"count": 2, "ports": [free_port(), free_port()],
                 "side_channel_ports": [free_port(), free_port()]},
-        router={"port": free_port(), "nodes": {"max_in_flight": 1}})
+        router={"port": free_port(), "nodes": {"max_in_flight": 1},
+                "test_shift_blocks_header": True})
     b, bundle = start_bundle(cfg)
     try:
         assert bundle.plan.topology == "replicas" and len(b.decode_urls) == 2
@@ -102,9 +106,25 @@ def test_a_session_moves_with_its_kv_and_every_answer_equals_a_recompute(
 
         one_turn(0)  # both nodes idle: the first, d0
         one_turn(1)  # extended on d0
+        # The negative control's session, on d0 too (nodes idle: the first).
+        control = f"control-{uuid.uuid4().hex[:8]}"
+        c_msgs: list[dict[str, Any]] = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Release {uuid.uuid4().hex[:6]} is late. Why?"}]
+        c_text = greedy_chat(url, b.model, c_msgs, {"X-Session-ID": control})[
+            "choices"][0]["message"]["content"] or ""
+        c_msgs += [{"role": "assistant", "content": c_text},
+                   {"role": "user", "content": "And what do we do now?"}]
         with Busy(url, b.model) as busy:  # another session's long turn, on d0 too
             one_turn(2)  # d0 saturated: the session moves to d1, its KV pulled along
+            shifted = greedy_chat(url, b.model, c_msgs, {
+                "X-Session-ID": control, "X-Kvagent-Test-Shift-Blocks": "1"})
         assert busy.error is None, busy.error
+        c_ref = greedy_chat(ref_node, b.model, c_msgs, cache_salt=uuid.uuid4().hex)
+        assert shifted["kvagent"]["path"] == "d_pull", shifted["kvagent"]
+        assert shifted["kvagent"]["reused_tokens"] > 0, shifted["kvagent"]
+        assert (shifted["choices"][0]["message"]["content"]
+                != c_ref["choices"][0]["message"]["content"]), "wrong KV went unnoticed"
         one_turn(3)  # extended on d1
         print("turns (path, reused, cached, equal to the recompute):", turns)
         assert all(equal for *_, equal in turns), turns

@@ -119,6 +119,9 @@ def test_a_saturated_node_hands_the_session_and_its_kv_to_another() -> None:
     assert params["remote_engine_id"] == "eng-d" and params["remote_num_tokens"] == 128
     assert params[transfer.EXPECT_KEY]["digests"] == transfer.block_digests(PROMPT[:128], 16)
     assert transfer.RELEASE_KEY not in params
+    # The test-only negative control hands the new node the holder's blocks shifted.
+    shifted = dataclasses.replace(plan, legs=dataclasses.replace(plan.legs, shift_blocks=True))
+    assert shifted.decode_params(d1.node) == transfer.shifted_blocks(params)
 
 
 def test_without_pull_on_move_the_new_node_recomputes_and_says_why() -> None:

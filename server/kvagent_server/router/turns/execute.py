@@ -178,7 +178,10 @@ async def _run_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
         if admitted is not None and admitted.revoked:
             _close(r, leg)
             return None
-        start = await _send_decode(r, req, nodes, decode_body(req.body, params), leg)
+        body = decode_body(req.body, params)
+        if plan.path == "d_pull" and plan.legs.shift_blocks:
+            body["cache_salt"] = f"shifted-{uuid.uuid4().hex}"  # as `_run_pd` does
+        start = await _send_decode(r, req, nodes, body, leg)
     except BaseException:
         _close(r, leg)
         raise

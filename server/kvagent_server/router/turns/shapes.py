@@ -272,7 +272,8 @@ class TurnPlan:
         it once read."""
         if self.path == "d_pull":
             assert self.handle is not None
-            return transfer.pull_and_retain_params(self.handle, self.reuse.reuse_tokens)
+            params = transfer.pull_and_retain_params(self.handle, self.reuse.reuse_tokens)
+            return transfer.shifted_blocks(params) if self.legs.shift_blocks else params
         rid = _request_id(self.handle) if self.handle is not None else None
         if self.path == "d_direct" or (
                 node is not None and node is self.holder and self.legs.release_unused):
