@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 HOME = "server/kvagent_server/common/types.py"
 SHARED = {
     frozenset({"prefill", "decode"}): "Role",
-    frozenset({"pd", "single"}): "Topology",
+    frozenset({"pd", "single", "replicas"}): "Topology",
     frozenset({"cpu", "cuda"}): "Device",
     frozenset({"sha256", "sha256_cbor", "xxhash", "xxhash_cbor"}): "HashAlgo",
 }

@@ -26,7 +26,8 @@ RESPONSE_EXPIRES_IN: Final = "expires_in"
 RESPONSE_PATH: Final = "path"
 
 #: How a turn was served (the `path` field).
-PATHS: Final = ("pd_fresh", "pd_reuse", "d_direct", "d_fresh", "recompute", "decode_only")
+PATHS: Final = ("pd_fresh", "pd_reuse", "d_direct", "d_fresh", "d_pull", "recompute",
+                 "decode_only")
 
 MAX_TOKEN_BYTES: Final = 2048
 SESSION_ID_RE: Final = re.compile(r"^[A-Za-z0-9._:-]{1,128}\Z")

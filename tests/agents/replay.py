@@ -27,8 +27,8 @@ import httpx
 
 FIXTURES = Path(__file__).with_name("fixtures")
 #: The paths a reuse report may name, and those that mean the turn reused held KV.
-PATHS = ("pd_reuse", "d_direct", "pd_fresh", "d_fresh", "recompute", "decode_only")
-REUSE_PATHS = ("pd_reuse", "d_direct")
+PATHS = ("pd_reuse", "d_direct", "d_pull", "pd_fresh", "d_fresh", "recompute", "decode_only")
+REUSE_PATHS = ("pd_reuse", "d_direct", "d_pull")
 
 _ANSWER = re.compile(r"^\{\{answer:([\w.-]+)\}\}$")
 _INLINE = re.compile(r"\{\{(answer_text|response_id):([\w.-]+)\}\}")

@@ -193,3 +193,79 @@ def test_the_demo_shows_pd_and_says_what_auto_would_run(tmp_path: Any) -> None:
         f"run topology: single ({CPU_REASON}).")
     assert auto_note(cfg, host(gpus=2)).endswith(
         "would run topology: pd (auto: 2 GPUs visible, one per P/D node).")
+
+
+# ------------------------------------------------------------------ replicas
+
+
+def test_replicas_needs_two_nodes_and_auto_never_picks_it() -> None:
+    with pytest.raises(ConfigError) as info:
+        validate_config({"topology": "replicas"})
+    assert info.value.problems == [
+        ("decode.count: topology replicas runs at least two nodes (got 1); set "
+         "decode.count: 2 or more, or topology: single for one")]
+    cfg = validate_config({"topology": "replicas", "decode": {"count": 2}})
+    assert tuple(resolve_topology(cfg, host())) == ("replicas", "set in the config")
+    # auto on what replicas would suit picks what it picked before: pd for two nodes.
+    two = validate_config({"decode": {"count": 2}})
+    assert resolve_topology(two, host(gpus=2)).topology == "pd"
+    # The prefill section is not checked against anything (it is ignored).
+    validate_config({"topology": "replicas", "decode": {"count": 2},
+                     "prefill": {"count": 3, "ports": [8200, 8201, 8202]}})
+
+
+def test_replicas_on_cpu_is_n_kv_both_nodes_each_on_its_own_cores() -> None:
+    role_env, role_args = plugin_needs()
+    inputs = PlanInputs(host=host(cores=8), model=ModelSource(model="/m", served_name="m"),
+                        python=sys.executable, role_env=role_env, role_args=role_args)
+    cfg = validate_config({"topology": "replicas", "decode": {"count": 3},
+                           "run_dir": "/run/r", "prefill": {"extra_args": ["-O0"]}})
+    bp = plan(cfg, inputs)
+    assert (bp.topology, bp.topology_reason) == ("replicas", "set in the config")
+    assert [(n.name, n.role, n.url, n.cpu_bind) for n in bp.nodes] == [
+        ("decode-0", "decode", "http://127.0.0.1:8200", "0-2"),
+        ("decode-1", "decode", "http://127.0.0.1:8201", "3-5"),
+        ("decode-2", "decode", "http://127.0.0.1:8202", "6-7")]
+    assert [n.side_channel_port for n in bp.nodes] == [5700, 5701, 5702]
+    for i, node in enumerate(bp.nodes):
+        kv = _kv(node.argv)
+        assert (kv["kv_role"], kv["engine_id"]) == ("kv_both", f"default-decode-{i}")
+        assert kv["kv_connector_extra_config"]["bidirectional_kv_xfer"] is True
+        assert node.env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(5700 + i)
+        assert node.env["KVAGENT_PLUGIN"] == "1" and "--enable-prefix-caching" in node.argv
+        assert "--kv-events-config" not in node.argv and "-O0" not in node.argv
+    assert bp.router is not None
+    argv = bp.router.argv
+    assert "--prefill" not in argv and argv.count("--decode") == 3
+    assert [argv[k + 1] for k, a in enumerate(argv) if a == "--decode"] == [
+        n.url for n in bp.nodes]
+    assert bp.notes == (("prefill: ignored (topology replicas runs decode.count nodes, "
+                        "from decode)"),)
+    shell = render_shell(bp)
+    assert "# kvagent bundle 'default': 3 replica nodes on cpu + router\n" in shell
+    assert "# topology: replicas (set in the config)\n" in shell
+    assert "prefill-0" not in shell
+
+
+def test_replicas_on_gpus_is_one_node_per_gpu_or_a_clear_refusal() -> None:
+    cfg = validate_config({"device": "cuda", "topology": "replicas",
+                           "decode": {"count": 2}, "run_dir": "/run/g"})
+    bp = plan(cfg, fake_inputs(gpus=2))
+    assert [n.cuda_device for n in bp.nodes] == ["0", "1"]
+    assert [_kv(n.argv)["kv_buffer_device"] for n in bp.nodes] == ["cuda", "cuda"]
+    with pytest.raises(ConfigError, match=r"decode.count: 2 nodes need a GPU each but only "
+                                          r"1 GPU\(s\) are free"):
+        plan(cfg, fake_inputs(gpus=1))
+    with pytest.raises(ConfigError, match="decode.count: 3 nodes to pin but only 2 core"):
+        plan(validate_config({"topology": "replicas", "decode": {"count": 3}}), fake_inputs())
+
+
+def test_replicas_on_several_machines_uses_the_decode_hosts() -> None:
+    cfg = validate_config({"topology": "replicas", "bind_host": "0.0.0.0",
+                           "decode": {"count": 2, "hosts": ["10.0.0.12", "10.0.0.13"]},
+                           "router": {"host": "0.0.0.0"}})
+    bp = plan(cfg, fake_inputs())
+    assert [n.url for n in bp.nodes] == ["http://10.0.0.12:8200", "http://10.0.0.13:8201"]
+    assert [n.env["VLLM_NIXL_SIDE_CHANNEL_HOST"] for n in bp.nodes] == [
+        "10.0.0.12", "10.0.0.13"]
+    assert bp.router is not None and bp.router.argv.count("--decode") == 2

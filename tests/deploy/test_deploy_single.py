@@ -70,3 +70,34 @@ def test_kubernetes_auto_keeps_pd() -> None:
     assert "# topology: pd (auto: every node runs in a pod of its own)\n" in text
     assert ("StatefulSet", "kvagent-prefill") in [(o["kind"], o["metadata"]["name"])
                                                   for o in objs]
+
+
+def test_compose_replicas_is_n_nodes_behind_one_router(tmp_path: Path) -> None:
+    text, doc = compose(config(topology="replicas", model="/models/qwen",
+                               decode={"count": 2}), gpus=2)
+    assert "# topology: replicas (set in the config)\n" in text
+    assert list(doc["services"]) == ["decode-0", "decode-1", "router"]
+    ids = [doc["services"][f"decode-{i}"]["deploy"]["resources"]["reservations"]["devices"][0][
+        "device_ids"] for i in range(2)]
+    assert ids == [["0"], ["1"]]
+    router = doc["services"]["router"]
+    assert "--prefill" not in router["command"] and router["command"].count("--decode") == 2
+    assert compose_check(tmp_path, text).returncode == 0
+
+
+def test_kubernetes_replicas_is_one_decode_statefulset_of_n_pods() -> None:
+    text, objs = kubernetes(config(topology="replicas", decode={"count": 3}),
+                            router_replicas=1)
+    assert "# topology: replicas (set in the config)\n" in text
+    kinds = [(o["kind"], o["metadata"]["name"]) for o in objs]
+    assert ("StatefulSet", "kvagent-prefill") not in kinds
+    sts = next(o for o in objs if o["kind"] == "StatefulSet")
+    assert sts["metadata"]["name"] == "kvagent-decode" and sts["spec"]["replicas"] == 3
+    (node,) = sts["spec"]["template"]["spec"]["containers"]
+    kv = json.loads(node["args"][node["args"].index("--kv-transfer-config") + 1])
+    assert kv["kv_role"] == "kv_both"
+    router = next(o for o in objs if o["kind"] == "Deployment")
+    argv = router["spec"]["template"]["spec"]["containers"][0]["args"]
+    decodes = [argv[k + 1] for k, a in enumerate(argv) if a == "--decode"]
+    assert "--prefill" not in argv and len(decodes) == 3
+    assert all(f"kvagent-decode-{i}.kvagent-decode" in decodes[i] for i in range(3))

@@ -28,7 +28,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvagent_server.common.ports import free_port
-from kvagent_server.router.reuse.transfer import EXPECT_KEY, FIRST_TOKEN_KEY, VERIFIED_KEY
+from kvagent_server.router.reuse.transfer import (
+    EXPECT_KEY,
+    FIRST_TOKEN_KEY,
+    RETAIN_KEY,
+    VERIFIED_KEY,
+)
 from kvagent_server.vllm_plugin.pull_check import check_offer
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -431,6 +436,13 @@ class FakeNode:
                     self.cluster.events.append(Event("release", self.engine_id, {"id": rid}))
             params = {k: v for k, v in params.items() if k != "kvagent_release"} or None
         cached = self._local_prefix_hit(prompt)
+        if params and params.get("do_remote_decode") and params.get(RETAIN_KEY):
+            # The kvagent plugin's `d_pull`: pull as a P leg does, decode and retain as D.
+            got = self._pull_offer(params, prompt, cached)
+            if got < 0:
+                return self._error(500, "KV transfer failed (kv_load_failure_policy=fail)")
+            return await self._decode_leg(body, prompt, {"do_remote_decode": False},
+                                          max(cached, got), request_id, chat)
         if params and params.get("do_remote_decode"):
             if self.cluster.prefill_delay_s and await _disconnected_within(
                     request, self.cluster.prefill_delay_s):
@@ -445,6 +457,15 @@ class FakeNode:
         elif cached:
             self.cluster.events.append(Event("prefix_hit", self.engine_id, {"tokens": cached}))
         return await self._decode_leg(body, prompt, params, cached, request_id, chat)
+
+    def _pull_offer(self, params: dict[str, Any], prompt: list[int], cached: int) -> int:
+        """Check an offer's digests as the plugin does (`pull_check`), then pull what it
+        still offers; the tokens pulled (-1: the transfer failed)."""
+        params = dict(params)
+        check_offer(params, prompt, self.cluster.block_size)
+        if not params.get("remote_block_ids"):
+            return 0
+        return self.cluster.pull(self.engine_id, params, prompt, locally_cached=cached)
 
     async def _prefill_leg(self, body: dict[str, Any], prompt: list[int],
                            params: dict[str, Any], cached: int, request_id: str,

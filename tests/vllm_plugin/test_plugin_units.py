@@ -513,6 +513,10 @@ def _retention_scheduler() -> Any:
             params = request.kv_transfer_params
             if not params:
                 return False, None
+            if params.get("do_remote_decode"):  # a P request: leased to a decode node
+                self._reqs_need_send[request.request_id] = time.perf_counter() + 30
+                return True, {"do_remote_prefill": True, "do_remote_decode": False,
+                              "remote_request_id": request.request_id}
             if params.get("do_remote_prefill"):  # a P/D decode leg: already in a batch
                 self._reqs_in_batch.add(request.request_id)
             self._reqs_need_send[request.request_id] = time.perf_counter() + 480
@@ -582,6 +586,24 @@ def test_a_pure_release_frees_as_the_scheduler_adds_it() -> None:
     sched._reqs_need_send.clear()
     sched.on_new_request(_req("c", {"do_remote_prefill": False, "kvagent_release": ["b"]}))
     assert "b" not in sched._reqs_need_send
+
+
+def test_a_node_that_pulled_as_p_and_decoded_retains_as_d_when_asked() -> None:
+    """`d_pull` (replicas): the request pulled a prefix with a P leg's params and decoded
+    the answer; `kvagent_retain` finishes it as a decode node's request, retained for the
+    decode TTL and releasable, not leased to a decode node that never comes."""
+    sched = _retention_scheduler()
+    pull = {"do_remote_decode": True, "remote_block_ids": [[4, 5]], "remote_num_tokens": 32}
+    _, leased = sched.request_finished(_req("p", dict(pull)), ([1],))
+    assert leased is not None and leased["do_remote_prefill"]  # without: a P lease
+    delay, out = sched.request_finished(_req("m", {**pull, "kvagent_retain": True}), ([2],))
+    assert delay and out is not None
+    assert out["do_remote_decode"] and not out["do_remote_prefill"]
+    assert sched._reqs_need_send["m"] > time.perf_counter() + 400  # the decode TTL
+    assert "m" in sched._reqs_in_batch
+    sched._reqs_need_send.clear()
+    sched.on_new_request(_req("r", {"kvagent_release": ["m", "p"]}))
+    assert list(sched._reqs_need_send) == ["m"]  # releasable; the P lease is not
 
 
 def test_release_ids_are_bounded_and_typed() -> None:

@@ -158,7 +158,7 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
     max_len = cfg.max_model_len or inputs.model.default_max_model_len
     block_size = cfg.block_size or DEFAULT_BLOCK_SIZE[device]
     run_dir = cfg.resolved_run_dir()
-    # One node has no placement to inform: no events (and no publisher work) in single.
+    # No P node to place in single and replicas: no events (and no publisher work).
     event_nodes = set(cfg.kv_event_nodes()) if topology == "pd" else set()
     event_ports = cfg.kv_event_ports()
     event_sources: dict[str, dict[str, Any]] = {}
@@ -174,8 +174,9 @@ def plan(cfg: BundleConfig, inputs: PlanInputs) -> BundlePlan:
         engine_id = f"{cfg.name}-{role}-{i}"
         kv_cfg = {
             "kv_connector": "NixlConnector",
-            # single: one node both keeps a finished turn's blocks and computes prompts.
-            "kv_role": ("kv_both" if topology == "single" else
+            # single, replicas: a node both keeps a finished turn's blocks and computes
+            # prompts (a replica also pulls a moved session's blocks from another).
+            "kv_role": ("kv_both" if topology in ("single", "replicas") else
                         "kv_producer" if role == "prefill" else "kv_consumer"),
             "kv_buffer_device": device,
             "engine_id": engine_id,
@@ -493,7 +494,7 @@ def _cpu_binds(cfg: BundleConfig, host: HostFacts, roles: list[tuple[Role, int]]
             f"(available: {format_cpu_list(sorted(available))})")])
     if len(todo) > len(cores):
         raise ConfigError([
-            (f"prefill.count + decode.count: {len(todo)} nodes to pin but only {len(cores)} "
+            (f"{_counts(roles)}: {len(todo)} nodes to pin but only {len(cores)} "
             f"core(s) ({format_cpu_list(cores)}); lower the counts, list more cpu_cores, "
             "give explicit cpu_binds, or set cpu_pinning: false")])
     for key, part in zip(todo, partition_cores(cores, len(todo)), strict=True):
@@ -516,12 +517,18 @@ def _cuda_devices(cfg: BundleConfig, host: HostFacts, roles: list[tuple[Role, in
     if len(todo) > len(free):
         one_each = cfg.prefill.count == cfg.decode.count == 1 and len(roles) == 2
         raise ConfigError([
-            (f"prefill.count + decode.count: {len(todo)} nodes need a GPU each but only "
+            (f"{_counts(roles)}: {len(todo)} nodes need a GPU each but only "
             f"{len(free)} GPU(s) are free (of {host.gpu_count} visible)"
             + ("; topology: single runs one node on one GPU" if one_each else ""))])
     for key, gpu in zip(todo, free, strict=False):
         out[key] = gpu
     return out
+
+
+def _counts(roles: list[tuple[Role, int]]) -> str:
+    """The config keys that set how many nodes `roles` are (for an error)."""
+    return ("decode.count" if all(role == "decode" for role, _ in roles)
+            else "prefill.count + decode.count")
 
 
 def partition_cores(cores: list[int], parts: int) -> list[list[int]]:
@@ -588,6 +595,7 @@ def render_shell(bp: BundlePlan, *, reveal_secrets: bool = False) -> str:
     """Copy-pasteable shell: one command per process, environment inline."""
     n_p = sum(1 for n in bp.nodes if n.role == "prefill")
     nodes = ("one node" if bp.topology == "single" else
+             f"{len(bp.nodes)} replica nodes" if bp.topology == "replicas" else
              f"{n_p} prefill + {len(bp.nodes) - n_p} decode node(s)")
     lines = [
         "#!/bin/sh",

@@ -4,7 +4,9 @@ Pure functions of a `BundleConfig` and `HostFacts`, so the rule is tested direct
 `up`, `render` and the demo print the same choice with the same reason. The rule, in
 order (docs/server.md, "Topology"):
 
-1. `topology: pd` or `single` in the config wins.
+1. `topology: pd`, `single` or `replicas` in the config wins (`auto` never picks
+   `replicas`: whether sessions moving between nodes pays depends on the load, which the
+   host's facts do not tell).
 2. The config asks for more than one node of a role, or places prefill nodes
    (`prefill.hosts`, `cuda_devices`, `cpu_binds`): `pd`, which is what it describes.
 3. cuda with a GPU for every node (prefill.count + decode.count): `pd`.
@@ -80,11 +82,13 @@ def resolve_topology(cfg: BundleConfig, host: HostFacts) -> TopologyChoice:
 
 def ignored_settings(cfg: BundleConfig, topology: Topology) -> list[str]:
     """One note per setting the config gives that `topology` does not use (to print)."""
-    if topology != "single":
+    if topology == "pd":
         return []
+    nodes = ("runs one node, from decode" if topology == "single"
+             else "runs decode.count nodes, from decode")
     notes = []
     if "prefill" in cfg.model_fields_set:
-        notes.append("prefill: ignored (topology single runs one node, from decode)")
+        notes.append(f"prefill: ignored (topology {topology} {nodes})")
     if cfg.kv_events.enabled and "kv_events" in cfg.model_fields_set:
-        notes.append("kv_events: unused (topology single has no prefill node to place)")
+        notes.append(f"kv_events: unused (topology {topology} has no prefill node to place)")
     return notes

@@ -12,9 +12,11 @@ Role = Literal["prefill", "decode"]
 ROLES: tuple[Role, Role] = ("prefill", "decode")
 
 #: How the bundle lays out its engines: `pd`, prefill and decode nodes with NIXL between them;
-#: `single`, one node (rendered from the decode role) that serves every turn itself.
-Topology = Literal["pd", "single"]
-TOPOLOGIES: tuple[Topology, Topology] = ("pd", "single")
+#: `single`, one node (rendered from the decode role) that serves every turn itself;
+#: `replicas`, several such nodes, each session on one of them, its KV following it over
+#: NIXL when it moves.
+Topology = Literal["pd", "single", "replicas"]
+TOPOLOGIES: tuple[Topology, ...] = ("pd", "single", "replicas")
 
 #: Where a node runs: vLLM's CPU backend or a CUDA GPU.
 Device = Literal["cpu", "cuda"]

@@ -116,8 +116,8 @@ class KVEventsConfig(BaseModel):
         default=True,
         description="Nodes publish KV cache events (`--kv-events-config`) and the router "
         "subscribes: a fresh prompt goes to the P node that holds its prefix in any tier, "
-        "weighed against load (docs/tiers.md). Unused in topology single: one node, "
-        "nothing to place.")
+        "weighed against load (docs/tiers.md). Unused in topologies single and replicas: "
+        "no prefill node to place.")
     transport: Literal["auto", "ipc", "tcp"] = Field(
         default="auto",
         description="`ipc`: a socket file in run_dir (nodes and router on one machine). "
@@ -159,7 +159,7 @@ def _decode_default() -> RoleConfig:
 
 #: What `topology: auto` resolves to, and why, is decided with the host's facts:
 #: `bundle.topology.resolve_topology` (docs/server.md, "Topology").
-TopologySetting = Literal["auto", "pd", "single"]
+TopologySetting = Literal["auto", "pd", "single", "replicas"]
 
 
 class BundleConfig(BaseModel):
@@ -207,6 +207,9 @@ class BundleConfig(BaseModel):
         description="`pd`: prefill and decode nodes with NIXL KV transfer between them. "
         "`single`: one node (the `decode` section, decode.count 1) serves every turn, "
         "keeping a finished turn's KV for the next; the `prefill` section is ignored. "
+        "`replicas`: decode.count (at least 2) such nodes, each session served by one and "
+        "moved to another when its node is busy, its KV pulled over NIXL from the node that "
+        "holds it; the `prefill` section is ignored. `auto` never picks it. "
         "`auto`: `pd` when the config asks for more than one node of a role or places "
         "prefill nodes (prefill.hosts, cuda_devices, cpu_binds), or on cuda with a GPU per "
         "node; otherwise `single` (one GPU, or a CPU machine, where P/D would split one "
@@ -214,10 +217,11 @@ class BundleConfig(BaseModel):
     )
     prefill: RoleConfig = Field(
         default_factory=_prefill_default,
-        description="Prefill nodes (topology pd; ignored in single).")
+        description="Prefill nodes (topology pd; ignored in single and replicas).")
     decode: RoleConfig = Field(
         default_factory=_decode_default,
-        description="Decode nodes; in topology single, the one node.")
+        description="Decode nodes; in topology single, the one node; in replicas, the "
+        "symmetric nodes.")
     kv_cache_gib: int = Field(
         default=2, ge=1,
         description="KV cache size per node in GiB (VLLM_CPU_KVCACHE_SPACE on CPU, "
@@ -347,6 +351,11 @@ class BundleConfig(BaseModel):
             problems.append(
                 f"decode.count: topology single runs exactly one node (got "
                 f"{self.decode.count}); set decode.count: 1, or topology: pd for several")
+        if self.topology == "replicas" and self.decode.count < 2:
+            problems.append(
+                f"decode.count: topology replicas runs at least two nodes (got "
+                f"{self.decode.count}); set decode.count: 2 or more, or topology: single "
+                "for one")
         if problems:
             raise ValueError("\n".join(problems))
         problems += _port_clashes(self)
@@ -392,9 +401,9 @@ class BundleConfig(BaseModel):
     # ----------------------------------------------------------------- derived values
 
     def roles_of(self, topology: Topology | Literal["auto"]) -> tuple[Role, ...]:
-        """The roles whose nodes may run in `topology` (single: the decode role's one node;
-        `auto`, not yet resolved against a host: both)."""
-        return ("decode",) if topology == "single" else ROLES
+        """The roles whose nodes may run in `topology` (single and replicas: the decode
+        role's nodes; `auto`, not yet resolved against a host: both)."""
+        return ("decode",) if topology in ("single", "replicas") else ROLES
 
     def role(self, role: Role) -> RoleConfig:
         return self.prefill if role == "prefill" else self.decode
@@ -421,7 +430,8 @@ class BundleConfig(BaseModel):
     def kv_event_nodes(self) -> list[tuple[Role, int]]:
         """The nodes that publish KV events, in port order (prefill first)."""
         ev = self.kv_events
-        if not ev.enabled or self.topology == "single":  # one node: no placement to inform
+        # Events inform P placement: single and replicas have no prefill node to place.
+        if not ev.enabled or self.topology in ("single", "replicas"):
             return []
         return [(role, i) for role in ROLES if role in ev.roles
                 and self.role(role).prefix_caching for i in range(self.role(role).count)]

@@ -1,5 +1,6 @@
 """Kubernetes manifests for the bundle: P and D StatefulSets (topology single: one decode
-StatefulSet of one pod), router Deployment, Redis.
+StatefulSet of one pod; replicas: one decode StatefulSet of decode.count pods), router
+Deployment, Redis.
 
 Nodes are StatefulSets behind headless Services, so every node has a stable DNS name the
 router can list (`<release>-prefill-0.<release>-prefill.<ns>.svc.cluster.local`); NIXL's

@@ -4,9 +4,12 @@
         --decode http://127.0.0.1:8200 --model demo --settings router.json
 
 Without `--prefill`, one `--decode` node serves every turn (the `single` topology,
-docs/router.md "Topologies"):
+docs/router.md "Topologies"), or several serve the sessions between them, each session's
+KV following it when it moves (the `replicas` topology):
 
     python -m kvagent_server.router --decode http://127.0.0.1:8200 --settings router.json
+    python -m kvagent_server.router --decode http://127.0.0.1:8200 \
+        --decode http://127.0.0.1:8201 --settings router.json
 
 Binds 127.0.0.1 unless told otherwise; `--host`/`--port` override the settings file.
 """
@@ -28,12 +31,13 @@ log = logging.getLogger("kvagent.router")
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m kvagent_server.router",
                                 description="kvagent router: KV-reusing front for vLLM nodes "
-                                            "(prefill/decode, or one decode node alone).")
+                                            "(prefill/decode, one decode node alone, or "
+                                            "several as replicas).")
     p.add_argument("--host", help="bind address (default: settings, else 127.0.0.1)")
     p.add_argument("--port", type=int, help="bind port (default: settings, else 8000)")
     p.add_argument("--prefill", action="append", default=[], metavar="URL",
-                   help="a prefill node's root URL (repeat for several; none: the one "
-                        "decode node serves every turn, the single topology)")
+                   help="a prefill node's root URL (repeat for several; none: the decode "
+                        "nodes serve every turn, the single or replicas topology)")
     p.add_argument("--decode", action="append", required=True, metavar="URL",
                    help="a decode node's root URL (repeat for several)")
     p.add_argument("--model", help="served model name (default: asked from the nodes)")

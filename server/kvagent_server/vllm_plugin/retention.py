@@ -32,6 +32,17 @@ any queue or allocation: a waiting request ahead of it could otherwise hold it b
 the worker frees them on the next step, scheduled tokens or not. A release riding on a real request (a `d_direct` turn
 naming the handle it supersedes) still waits for that request to finish: the request
 reuses those very blocks through D's prefix cache.
+
+**A node that pulls as P and decodes as D (`kvagent_retain`).** On symmetric nodes
+(`kv_both`, the `replicas` topology) a session that moves to another node takes its KV
+along: the new node's request carries a P leg's pull params (`do_remote_decode` with the
+holder's `remote_*`), which vLLM's pull scheduler honours whatever the node's role, then
+decodes the whole answer. vLLM would finish it as a P request: its blocks leased for
+`kv_lease_duration` to a decode node that never comes, then freed while the router's
+handle still names them (a later pull would read reused blocks). With `kvagent_retain`
+in its params, the request is finished as a decode node's instead (`do_remote_decode`
+cleared once its pull is scheduled): retained for `decoder_kv_blocks_ttl`, releasable,
+with the params a later pull or release names.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ from kvagent_server.router.reuse.transfer import (
     DO_REMOTE_DECODE,
     MAX_RELEASES_PER_REQUEST,
     RELEASE_KEY,
+    RETAIN_KEY,
 )
 from kvagent_server.vllm_plugin.wrapped import is_wrapped, mark_wrapped
 
@@ -74,6 +86,13 @@ def release_ids(params: dict[str, Any] | None) -> list[str]:
 def release_only(params: dict[str, Any] | None) -> bool:
     """A request that exists only to carry releases: its own blocks are not retained."""
     return params is not None and set(params) == {RELEASE_KEY}
+
+
+def retain_as_decode(params: dict[str, Any] | None) -> None:
+    """A request that pulled as P and decoded (`RETAIN_KEY`) finishes as a decode node's:
+    clear `do_remote_decode` (in place) once its pull is behind it."""
+    if params and params.get(RETAIN_KEY) and params.get(DO_REMOTE_DECODE):
+        params[DO_REMOTE_DECODE] = False
 
 
 def is_decode_retention(delay_free: bool, out: dict[str, Any] | None) -> bool:
@@ -140,7 +159,9 @@ def patch_module(module: ModuleType) -> bool:
 
     @functools.wraps(original)
     def request_finished(self: Any, request: Any, block_ids: Any) -> Any:
-        releases = release_ids(getattr(request, "kv_transfer_params", None))
+        params = getattr(request, "kv_transfer_params", None)
+        releases = release_ids(params)
+        retain_as_decode(params)
         delay_free, out = original(self, request, block_ids)
         if not getattr(self, "is_bidirectional_kv_xfer_enabled", False):
             return delay_free, out

@@ -208,10 +208,12 @@ async def test_the_command_line_runs_single_without_prefill(tmp_path: Any) -> No
         finally:
             proc.terminate()
             await asyncio.wait_for(proc.wait(), 10)
-        # Several decode nodes with no prefill node, or a policy that needs P: refused.
+        # A policy that needs P, with one decode node or several (replicas): refused.
         settings = tmp_path / "router.json"
         settings.write_text('{"router": {"path_policy": "pd_reuse"}}')
-        for args, says in ((["--decode", d_url, "--decode", d2_url], b"several decode nodes"),
+        for args, says in ((["--decode", d_url, "--decode", d2_url, "--settings",
+                             str(settings)], (b"'pd_reuse' needs a prefill node; the router "
+                                             b"serves the replicas topology")),
                            (["--decode", d_url, "--settings", str(settings)],
                             b"'pd_reuse' needs a prefill node")):
             proc = await asyncio.create_subprocess_exec(

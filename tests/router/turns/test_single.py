@@ -22,8 +22,7 @@ SINGLE = policy.SinglePolicy(policy_params.ReuseParams())
 def test_no_prefill_node_and_one_decode_node_is_single() -> None:
     assert topology_of([], ["http://d"]) == "single"
     assert topology_of(["http://p"], ["http://d", "http://d2"]) == "pd"
-    with pytest.raises(ValueError, match="several decode nodes with no prefill node"):
-        topology_of([], ["http://d", "http://d2"])
+    assert topology_of([], ["http://d", "http://d2"]) == "replicas"
     with pytest.raises(ValueError, match="needs a decode node"):
         topology_of(["http://p"], [])
 

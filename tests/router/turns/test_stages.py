@@ -124,8 +124,8 @@ D_CHEAP = PathCosts(prefill=LinearCost(fixed_s=0.1, per_token_s=1e-3),
 # ------------------------------------------------------------------ decide (pure)
 
 
-#: The policies of a router with prefill nodes (`single` has tests of its own:
-#: tests/router/turns/test_single.py).
+#: The policies of a router with prefill nodes (`single` and `replicas` have tests of
+#: their own: tests/router/turns/test_single.py, test_replicas.py).
 PD_POLICIES = ("cost_model", "pd_reuse", "d_direct")
 
 
@@ -141,7 +141,7 @@ def test_policies_differ_only_in_where_the_delta_is_computed() -> None:
     paths = {name: factory(RouterSettings()).decide(facts).path
              for name, factory in policy.POLICIES.items()}
     assert paths == {"cost_model": "d_direct", "pd_reuse": "pd_reuse", "d_direct": "d_direct",
-                     "single": "d_direct"}
+                     "single": "d_direct", "replicas": "d_direct"}
     # D not holding the prefix: no P/D policy computes it there
     far = dataclasses.replace(facts, d_holds=False)
     assert {policy.POLICIES[n](RouterSettings()).decide(far).path
@@ -158,7 +158,8 @@ def test_a_diverged_prompt_recomputes_under_every_policy() -> None:
     facts = _facts(prompt_ids=tuple(range(9000, 9160)))
     for name, factory in policy.POLICIES.items():
         plan = factory(RouterSettings()).decide(facts)
-        path = "d_fresh" if name == "single" else "recompute"  # with no P, D recomputes
+        # with no P, D recomputes
+        path = "d_fresh" if name in ("single", "replicas") else "recompute"
         assert (plan.path, plan.reuse.reason) == (path, planner.Reason.DIVERGED_AT_0)
 
 
@@ -190,7 +191,7 @@ def test_a_failed_tokenize_recomputes() -> None:
 
 def test_policies_are_found_by_name_and_unknown_names_fail_clearly() -> None:
     assert policy.policy_for(RouterSettings(policy={"name": "pd_reuse"})).name == "pd_reuse"
-    with pytest.raises(ValueError, match="known: cost_model, d_direct, pd_reuse, single"):
+    with pytest.raises(ValueError, match="known: cost_model, d_direct, pd_reuse, replicas, single"):
         policy.policy_for(RouterSettings(policy={"name": "fastest"}))
     with pytest.raises(ValueError, match="already registered"):
         policy.register("cost_model", policy_params.PolicyParams,

@@ -5,8 +5,10 @@ A node's *epoch* names its incarnation: the node's process start time (from its
 each time the node comes back after being unhealthy. KV blocks retained in an earlier
 epoch may be gone, so a handle recorded under another epoch is recomputed, not pulled.
 
-The nodes given make the router's *topology*: `pd` (prefill and decode nodes) or
-`single` (one decode node and no prefill node: it computes every prompt itself).
+The nodes given make the router's *topology*: `pd` (prefill and decode nodes),
+`single` (one decode node and no prefill node: it computes every prompt itself) or
+`replicas` (several decode nodes and no prefill node: each computes the prompts of the
+sessions it serves, and a session that moves takes its KV along).
 """
 
 from __future__ import annotations
@@ -34,11 +36,7 @@ def topology_of(prefill: Sequence[str], decode: Sequence[str]) -> Topology:
         raise ValueError("the router needs a decode node (--decode URL)")
     if prefill:
         return "pd"
-    if len(decode) > 1:
-        raise ValueError(f"several decode nodes with no prefill node ({len(decode)}: "
-                         f"{', '.join(decode)}) are not supported yet: give one --decode "
-                         "URL (the single topology) or add --prefill nodes (P/D)")
-    return "single"
+    return "replicas" if len(decode) > 1 else "single"
 
 
 @dataclass
@@ -93,7 +91,7 @@ class Node:
 class NodeRegistry:
     """All P and D nodes; a background task probes `/health` every `interval_s`.
 
-    No prefill node and one decode node is the `single` topology (`topology_of`). `ledger`
+    No prefill node is the `single` or `replicas` topology (`topology_of`). `ledger`
     holds the legs in flight on every node: the one count of them the router keeps."""
 
     def __init__(self, prefill: list[str], decode: list[str], *, interval_s: float = 2.0,
@@ -127,7 +125,13 @@ class NodeRegistry:
     def ready(self) -> bool:
         """At least one healthy D, and one healthy P unless the topology has none."""
         return bool(self.healthy("decode")) and (
-            self.topology == "single" or bool(self.healthy("prefill")))
+            not self.has_prefill or bool(self.healthy("prefill")))
+
+    @property
+    def has_prefill(self) -> bool:
+        """The topology has prefill nodes (`pd`); without (`single`, `replicas`) the
+        decode nodes compute every prompt."""
+        return self.topology == "pd"
 
     def in_flight(self, node: Node) -> int:
         """Legs in flight on `node`, from the ledger."""

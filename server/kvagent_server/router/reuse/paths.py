@@ -19,7 +19,8 @@ from kvagent_server.router.reuse.spill import TierReuse
 
 #: How a turn was served (`kvagent.path` on the wire; the same names as
 #: `kvagent.protocol.PATHS` and the path table in docs/router.md).
-Path = Literal["pd_fresh", "pd_reuse", "d_direct", "d_fresh", "recompute", "decode_only"]
+Path = Literal["pd_fresh", "pd_reuse", "d_direct", "d_fresh", "d_pull", "recompute",
+              "decode_only"]
 
 #: The paths whose prompt the decode node computes itself (no P leg): they are priced,
 #: learned and stall D's streams alike.

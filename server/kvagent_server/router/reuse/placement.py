@@ -25,7 +25,7 @@ from kvagent_server.router.kv.tiers import NodeTierHits, TierCosts, rank_nodes
 PrefillReason = Literal["least_loaded", "tier_hit", "tier_miss", "no_healthy_node"]
 DecodeReason = Literal[
     "affinity", "least_loaded", "affinity_unknown", "affinity_unhealthy",
-    "affinity_overloaded", "no_healthy_node",
+    "affinity_overloaded", "affinity_busy", "no_healthy_node",
 ]
 
 

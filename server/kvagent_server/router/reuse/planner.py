@@ -52,6 +52,9 @@ class Reason(StrEnum):
     #: The decode node had no KV room while turns waited, and the handle was released
     #: to make some (`nodes.admission`): the prompt is recomputed.
     NO_ROOM = "no_kv_room"
+    #: The session moved off the busy node holding its KV (the `replicas` topology) and the
+    #: new node computes the prompt (detail: why it moved).
+    MOVED = "moved"
     #: A request P/D cannot split (see `decode_only`).
     UNSUPPORTED_SHAPE = "unsupported_shape"
     #: The KV was made for another model/adapter or salt (detail `model`, `salt`), or its

@@ -11,6 +11,9 @@ continues from it. `kvagent_release`
 is kvagent's own key, honoured by the vLLM plugin (`vllm_plugin.retention`): the decode
 node frees the retained sequences it names. `kvagent_expect` (also the plugin's) names, per offered block, a
 digest of its tokens: P pulls only the leading blocks its own prompt repeats.
+`kvagent_retain` (the plugin's) makes a node that pulled a prefix as P does also decode
+the answer and keep the finished sequence as a decode node does (`d_pull`: a session
+moving between replicas takes its KV along).
 
 How the P leg consumes the rewritten params of a reuse (vLLM 0.32 NixlConnector, pull
 mode): `do_remote_decode=True` with `remote_block_ids`/`remote_engine_id`/
@@ -60,6 +63,13 @@ PROMPT_IDS_KEY: Final = "prompt_token_ids"
 #: one step less before the first token and per answer. D ignores it where its own
 #: request could not have sampled that token the same way (logprobs, seeds, grammars...).
 FIRST_TOKEN_KEY: Final = "kvagent_first_token"
+
+#: In a leg's params that pull a prefix as a P leg does (`do_remote_decode` with a
+#: holder's `remote_*`): the node decodes the answer itself and, when it finishes, keeps
+#: the sequence for the next turn as a decode node does (decode TTL, releasable, params
+#: a later pull can use) instead of leasing it to a decode node that never comes
+#: (kvagent's vLLM plugin, `vllm_plugin.retention`).
+RETAIN_KEY: Final = "kvagent_retain"
 
 #: Request ids of retained decode-side sequences to free now (kvagent's vLLM plugin).
 RELEASE_KEY: Final = "kvagent_release"
@@ -203,6 +213,8 @@ def retained_tokens(handle: Handle) -> int | None:
     n = params.get(REMOTE_NUM_TOKENS)
     if not isinstance(n, int) or isinstance(n, bool) or n < 0:
         return None
+    if params.get(DO_REMOTE_PREFILL):
+        return None  # blocks leased to a decode node (a P answer), not retained for turns
     parsed = _block_groups(params)
     if parsed is None:
         return None
@@ -265,6 +277,14 @@ def shifted_blocks(params: dict[str, Any]) -> dict[str, Any]:
         shifted.append([g[max(0, i - k)] for i in range(len(g))])
     out[REMOTE_BLOCK_IDS] = shifted[0] if flat else shifted
     return out
+
+
+def pull_and_retain_params(handle: Handle, reuse_tokens: int) -> dict[str, Any]:
+    """A decode leg's params that pull the first `reuse_tokens` tokens' blocks from the
+    node holding `handle` (as `reuse_transfer_params`, digests included), then decode and
+    retain the finished sequence on the pulling node (`RETAIN_KEY`). The holder frees its
+    blocks once read, as it does for a P pull."""
+    return {**reuse_transfer_params(handle, reuse_tokens), RETAIN_KEY: True}
 
 
 def release_transfer_params(handle: Handle) -> dict[str, Any]:

@@ -96,7 +96,8 @@ class RouterSettings(BaseModel):
         description="What the router tells its nodes beyond the OpenAI API (below).")
     test_shift_blocks_header: bool = Field(default=False,
         description="Test-only negative control: honour the `X-Kvagent-Test-Shift-Blocks` "
-        "header, which hands P D's reusable blocks shifted by half their number (wrong KV on purpose), so "
+        "header, which hands P D's reusable blocks (a `d_pull` leg the holder's) shifted by "
+        "half their number (wrong KV on purpose), so "
         "the suite can prove that its greedy-equality check catches wrong blocks. Never on in "
         "service.")
 

@@ -219,9 +219,11 @@ class PathPolicySettings(BaseModel):
         description="`cost_model` (the learned per-path costs and each node's queue), "
         "`pd_reuse` (P computes every prompt and pulls a verified prefix from D), "
         "`d_direct` (the decode node holding a conversation extends its later turns "
-        "itself), `single` (never P: what a router with no prefill node runs in place "
-        "of `cost_model`), or one registered by a plugin. Every policy reuses only "
-        "verified prefixes.")
+        "itself), `single` (never P: what a router with one decode node and no prefill "
+        "node runs in place of `cost_model`), `replicas` (`single` on several decode "
+        "nodes, a busy node's sessions moving with their KV: what a router with several "
+        "and no prefill node runs in its place), or one registered by a plugin. Every "
+        "policy reuses only verified prefixes.")
     params: dict[str, Any] = Field(default_factory=dict,
         description="The policy's parameters, checked against its own model at start-up "
         "(below, by policy; docs/router.md, \"Choosing the path\"). A parameter left out "

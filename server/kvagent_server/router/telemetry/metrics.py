@@ -96,7 +96,8 @@ class RouterMetrics:
         self.decode_placements = Counter(
             "kvagent_router_decode_placements",
             "D-node choices by reason (affinity, least_loaded, affinity_unknown, "
-            "affinity_unhealthy, affinity_overloaded, no_healthy_node).", ["reason"], registry=r)
+            "affinity_unhealthy, affinity_overloaded, affinity_busy, no_healthy_node).",
+            ["reason"], registry=r)
         self.spills = Counter(
             "kvagent_router_spills",
             "Given-up handles recorded as spilled to their decode node's KV tiers "

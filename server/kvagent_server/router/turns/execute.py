@@ -1,11 +1,13 @@
 """Execute: run a plan's legs and open the decode leg the client's answer comes from.
 
-`d_direct` and `d_fresh` are one leg on a decode node; the P/D paths run the P leg, then
-the D leg with P's params (P's blocks are released if D never comes); `decode_only`
-sends the request whole to a decode node. A leg that fails before its first byte falls
-back as `TurnPlan.after_decode_failure` says; a pull P could not make is a recompute.
-With no prefill node (the `single` topology) a recompute is a `d_fresh` leg: no turn
-ever needs P there.
+`d_direct`, `d_fresh` and `d_pull` are one leg on a decode node; the P/D paths run the
+P leg, then the D leg with P's params (P's blocks are released if D never comes);
+`decode_only` sends the request whole to a decode node. A leg that fails before its
+first byte falls back as `TurnPlan.after_decode_failure` says; a pull P could not make
+is a recompute. With no prefill node (the `single` and `replicas` topologies) a
+recompute is a `d_fresh` leg: no turn ever needs P there. A turn whose prompt a node
+computes while another node holds the handle it claimed (a session that moved) has that
+node release it (`_release_elsewhere`).
 
 Every leg carries the transfer params the plan chose (`TurnPlan.prefill_params`,
 `decode_params`); execute chooses nothing of its own beyond the fallbacks the plan
@@ -49,7 +51,7 @@ async def execute(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
     _record_decision(r, facts, plan)
     if plan.path == "decode_only":
         return await _whole_on_decode(r, facts, plan, started)
-    if plan.path in paths.ON_DECODE:
+    if plan.path in _ONE_LEG:
         try:
             turn = await _run_on_decode(r, facts, plan, started)
         except NoRoom:
@@ -57,7 +59,7 @@ async def execute(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
         except LegError as exc:
             if exc.status < 500:
                 raise
-            failed = plan.d_first if plan.path == "d_fresh" else plan.holder
+            failed = plan.holder if plan.path == "d_direct" else plan.d_first
             log.info("%s on %s failed; %s", plan.path,
                      failed.name if failed else "no decode node",
                      "P computes the prompt" if plan.path == "d_fresh" else "recomputing")
@@ -71,6 +73,10 @@ async def execute(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
         if _no_prefill(r):  # recompute on D: the one decode node computes the prompt
             return await _recompute_on_decode(r, facts, plan, started)
     return await _run_pd(r, facts, plan, started)
+
+
+#: The paths served by one leg on a decode node, which computes the prompt (or its delta).
+_ONE_LEG = paths.ON_DECODE | {"d_pull"}
 
 
 def _record_decision(r: Router, facts: TurnFacts, plan: TurnPlan) -> None:
@@ -95,15 +101,15 @@ def _record_decision(r: Router, facts: TurnFacts, plan: TurnPlan) -> None:
 
 
 def _no_prefill(r: Router) -> bool:
-    return r.registry.topology == "single"
+    return not r.registry.has_prefill
 
 
 async def _recompute_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
                                started: float) -> Turn:
-    """A `d_direct` turn whose reuse fell through (D failed it, or gave its handle up for
-    room) where there is no P: D computes the prompt whole (`d_fresh`, keeping why the
-    reuse did not happen)."""
-    fresh = dataclasses.replace(plan, path="d_fresh", holder=None,
+    """A `d_direct` or `d_pull` turn whose reuse fell through (D failed it, or gave its
+    handle up for room) where there is no P: a decode node computes the prompt whole
+    (`d_fresh`, keeping why the reuse did not happen), one that did not fail first."""
+    fresh = dataclasses.replace(plan, path="d_fresh",
                                 est_tokens=plan.prompt_len or plan.est_tokens)
     turn = await _run_on_decode(r, facts, fresh, started)
     assert turn is not None  # a d_fresh leg pins no handle, so none is revoked
@@ -148,7 +154,8 @@ async def _run_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
                          started: float) -> Turn | None:
     """The one leg of a turn whose prompt D computes: `d_direct` on the node holding the
     handle (D's prefix cache has the reused prefix), `d_fresh` on the chosen decode node
-    (any healthy one on a retry). D keeps the finished sequence for the next turn.
+    (any healthy one on a retry), `d_pull` on the node the session moved to (it pulls the
+    prefix from the holder first). D keeps the finished sequence for the next turn.
 
     None: the handle was given up, while the turn waited for room, to make room for
     another (it recomputes)."""
@@ -160,7 +167,10 @@ async def _run_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
         pinned = plan.handle
     else:
         nodes = r.registry.ranked("decode", _healthy(plan.d_first))
+        nodes.sort(key=lambda n: n.name in plan.d_failed)  # stable: failed ones last
         tokens, pinned = plan.est_tokens, None
+        if plan.path == "d_pull":
+            tokens = plan.prompt_len - plan.reuse.reuse_tokens
     target = nodes[0] if nodes else None
     # D frees the handle the turn supersedes or does not reuse when this request ends
     params = plan.decode_params(target)
@@ -174,15 +184,34 @@ async def _run_on_decode(r: Router, facts: TurnFacts, plan: TurnPlan,
         if admitted is not None and admitted.revoked:
             _close(r, leg)
             return None
-        start = await _send_decode(r, req, nodes, decode_body(req.body, params), leg)
+        body = decode_body(req.body, params)
+        if plan.path == "d_pull" and plan.legs.shift_blocks:
+            body["cache_salt"] = f"shifted-{uuid.uuid4().hex}"  # as `_run_pd` does
+        start = await _send_decode(r, req, nodes, body, leg)
     except BaseException:
         _close(r, leg)
         raise
     r.metrics.leg_latency.labels(leg="decode").observe(start.elapsed_s)
+    if plan.path == "d_fresh":
+        _release_elsewhere(r, plan, start.node)
     turn = Turn(r.ledger, facts, plan, None, start, started, leg=leg)
     if plan.d_work is not None:
         turn.ahead = paths.tokens_ahead(plan.path, plan.d_work)
     return turn
+
+
+def _release_elsewhere(r: Router, plan: TurnPlan, served: Node) -> None:
+    """A turn computed on `served` while the handle it claimed and does not reuse is held
+    by another node (its session moved, or a pull failed): that node frees the blocks at
+    the retention guard's next round (without the guard they stay until the TTL). Its
+    own node frees them through the leg's params instead (`TurnPlan.decode_params`)."""
+    handle, holder = plan.handle, plan.holder
+    if (handle is None or holder is None or holder is served or r.retention is None
+            or not plan.legs.release_unused):
+        return
+    rid = remote_request_id(handle)
+    if rid is not None:
+        r.retention.queue.add(holder.name, [rid])
 
 
 async def _run_pd(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -> Turn:

@@ -9,8 +9,8 @@ in flight (decide places the turn), and snapshots what earlier turns taught
 The prompt's token ids are gathered when decide asks for them (`with_prompt_ids`: a
 reuse to verify, whose path depends on the real tokens), or along the way when a content
 lookup or the tier lookup needed them; a turn is tokenized at most once. The prompt is
-tokenized by the least loaded P node, or, with no prefill node (the `single` topology),
-by the decode node: vLLM serves `/tokenize` on either.
+tokenized by the least loaded P node, or, with no prefill node (the `single` and
+`replicas` topologies), by the least loaded decode node: vLLM serves `/tokenize` on either.
 """
 
 from __future__ import annotations
@@ -133,8 +133,8 @@ def _spill_reach(r: Router, facts: TurnFacts, ids: list[int]) -> Spilled | None:
 
 def _tokenizer(r: Router) -> Node | None:
     """The node that tokenizes the turn's prompt: the least loaded healthy P node, or with
-    no prefill node (`single`) the least loaded decode node."""
-    if r.registry.topology != "single":
+    no prefill node (`single`, `replicas`) the least loaded decode node."""
+    if r.registry.has_prefill:
         picked = placement.pick_prefill(r.registry.states())
         return r.registry.get(picked.node_id) if picked is not None else None
     ranked = r.registry.ranked("decode")
@@ -163,7 +163,7 @@ async def _tier_facts(r: Router, req: TurnRequest, tokenizer: Node | None,
     prompt's prefix (`nodes.tier_placement`), when matching can change the P choice; the
     prompt is tokenized for it unless a content lookup already did. None: not looked up."""
     if (holder is not None or r.tiers is None or tokenizer is None
-            or r.registry.topology == "single"):
+            or not r.registry.has_prefill):
         return None
     states = r.registry.states()
     if not r.tiers.wants(states):

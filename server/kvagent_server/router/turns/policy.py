@@ -18,6 +18,9 @@ switches:
 - `single`: no P leg ever; the decode node computes every prompt, extending a verified
   prefix it holds (`d_direct`) or computing the prompt whole (`d_fresh`). The policy of
   the `single` topology (no prefill node), chosen by `policy_for`.
+- `replicas`: `single` on several symmetric nodes (the `replicas` topology): a session
+  stays on the node holding its KV unless that node is busy, and then moves, its KV
+  pulled along (`d_pull`; `turns.replicas`).
 
 Whatever the policy, only a verified prefix is ever reused: `planner.plan_reuse` decides
 how much, the policy only where it is computed.
@@ -40,7 +43,12 @@ from kvagent_server.common.types import Topology
 from kvagent_server.router.reuse import identity, paths, placement, planner
 from kvagent_server.router.reuse.queue import IDLE
 from kvagent_server.router.settings import RouterSettings
-from kvagent_server.router.turns import tier_path
+from kvagent_server.router.turns import replicas, tier_path
+from kvagent_server.router.turns.leg_choices import (  # noqa: F401 (the policy's API)
+    forwards_first_token,
+    forwards_prompt_ids,
+    leg_choices,
+)
 from kvagent_server.router.turns.policy_params import (
     CostModelParams,
     CostParams,
@@ -49,15 +57,15 @@ from kvagent_server.router.turns.policy_params import (
     PathPolicy,
     PolicyParams,
     Registered,
+    ReplicasParams,
     ReuseParams,
     Shared,
 )
 from kvagent_server.router.turns.shapes import (
     NEED_PROMPT_IDS,
-    LegChoices,
+    LegChoices,  # noqa: F401 (with `leg_choices`, what a plan's legs carry)
     TurnFacts,
     TurnPlan,
-    TurnRequest,
 )
 
 #: The path policy a router runs unless `router.policy.name` names another.
@@ -65,44 +73,6 @@ DEFAULT = "cost_model"
 #: Turns whose prompt tokens per message byte were learned before a turn may estimate its
 #: delta from its messages' size (and skip `/tokenize`).
 MIN_RATIO_SAMPLES = 3
-
-#: Bytes of JSON per prompt token id in P's answer, at most ("151935," is 7).
-_ID_JSON_BYTES = 8
-#: Tokens a chat template may add beyond the text of the body it renders.
-_TEMPLATE_TOKENS = 4096
-
-
-def forwards_prompt_ids(params: LegParams, req: TurnRequest) -> bool:
-    """Whether a turn's D leg takes P's prompt token ids (`forward_prompt_ids`): chat
-    requests only, and not where vLLM renders the messages anyway (media, `echo`).
-
-    The ids make P's answer larger, and an answer over `max_upstream_body_bytes` would
-    leave P's blocks leased with nobody told where they are; so they are asked for only
-    when even one token per byte of the body (a bound: a token covers at least one byte
-    of the text it encodes) keeps them within half the cap."""
-    if not (params.forward_prompt_ids and req.chat and not req.body.get("echo")
-            and not identity.media_parts(req.body)):
-        return False
-    tokens_at_most = req.body_chars + _TEMPLATE_TOKENS
-    return tokens_at_most * _ID_JSON_BYTES <= params.max_upstream_body_bytes // 2
-
-
-def forwards_first_token(params: LegParams, req: TurnRequest) -> bool:
-    """Whether a turn's D leg may take P's token (`forward_first_token`): not for `n` > 1,
-    whose samples vLLM draws as separate requests that would all start with it."""
-    return params.forward_first_token and req.body.get("n") in (None, 1)
-
-
-def leg_choices(facts: TurnFacts, params: LegParams) -> LegChoices:
-    """How this turn's legs carry their transfer params (`TurnPlan.prefill_params`,
-    `TurnPlan.decode_params`, and what D takes from P's answer)."""
-    req = facts.req
-    return LegChoices(release_unused=params.release_unused,
-                      shift_blocks=params.shift_blocks and req.shift_blocks,
-                      forward_prompt_ids=forwards_prompt_ids(params, req),
-                      forward_first_token=forwards_first_token(params, req),
-                      read_within_s=params.read_within_s)
-
 
 class _Decides:
     """Every policy's `decide`: its own `_decide`, then the legs' transfer choices; and
@@ -124,8 +94,11 @@ class _Decides:
     def _decide(self, facts: TurnFacts) -> Decision:
         raise NotImplementedError
 
+    def _place(self, facts: TurnFacts) -> TurnFacts:
+        return place(facts)
+
     def decide(self, facts: TurnFacts) -> Decision:
-        facts = place(facts)
+        facts = self._place(facts)
         decision = self._decide(facts)
         if isinstance(decision, TurnPlan) and decision.path != "decode_only":
             return dataclasses.replace(decision, legs=leg_choices(facts, self.legs))
@@ -350,15 +323,37 @@ class SinglePolicy(_Decides):
         prompt_len = len(facts.prompt_ids)
         if reuse.reuses and facts.d_holds:
             return _plan(facts, "d_direct", reuse, prompt_len)
+        path: paths.Path = "d_fresh"
         if reuse.reuses:  # verified, but held on a node this turn does not go to
-            reuse = planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.NODE_UNHEALTHY,
-                                      detail="not_placed", cached_tokens=reuse.cached_tokens)
-        plan = _plan(facts, "d_fresh", reuse, prompt_len)
+            path, reuse = self._moved(facts, reuse)
+        plan = _plan(facts, path, reuse, prompt_len)
         return dataclasses.replace(plan, est_tokens=prompt_len or facts.est_tokens)
+
+    def _moved(self, facts: TurnFacts, reuse: planner.ReusePlan
+               ) -> tuple[paths.Path, planner.ReusePlan]:
+        return "d_fresh", planner.ReusePlan(
+            reuse_tokens=0, reason=planner.Reason.NODE_UNHEALTHY, detail="not_placed",
+            cached_tokens=reuse.cached_tokens)
 
     def untokenized_path(self, facts: TurnFacts, plan: planner.ReusePlan,
                          deltas: tuple[int, int], tokenize_s: float) -> paths.Path | None:
         return "d_direct"  # D's own prefix cache matches the real tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicasPolicy(SinglePolicy):
+    """`single` on symmetric nodes: the node for a turn and whether a moving session's KV
+    follows it are `turns.replicas`' (`place`, `moved`)."""
+
+    moves: ReplicasParams = dataclasses.field(default_factory=ReplicasParams)
+    name: str = "replicas"
+
+    def _place(self, facts: TurnFacts) -> TurnFacts:
+        return replicas.place(facts, self.moves)
+
+    def _moved(self, facts: TurnFacts, reuse: planner.ReusePlan
+               ) -> tuple[paths.Path, planner.ReusePlan]:
+        return replicas.moved(facts, reuse, self.moves)
 
 
 def _cost_model(p: CostModelParams, shared: Shared) -> PathPolicy:
@@ -373,6 +368,8 @@ POLICIES: dict[str, Registered] = {
     "d_direct": Registered(PolicyParams, lambda p, sh: FixedPolicy(
         sh.reuse, "d_direct", on_decode=True, legs=sh.legs)),
     "single": Registered(PolicyParams, lambda p, sh: SinglePolicy(sh.reuse, legs=sh.legs)),
+    "replicas": Registered(ReplicasParams, lambda p, sh: ReplicasPolicy(
+        sh.reuse, legs=sh.legs, moves=p)),
 }
 
 #: Policies that send turns to a prefill node: refused where there is none.
@@ -390,17 +387,19 @@ def register(name: str, params: type[BaseModel],
 
 def policy_name(settings: RouterSettings, topology: Topology = "pd") -> str:
     """The policy a router of `topology` runs: `router.policy.name`, except that the
-    `single` topology runs `single` where it names the default `cost_model` (with no P
-    there is nothing to weigh), and refuses a policy that needs a prefill node."""
+    `single` and `replicas` topologies run their own where it names the default
+    `cost_model` (with no P there is nothing to weigh), and refuse a policy that needs a
+    prefill node, or (`replicas` on one node) several decode nodes."""
     name = settings.policy.name
-    if topology != "single":
+    if topology == "pd":
         return name
     if name == DEFAULT:
-        return "single"
-    if name in NEEDS_PREFILL:
-        raise ValueError(f"router.policy.name {name!r} needs a prefill node; with no "
-                         "--prefill the router serves the single topology: set it to "
-                         f"'single' or leave it '{DEFAULT}'")
+        return topology
+    if name in NEEDS_PREFILL or (name == "replicas" and topology == "single"):
+        need = "several decode nodes" if name == "replicas" else "a prefill node"
+        raise ValueError(f"router.policy.name {name!r} needs {need}; the router serves "
+                         f"the {topology} topology: set it to '{topology}' or leave it "
+                         f"'{DEFAULT}'")
     return name
 
 

@@ -97,6 +97,24 @@ class CostModelParams(PolicyParams):
         "run 22). None: the costs and the stall cap decide.")
 
 
+class ReplicasParams(PolicyParams):
+    """`replicas`' parameters (`router.policy.params`): when a session leaves its node,
+    and whether its KV follows it (`turns.replicas`)."""
+
+    move_cost_ratio: float | None = Field(default=2.0, gt=1,
+        description="A session's turn moves off the node holding its KV when the wait "
+        "there (the learned `d_direct` line over the prompt work queued on it, one token "
+        "per stream decoding) exceeds this many times the wait on the least busy other "
+        "node plus pulling the session's KV over. None: only a node saturated "
+        "(`router.nodes.max_in_flight`), unhealthy or overloaded (4x the least loaded "
+        "node's legs) loses its sessions.")
+    pull_on_move: bool = Field(default=True,
+        description="A session that moves takes its KV along: the new node pulls the "
+        "verified prefix from the node that held it (`d_pull`), computes the rest and "
+        "keeps the whole for the next turn. False: the new node computes the prompt "
+        "(`d_fresh`) and the old node's blocks are released.")
+
+
 class ReuseParams(BaseModel):
     """How much may be reused: every policy's."""
 

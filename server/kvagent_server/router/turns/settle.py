@@ -34,11 +34,15 @@ async def settle(r: Router, turn: Turn, capture: Capture) -> Final:
         turn.req.budget.add("finalize", time.perf_counter() - t0)
 
 
+#: The paths that serve a verified prefix of the claimed handle's KV.
+_REUSING = ("pd_reuse", "d_direct", "d_pull")
+
+
 async def _settle(r: Router, turn: Turn, capture: Capture) -> Final:
     req, plan = turn.req, turn.plan
     usage = capture.usage or {}
     prompt_tokens = int(usage.get("prompt_tokens") or 0)
-    planned = plan.reuse.reuse_tokens if plan.path in ("pd_reuse", "d_direct") else 0
+    planned = plan.reuse.reuse_tokens if plan.path in _REUSING else 0
     # What the serving node reports as not recomputed; the plan when it reports nothing.
     if turn.prefill is not None:
         reported = turn.prefill.cached_tokens
@@ -50,7 +54,9 @@ async def _settle(r: Router, turn: Turn, capture: Capture) -> Final:
     if req.chat and prompt_tokens and r.skips_tokenize:
         r.learned.message_chars.observe(identity.message_chars(req.body.get("messages")),
                                         prompt_tokens)
-    reused = min(planned, cached) if plan.path == "pd_reuse" else (
+    # A pull (`pd_reuse`, `d_pull`) reuses at most what was offered; D's prefix cache
+    # (`d_direct`) what it matched.
+    reused = min(planned, cached) if plan.path in ("pd_reuse", "d_pull") else (
         cached if plan.path == "d_direct" else 0)
     _account(r, turn, prompt_tokens, cached, reused)
     end = TurnEnd.of(capture.finish_reason, capture.tool_names, time.time())

@@ -275,8 +275,14 @@ class TurnPlan:
 
     def decode_params(self, node: Node | None) -> dict[str, Any]:
         """The `kv_transfer_params` of a leg whose prompt the decode node `node` computes
-        (`d_direct`, `d_fresh`): D keeps the finished sequence, and frees the handle the
-        turn supersedes (`d_direct`) or claimed and does not reuse, when it is there."""
+        (`d_direct`, `d_fresh`, `d_pull`): D keeps the finished sequence, and frees the
+        handle the turn supersedes (`d_direct`) or claimed and does not reuse, when it is
+        there; on `d_pull` it first pulls the verified prefix from the holder, which frees
+        it once read."""
+        if self.path == "d_pull":
+            assert self.handle is not None
+            params = transfer.pull_and_retain_params(self.handle, self.reuse.reuse_tokens)
+            return transfer.shifted_blocks(params) if self.legs.shift_blocks else params
         rid = _request_id(self.handle) if self.handle is not None else None
         if self.path == "d_direct" or (
                 node is not None and node is self.holder and self.legs.release_unused):
@@ -284,11 +290,15 @@ class TurnPlan:
         return transfer.d_direct()
 
     def after_decode_failure(self, tried: tuple[str, ...]) -> TurnPlan:
-        """The plan once a `d_fresh` or `d_direct` leg failed before its first byte: P
-        computes the prompt (`pd_fresh`), or recomputes it (the handle's blocks are
-        unreachable)."""
+        """The plan once a `d_fresh`, `d_direct` or `d_pull` leg failed before its first
+        byte: P computes the prompt (`pd_fresh`), or recomputes it (the handle's blocks
+        are unreachable; after a `d_pull` the holder is kept, to be told to free them)."""
         if self.path == "d_fresh":
             return dataclasses.replace(self, path="pd_fresh", d_failed=tried)
+        if self.path == "d_pull":
+            return dataclasses.replace(
+                self, path="recompute", d_first=None, d_failed=tried,
+                reuse=planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.DECODE_FAILED))
         return dataclasses.replace(
             self, path="recompute", holder=None, d_first=None, d_failed=tried,
             reuse=planner.ReusePlan(reuse_tokens=0, reason=planner.Reason.DECODE_FAILED),
@@ -298,7 +308,7 @@ class TurnPlan:
         """The plan once the handle it would reuse or release was given up for another
         turn's room (`nodes.admission`): its blocks are gone (nothing to offer or free), and a
         reuse becomes a recompute."""
-        if self.path not in ("pd_reuse", "d_direct"):
+        if self.path not in ("pd_reuse", "d_direct", "d_pull"):
             return dataclasses.replace(self, holder=None)
         return dataclasses.replace(
             self, path="recompute", holder=None, tier=None, tier_source=None,
