@@ -29,7 +29,8 @@ import httpx
 import pytest
 from support import bundle_config, free_port, metric_sum, start_bundle, vllm_available
 
-from benchmarks.compare.arms import ARMS, TierBudget
+from benchmarks.api import COMPARE_ARMS as ARMS
+from benchmarks.api import TierBudget
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
