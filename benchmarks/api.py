@@ -88,6 +88,7 @@ NAMES: dict[str, tuple[str, str | None]] = {
     "aggregated_args": ("benchmarks.multiturn.nodes", "aggregated_args"),
     "aggregated_device": ("benchmarks.multiturn.nodes", "aggregated_device"),
     "bundle_settings": ("benchmarks.multiturn.nodes", "bundle_settings"),
+    "port_count": ("benchmarks.multiturn.nodes", "port_count"),
     "cpu_outside": ("benchmarks.multiturn.nodes", "cpu_outside"),
     "foreign_vllm": ("benchmarks.multiturn.nodes", "foreign_vllm"),
     "gpu_memory_fraction": ("benchmarks.multiturn.nodes", "gpu_memory_fraction"),

@@ -227,6 +227,9 @@ ARMS: dict[str, Arm] = {a.name: a for a in (
         topology="auto"),
     Arm("kvagent-pd", "kvagent's P/D bundle with its defaults (cross-turn KV reuse, NIXL "
         "between P and D)", kind="bundle", reuse=True),
+    Arm("kvagent-replicas", "kvagent's replicas topology: two nodes, one core each, each "
+        "session on one node and moved with its KV (pulled over NIXL) when its node is "
+        "busy", kind="bundle", reuse=True, topology="replicas"),
     Arm("aggregated-tier", "`aggregated` plus kvagent's CPU tiers: a host tier and a disk "
         "tier of its own, generated tokens offloaded too (the same tiers as "
         "kvagent-tiers: the fair control)", kind="aggregated", tier="local"),

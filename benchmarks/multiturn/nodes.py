@@ -79,7 +79,8 @@ class BenchConfig(BaseModel):
     forward_first_token: bool = True
     prefill_count: int = Field(default=1, ge=1, le=4)  # P nodes (bundle only)
     #: The bundle's `topology` (bundle only): `pd` (P and D nodes, what most configurations
-    #: measure) or `single` (one node serves every turn, what `up` picks on a CPU box).
+    #: measure), `single` (one node serves every turn, what `up` picks on a CPU box) or
+    #: `replicas` (`REPLICAS` symmetric nodes, sessions moving with their KV).
     topology: Topology = "pd"
     #: KV block size in tokens (bundle only); None: the bundle's default (128 on CPU).
     block_size: int | None = None
@@ -457,6 +458,10 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
     (`gpu_memory_fraction`), no CPU pinning; `cores` is then unused."""
     n_p = config.prefill_count
     engine_args = [*(engine_args or []), *config.node_args]
+    if config.topology == "replicas":
+        return replicas_settings(config, run_dir, ports, kv_cache_gib=kv_cache_gib,
+                                 startup_timeout_s=startup_timeout_s, model=model,
+                                 device=device, engine_args=engine_args)
     if len(ports) != 2 * n_p + 3:
         raise ValueError(f"{config.name}: need {2 * n_p + 3} ports, got {len(ports)}")
     prefill: dict = {"count": n_p, "ports": ports[:n_p], "side_channel_ports": ports[n_p:2 * n_p],
@@ -510,6 +515,49 @@ def bundle_settings(config: BenchConfig, run_dir: Path, ports: list[int], *, cor
     }
 
 
+#: The replicas topology's nodes in a benchmark: one a core on this 2-core machine.
+REPLICAS = 2
+
+
+def replicas_settings(config: BenchConfig, run_dir: Path, ports: list[int], *,
+                      kv_cache_gib: int, startup_timeout_s: float, model: str | None,
+                      device: Device, engine_args: list[str]) -> dict:
+    """The bundle configuration of a `replicas` configuration: `ports` are each node's
+    HTTP and side-channel ports, then the router's. The bundle pins each node to its own
+    cores; every node gets D's step settings (each decodes)."""
+    if device != "cpu":
+        raise ValueError(f"{config.name}: the replicas benchmark runs on CPU only")
+    if len(ports) != 2 * REPLICAS + 1:
+        raise ValueError(f"{config.name}: need {2 * REPLICAS + 1} ports, got {len(ports)}")
+    decode: dict = {"count": REPLICAS, "ports": ports[0:2 * REPLICAS:2],
+                    "side_channel_ports": ports[1:2 * REPLICAS:2]}
+    if engine_args:
+        decode["extra_args"] = list(engine_args)
+    if config.decode_step_tokens is not None:
+        decode["max_num_batched_tokens"] = config.decode_step_tokens
+    if config.decode_prompt_cap is not None:
+        decode["long_prefill_token_threshold"] = config.decode_prompt_cap
+    if config.node_env:
+        decode["extra_env"] = dict(config.node_env)
+    return {
+        **({"block_size": config.block_size} if config.block_size else {}),
+        **({} if config.pin_processes else {"pin_processes": False}),
+        "name": f"mtbench-{config.name}".replace("_", "-"), "topology": "replicas",
+        "model": model, "run_dir": str(run_dir), "kv_cache_gib": kv_cache_gib,
+        "startup_timeout_s": startup_timeout_s, "decode": decode,
+        "router": {"port": ports[-1], "reuse": config.reuse, "server_timing": True,
+                   "policy": config.router_policy()},
+        **({"kv_tiers": config.kv_tiers} if config.kv_tiers else {}),
+    }
+
+
+def port_count(config: BenchConfig) -> int:
+    """The free ports `bundle_settings` takes for `config`."""
+    if config.topology == "replicas":
+        return 2 * REPLICAS + 1
+    return 2 * config.prefill_count + 3
+
+
 @contextmanager
 def bundle(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int,
            startup_timeout_s: float, model: str | None = None, device: Device = "cpu",
@@ -518,7 +566,7 @@ def bundle(config: BenchConfig, work_dir: Path, *, kv_cache_gib: int,
     from kvagent_server.bundle.supervisor import Bundle
     from kvagent_server.config import validate_config
 
-    ports = free_ports(2 * config.prefill_count + 3)
+    ports = free_ports(port_count(config))
     cfg = validate_config(bundle_settings(
         config, work_dir / "run", ports, cores=sorted(os.sched_getaffinity(0)),
         kv_cache_gib=kv_cache_gib, startup_timeout_s=startup_timeout_s, model=model,

@@ -224,3 +224,22 @@ def test_tier_counters_read_vllms_metrics() -> None:
     assert run_mod.parse_tier_counters(text) == {"host": 512.0, "disk": 1152.0,
                                                  "external_hits": 1536.0}
     assert run_mod.tier_counters({"node": "http://127.0.0.1:9"}) == {}  # nothing listens
+
+
+def test_kvagent_replicas_runs_two_kv_both_nodes_one_core_each(tmp_path: Path) -> None:
+    from kvagent_server.config import validate_config
+
+    from benchmarks.api import KvBudget, port_count
+
+    arm = ARMS["kvagent-replicas"]
+    kv = KvBudget(gib=4)
+    config = arm.bench_config(kv)
+    assert arm.nodes == 2 and config.topology == "replicas"
+    settings = bundle_settings(config, tmp_path / "run", list(range(20000, 20000 + port_count(
+        config))), cores=[0, 1], kv_cache_gib=kv.node_gib(arm.nodes), startup_timeout_s=60)
+    cfg = validate_config(settings)
+    assert cfg.topology == "replicas" and cfg.decode.count == 2
+    rows = [r for r in flag_rows([arm], kv=kv, model=None, tiers=DEFAULT_TIERS)
+            if r["arm"] == "kvagent-replicas"]
+    assert [r["VLLM_CPU_OMP_THREADS_BIND"] for r in rows] == ["0", "1"]
+    assert {r["VLLM_CPU_KVCACHE_SPACE"] for r in rows} == {"2"}  # the budget, split
