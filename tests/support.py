@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -258,6 +259,18 @@ def metric_sum(url: str, name: str) -> float:
             total += float(line.rsplit(" ", 1)[1])
     return total
 
+def cached_by_source(url: str) -> dict[str, float]:
+    """Prompt tokens a vLLM node took from each source (device, host, disk, p2p) so far
+    (`vllm:prompt_tokens_cached_by_source`, summed over the other labels)."""
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("vllm:prompt_tokens_cached_by_source_total{"):
+            source = line.split('source="', 1)[1].split('"', 1)[0]
+            out[source] = out.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def greedy_chat(url: str, model: str, messages: list[dict[str, Any]],
                 headers: dict[str, str] | None = None, **extra: Any) -> dict[str, Any]:
     """One non-streamed chat completion, greedy and 16 tokens long; asserts a 200."""
@@ -267,6 +280,27 @@ def greedy_chat(url: str, model: str, messages: list[dict[str, Any]],
     assert r.status_code == 200, r.text
     return r.json()
 
+
+def session_chat(base_url: str, session: str, body: dict[str, Any], token: str | None = None,
+                 *, timeout: float = 600.0) -> dict[str, Any]:
+    """One non-streamed turn of `session` through a router (`base_url` ends in `/v1`),
+    with the cache token of its last turn if given; asserts a 200."""
+    headers = {"X-Session-ID": session, **({"X-KVAgent-Cache-Token": token} if token else {})}
+    r = httpx.post(f"{base_url}/chat/completions", json=body, headers=headers, timeout=timeout)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def recomputed_answer(node_url: str, body: dict[str, Any], *, timeout: float = 600.0) -> str:
+    """`body` sent to one vLLM node (its root URL) under a fresh `cache_salt`, so nothing
+    is reused (asserted): the answer a turn with reuse must equal."""
+    r = httpx.post(f"{node_url}/v1/chat/completions", timeout=timeout,
+                   json={**body, "cache_salt": uuid.uuid4().hex})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, out["usage"]
+    return str(out["choices"][0]["message"]["content"])
 
 
 @contextlib.contextmanager

@@ -23,7 +23,15 @@ from typing import Any
 
 import httpx
 import pytest
-from support import bundle_config, free_port, metric_sum, start_bundle, vllm_available
+from support import (
+    bundle_config,
+    free_port,
+    metric_sum,
+    recomputed_answer,
+    session_chat,
+    start_bundle,
+    vllm_available,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -85,14 +93,13 @@ def _conversation(s: Served, seed: int) -> list[tuple[dict[str, Any], dict[str, 
     return turns
 
 
-def _recomputed(s: Served, body: dict[str, Any]) -> str:
-    """The request on P alone, a fresh salt: nothing cached (asserted)."""
-    r = httpx.post(f"{s.prefill_url}/v1/chat/completions", timeout=REQUEST_TIMEOUT_S,
-                   json={**body, "cache_salt": uuid.uuid4().hex})
-    assert r.status_code == 200, r.text
-    out = r.json()
-    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    return str(out["choices"][0]["message"]["content"])
+def chat(s: Any, session: str, request: dict[str, Any], token: str | None = None
+         ) -> dict[str, Any]:
+    return session_chat(s.base_url, session, request, token, timeout=REQUEST_TIMEOUT_S)
+
+
+def recomputed(s: Any, request: dict[str, Any]) -> str:
+    return recomputed_answer(s.prefill_url, request, timeout=REQUEST_TIMEOUT_S)
 
 
 #: Bounded arguments: a random-weight model made to call a tool writes a whole call.
@@ -105,16 +112,6 @@ BUILD_TOOL = [{"type": "function", "function": {
 FINAL = {"temperature": 0.0, "max_tokens": 16, "response_format": {
     "type": "json_schema", "json_schema": {"name": "verdict", "schema": {
         "type": "string", "enum": ["done"]}}}}
-
-
-def _chat(s: Served, session: str, body: dict[str, Any],
-          token: str | None = None) -> dict[str, Any]:
-    headers = {"X-Session-ID": session, **({"X-KVAgent-Cache-Token": token} if token else {})}
-    r = httpx.post(f"{s.base_url}/chat/completions", json=body, headers=headers,
-                   timeout=REQUEST_TIMEOUT_S)
-    assert r.status_code == 200, r.text
-    out: dict[str, Any] = r.json()
-    return out
 
 
 # First in the module, on a fresh D: after the concurrent test D can hold blocks nobody
@@ -132,7 +129,7 @@ def test_a_session_waiting_on_a_tool_keeps_its_kv_while_finished_ones_go(
     first = {"model": served.model, "messages": doc, "tools": BUILD_TOOL,
              "tool_choice": "required", "parallel_tool_calls": False,
              "temperature": 0.0, "max_tokens": 48}
-    waiting = _chat(served, "waits-on-a-tool", first)
+    waiting = chat(served, "waits-on-a-tool", first)
     calls = waiting["choices"][0]["message"]["tool_calls"]
     assert [c["function"]["name"] for c in calls] == ["run_build"], waiting
     finished = []
@@ -140,7 +137,7 @@ def test_a_session_waiting_on_a_tool_keeps_its_kv_while_finished_ones_go(
         body = {"model": served.model, **FINAL, "messages": [
             {"role": "system", "content": "You are a terse agent. Read the document."},
             {"role": "user", "content": f"Document {i}: {_words(rng, 240)}"}]}
-        out = _chat(served, f"finished-{i}", body)
+        out = chat(served, f"finished-{i}", body)
         assert out["choices"][0]["finish_reason"] == "stop", out
         assert out["usage"]["prompt_tokens"] > 900
         finished.append((f"finished-{i}", body, out))
@@ -149,16 +146,16 @@ def test_a_session_waiting_on_a_tool_keeps_its_kv_while_finished_ones_go(
     nxt = {**first, "tool_choice": "none", "max_tokens": 8, "messages": [
         *doc, {"role": "assistant", "content": None, "tool_calls": calls},
         {"role": "tool", "tool_call_id": calls[0]["id"], "content": "build ok"}]}
-    back = _chat(served, "waits-on-a-tool", nxt, waiting["kvagent"]["cache_token"])
+    back = chat(served, "waits-on-a-tool", nxt, waiting["kvagent"]["cache_token"])
     kva = back["kvagent"]
     assert kva["reused_tokens"] > 900, (kva["reason"], kva["path"], kva["reused_tokens"])
-    assert back["choices"][0]["message"]["content"] == _recomputed(served, nxt)
+    assert back["choices"][0]["message"]["content"] == recomputed(served, nxt)
     # The first finished session's KV went for the others' room: it recomputes.
     session, body, out = finished[0]
     again = {**body, "messages": [*body["messages"], {
         "role": "assistant", "content": out["choices"][0]["message"]["content"]},
         {"role": "user", "content": "And then?"}]}
-    later = _chat(served, session, again, out["kvagent"]["cache_token"])
+    later = chat(served, session, again, out["kvagent"]["cache_token"])
     assert later["kvagent"]["reason"] == "token_rejected:already_used", later["kvagent"]
 
 
@@ -172,5 +169,5 @@ def test_concurrent_conversations_under_kv_pressure_finish_and_match(served: Ser
     assert metric_sum(served.router_url, "kvagent_router_decode_room_waits_total") >= 1
     for run in runs:
         for body, out in run:
-            assert out["choices"][0]["message"]["content"] == _recomputed(served, body), (
+            assert out["choices"][0]["message"]["content"] == recomputed(served, body), (
                 out["kvagent"])

@@ -31,7 +31,7 @@ import pytest
 from kvagent_server.bundle.processes import stop_groups
 from kvagent_server.engine.tiers import KVTiers, render_tiers
 from kvagent_server.vllm_plugin.tier_files import HOST_REGION_RE, sweep_stale_regions
-from support import VLLMNode, start_vllm_node, vllm_available
+from support import VLLMNode, cached_by_source, start_vllm_node, vllm_available
 
 pytestmark = pytest.mark.vllm
 
@@ -99,10 +99,7 @@ def complete(node: VLLMNode, ids: list[int], salt: str | None = None) -> str:
 
 def cached(node: VLLMNode, source: str) -> float:
     """Prompt tokens the node took from `source` (device, host, disk) so far."""
-    text = httpx.get(f"{node.root_url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:prompt_tokens_cached_by_source_total{")
-               and f'source="{source}"' in line)
+    return cached_by_source(node.root_url).get(source, 0.0)
 
 
 def block_files(disk: Path) -> set[Path]:

@@ -20,14 +20,22 @@ from __future__ import annotations
 import os
 import random
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from support import bundle_config, free_port, metric_sum, start_bundle, vllm_available
+from support import (
+    bundle_config,
+    cached_by_source,
+    free_port,
+    metric_sum,
+    recomputed_answer,
+    session_chat,
+    start_bundle,
+    vllm_available,
+)
 
 from benchmarks.api import COMPARE_ARMS as ARMS
 from benchmarks.api import TierBudget
@@ -98,40 +106,18 @@ def document(s: Served, seed: int, lo: int, hi: int) -> list[dict[str, Any]]:
     raise AssertionError(f"no document of {lo}..{hi} tokens for seed {seed}")
 
 
+def chat(s: Any, session: str, request: dict[str, Any], token: str | None = None
+         ) -> dict[str, Any]:
+    return session_chat(s.base_url, session, request, token, timeout=TIMEOUT_S)
+
+
+def recomputed(s: Any, request: dict[str, Any]) -> str:
+    return recomputed_answer(s.prefill_url, request, timeout=TIMEOUT_S)
+
+
 def body(s: Served, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
     return {"model": s.model, "messages": messages, "temperature": 0.0,
             "max_tokens": max_tokens, "ignore_eos": True}
-
-
-def chat(s: Served, session: str, request: dict[str, Any],
-         token: str | None = None) -> dict[str, Any]:
-    headers = {"X-Session-ID": session, **({"X-KVAgent-Cache-Token": token} if token else {})}
-    r = httpx.post(f"{s.base_url}/chat/completions", json=request, headers=headers,
-                   timeout=TIMEOUT_S)
-    assert r.status_code == 200, r.text
-    out: dict[str, Any] = r.json()
-    return out
-
-
-def recomputed(s: Served, request: dict[str, Any]) -> str:
-    """The request on P alone under a fresh salt: nothing cached (asserted)."""
-    r = httpx.post(f"{s.prefill_url}/v1/chat/completions", timeout=TIMEOUT_S,
-                   json={**request, "cache_salt": uuid.uuid4().hex})
-    assert r.status_code == 200, r.text
-    out = r.json()
-    assert out["usage"]["prompt_tokens_details"]["cached_tokens"] == 0, out["usage"]
-    return str(out["choices"][0]["message"]["content"])
-
-
-def by_source(url: str) -> dict[str, float]:
-    """Prompt tokens a node took from each source (device, host, disk, p2p) so far."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:prompt_tokens_cached_by_source_total{"):
-            source = line.split('source="', 1)[1].split('"', 1)[0]
-            out[source] = out.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -216,9 +202,9 @@ def test_a_turn_whose_decode_copy_is_gone_loads_from_the_tiers(served: Served) -
     wait_for_files(s, files0, stored_blocks(first["usage"]) + stored_blocks(other["usage"]))
 
     second = body(s, next_turn(messages, first), ANSWER_TOKENS)
-    p0 = by_source(s.prefill_url)
+    p0 = cached_by_source(s.prefill_url)
     out = chat(s, "conversation", second, first["kvagent"]["cache_token"])
-    got = delta(p0, by_source(s.prefill_url))
+    got = delta(p0, cached_by_source(s.prefill_url))
     kva = out["kvagent"]
     # the router knew D's copy was gone: the token's handle was evicted, P recomputes
     assert kva["reason"] == "token_rejected:already_used", kva
@@ -248,9 +234,9 @@ def test_a_damaged_tier_file_changes_the_answer(served: Served) -> None:
     for f in new:
         f.write_bytes(os.urandom(f.stat().st_size))
     second = body(s, next_turn(messages, first), ANSWER_TOKENS)
-    p0 = by_source(s.prefill_url)
+    p0 = cached_by_source(s.prefill_url)
     out = chat(s, "damaged", second, first["kvagent"]["cache_token"])
-    got = delta(p0, by_source(s.prefill_url))
+    got = delta(p0, cached_by_source(s.prefill_url))
     assert out["kvagent"]["reason"] == "token_rejected:already_used", out["kvagent"]
     assert got.get("disk", 0) >= BLOCK, f"D's block was not loaded from disk: {got}"
     assert out["choices"][0]["message"]["content"] != recomputed(s, second)

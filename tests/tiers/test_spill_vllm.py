@@ -21,7 +21,15 @@ from typing import Any
 import httpx
 import pytest
 from kvagent_server.router.reuse.transfer import RELEASE_KEY
-from support import bundle_config, free_port, metric_sum, start_bundle, vllm_available
+from support import (
+    bundle_config,
+    cached_by_source,
+    free_port,
+    metric_sum,
+    session_chat,
+    start_bundle,
+    vllm_available,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -68,24 +76,9 @@ def body(model: str, messages: list[dict[str, Any]], max_tokens: int) -> dict[st
             "max_tokens": max_tokens, "ignore_eos": True}
 
 
-def chat(s: Any, session: str, request: dict[str, Any],
-         token: str | None = None) -> dict[str, Any]:
-    headers = {"X-Session-ID": session, **({"X-KVAgent-Cache-Token": token} if token else {})}
-    r = httpx.post(f"{s.base_url}/chat/completions", json=request, headers=headers,
-                   timeout=TIMEOUT_S)
-    assert r.status_code == 200, r.text
-    out: dict[str, Any] = r.json()
-    return out
-
-
-def by_source(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("vllm:prompt_tokens_cached_by_source_total{"):
-            source = line.split('source="', 1)[1].split('"', 1)[0]
-            out[source] = out.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+def chat(s: Any, session: str, request: dict[str, Any], token: str | None = None
+         ) -> dict[str, Any]:
+    return session_chat(s.base_url, session, request, token, timeout=TIMEOUT_S)
 
 
 def nudge(url: str, model: str) -> None:
@@ -134,9 +127,9 @@ def test_a_spilled_conversation_is_served_from_the_decode_nodes_host_tier(served
                                         "content": first["choices"][0]["message"]["content"]},
                             {"role": "user", "content": "Now list the rarest words."}],
                   ANSWER_TOKENS)
-    d0 = by_source(d_url)
+    d0 = cached_by_source(d_url)
     out = chat(s, "spilled", second, first["kvagent"]["cache_token"])
-    got = {k: v - d0.get(k, 0.0) for k, v in by_source(d_url).items()}
+    got = {k: v - d0.get(k, 0.0) for k, v in cached_by_source(d_url).items()}
     kva = out["kvagent"]
     print(f"turn 2: {kva}; D's prompt tokens cached by source: {got}")
     assert kva["path"] == "d_direct" and kva["reason"] == "hit:tier_host", kva
