@@ -4,11 +4,14 @@ turns wait in line, and a waiting turn's handle is given up when nothing else fr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import pytest
 from fakes import FakeCluster, router_stack
+from fakes.nodes import Stack
 from kvagent_server.router.nodes.admission import Admitted, DecodeGate, NoRoom
 from kvagent_server.router.nodes.ledger import LegLedger
 from kvagent_server.router.nodes.registry import Node
@@ -201,23 +204,31 @@ async def test_a_stalled_node_gives_up_a_waiters_handle_though_legs_are_on_it() 
     assert (await asyncio.wait_for(waiter, 2)).revoked
 
 
-async def test_a_turn_with_no_room_on_decode_evicts_the_oldest_handle_first() -> None:
-    """Through the router (fake nodes that report what they retain): a first turn that
-    does not fit beside two retained conversations makes room by evicting the oldest."""
+@contextlib.asynccontextmanager
+async def two_retained() -> AsyncIterator[tuple[Stack, FakeCluster, list[str]]]:
+    """The router on fake nodes, D (64 blocks) holding two retained conversations of ~30
+    blocks each, oldest first in the list; no watermark eviction below 100 %, so only the
+    decode-room gate frees room. P/D always (no path computes on D)."""
     cluster = FakeCluster(kv_blocks=64)
-    # No watermark eviction below 100 %: only the gate frees room here.
     async with router_stack(cluster=cluster,
                             policy={"params": {"skip_prefill_max_tokens": 0,
                                                "fresh_on_decode": "never"}},
                             retention={"high_watermark": 1.0, "low_watermark": 0.9,
                                        "check_interval_s": 0.05}) as st:
         d = st.decode[0]
-        for i in range(2):  # ~30 blocks each: 60 of 64 retained
+        for i in range(2):
             await turn(st, [{"role": "user", "content": f"conversation {i}: {LONG}"}],
                        session=f"s{i}")
         retained = [r.request_id for r in cluster.retained.values()
                     if r.engine_id == d.engine_id]
         assert len(retained) == 2 and d.kv_usage() > 0.9
+        yield st, cluster, retained
+
+
+async def test_a_turn_with_no_room_on_decode_evicts_the_oldest_handle_first() -> None:
+    """Through the router (fake nodes that report what they retain): a first turn that
+    does not fit beside two retained conversations makes room by evicting the oldest."""
+    async with two_retained() as (st, cluster, retained):
         assert not cluster.events_of("release")
         # The fake renders ~1.6 tokens a character, real tokenizers ~0.3: what the router
         # learns of the ratio from two turns is still far below, and a first turn's size
@@ -239,19 +250,7 @@ async def test_a_first_turn_longer_than_estimated_tops_its_room_up() -> None:
     conversations by its estimate, so the gate admits it at once. P then reports the real
     prompt, too large for what is left, and the oldest handle is evicted before the D leg
     goes (else D waits, nothing running, for blocks only a TTL frees)."""
-    cluster = FakeCluster(kv_blocks=64)
-    async with router_stack(cluster=cluster,
-                            policy={"params": {"skip_prefill_max_tokens": 0,
-                                               "fresh_on_decode": "never"}},
-                            retention={"high_watermark": 1.0, "low_watermark": 0.9,
-                                       "check_interval_s": 0.05}) as st:
-        d = st.decode[0]
-        for i in range(2):
-            await turn(st, [{"role": "user", "content": f"conversation {i}: {LONG}"}],
-                       session=f"s{i}")
-        retained = [r.request_id for r in cluster.retained.values()
-                    if r.engine_id == d.engine_id]
-        assert len(retained) == 2 and d.kv_usage() > 0.9
+    async with two_retained() as (st, cluster, retained):
         await asyncio.sleep(0.3)  # the guard has read D holding both
         st.app.state.router.learned.prompt_chars.ratio = 0.05  # ~2 blocks, really ~20
         kva, _, _ = await turn(st, [{"role": "user", "content": f"conversation 2: {LONG}"}],
