@@ -303,6 +303,21 @@ def recomputed_answer(node_url: str, body: dict[str, Any], *, timeout: float = 6
     return str(out["choices"][0]["message"]["content"])
 
 
+def turn_against_recompute(router_url: str, node_url: str, model: str, session: str,
+                           messages: list[dict[str, Any]]
+                           ) -> tuple[tuple[str, int, int | None, bool], str]:
+    """One greedy turn of `session` through the router, and the same messages recomputed
+    on `node_url` under a fresh salt (nothing cached, asserted): the turn's (path, reused
+    tokens, cached tokens, answer equal to the recompute) and its answer's text."""
+    out = greedy_chat(router_url, model, messages, {"X-Session-ID": session})
+    text = out["choices"][0]["message"]["content"] or ""
+    ref = greedy_chat(node_url, model, messages, cache_salt=uuid.uuid4().hex)
+    assert ref["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # recomputed
+    cached = (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
+    return ((out["kvagent"]["path"], out["kvagent"]["reused_tokens"], cached,
+             text == (ref["choices"][0]["message"]["content"] or "")), text)
+
+
 @contextlib.contextmanager
 def second_router(b: KVAgentBundle, tmp_path: Path, *, prefill: bool = True,
                   **settings: Any) -> Iterator[str]:

@@ -23,7 +23,7 @@ from typing import Any, Self
 
 import httpx
 import pytest
-from support import bundle_config, free_port, greedy_chat, start_bundle
+from support import bundle_config, free_port, greedy_chat, start_bundle, turn_against_recompute
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -94,13 +94,8 @@ def test_a_session_moves_with_its_kv_and_every_answer_equals_a_recompute(
 
         def one_turn(i: int) -> None:
             nonlocal messages
-            out = greedy_chat(url, b.model, messages, {"X-Session-ID": session})
-            text = out["choices"][0]["message"]["content"] or ""
-            ref = greedy_chat(ref_node, b.model, messages, cache_salt=uuid.uuid4().hex)
-            assert ref["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # recomputed
-            cached = (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-            turns.append((out["kvagent"]["path"], out["kvagent"]["reused_tokens"], cached,
-                          text == (ref["choices"][0]["message"]["content"] or "")))
+            turn, text = turn_against_recompute(url, ref_node, b.model, session, messages)
+            turns.append(turn)
             messages = [*messages, {"role": "assistant", "content": text},
                         {"role": "user", "content": f"Step {i} done; what next?"}]
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 import pytest
-from support import greedy_chat, second_router
+from support import second_router, turn_against_recompute
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -54,13 +54,8 @@ def test_single_turns_equal_a_recompute_and_reuse_the_nodes_kv(kvagent_bundle: A
         assert ready["status"] == "ready" and list(ready["nodes"]) == ["d0"]
         # Chat: the greedy differential over three turns.
         for i in range(3):
-            out = greedy_chat(url, b.model, messages, {"X-Session-ID": session})
-            text = out["choices"][0]["message"]["content"] or ""
-            ref = greedy_chat(node, b.model, messages, cache_salt=uuid.uuid4().hex)
-            assert ref["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # recomputed
-            cached = (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
-            turns.append((out["kvagent"]["path"], out["kvagent"]["reused_tokens"], cached,
-                          text == (ref["choices"][0]["message"]["content"] or "")))
+            turn, text = turn_against_recompute(url, node, b.model, session, messages)
+            turns.append(turn)
             messages = [*messages, {"role": "assistant", "content": text},
                         {"role": "user", "content": f"Step {i} done; what next?"}]
         print("chat turns (path, reused, cached, equal to the recompute):", turns)
