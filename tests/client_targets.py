@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import last_use
 import pytest
 from fakes.threaded import MODEL, threaded_router_stack
 from support import metric_sum, second_router
@@ -24,10 +25,12 @@ class Target:
     stack: Any = None
 
 
-REAL = pytest.param("real", marks=[pytest.mark.vllm, pytest.mark.slow])
+#: Both real targets ask for `kvagent_bundle` at run time: the mark counts them as its users.
+_ON_THE_BUNDLE = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.shared_engine("kvagent_bundle")]
+REAL = pytest.param("real", marks=_ON_THE_BUNDLE)
 #: A router of the `single` topology (no prefill node) in front of the real bundle's decode
 #: node, as `kvagent-server up` runs it on a CPU box or one GPU.
-SINGLE = pytest.param("single", marks=[pytest.mark.vllm, pytest.mark.slow])
+SINGLE = pytest.param("single", marks=_ON_THE_BUNDLE)
 
 
 def targets(request: pytest.FixtureRequest) -> Iterator[Target]:
@@ -36,6 +39,7 @@ def targets(request: pytest.FixtureRequest) -> Iterator[Target]:
         with threaded_router_stack() as stack:
             yield Target(f"{stack.url}/v1", stack.url, MODEL, real=False, stack=stack)
         return
+    last_use.check_live("kvagent_bundle")
     real = request.getfixturevalue("kvagent_bundle")
     if not real.available:
         pytest.skip(real.reason)

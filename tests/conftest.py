@@ -11,6 +11,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+import last_use
 import pytest
 import vllm_lock
 from kvagent_server.bundle.processes import stop_groups
@@ -63,10 +64,11 @@ def vllm_node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMNode]:
         extra_args=["--enable-prompt-tokens-details", "--enable-request-id-headers"],
         max_model_len=SUITE_MAX_MODEL_LEN,  # the bundle's, which conformance compares it to
         env={"VLLM_ENABLE_RESPONSES_API_STORE": "1"})
+    stop = last_use.register("vllm_node", lambda: stop_groups(proc))
     try:
         yield node
     finally:
-        stop_groups(proc)
+        stop()
 
 
 # --------------------------------------------------------------------------- the bundle
@@ -81,10 +83,11 @@ def kvagent_bundle(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KVAgent
         return
     config = bundle_config(tmp_path_factory.mktemp("bundle"), max_model_len=SUITE_MAX_MODEL_LEN)
     handle, bundle = start_bundle(config)
+    stop = last_use.register("kvagent_bundle", bundle.stop)
     try:
         yield handle
     finally:
-        bundle.stop()
+        stop()
 
 
 @pytest.fixture
@@ -164,6 +167,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if m != path.endswith(REAL_ENGINE_SUFFIX) and (m or not partial))
     if bad:
         raise pytest.UsageError("\n".join(bad))
+
+
+# ------------------------------------------- shared engines: stopped after their last use
+
+
+class SharedEngines:
+    """Runs the real-engine modules grouped by the shared engine they use, and stops each
+    engine after its last user (`last_use`)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        last_use.order_real_engine_items(items, lambda m: m.endswith(REAL_ENGINE_SUFFIX))
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        last_use.count(session.items)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_teardown(self, item: pytest.Item,
+                                nextitem: pytest.Item | None) -> Iterator[None]:
+        yield
+        ends = nextitem is None or last_use.module_of(nextitem) != last_use.module_of(item)
+        last_use.finished(item, module_ends=ends)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.pluginmanager.register(SharedEngines(), "kvagent-shared-engines")
 
 
 # ------------------------------------------------------- two workers: `./dev test`

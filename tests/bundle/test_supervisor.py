@@ -20,7 +20,7 @@ import pytest
 import yaml
 from kvagent_server.bundle.processes import stop_groups
 from kvagent_server.bundle.runstate import load_state
-from kvagent_server.bundle.supervisor import Bundle, BundleError
+from kvagent_server.bundle.supervisor import Bundle, BundleError, log_tail
 from kvagent_server.config import ConfigError, validate_config
 from support import free_ports
 
@@ -415,3 +415,14 @@ def test_stop_sweeps_host_regions_a_tiered_bundle_left(fake_config: dict) -> Non
     with bundle_of(fake_config):
         left.write_bytes(b"\0" * 4096)  # as a node killed meanwhile would leave it
     assert not left.exists()
+
+
+def test_log_tail_drops_the_leak_report_a_node_prints_as_it_exits(tmp_path: Path) -> None:
+    log = tmp_path / "decode.log"
+    log.write_text("\n".join(["ERROR engine core died", "INFO: Finished server process",
+                              "nanobind: leaked 4 instances!",
+                              *[f' - leaked function "f{i}"' for i in range(600)],
+                              " - ... skipped remainder",
+                              "See https://nanobind.readthedocs.io/en/latest/refleaks.html"]))
+    assert log_tail(log, 2).splitlines() == ["ERROR engine core died",
+                                             "INFO: Finished server process"]

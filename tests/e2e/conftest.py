@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import last_use
 import pytest
 from support import (
     bundle_config,
@@ -68,19 +69,27 @@ def e2e(tmp_path_factory: pytest.TempPathFactory) -> Iterator[E2E]:
                         {"name": "beta", "api_keys": [BETA_KEY]}],
         },
     )
-    e2e = None
     try:
         handle, bundle = start_bundle(config)
+    except BaseException:
+        stop_redis(redis_server)
+        raise
+    e2e = E2E(bundle=bundle, base_url=handle.base_url, router_url=handle.router_url,
+              model=handle.model, prefill_url=handle.prefill_urls[0],
+              decode_url=handle.decode_urls[0], redis=redis_server)
+
+    def stop() -> None:
         try:
-            e2e = E2E(bundle=bundle, base_url=handle.base_url, router_url=handle.router_url,
-                      model=handle.model, prefill_url=handle.prefill_urls[0],
-                      decode_url=handle.decode_urls[0], redis=redis_server)
-            yield e2e
-        finally:
             bundle.stop()
+        finally:
+            # A fault test may have replaced the Redis process: stop whichever runs now.
+            stop_redis(e2e.redis)
+
+    stop = last_use.register("e2e", stop)
+    try:
+        yield e2e
     finally:
-        # A fault test may have replaced the Redis process: stop whichever runs now.
-        stop_redis(e2e.redis if e2e is not None else redis_server)
+        stop()
 
 
 # ------------------------------------------------------------------ conversations

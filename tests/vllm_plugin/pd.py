@@ -21,6 +21,7 @@ from typing import Self
 
 import httpx
 from kvagent_server.bundle.processes import stop_groups
+from kvagent_server.bundle.supervisor import log_tail
 from kvagent_server.common.ports import free_port
 from kvagent_server.models.demo import demo_serve_args, demo_serve_env, ensure_demo_model
 from kvagent_server.vllm_plugin.env import node_args, node_env
@@ -87,10 +88,7 @@ class Node:
         stop_groups(self.proc, grace=timeout)
 
     def log_tail(self, n: int = 40) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
+        return log_tail(self.log_path, n)
 
 
 def launch_node(role: str, *, core: int, log_dir: Path, ttl_s: int, threshold: int,

@@ -71,12 +71,19 @@ def probe(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+#: What a vLLM node prints as its interpreter exits: triton's bindings list every object
+#: they leaked (hundreds of lines), which would fill a tail and hide why the node stopped.
+_EXIT_NOISE = ("nanobind: ", " - leaked ", " - ... skipped remainder", "See https://nanobind")
+
+
 def log_tail(path: str | Path, lines: int = 30) -> str:
+    """A process log's last `lines` lines, without the exit noise."""
     try:
         text = Path(path).read_text(errors="replace")
     except OSError:
         return ""
-    return "\n".join(text.splitlines()[-lines:])
+    kept = [line for line in text.splitlines() if not line.startswith(_EXIT_NOISE)]
+    return "\n".join(kept[-lines:])
 
 
 class Bundle:
