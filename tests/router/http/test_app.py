@@ -44,6 +44,9 @@ async def test_fresh_then_reuse_pd() -> None:
         assert "stream_options" not in p_body
         assert d_body["kv_transfer_params"]["remote_engine_id"] == p.engine_id
         assert d_body["kv_transfer_params"]["do_remote_prefill"] is True
+        # D loads its prompt over NIXL: no tier reads for it (nor P's own computed prompt)
+        assert d_body["kv_transfer_params"]["kv_load_tiers"] == []
+        assert "kv_load_tiers" not in p_body["kv_transfer_params"]
         assert d_body["stream"] is True and d_body["return_token_ids"] is True
         assert p_body["cache_salt"] == d_body["cache_salt"]
         assert evs[-2]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -53,6 +56,8 @@ async def test_fresh_then_reuse_pd() -> None:
         params = p.requests[-1]["kv_transfer_params"]
         assert params["remote_engine_id"] == d.engine_id  # P pulls from D
         assert params["do_remote_decode"] is True and params["do_remote_prefill"] is False
+        assert params["kv_load_tiers"] == [] and d.requests[-1]["kv_transfer_params"][
+            "kv_load_tiers"] == []
         n = params["remote_num_tokens"]
         assert n == kva2["reused_tokens"] and n % st.cluster.block_size == 0 and n > 0
         assert len(params["remote_block_ids"][0]) == n // st.cluster.block_size

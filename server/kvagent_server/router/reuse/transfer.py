@@ -13,7 +13,8 @@ node frees the retained sequences it names. `kvagent_expect` (also the plugin's)
 digest of its tokens: P pulls only the leading blocks its own prompt repeats.
 `kvagent_retain` (the plugin's) makes a node that pulled a prefix as P does also decode
 the answer and keep the finished sequence as a decode node does (`d_pull`: a session
-moving between replicas takes its KV along).
+moving between replicas takes its KV along). `kv_load_tiers` (vLLM's offloading
+connector's) is `[]` on every leg that pulls over NIXL: no tier reads for a prompt NIXL loads.
 
 How the P leg consumes the rewritten params of a reuse (vLLM 0.32 NixlConnector, pull
 mode): `do_remote_decode=True` with `remote_block_ids`/`remote_engine_id`/
@@ -70,6 +71,14 @@ FIRST_TOKEN_KEY: Final = "kvagent_first_token"
 #: a later pull can use) instead of leasing it to a decode node that never comes
 #: (kvagent's vLLM plugin, `vllm_plugin.retention`).
 RETAIN_KEY: Final = "kvagent_retain"
+
+#: vLLM's offloading connector (a node with KV tiers) looks a request's prompt up in the
+#: secondary tiers this list names (disk, shared) and copies what it finds into its host
+#: tier; an empty list names none. A leg that pulls its prompt over NIXL gets `[]`: NIXL
+#: is the connector that loads it (the multi-connector takes the first with a hit), so a
+#: disk read there is wasted, and the leg waits while it runs. The host tier is still
+#: looked up (in memory, no read). Nodes without tiers ignore the key.
+LOAD_TIERS_KEY: Final = "kv_load_tiers"
 
 #: Request ids of retained decode-side sequences to free now (kvagent's vLLM plugin).
 RELEASE_KEY: Final = "kvagent_release"
@@ -148,6 +157,12 @@ def d_direct() -> dict[str, Any]:
 def with_read_by(params: dict[str, Any], read_by: float) -> dict[str, Any]:
     """D leg params (a copy) that D may act on only until `read_by` (P's lease)."""
     return {**params, READ_BY_KEY: read_by}
+
+
+def pulled_over_nixl(params: dict[str, Any]) -> dict[str, Any]:
+    """Params (a copy) of a leg that pulls its prompt over NIXL: no tier reads for it
+    (`LOAD_TIERS_KEY`)."""
+    return {**params, LOAD_TIERS_KEY: []}
 
 
 def with_prompt_ids(params: dict[str, Any], ids: Sequence[int]) -> dict[str, Any]:
@@ -252,7 +267,7 @@ def reuse_transfer_params(handle: Handle, reuse_tokens: int) -> dict[str, Any]:
     params[DO_REMOTE_DECODE] = True
     params[DO_REMOTE_PREFILL] = False
     params[EXPECT_KEY] = expect(handle.token_ids[:reuse_tokens], handle.block_size)
-    return params
+    return pulled_over_nixl(params)
 
 
 def shifted_blocks(params: dict[str, Any]) -> dict[str, Any]:

@@ -305,6 +305,8 @@ async def _pd_legs(r: Router, facts: TurnFacts, plan: TurnPlan, started: float,
     # P's lease on its blocks started about now: a D that sees the leg later recomputes.
     read_by = time.time() + plan.legs.read_within_s
     d_params = transfer.with_read_by(prefill.kv_params, read_by)
+    if d_params.get(transfer.DO_REMOTE_PREFILL):
+        d_params = transfer.pulled_over_nixl(d_params)
     if prefill.prompt_token_ids is not None:
         d_params = transfer.with_prompt_ids(d_params, prefill.prompt_token_ids)
         r.metrics.prompt_ids_forwarded.inc()
