@@ -3,15 +3,22 @@ nor replaces the owner's handle, so the owner's next turn still reuses (fake nod
 
 from __future__ import annotations
 
+import logging
+import re
 from typing import Any
 
+import pytest
 from fakes import router_stack
 from router_client import FIRST, no_wrong_kv, second, turn
 
 
-async def test_an_intruder_under_the_owner_s_session_id_branches() -> None:
+async def test_an_intruder_under_the_owner_s_session_id_branches(
+        caplog: pytest.LogCaptureFixture) -> None:
     """Two conversations share one session id and send no cache token: each keeps its own
-    handle (the intruder's is found by its content), and both reuse on their next turns."""
+    handle (the intruder's is found by its content), and both reuse on their next turns.
+    The router logs each branched turn with the branch it went to (a branch's turn gets
+    no cache token, so the log is where an operator sees which conversation it joined)."""
+    caplog.set_level(logging.INFO, logger="kvagent.router.turn")
     async with router_stack(policy={"params": {"skip_prefill_max_tokens": 64}}) as st:
         _, answer1, _ = await turn(st, FIRST, session="shared")
         owner2 = second(answer1, "Now shorter, please.")
@@ -32,6 +39,10 @@ async def test_an_intruder_under_the_owner_s_session_id_branches() -> None:
         kva_i2, _, _ = await turn(st, intruder2, session="shared")
         assert kva_i2["reused_tokens"] > 0, kva_i2
         no_wrong_kv(st)
+    branched = re.findall(r"session (\S+): the turn does not continue .* branch (\S+)",
+                          caplog.text)
+    assert len(branched) == 2 and {s for s, _ in branched} == {"shared"}, caplog.text
+    assert branched[0][1] == branched[1][1] and branched[0][1].startswith("shared~")
 
 
 async def test_a_turn_that_continues_the_latest_still_claims_it() -> None:

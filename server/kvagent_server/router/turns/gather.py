@@ -227,20 +227,22 @@ async def _find_branch(r: Router, req: TurnRequest,
         return None
     if held is None or identity.continues(held.identity, req.body) is not False:
         return None
-    log.debug("turn does not continue its session's latest handle: a branch")
     branch = f"{req.session}~{uuid.uuid4().hex[:16]}"
-    if not r.settings.content_reuse or tokenizer is None:
-        return branch, None
-    try:
-        prompt_ids = await _tokenize(r, req, tokenizer)
-    except TokenizeError as exc:
-        log.info("no branch lookup this turn: %s", exc)
-        return branch, None
-    try:  # never the session it branches from: that handle is the owner's
-        found = await _held_session(r, req, prompt_ids, exclude=req.session)
-    except StoreUnavailable:
-        found = None
-    return found or branch, prompt_ids
+    prompt_ids = None
+    if r.settings.content_reuse and tokenizer is not None:
+        try:
+            prompt_ids = await _tokenize(r, req, tokenizer)
+        except TokenizeError as exc:
+            log.info("no branch lookup this turn: %s", exc)
+    if prompt_ids is not None:
+        try:  # never the session it branches from: that handle is the owner's
+            branch = await _held_session(r, req, prompt_ids, exclude=req.session) or branch
+        except StoreUnavailable:
+            pass
+    # INFO: why a named session's turn gets no cache token (a branch is found by content)
+    log.info("session %s: the turn does not continue the session's latest held turn; "
+             "served as its branch %s", req.session, branch)
+    return branch, prompt_ids
 
 
 async def _held_session(r: Router, req: TurnRequest, prompt_ids: list[int],
