@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -16,7 +17,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -269,6 +270,41 @@ def cached_by_source(url: str) -> dict[str, float]:
             source = line.split('source="', 1)[1].split('"', 1)[0]
             out[source] = out.get(source, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
+
+
+def kv_usage(url: str) -> float:
+    """A vLLM node's engine KV in use, 0..1 (`vllm:kv_cache_usage_perc`)."""
+    return metric_sum(url, "vllm:kv_cache_usage_perc")
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
+    """Poll `cond` until it holds; fail with `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.25)
+
+
+def random_document(seed: int, n_words: int) -> list[dict[str, Any]]:
+    """A system prompt and a document of `n_words` random words (~3 tokens each): a
+    prompt no other test's prefix shares."""
+    rng = random.Random(seed)
+    text = " ".join("".join(rng.choice("etaoinshrdlucmfw") for _ in range(rng.randint(2, 7)))
+                    for _ in range(n_words))
+    return [{"role": "system", "content": "You are a terse agent. Read the document."},
+            {"role": "user", "content": f"Document {seed}: {text}"}]
+
+
+def release_nudge(url: str, model: str, timeout: float = 120.0) -> None:
+    """One one-token request to a node: its offloading scheduler builds a finished
+    request's last tier stores at the next engine step. Release-only params, as the
+    router's own releases: the node does not retain its blocks (no router knows them)."""
+    from kvagent_server.router.reuse.transfer import RELEASE_KEY
+
+    r = httpx.post(f"{url}/v1/completions", timeout=timeout,
+                   json={"model": model, "prompt": [11], "max_tokens": 1,
+                         "kv_transfer_params": {RELEASE_KEY: []}})
+    assert r.status_code == 200, r.text
 
 
 def greedy_chat(url: str, model: str, messages: list[dict[str, Any]],

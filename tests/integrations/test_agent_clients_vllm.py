@@ -164,7 +164,10 @@ def test_anthropic_client_streams_tools_and_reuses(bundle: Any, identity: str) -
     headers = ({"X-Claude-Code-Session-Id": str(uuid.uuid4())} if identity == "claude_code"
                else {})
     turns = _anthropic_turns(bundle, headers)
-    assert [hits for _, hits, _ in turns][1:] == [1, 1]
+    # what each turn was (path, reason, reuse) and said, should a later turn miss
+    seen = [(report, final.stop_reason, [b.model_dump(exclude_none=True) for b in final.content])
+            for final, _, report in turns]
+    assert [hits for _, hits, _ in turns][1:] == [1, 1], seen
     for final, _, report in turns[1:]:
         assert final.usage.cache_read_input_tokens > 0, final.usage
         assert report["path"] in ("pd_reuse", "d_direct"), report

@@ -12,7 +12,6 @@ request sent to P alone under a fresh `cache_salt`.
 
 from __future__ import annotations
 
-import random
 import time
 import uuid
 from collections.abc import Iterator
@@ -20,15 +19,18 @@ from typing import Any
 
 import httpx
 import pytest
-from kvagent_server.router.reuse.transfer import RELEASE_KEY
 from support import (
     bundle_config,
     cached_by_source,
     free_port,
+    kv_usage,
     metric_sum,
+    random_document,
+    release_nudge,
     session_chat,
     start_bundle,
     vllm_available,
+    wait_until,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -63,14 +65,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         bundle.stop()
 
 
-def document(seed: int, n_words: int) -> list[dict[str, Any]]:
-    rng = random.Random(seed)
-    text = " ".join("".join(rng.choice("etaoinshrdlucmfw") for _ in range(rng.randint(2, 7)))
-                    for _ in range(n_words))
-    return [{"role": "system", "content": "You are a terse agent. Read the document."},
-            {"role": "user", "content": f"Document {seed}: {text}"}]
-
-
 def body(model: str, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
     return {"model": model, "messages": messages, "temperature": 0.0,
             "max_tokens": max_tokens, "ignore_eos": True}
@@ -81,47 +75,24 @@ def chat(s: Any, session: str, request: dict[str, Any], token: str | None = None
     return session_chat(s.base_url, session, request, token, timeout=TIMEOUT_S)
 
 
-def nudge(url: str, model: str) -> None:
-    """One one-token request: the offloading scheduler builds a finished request's last
-    stores at the node's next engine step. Release-only params, as the router's own
-    releases: D does not retain its blocks (the router would know nothing of them)."""
-    r = httpx.post(f"{url}/v1/completions", timeout=TIMEOUT_S,
-                   json={"model": model, "prompt": [11], "max_tokens": 1,
-                         "kv_transfer_params": {RELEASE_KEY: []}})
-    assert r.status_code == 200, r.text
-
-
-def d_usage(url: str) -> float:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:kv_cache_usage_perc"))
-
-
-def wait_until(cond: Any, what: str, timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.25)
-
-
 def test_a_spilled_conversation_is_served_from_the_decode_nodes_host_tier(served: Any) -> None:
     s = served
     d_url, p_url = s.decode_urls[0], s.prefill_urls[0]
-    messages = document(1, 136)
+    messages = random_document(1, 136)
     first = chat(s, "spilled", body(s.model, messages, ANSWER_TOKENS))
     assert first["kvagent"]["path"] == "pd_fresh", first["kvagent"]
     print(f"turn 1: {first['usage']}, {first['kvagent']}")
-    nudge(d_url, s.model)  # D's host-tier stores of turn 1 are built and copied
+    release_nudge(d_url, s.model)  # D's host-tier stores of turn 1 are built and copied
     # the watermark (0.3 of D's 16 blocks) gives turn 1's retained copy up: spilled
     wait_until(lambda: metric_sum(s.router_url, "kvagent_router_spills_total") >= 1,
                "the watermark spilled nothing")
     # two other conversations overwrite what D's engine memory still caches of turn 1
     # (vLLM hands out its free blocks oldest freed first: the second takes turn 1's)
     for seed in (2, 3):
-        other = chat(s, f"other-{seed}", body(s.model, document(seed, 260), 8))
+        other = chat(s, f"other-{seed}", body(s.model, random_document(seed, 260), 8))
         print(f"other: {other['usage']}")
-        nudge(d_url, s.model)
-    wait_until(lambda: d_usage(d_url) < 0.3, "D's KV stayed above the watermark")
+        release_nudge(d_url, s.model)
+    wait_until(lambda: kv_usage(d_url) < 0.3, "D's KV stayed above the watermark")
     time.sleep(1.5)  # a retention round: the router's view of D's KV is current
     second = body(s.model, [*messages, {"role": "assistant",
                                         "content": first["choices"][0]["message"]["content"]},

@@ -1,6 +1,6 @@
 """A spilled conversation's next turn, on plain facts: the tier-load price
 (`paths.spill_path`) and what decide makes of it (`tier_path.with_spill` in the cost
-model's decide)."""
+model's decide, `tier_path.on_the_node` in the single and replicas policies)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from kvagent_server.router.reuse.paths import LinearCost, PathCosts
 from kvagent_server.router.reuse.queue import IDLE, NodeWork
 from kvagent_server.router.reuse.spill import Spilled, TierReuse, spill_of
 from kvagent_server.router.turns import policy, policy_params
-from kvagent_server.router.turns.shapes import TurnFacts
+from kvagent_server.router.turns.shapes import NEED_PROMPT_IDS, TurnFacts
 from test_stages import COST_MODEL, HELD, PROMPT, _facts, _handle, _plan
 
 D0 = Node(name="d0", url="http://d0", role="decode", healthy=True, epoch="c1")
@@ -128,5 +128,51 @@ def test_only_a_verified_prefix_of_the_same_identity_is_loaded() -> None:
 def test_a_spill_needs_the_prompt_ids() -> None:
     facts = spilled_facts(NodeTiers(host=True), prompt_ids=(), tokenizable=True)
     assert facts.ids_matter
-    from kvagent_server.router.turns.shapes import NEED_PROMPT_IDS
     assert COST_MODEL.decide(facts) is NEED_PROMPT_IDS
+
+
+# ------------------------------------------------------------------ no P to weigh
+
+
+SINGLE = policy.SinglePolicy(policy_params.ReuseParams())
+
+
+def test_single_loads_a_spilled_turn_on_its_node_whatever_the_costs() -> None:
+    """One node computes every prompt: a spill verified against its record goes
+    `d_direct` there with the tier's reason, even where a recompute on a (missing) P
+    would price lower or the node is at its watermark."""
+    tiers = NodeTiers(host=True, disk=True, chunk_tokens=16)
+    slow = TierCosts(cpu_s_per_token=5e-3, disk_s_per_token=5e-3)
+    for facts in (spilled_facts(tiers, p_first=None),
+                  spilled_facts(tiers, p_first=None, d_kv_usage=0.99),
+                  spilled_facts(tiers, p_first=None, costs=COSTS,
+                                d_work=NodeWork(prefill_tokens=0, streams=60))):
+        assert facts.spilled is not None
+        facts = dataclasses.replace(facts,
+                                    spilled=dataclasses.replace(facts.spilled, costs=slow))
+        plan = _plan(SINGLE.decide(facts))
+        assert (plan.path, plan.reuse.label, plan.tier_source) == (
+            "d_direct", "hit:tier_host", "tier_host"), plan
+        assert plan.holder is D0 and plan.handle is None and plan.reuse.reuse_tokens == 128
+        assert plan.decode_params(D0) == {"do_remote_prefill": False,
+                                          "do_remote_decode": False}
+    disk_only = _plan(SINGLE.decide(spilled_facts(NodeTiers(disk=True, chunk_tokens=16),
+                                                  p_first=None)))
+    assert (disk_only.path, disk_only.reuse.label) == ("d_direct", "hit:tier_disk")
+
+
+def test_single_recomputes_a_spill_it_cannot_verify_or_that_another_node_holds() -> None:
+    tiers = NodeTiers(host=True, chunk_tokens=16)
+    other = Node(name="d1", url="http://d1", role="decode", healthy=True, epoch="x")
+    salt = IdentityCheck(reason="identity_changed", detail="salt", cap=0)
+    for facts in (spilled_facts(tiers, p_first=None, prompt_ids=(999, *PROMPT[1:])),
+                  spilled_facts(tiers, p_first=None, identity=salt),
+                  spilled_facts(tiers, p_first=None, d_first=other),  # another replica
+                  spilled_facts(tiers, p_first=None,
+                                d_first=dataclasses.replace(D0, epoch="c2")),  # restarted
+                  spilled_facts(tiers, p_first=None, d_healthy=False)):
+        plan = _plan(SINGLE.decide(facts))
+        assert plan.path == "d_fresh" and plan.tier is None and plan.tier_source is None
+        assert plan.reuse.reuse_tokens == 0
+    assert SINGLE.decide(spilled_facts(tiers, p_first=None, prompt_ids=(),
+                                       tokenizable=True)) is NEED_PROMPT_IDS

@@ -309,8 +309,10 @@ class FixedPolicy(_Decides):
 @dataclasses.dataclass(frozen=True)
 class SinglePolicy(_Decides):
     """One node serves every turn (the `single` topology): a verified prefix the decode
-    node holds is extended there (`d_direct`); any other turn's prompt it computes whole
-    (`d_fresh`), as an aggregated node would. Never a P leg."""
+    node holds is extended there (`d_direct`), and so is one the router gave up to that
+    node's KV tiers (`d_direct`, `hit:tier_host`: `tier_path.on_the_node`); any other
+    turn's prompt it computes whole (`d_fresh`), as an aggregated node would. Never a P
+    leg."""
 
     reuse: ReuseParams
     name: str = "single"
@@ -327,7 +329,9 @@ class SinglePolicy(_Decides):
         if reuse.reuses:  # verified, but held on a node this turn does not go to
             path, reuse = self._moved(facts, reuse)
         plan = _plan(facts, path, reuse, prompt_len)
-        return dataclasses.replace(plan, est_tokens=prompt_len or facts.est_tokens)
+        plan = dataclasses.replace(plan, est_tokens=prompt_len or facts.est_tokens)
+        # a conversation given up to the node's tiers: loaded there, and said so
+        return tier_path.on_the_node(facts, plan, threshold=self.reuse.threshold)
 
     def _moved(self, facts: TurnFacts, reuse: planner.ReusePlan
                ) -> tuple[paths.Path, planner.ReusePlan]:

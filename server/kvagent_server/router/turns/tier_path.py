@@ -2,7 +2,8 @@
 is computed, loading the spilled prefix from a tier. Pure (docs/tiers.md, "Spilled, not
 gone").
 
-A path policy calls `with_spill` on the plan it made without the spill (a turn with no
+A path policy calls `with_spill` (`on_the_node` where no P leg is weighed) on the plan it
+made without the spill (a turn with no
 handle is `pd_fresh`, `d_fresh` or `recompute`): when the prompt repeats whole chunks of
 what the tiers got (`spill.plan_spill`), `paths.spill_path` prices a load from the
 holding node's tiers (`d_direct` there), P loading the shared disk, and P recomputing.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvagent_server.router.nodes.registry import Node
 from kvagent_server.router.reuse import paths, planner, spill
 from kvagent_server.router.turns.shapes import TurnFacts, TurnPlan
 
@@ -41,12 +43,37 @@ def with_spill(facts: TurnFacts, plan: TurnPlan, *, threshold: int, d_free: bool
         p_work=facts.p_work if facts.p_first is not None else None, d_work=facts.d_work,
         d_stall_max_s=d_stall_max_s)
     if choice == "d_direct":
-        source: spill.Source = "tier_host" if tier.host_tokens else "tier_disk"
-        reuse = planner.ReusePlan(reuse_tokens=tier.tokens, reason=planner.Reason.HIT,
-                                  detail=source, common_prefix=tier.common_prefix,
-                                  cached_tokens=tier.tokens)
-        return dataclasses.replace(plan, path="d_direct", reuse=reuse, holder=d,
-                                   tier=tier, tier_source=source)
+        assert d is not None  # `d_ok`
+        return _loaded_on(d, plan, tier)
     if choice == "p_tier" and plan.path not in paths.ON_DECODE:
         return dataclasses.replace(plan, tier=tier, tier_source="tier_disk")
     return plan
+
+
+def on_the_node(facts: TurnFacts, plan: TurnPlan, *, threshold: int) -> TurnPlan:
+    """`plan`, or for a turn with no P leg to weigh (`single`, `replicas`) whose spilled
+    prefix is in the tiers of the node it is placed on: `d_direct` there, loading it.
+
+    Nothing is priced: that node computes the prompt either way, and what its engine
+    finds in its own tiers it loads instead (vLLM's lookup, by block hash). The plan says
+    so, verified against the spill record, where a `d_fresh` would hide it."""
+    spilled, d = facts.spilled, facts.d_first
+    if (spilled is None or plan.reuse.reuses or not facts.prompt_ids or d is None
+            or plan.path != "d_fresh" or not facts.d_healthy):
+        return plan
+    tier = spill.plan_spill(facts.prompt_ids, spilled, threshold=threshold,
+                            identity=facts.identity)
+    if tier is None or d.name != tier.node or d.epoch != tier.epoch:
+        return plan
+    return _loaded_on(d, plan, tier)
+
+
+def _loaded_on(d: Node, plan: TurnPlan, tier: spill.TierReuse) -> TurnPlan:
+    """`d_direct` on the node whose tiers hold the spilled prefix (`hit:tier_host`, or
+    `hit:tier_disk` where only its disk tier has it)."""
+    source: spill.Source = "tier_host" if tier.host_tokens else "tier_disk"
+    reuse = planner.ReusePlan(reuse_tokens=tier.tokens, reason=planner.Reason.HIT,
+                              detail=source, common_prefix=tier.common_prefix,
+                              cached_tokens=tier.tokens)
+    return dataclasses.replace(plan, path="d_direct", reuse=reuse, holder=d, tier=tier,
+                               tier_source=source)
