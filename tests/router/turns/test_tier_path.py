@@ -14,7 +14,7 @@ from kvagent_server.router.reuse.identity import IdentityCheck
 from kvagent_server.router.reuse.paths import LinearCost, PathCosts
 from kvagent_server.router.reuse.queue import IDLE, NodeWork
 from kvagent_server.router.reuse.spill import Spilled, TierReuse, spill_of
-from kvagent_server.router.turns import policy, policy_params
+from kvagent_server.router.turns import policy, policy_params, tier_path
 from kvagent_server.router.turns.shapes import NEED_PROMPT_IDS, TurnFacts
 from test_stages import COST_MODEL, HELD, PROMPT, _facts, _handle, _plan
 
@@ -176,3 +176,31 @@ def test_single_recomputes_a_spill_it_cannot_verify_or_that_another_node_holds()
         assert plan.reuse.reuse_tokens == 0
     assert SINGLE.decide(spilled_facts(tiers, p_first=None, prompt_ids=(),
                                        tokenizable=True)) is NEED_PROMPT_IDS
+
+
+def test_a_turn_whose_handle_was_given_up_while_it_waited_loads_it_back() -> None:
+    """`single`: the turn's own handle went for another turn's room (the admission gate)
+    before its leg was sent; on a node with tiers the turn stays `d_direct` there, loading
+    what it had verified from the tiers, and pins and frees no handle."""
+    facts = _facts(d_first=D0, p_first=None, handle=_handle(prompt_tokens=len(HELD)))
+    plan = dataclasses.replace(_plan(SINGLE.decide(facts)), holder=D0)
+    assert plan.path == "d_direct" and plan.handle is not None
+    verified = plan.reuse.reuse_tokens
+    back = tier_path.reloaded(plan, NodeTiers(host=True, chunk_tokens=16), threshold=64,
+                              now=0.0)
+    assert back is not None and (back.path, back.reuse.label) == ("d_direct", "hit:tier_host")
+    assert back.handle is None and back.holder is D0 and back.tier_source == "tier_host"
+    # the prompt's whole chunks of what was verified (prompt-only tiers)
+    assert back.reuse.reuse_tokens == min(verified, len(HELD) - len(HELD) % 16)
+    assert back.decode_params(D0) == {"do_remote_prefill": False, "do_remote_decode": False}
+    disk = tier_path.reloaded(plan, NodeTiers(disk=True, chunk_tokens=16), threshold=64,
+                              now=0.0)
+    assert disk is not None and disk.reuse.label == "hit:tier_disk"
+    # nothing to load: no tiers, a chunk above what was verified, or not a d_direct reuse
+    assert tier_path.reloaded(plan, None, threshold=64, now=0.0) is None
+    assert tier_path.reloaded(plan, NodeTiers(), threshold=64, now=0.0) is None
+    assert tier_path.reloaded(plan, NodeTiers(host=True, chunk_tokens=4096), threshold=64,
+                              now=0.0) is None
+    fresh = _plan(SINGLE.decide(_facts(handle=None, prompt_ids=(), identity=None,
+                                       d_holds=False, est_tokens=500)))
+    assert tier_path.reloaded(fresh, NodeTiers(host=True), threshold=64, now=0.0) is None

@@ -40,6 +40,7 @@ from kvagent_server.router.nodes.retention import remote_request_id
 from kvagent_server.router.reuse import paths, planner, transfer
 from kvagent_server.router.store.handle import Handle, handle_blocks
 from kvagent_server.router.telemetry.spans import leg_span
+from kvagent_server.router.turns import tier_path
 from kvagent_server.router.turns.context import Router
 from kvagent_server.router.turns.shapes import Turn, TurnFacts, TurnPlan, TurnRequest
 
@@ -69,10 +70,27 @@ async def execute(r: Router, facts: TurnFacts, plan: TurnPlan, started: float) -
         else:
             if turn is not None:
                 return turn
+            if (back := _reloaded(r, facts, plan)) is not None:
+                turn = await _run_on_decode(r, facts, back, started)
+                assert turn is not None  # it pins no handle, so none is revoked
+                return turn
             plan = plan.without_room()
         if _no_prefill(r):  # recompute on D: the one decode node computes the prompt
             return await _recompute_on_decode(r, facts, plan, started)
     return await _run_pd(r, facts, plan, started)
+
+
+def _reloaded(r: Router, facts: TurnFacts, plan: TurnPlan) -> TurnPlan | None:
+    """Where there is no P, a `d_direct` turn whose handle was given up for room while
+    it waited loads that prefix from the node's tiers instead (`tier_path.reloaded`)."""
+    if not _no_prefill(r) or r.spills is None or plan.holder is None:
+        return None
+    back = tier_path.reloaded(plan, r.spills.tiers.get(plan.holder.name),
+                              threshold=r.settings.nodes.kv_recompute_threshold,
+                              now=time.time())
+    if back is not None:
+        _record_decision(r, facts, dataclasses.replace(back, p_reason=None, d_reason=None))
+    return back
 
 
 #: The paths served by one leg on a decode node, which computes the prompt (or its delta).

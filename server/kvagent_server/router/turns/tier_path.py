@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from kvagent_server.router.kv.tiers import NodeTiers
 from kvagent_server.router.nodes.registry import Node
 from kvagent_server.router.reuse import paths, planner, spill
 from kvagent_server.router.turns.shapes import TurnFacts, TurnPlan
@@ -77,3 +78,26 @@ def _loaded_on(d: Node, plan: TurnPlan, tier: spill.TierReuse) -> TurnPlan:
                               cached_tokens=tier.tokens)
     return dataclasses.replace(plan, path="d_direct", reuse=reuse, holder=d, tier=tier,
                                tier_source=source)
+
+
+def reloaded(plan: TurnPlan, tiers: NodeTiers | None, *, threshold: int,
+             now: float) -> TurnPlan | None:
+    """A `d_direct` turn whose own handle was given up for another turn's room while it
+    waited (`nodes.admission`), on a node with tiers and no P to go to: `d_direct` on the
+    same node, loading the prefix it had verified from the tiers the blocks went to
+    (`hit:tier_host`), instead of a fresh prompt. None: nothing to load (no tiers, not a
+    `d_direct` of a handle, or what the tiers got of it is below `threshold`)."""
+    handle, d = plan.handle, plan.holder
+    if plan.path != "d_direct" or handle is None or d is None or tiers is None:
+        return None
+    given_up = spill.spill_of(handle, tiers, now)
+    if given_up is None:
+        return None
+    tokens = min(plan.reuse.reuse_tokens, given_up.stored_tokens)
+    tokens -= tokens % given_up.chunk_tokens
+    if tokens < max(threshold, 1):
+        return None
+    tier = spill.TierReuse(node=d.name, epoch=d.epoch, host_tokens=tokens if tiers.host else 0,
+                           disk_tokens=tokens if tiers.disk else 0, shared=given_up.shared,
+                           common_prefix=plan.reuse.common_prefix)
+    return _loaded_on(d, dataclasses.replace(plan, handle=None), tier)
