@@ -295,6 +295,14 @@ def random_document(seed: int, n_words: int) -> list[dict[str, Any]]:
             {"role": "user", "content": f"Document {seed}: {text}"}]
 
 
+def ignore_eos_body(model: str, messages: list[dict[str, Any]], max_tokens: int
+                    ) -> dict[str, Any]:
+    """A greedy chat request that generates exactly `max_tokens` (`ignore_eos`): a turn
+    whose KV size the test knows."""
+    return {"model": model, "messages": messages, "temperature": 0.0,
+            "max_tokens": max_tokens, "ignore_eos": True}
+
+
 def release_nudge(url: str, model: str, timeout: float = 120.0) -> None:
     """One one-token request to a node: its offloading scheduler builds a finished
     request's last tier stores at the next engine step. Release-only params, as the

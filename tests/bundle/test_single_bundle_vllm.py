@@ -19,7 +19,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
@@ -29,6 +28,7 @@ from support import (
     bundle_config,
     cached_by_source,
     free_port,
+    ignore_eos_body,
     kv_usage,
     metric_sum,
     random_document,
@@ -54,10 +54,6 @@ def cli(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "kvagent_server.cli", *args], check=False,
                           capture_output=True, text=True, timeout=timeout)
 
-
-def body(model: str, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
-    return {"model": model, "messages": messages, "temperature": 0.0,
-            "max_tokens": max_tokens, "ignore_eos": True}
 
 
 def test_up_single_with_tiers_reuses_kv_and_loads_a_spilled_conversation(
@@ -97,19 +93,19 @@ def test_up_single_with_tiers_reuses_kv_and_loads_a_spilled_conversation(
         # a conversation given up for room, then overwritten in engine memory
         base = f"{router}/v1"
         messages = random_document(1, 136)
-        turn1 = session_chat(base, "spilled", body(model, messages, 16), timeout=TIMEOUT_S)
+        turn1 = session_chat(base, "spilled", ignore_eos_body(model, messages, 16), timeout=TIMEOUT_S)
         assert turn1["kvagent"]["path"] == "d_fresh", turn1["kvagent"]
         spills = metric_sum(router, "kvagent_router_spills_total")
         release_nudge(node, model)  # the node's host-tier stores of turn 1 are built
         wait_until(lambda: metric_sum(router, "kvagent_router_spills_total") > spills,
                    "the watermark spilled nothing")
         for seed in (2, 3):  # vLLM hands out its free blocks oldest freed first
-            session_chat(base, f"other-{seed}", body(model, random_document(seed, 260), 8),
+            session_chat(base, f"other-{seed}", ignore_eos_body(model, random_document(seed, 260), 8),
                          timeout=TIMEOUT_S)
             release_nudge(node, model)
         wait_until(lambda: kv_usage(node) < 0.3, "the node's KV stayed above the watermark")
         time.sleep(1.5)  # a retention round: the router's view of the node is current
-        request = body(model, [*messages, {
+        request = ignore_eos_body(model, [*messages, {
             "role": "assistant", "content": turn1["choices"][0]["message"]["content"]},
             {"role": "user", "content": "Now list the rarest words."}], 16)
         before = cached_by_source(node)

@@ -18,7 +18,6 @@ so nothing is reused), as the end-to-end suites do.
 from __future__ import annotations
 
 import os
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,7 +29,9 @@ from support import (
     bundle_config,
     cached_by_source,
     free_port,
+    ignore_eos_body,
     metric_sum,
+    random_document,
     recomputed_answer,
     session_chat,
     start_bundle,
@@ -48,7 +49,6 @@ P_BLOCKS, D_BLOCKS = 12, 16
 MAX_MODEL_LEN = (P_BLOCKS - 1) * BLOCK
 ANSWER_TOKENS = 64
 TIMEOUT_S = 300
-SYSTEM = "You are a terse agent. Read the document."
 
 
 class Served:
@@ -85,18 +85,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         bundle.stop()
 
 
-def words(rng: random.Random, n: int) -> str:
-    return " ".join("".join(rng.choice("etaoinshrdlucmfw") for _ in range(rng.randint(2, 7)))
-                    for _ in range(n))
-
-
 def document(s: Served, seed: int, lo: int, hi: int) -> list[dict[str, Any]]:
     """A system prompt and a document of random words whose rendered prompt has `lo` to
     `hi` tokens (P's `/tokenize` counts them as the chat renders them)."""
     for n_words in range(lo // 5, hi // 2):
-        messages = [{"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": f"Document {seed}: "
-                                                f"{words(random.Random(seed), n_words)}"}]
+        messages = random_document(seed, n_words)
         r = httpx.post(f"{s.prefill_url}/tokenize", timeout=TIMEOUT_S,
                        json={"model": s.model, "messages": messages,
                              "add_generation_prompt": True})
@@ -116,8 +109,7 @@ def recomputed(s: Any, request: dict[str, Any]) -> str:
 
 
 def body(s: Served, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
-    return {"model": s.model, "messages": messages, "temperature": 0.0,
-            "max_tokens": max_tokens, "ignore_eos": True}
+    return ignore_eos_body(s.model, messages, max_tokens)
 
 
 def delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

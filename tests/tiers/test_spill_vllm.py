@@ -23,6 +23,7 @@ from support import (
     bundle_config,
     cached_by_source,
     free_port,
+    ignore_eos_body,
     kv_usage,
     metric_sum,
     random_document,
@@ -65,10 +66,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         bundle.stop()
 
 
-def body(model: str, messages: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
-    return {"model": model, "messages": messages, "temperature": 0.0,
-            "max_tokens": max_tokens, "ignore_eos": True}
-
 
 def chat(s: Any, session: str, request: dict[str, Any], token: str | None = None
          ) -> dict[str, Any]:
@@ -79,7 +76,7 @@ def test_a_spilled_conversation_is_served_from_the_decode_nodes_host_tier(served
     s = served
     d_url, p_url = s.decode_urls[0], s.prefill_urls[0]
     messages = random_document(1, 136)
-    first = chat(s, "spilled", body(s.model, messages, ANSWER_TOKENS))
+    first = chat(s, "spilled", ignore_eos_body(s.model, messages, ANSWER_TOKENS))
     assert first["kvagent"]["path"] == "pd_fresh", first["kvagent"]
     print(f"turn 1: {first['usage']}, {first['kvagent']}")
     release_nudge(d_url, s.model)  # D's host-tier stores of turn 1 are built and copied
@@ -89,12 +86,12 @@ def test_a_spilled_conversation_is_served_from_the_decode_nodes_host_tier(served
     # two other conversations overwrite what D's engine memory still caches of turn 1
     # (vLLM hands out its free blocks oldest freed first: the second takes turn 1's)
     for seed in (2, 3):
-        other = chat(s, f"other-{seed}", body(s.model, random_document(seed, 260), 8))
+        other = chat(s, f"other-{seed}", ignore_eos_body(s.model, random_document(seed, 260), 8))
         print(f"other: {other['usage']}")
         release_nudge(d_url, s.model)
     wait_until(lambda: kv_usage(d_url) < 0.3, "D's KV stayed above the watermark")
     time.sleep(1.5)  # a retention round: the router's view of D's KV is current
-    second = body(s.model, [*messages, {"role": "assistant",
+    second = ignore_eos_body(s.model, [*messages, {"role": "assistant",
                                         "content": first["choices"][0]["message"]["content"]},
                             {"role": "user", "content": "Now list the rarest words."}],
                   ANSWER_TOKENS)
