@@ -47,6 +47,12 @@ class Served:
     def __init__(self, handle: Any) -> None:
         self.base_url, self.router_url = handle.base_url, handle.router_url
         self.prefill_url, self.model = handle.prefill_urls[0], handle.model
+        self.router_log = handle.run_dir / "logs" / "router.log"
+
+    def evictions(self) -> list[str]:
+        """The router's log lines of what it evicted, and why."""
+        return [line for line in self.router_log.read_text().splitlines()
+                if "kvagent.router.retention" in line]
 
 
 @pytest.fixture(scope="module")
@@ -148,7 +154,8 @@ def test_a_session_waiting_on_a_tool_keeps_its_kv_while_finished_ones_go(
         {"role": "tool", "tool_call_id": calls[0]["id"], "content": "build ok"}]}
     back = chat(served, "waits-on-a-tool", nxt, waiting["kvagent"]["cache_token"])
     kva = back["kvagent"]
-    assert kva["reused_tokens"] > 900, (kva["reason"], kva["path"], kva["reused_tokens"])
+    assert kva["reused_tokens"] > 900, (kva["reason"], kva["path"], kva["reused_tokens"],
+                                        served.evictions())
     assert back["choices"][0]["message"]["content"] == recomputed(served, nxt)
     # The first finished session's KV went for the others' room: it recomputes.
     session, body, out = finished[0]

@@ -31,16 +31,29 @@ class FakeDecode:
     stalled: bool = False  # nothing runs while requests wait
     released: list[str] = field(default_factory=list)
     evictions: list[int] = field(default_factory=list)
+    #: Reads after an eviction that still show the evicted blocks (the node frees them on
+    #: its next step, its metrics catch up after).
+    lag_reads: int = 0
+    unseen: int = 0
+    unseen_reads: int = 0
 
     @property
     def used(self) -> int:
         return sum(self.unclaimed) + sum(self.pinned.values()) + self.other
 
+    def figure(self) -> int:
+        """The blocks its /metrics shows used now."""
+        if self.unseen_reads > 0:
+            self.unseen_reads -= 1
+            return self.used + self.unseen
+        self.unseen = 0
+        return self.used
+
 
 def _gate(d: FakeDecode, room: LegLedger, *, max_wait_s: float = 2.0) -> DecodeGate:
     async def refresh(node: Node) -> None:
         if d.reports:
-            room.observe(node.name, total_blocks=d.total, usage=d.used / d.total,
+            room.observe(node.name, total_blocks=d.total, usage=d.figure() / d.total,
                          read_at=time.monotonic(), stalled=d.stalled)
 
     async def make_room(node: Node, blocks: int) -> int:
@@ -49,6 +62,7 @@ def _gate(d: FakeDecode, room: LegLedger, *, max_wait_s: float = 2.0) -> DecodeG
             freed += d.unclaimed.pop(0)
         if freed:
             d.evictions.append(freed)
+            d.unseen, d.unseen_reads = d.unseen + freed, d.lag_reads
         return freed
 
     async def release(node: Node, ids: list[str]) -> None:
@@ -98,6 +112,39 @@ async def test_evicts_unclaimed_handles_for_the_shortfall_only() -> None:
     a = await _admit(gate, 50)
     assert a.promised and not a.revoked
     assert d.evictions == [40] and d.unclaimed == [20, 20]  # 30 short: the two oldest
+
+
+async def test_waits_for_the_figure_to_show_what_it_freed_before_freeing_more() -> None:
+    # Two reads after the eviction still show the evicted handle: without waiting for
+    # them the gate would take the next handle too (one a session is about to reuse).
+    d = FakeDecode(total=100, unclaimed=[30, 30], other=30, lag_reads=2)
+    room = LegLedger()
+    gate = _gate(d, room)
+    await gate.refresh(NODE)
+    a = await asyncio.wait_for(_admit(gate, 40), 2)
+    assert a.promised and d.evictions == [30] and d.unclaimed == [30]
+
+
+async def test_frees_more_once_the_figure_shows_the_first_was_not_enough() -> None:
+    # The evicted blocks show, and the turn is still short (the node's other use grew):
+    # the next handle goes at once, without waiting out the settle time.
+    d = FakeDecode(total=100, unclaimed=[30, 30], other=30)
+    room = LegLedger()
+    gate = _gate(d, room)
+    await gate.refresh(NODE)
+
+    async def make_room(node: Node, blocks: int) -> int:
+        d.other += 5 if len(d.evictions) == 0 else 0
+        freed = d.unclaimed.pop(0) if d.unclaimed else 0
+        if freed:
+            d.evictions.append(freed)
+        return freed
+
+    gate.make_room = make_room
+    t0 = time.monotonic()
+    a = await asyncio.wait_for(_admit(gate, 40), 2)
+    assert a.promised and d.evictions == [30, 30]
+    assert time.monotonic() - t0 < 1.0  # settle_s is 3 s
 
 
 async def test_a_turn_may_count_the_handle_its_own_pull_frees() -> None:
@@ -274,3 +321,14 @@ async def test_top_up_evicts_only_what_the_growth_leaves_short() -> None:
     assert d.evictions == [20] and d.unclaimed == [20, 20]
     assert room.resize(leg, 10) == 0  # shrinking frees its promise, evicts nothing
     assert await gate.top_up(NODE, 0) == 0 and d.evictions == [20]
+
+
+async def test_top_up_reads_the_node_before_it_evicts() -> None:
+    d, room = FakeDecode(total=100, unclaimed=[20, 20, 20]), LegLedger()
+    gate = _gate(d, room)
+    await gate.refresh(NODE)  # 60 retained, 40 free
+    leg = _leg(room)
+    assert (await gate.admit(NODE, leg, 30)).promised
+    d.unclaimed.pop(0)  # released since the last read (the watermark's round)
+    assert await gate.top_up(NODE, room.resize(leg, 55)) == 0  # 5 to spare, not 15 short
+    assert not d.evictions and d.unclaimed == [20, 20]

@@ -14,6 +14,13 @@ to finish), the gate releases the newest waiter's handle, and that turn recomput
 prompt (`Admitted.revoked`). Releasing is safe as always: the handle was claimed, so no
 one else can present it. Room held by what the router cannot see (another router
 replica's turns) is waited for up to `max_wait_s`, then the turn is refused (503).
+
+Blocks the gate just freed show in the node's figure only after the node's next step has
+freed them and its metrics caught up; until then the figure looks as short as before.
+So after freeing, the gate gives the figure up to `settle_s` to move before it frees more
+(a figure that moved and is still short frees more at once): otherwise one turn's wait
+takes the next handles in line too, last of all the handle of a session expected back
+from its tool any moment.
 """
 
 from __future__ import annotations
@@ -82,14 +89,16 @@ class DecodeGate:
 
     def __init__(self, ledger: LegLedger, *, make_room: MakeRoom, refresh: Refresh,
                  release: Release, max_wait_s: float, poll_s: float = 0.25,
+                 settle_s: float = 3.0,
                  clock: Callable[[], float] = time.monotonic,
                  on_wait: Callable[[], None] = lambda: None,
                  on_revoke: Callable[[], None] = lambda: None) -> None:
-        if max_wait_s <= 0 or poll_s <= 0:
-            raise ValueError("max_wait_s and poll_s must be positive")
+        if max_wait_s <= 0 or poll_s <= 0 or settle_s < 0:
+            raise ValueError("max_wait_s and poll_s must be positive, settle_s not negative")
         self.ledger = ledger
         self.make_room, self.refresh, self.release = make_room, refresh, release
         self.max_wait_s, self.poll_s, self.clock = max_wait_s, poll_s, clock
+        self.settle_s = settle_s
         self._lines: dict[str, list[Waiter]] = {}
         self._turn: dict[str, asyncio.Lock] = {}
         self.on_wait, self.on_revoke = on_wait, on_revoke
@@ -111,6 +120,8 @@ class DecodeGate:
     async def _take(self, node: Node, leg: int, me: Waiter) -> Admitted:
         deadline = self.clock() + self.max_wait_s
         refreshed = waited = False
+        #: (until when, the free blocks then): room freed that the figure does not show yet.
+        settling: tuple[float, int] | None = None
         while True:
             now = self.clock()
             free, total = self.ledger.free(node.name, now), self.ledger.total(node.name)
@@ -128,6 +139,13 @@ class DecodeGate:
                 await self.refresh(node)
                 continue
             assert free is not None
+            if settling is not None:
+                until, free_then = settling
+                if free <= free_then and now < until:
+                    await asyncio.sleep(self.poll_s)  # the figure has not shown it yet
+                    await self.refresh(node)
+                    continue
+                settling = None
             if not waited:
                 waited = True
                 self.on_wait()
@@ -135,10 +153,12 @@ class DecodeGate:
             freed = await self.make_room(node, short)
             if freed <= 0 and self._stuck(node):
                 freed = await self._revoke(node, short)
-            if freed <= 0:
-                if now >= deadline:
-                    raise NoRoom(f"decode node {node.name} had no KV room for "
-                                 f"{me.blocks} blocks within {self.max_wait_s:.0f} s")
+            if freed > 0:
+                settling = (self.clock() + self.settle_s, free)
+            elif now >= deadline:
+                raise NoRoom(f"decode node {node.name} had no KV room for "
+                             f"{me.blocks} blocks within {self.max_wait_s:.0f} s")
+            else:
                 await asyncio.sleep(self.poll_s)
             await self.refresh(node)
 
@@ -148,9 +168,14 @@ class DecodeGate:
         handles of the node for what it is now short, at once, since the D leg goes next
         with P's lease running. Without this a prompt that tokenizes denser than the
         estimate goes to a node without room for it, where it waits, nothing running, for
-        retained blocks only their TTL frees. Returns the blocks freed."""
+        retained blocks only their TTL frees. The node's figure is read again first: the
+        last one may predate room freed since. Returns the blocks freed."""
         free = self.ledger.free(node.name, self.clock())
         if grown <= 0 or free is None or free >= 0:
+            return 0
+        await self.refresh(node)
+        free = self.ledger.free(node.name, self.clock())
+        if free is None or free >= 0:
             return 0
         freed = await self.make_room(node, min(grown, -free))
         if freed:

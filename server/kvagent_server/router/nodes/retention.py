@@ -306,9 +306,11 @@ class RetentionGuard:
         unclaimed handles go, in the retention policy's order; returns the blocks they held."""
         evicted = await self._evict(node.name, node.url, node.epoch, max(blocks, 1),
                                     self.scan_limit, for_turn=True)
-        if evicted:
+        if evicted:  # which sessions, and how their turns ended: what retention weighed
             log.info("decode %s: evicted %d retained handle(s) (%d blocks) for a waiting "
-                     "turn", node.name, len(evicted), sum(map(handle_blocks, evicted)))
+                     "turn: %s", node.name, len(evicted), sum(map(handle_blocks, evicted)),
+                     ", ".join(f"{h.session} ({h.end.kind if h.end else 'unknown'})"
+                               for h in evicted))
         return sum(map(handle_blocks, evicted))
 
     async def refresh(self, node: Node) -> None:
