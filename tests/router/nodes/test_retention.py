@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from fakes import FakeCluster, Reply, decode_ids, default_reply, router_stack
 from kvagent_server.router.nodes.client import NodeResponse, UpstreamError
+from kvagent_server.router.nodes.registry import Node
 from kvagent_server.router.nodes.retention import (
     NodeKV,
     PolicyEviction,
@@ -147,6 +148,49 @@ async def test_a_release_the_node_did_not_take_is_sent_again_next_round() -> Non
     assert await guard.flush("d0", "http://d0") is True
     assert node.released == [["r1", "r2"]] and guard.queue.pending("d0") == 0
     assert outcomes == [(False, 2), (True, 2)]
+
+
+class _SlowNode:
+    """A decode node's HTTP client whose releases wait for `answer`; /metrics answers."""
+
+    def __init__(self) -> None:
+        self.answer = asyncio.Event()
+
+    async def post(self, url: str, body: dict[str, Any], *, stream: bool,
+                   headers: dict[str, str] | None = None,
+                   timeout_s: float | None = None) -> NodeResponse:
+        await self.answer.wait()
+        return NodeResponse(None, b"", 200)
+
+    async def get(self, url: str, *, timeout_s: float | None = None) -> NodeResponse:
+        return NodeResponse(None, b'vllm:kv_cache_usage_perc{model_name="m"} 0.5\n', 200)
+
+
+async def test_room_is_on_its_way_from_an_eviction_until_a_read_after_its_release() -> None:
+    """What the decode gate waits for instead of evicting by a figure that still holds
+    blocks the store has given up (nodes/admission.py)."""
+    node = _SlowNode()
+
+    async def evict(name: str, blocks: int, max_handles: int) -> list[Handle]:
+        return [_handle({REMOTE_REQUEST_ID: "cmpl-1", REMOTE_BLOCK_IDS: [4, 5]})]
+
+    async def evict_nothing(name: str, blocks: int, max_handles: int) -> list[Handle]:
+        return []
+
+    guard = RetentionGuard(lambda name: node, nodes=list, evict=evict, model=lambda: "m",
+                           high=0.9, low=0.5, interval_s=60)
+    assert not guard.room_on_its_way("d0")
+    evicting = asyncio.create_task(guard.make_room(Node("d0", "http://d0", "decode", epoch="e"), 2))
+    await asyncio.sleep(0.02)
+    assert guard.room_on_its_way("d0") and not guard.room_on_its_way("d1")  # being sent
+    node.answer.set()
+    assert await evicting == 2
+    assert guard.room_on_its_way("d0")  # answered; no read since
+    assert await guard.read_kv("d0", "http://d0") is not None
+    assert not guard.room_on_its_way("d0")
+    guard.evict_for_turn = evict_nothing  # nothing given up: nothing on its way
+    assert await guard.make_room(Node("d0", "http://d0", "decode", epoch="e"), 2) == 0
+    assert not guard.room_on_its_way("d0")
 
 
 async def _wait_for(cond, timeout: float = 10.0) -> None:

@@ -197,7 +197,7 @@ def _decode_gate(router: Router) -> DecodeGate | None:
     if guard is None:
         return None
     return DecodeGate(router.ledger, make_room=guard.make_room, refresh=guard.refresh,
-                      release=guard.release,
+                      release=guard.release, room_on_its_way=guard.room_on_its_way,
                       max_wait_s=router.settings.retention.decode_room_wait_s,
                       on_wait=router.metrics.room_waits.inc,
                       on_revoke=router.metrics.room_revocations.inc)

@@ -15,12 +15,11 @@ prompt (`Admitted.revoked`). Releasing is safe as always: the handle was claimed
 one else can present it. Room held by what the router cannot see (another router
 replica's turns) is waited for up to `max_wait_s`, then the turn is refused (503).
 
-Blocks the gate just freed show in the node's figure only after the node's next step has
-freed them and its metrics caught up; until then the figure looks as short as before.
-So after freeing, the gate gives the figure up to `settle_s` to move before it frees more
-(a figure that moved and is still short frees more at once): otherwise one turn's wait
-takes the next handles in line too, last of all the handle of a session expected back
-from its tool any moment.
+Handles given up elsewhere (the watermark's round, another turn's room) leave the store
+before their blocks leave the node's figure: until their release has been answered and
+the node read since, the figure is short by what is on its way. A turn short of room
+then waits for that read, up to `settle_s`, rather than evict by it: otherwise it takes
+handles for nothing, last of all one of a session expected back from its tool any moment.
 """
 
 from __future__ import annotations
@@ -90,6 +89,7 @@ class DecodeGate:
     def __init__(self, ledger: LegLedger, *, make_room: MakeRoom, refresh: Refresh,
                  release: Release, max_wait_s: float, poll_s: float = 0.25,
                  settle_s: float = 3.0,
+                 room_on_its_way: Callable[[str], bool] = lambda node: False,
                  clock: Callable[[], float] = time.monotonic,
                  on_wait: Callable[[], None] = lambda: None,
                  on_revoke: Callable[[], None] = lambda: None) -> None:
@@ -98,7 +98,7 @@ class DecodeGate:
         self.ledger = ledger
         self.make_room, self.refresh, self.release = make_room, refresh, release
         self.max_wait_s, self.poll_s, self.clock = max_wait_s, poll_s, clock
-        self.settle_s = settle_s
+        self.settle_s, self.room_on_its_way = settle_s, room_on_its_way
         self._lines: dict[str, list[Waiter]] = {}
         self._turn: dict[str, asyncio.Lock] = {}
         self.on_wait, self.on_revoke = on_wait, on_revoke
@@ -120,8 +120,7 @@ class DecodeGate:
     async def _take(self, node: Node, leg: int, me: Waiter) -> Admitted:
         deadline = self.clock() + self.max_wait_s
         refreshed = waited = False
-        #: (until when, the free blocks then): room freed that the figure does not show yet.
-        settling: tuple[float, int] | None = None
+        settle_until: float | None = None
         while True:
             now = self.clock()
             free, total = self.ledger.free(node.name, now), self.ledger.total(node.name)
@@ -139,26 +138,23 @@ class DecodeGate:
                 await self.refresh(node)
                 continue
             assert free is not None
-            if settling is not None:
-                until, free_then = settling
-                if free <= free_then and now < until:
-                    await asyncio.sleep(self.poll_s)  # the figure has not shown it yet
-                    await self.refresh(node)
-                    continue
-                settling = None
             if not waited:
                 waited = True
                 self.on_wait()
+            if self.room_on_its_way(node.name):
+                settle_until = settle_until if settle_until is not None else now + self.settle_s
+                if now < settle_until:  # a release the figure does not show yet
+                    await asyncio.sleep(self.poll_s)
+                    await self.refresh(node)
+                    continue
             short = me.blocks - credit - free
             freed = await self.make_room(node, short)
             if freed <= 0 and self._stuck(node):
                 freed = await self._revoke(node, short)
-            if freed > 0:
-                settling = (self.clock() + self.settle_s, free)
-            elif now >= deadline:
-                raise NoRoom(f"decode node {node.name} had no KV room for "
-                             f"{me.blocks} blocks within {self.max_wait_s:.0f} s")
-            else:
+            if freed <= 0:
+                if now >= deadline:
+                    raise NoRoom(f"decode node {node.name} had no KV room for "
+                                 f"{me.blocks} blocks within {self.max_wait_s:.0f} s")
                 await asyncio.sleep(self.poll_s)
             await self.refresh(node)
 
@@ -168,11 +164,15 @@ class DecodeGate:
         handles of the node for what it is now short, at once, since the D leg goes next
         with P's lease running. Without this a prompt that tokenizes denser than the
         estimate goes to a node without room for it, where it waits, nothing running, for
-        retained blocks only their TTL frees. The node's figure is read again first: the
-        last one may predate room freed since. Returns the blocks freed."""
+        retained blocks only their TTL frees. The node is read again first (after a
+        release on its way, within `settle_s`): the last figure may predate room freed
+        since. Returns the blocks freed."""
         free = self.ledger.free(node.name, self.clock())
         if grown <= 0 or free is None or free >= 0:
             return 0
+        until = self.clock() + self.settle_s
+        while self.room_on_its_way(node.name) and self.clock() < until:
+            await asyncio.sleep(self.poll_s)
         await self.refresh(node)
         free = self.ledger.free(node.name, self.clock())
         if free is None or free >= 0:

@@ -28,6 +28,7 @@ that supersedes it), so a token naming it finds nothing and the turn recomputes.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 import re
@@ -254,6 +255,11 @@ class RetentionGuard:
         self.blind_batch = blind_batch
         self.timeout_s = timeout_s
         self.queue = ReleaseQueue()
+        #: Per node: releases being sent, when the last one ended, when the last read
+        #: began (`room_on_its_way`).
+        self._releasing: collections.Counter[str] = collections.Counter()
+        self._released_at: dict[str, float] = {}
+        self._read_began: dict[str, float] = {}
         self._periodic = Periodic(self.run_once, interval_s=interval_s,
                                   name="kvagent-retention", log=log, what="retention round")
 
@@ -266,8 +272,20 @@ class RetentionGuard:
             return None
         kv = parse_node_kv(resp.text) if resp.status_code == 200 else None
         if kv is not None:
+            self._read_began[name] = max(self._read_began.get(name, began), began)
             self.on_kv(name, kv, began)
         return kv
+
+    def room_on_its_way(self, name: str) -> bool:
+        """Handles of the node left the store and their blocks may still be in its last
+        figure: a release is being sent, or ended after the last read began."""
+        return self._releasing[name] > 0 or (
+            self._released_at.get(name, -math.inf) > self._read_began.get(name, -math.inf))
+
+    def _sent_releases(self, name: str, *, freed: bool) -> None:
+        self._releasing[name] -= 1
+        if freed:
+            self._released_at[name] = time.monotonic()
 
     async def check(self, name: str, url: str, epoch: str) -> int:
         """One round for one node: returns how many handles were evicted."""
@@ -289,17 +307,22 @@ class RetentionGuard:
         """Evict unclaimed handles of the node holding `blocks` blocks from the store and
         release them on the node."""
         evict = self.evict_for_turn if for_turn else self.evict
-        evicted = await evict(name, blocks, max_handles)
-        if not evicted:
-            return []
-        ids = [rid for h in evicted if h.decode_epoch == epoch
-               and (rid := remote_request_id(h)) is not None]
-        self.queue.add(name, ids)
-        self.on_evicted(len(evicted))
-        if self.on_given_up is not None:  # spilled to the node's tiers (nodes.spills)
-            await self.on_given_up(evicted)
-        await self.flush(name, url)
-        return evicted
+        self._releasing[name] += 1  # what it evicts is out of the store from here on
+        evicted: list[Handle] = []
+        try:
+            evicted = await evict(name, blocks, max_handles)
+            if not evicted:
+                return []
+            ids = [rid for h in evicted if h.decode_epoch == epoch
+                   and (rid := remote_request_id(h)) is not None]
+            self.queue.add(name, ids)
+            self.on_evicted(len(evicted))
+            if self.on_given_up is not None:  # spilled to the node's tiers (nodes.spills)
+                await self.on_given_up(evicted)
+            await self.flush(name, url)
+            return evicted
+        finally:
+            self._sent_releases(name, freed=bool(evicted))
 
     async def make_room(self, node: Node, blocks: int) -> int:
         """Free about `blocks` blocks on `node` for a turn waiting there (nodes.admission):
@@ -318,8 +341,12 @@ class RetentionGuard:
 
     async def release(self, node: Node, ids: list[str]) -> None:
         """Release decode request ids on `node` now (handles already out of the store)."""
-        self.queue.add(node.name, ids)
-        await self.flush(node.name, node.url)
+        self._releasing[node.name] += 1
+        try:
+            self.queue.add(node.name, ids)
+            await self.flush(node.name, node.url)
+        finally:
+            self._sent_releases(node.name, freed=bool(ids))
 
     async def flush(self, name: str, url: str) -> bool:
         """Send the node's queued releases in one tiny completion (not retained itself)."""
