@@ -47,7 +47,11 @@ def targets(request: pytest.FixtureRequest) -> Iterator[Target]:
         yield Target(real.base_url, real.router_url, real.model, real=True)
         return
     tmp = request.getfixturevalue("tmp_path_factory").mktemp("single-router")
-    with second_router(real, tmp, prefill=False) as url:
+    # A guest on the bundle's decode node: its usage is mostly the bundle router's
+    # retained turns, which only that router can give up. With a watermark this router
+    # would evict its own sessions' turns to bring D's usage down, and could not.
+    with second_router(real, tmp, prefill=False,
+                       retention={"high_watermark": None}) as url:
         yield Target(f"{url}/v1", url, real.model, real=True)
 
 

@@ -5,7 +5,9 @@ joined by a bridge in another namespace; every process runs the command `kvagent
 render` printed for its host. Checks: cross-host P/D with D→P pulls over NIXL on P's own
 metrics, greedy answers equal to recomputed ones, listeners on the hosts' own addresses
 only, replicas sharing only Redis (alternation, a kill mid-stream, a restart of both, a
-Redis restart, then one replica restarted), and that nothing is left behind.
+Redis restart, then one replica restarted), a KV tier one host writes and another reads
+(P and D restarted with tiers: a disk directory both mount), and that nothing is left
+behind.
 """
 
 from __future__ import annotations
@@ -70,3 +72,16 @@ def test_replicas_share_only_redis_and_every_answer_is_right(rehearsal: Rehearsa
     assert c.redis_down_errors == 0 and c.turns_to_recover_after_redis is not None, log
     traffic = rehearsal.cross_host_traffic()
     assert traffic["p_to_d_connections"], traffic
+
+
+# Last: it restarts P and D from another plan.
+def test_a_tier_written_on_one_host_is_read_on_another(rehearsal: Rehearsal) -> None:
+    """D's host writes a prompt's blocks to the disk tier both hosts mount; P's host,
+    which never saw the prompt, loads every full block from it, and answers as D did and
+    as P itself recomputing (a fresh cache_salt: nothing loaded)."""
+    t = rehearsal.run_shared_tier(prompt_tokens=600)
+    assert t.render_diffs == {"prefill": ["--host"], "decode": ["--host"]}, t
+    assert t.blocks_written >= 4, t
+    assert t.p_disk_tokens == 4 * 128, t
+    assert t.p_answer == t.d_answer == t.p_recomputed, t
+    assert t.p_recomputed_disk_tokens == 0, t

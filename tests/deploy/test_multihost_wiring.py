@@ -170,3 +170,21 @@ def test_topology_names_fit_linux_limits() -> None:
         assert all(len(name) <= 15 for name in t.veth(host))
     assert len(set(t.namespaces)) == 7 and all(n.startswith("kvmh-9999-") for n in t.namespaces)
     assert len({t.addr(h) for h in ("p", "d", "ra", "rb", "redis", "client")}) == 6
+
+
+def test_the_tier_plan_renders_one_tier_for_every_host(
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """What lets one host read what another wrote: the tier's config, its directory's
+    namespace inputs (hash algorithm, seed) and the environment are the same in every
+    host's render; only the bind address differs (the rehearsal's tier phase runs these)."""
+    disk = "/shared/kv-tier"
+    plans = render_hosts(TOPO, tmp_path_factory.mktemp("render-tiers"), kv_tiers={
+        "cpu": {"size_gib": 0.0625}, "disk": {"path": disk, "shared": True},
+        "hash_seed": 11}, tag="-tiers")
+    for i in (0, 1):
+        p, d = plans["p"]["nodes"][i], plans["d"]["nodes"][i]
+        assert [k for k, _, _ in node_argv_differences(p["argv"], d["argv"])] == ["--host"]
+        assert {k: v for k, v in p["env"].items() if k != "VLLM_NIXL_SIDE_CHANNEL_HOST"} \
+            == {k: v for k, v in d["env"].items() if k != "VLLM_NIXL_SIDE_CHANNEL_HOST"}
+        assert p["env"]["PYTHONHASHSEED"] == "11"
+        assert disk in flag(p["argv"], "--kv-transfer-config")[0]

@@ -4,8 +4,9 @@
 
 Creates the namespaces, starts Redis, P, D and routers A and B with the commands
 `kvagent-server render` prints for each host, checks the listening sockets, runs the
-replica and Redis fault scenarios, prints the counts, and removes every namespace and
-process, also on failure or Ctrl-C. Holds /tmp/kvagent-vllm.lock while vLLM runs.
+replica and Redis fault scenarios and the tier one host writes and another reads, prints
+the counts, and removes every namespace and process, also on failure or Ctrl-C. Holds
+/tmp/kvagent-vllm.lock while vLLM runs.
 """
 
 from __future__ import annotations
@@ -54,12 +55,14 @@ def main(argv: list[str] | None = None) -> int:
             listeners = r.check_listeners()
             counts = r.run_scenarios(turns=args.turns)
             traffic = r.cross_host_traffic()
+            tier = r.run_shared_tier()
         finally:
             r.close()
     result = {"command": "python -m tools.multihost " + " ".join(argv or sys.argv[1:]),
               "topology": {h: r.topo.addr(h) for h in ("p", "d", "ra", "rb", "redis", "client")},
               "render_differences_between_hosts": r.render_diffs,
               "listeners": listeners, "cross_host": traffic, "counts": asdict(counts),
+              "shared_tier": asdict(tier),
               "seconds": round(time.monotonic() - started, 1), "workdir": str(workdir)}
     text = json.dumps(result, indent=2)
     if args.out:
@@ -70,7 +73,10 @@ def main(argv: list[str] | None = None) -> int:
           f"({c.p2p_tokens} tokens), redis-down errors {c.redis_down_errors}, reuse back "
           f"after {c.turns_to_recover_after_redis} turn(s); leftover namespaces: "
           f"{netns.existing() or 'none'}")
-    return 0 if c.lost == 0 and c.wrong == 0 else 1
+    tier_right = tier.p_answer == tier.d_answer == tier.p_recomputed
+    print(f"shared tier: D wrote {tier.blocks_written} block files, P loaded "
+          f"{tier.p_disk_tokens} tokens from them, answers equal: {tier_right}")
+    return 0 if c.lost == 0 and c.wrong == 0 and tier_right and tier.p_disk_tokens else 1
 
 
 if __name__ == "__main__":

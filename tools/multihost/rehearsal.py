@@ -36,6 +36,7 @@ from tools.multihost import netns
 from tools.multihost.topology import (
     REDIS_PORT,
     Topology,
+    flag,
     node_argv_differences,
     parse_ss_listening,
     rehearsal_config,
@@ -452,16 +453,86 @@ class Rehearsal:
             c.after_key_loss_paths.append(res.path)
         return c
 
+    # ------------------------------------------------------------------ tier phase
 
-def render_hosts(topo: Topology, workdir: Path,
-                 engine_args: Sequence[str] = ()) -> dict[str, dict[str, Any]]:
+    def run_shared_tier(self, prompt_tokens: int = 600, answer_tokens: int = 16,
+                        timeout: float = 600.0) -> SharedTier:
+        """P and D restart from a plan with KV tiers: a small host tier each and a disk
+        directory both hosts mount (here: the one filesystem the namespaces share). D
+        computes a prompt P never saw, and its tier writes the prompt's full blocks to
+        the directory; P then gets the same prompt and loads them from there. Prompts
+        are token ids (full blocks are exact); the routers are not involved."""
+        t = self.topo
+        disk = self.workdir / "kv-tier"
+        tiers = {"cpu": {"size_gib": 0.0625}, "disk": {"path": str(disk), "shared": True},
+                 "offload_prompt_only": False}
+        plans = render_hosts(t, self.workdir, self.engine_args, kv_tiers=tiers, tag="-tiers")
+        diffs = {role: [k for k, _, _ in node_argv_differences(
+            plans["p"]["nodes"][i]["argv"], plans["d"]["nodes"][i]["argv"])]
+            for i, role in enumerate(("prefill", "decode"))}
+        for name in ("prefill", "decode"):
+            self.procs[name].kill()
+        logs = self.workdir / "logs"
+        for name, host, i in (("prefill", "p", 0), ("decode", "d", 1)):
+            node = plans[host]["nodes"][i]
+            self.renders[name] = node
+            self.procs[name] = Proc(name, t.ns(host), node["argv"], node["env"],
+                                    logs / f"{name}-tiers.log")
+            self.procs[name].start(t.run_id)
+        self.say("waiting for the tiered vLLM nodes (P and D) to be healthy")
+        for name in ("prefill", "decode"):
+            url = self.renders[name]["health_url"]
+            self._wait(lambda u=url: self._ok(u), timeout, name)
+        p_url, d_url = self.renders["prefill"]["url"], self.renders["decode"]["url"]
+        rng = random.Random(29)
+        ids = [rng.randrange(20, 8000) for _ in range(prompt_tokens)]
+        before = set(disk.rglob("*.bin"))
+        d_answer = self._call(_complete, d_url, ids, answer_tokens)
+        full = prompt_tokens // int(flag(self.renders["decode"]["argv"], "--block-size")[0])
+        deadline = time.monotonic() + 60
+        # D's stores are submitted at its next engine step: one-token requests drive it.
+        while len(set(disk.rglob("*.bin")) - before) < full and time.monotonic() < deadline:
+            self._call(_complete, d_url, [11], 1)
+            time.sleep(0.2)
+        written = len(set(disk.rglob("*.bin")) - before)
+        disk0 = self._call(_disk_tokens, p_url)
+        p_answer = self._call(_complete, p_url, ids, answer_tokens)
+        disk1 = self._call(_disk_tokens, p_url)
+        recomputed = self._call(_complete, p_url, ids, answer_tokens, "recompute")
+        disk2 = self._call(_disk_tokens, p_url)
+        result = SharedTier(render_diffs=diffs, blocks_written=written,
+                            p_disk_tokens=disk1 - disk0, p_answer=p_answer,
+                            d_answer=d_answer, p_recomputed=recomputed,
+                            p_recomputed_disk_tokens=disk2 - disk1)
+        self.say(json.dumps(asdict(result)))
+        return result
+
+
+@dataclass
+class SharedTier:
+    """The tier phase: what D wrote to the directory both hosts mount, and what P read."""
+
+    #: Flags whose values differ between the tier plan's renders for host p and host d.
+    render_diffs: dict[str, list[str]]
+    blocks_written: int  # block files D's turn added to the shared directory
+    p_disk_tokens: int  # prompt tokens P then took from the disk tier
+    p_answer: str
+    d_answer: str
+    p_recomputed: str  # P again under a fresh cache_salt: nothing reused
+    p_recomputed_disk_tokens: int
+
+
+def render_hosts(topo: Topology, workdir: Path, engine_args: Sequence[str] = (), *,
+                 kv_tiers: dict[str, Any] | None = None,
+                 tag: str = "") -> dict[str, dict[str, Any]]:
     """`kvagent-server render --format json` once per host ("p", "d", "ra", "rb"), each
     with that host's address as bind host and a run dir of its own (router B: its own
-    `router.host`). The same config file for all: one plan, rendered where it runs."""
-    cfg_path = workdir / "rehearsal.yaml"
+    `router.host`). The same config file for all: one plan, rendered where it runs
+    (`kv_tiers`: the tier phase's plan, its files named with `tag`)."""
+    cfg_path = workdir / f"rehearsal{tag}.yaml"
     workdir.mkdir(parents=True, exist_ok=True)
     cfg_path.write_text(yaml.safe_dump(rehearsal_config(topo, str(workdir / "run"),
-                                                         engine_args)))
+                                                         engine_args, kv_tiers)))
     exe = Path(sys.executable).with_name("kvagent-server")
 
     def render(host: str, *sets: str) -> dict[str, Any]:
@@ -473,11 +544,27 @@ def render_hosts(topo: Topology, workdir: Path,
         out = subprocess.run(argv, capture_output=True, text=True, check=False)
         if out.returncode != 0:
             raise RuntimeError(f"kvagent-server render failed: {out.stderr}")
-        (workdir / f"render-{host}.json").write_text(out.stdout)
+        (workdir / f"render{tag}-{host}.json").write_text(out.stdout)
         return dict(json.loads(out.stdout))
 
     return {"p": render("p"), "d": render("d"), "ra": render("ra"),
             "rb": render("rb", f"router.host={topo.addr('rb')}")}
+
+
+def _complete(url: str, ids: list[int], max_tokens: int,
+              salt: str | None = None) -> str:
+    body: dict[str, Any] = {"model": MODEL, "prompt": ids, "max_tokens": max_tokens,
+                            "temperature": 0.0, "ignore_eos": True}
+    if salt is not None:
+        body["cache_salt"] = salt
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+    r.raise_for_status()
+    return str(r.json()["choices"][0]["text"])
+
+
+def _disk_tokens(url: str) -> int:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return int(metric_sum(text, "vllm:prompt_tokens_cached_by_source_total", source="disk"))
 
 
 def _chat(url: str, router: str, messages: list[dict[str, str]], session: str | None,

@@ -57,15 +57,16 @@ class Topology:
         return f"redis://{self.addr('redis')}:{REDIS_PORT}/0"
 
 
-def rehearsal_config(topo: Topology, run_dir: str,
-                     engine_args: Sequence[str] = ()) -> dict[str, Any]:
+def rehearsal_config(topo: Topology, run_dir: str, engine_args: Sequence[str] = (),
+                     kv_tiers: dict[str, Any] | None = None) -> dict[str, Any]:
     """The bundle config of the rehearsal: each role on its own host, one Redis
     (`engine_args`: extra vLLM arguments of both nodes, e.g. the suite's eager mode).
+    With `kv_tiers`, P and D get those tiers and P its prefix cache (the tier phase).
 
     KV events are off: their ipc socket would join the "hosts" through the shared
     filesystem, and tcp needs a wildcard bind (see docs/deployment.md).
     """
-    return {
+    config: dict[str, Any] = {
         "name": "mh", "topology": "pd", "device": "cpu", "run_dir": run_dir,
         "kv_cache_gib": 1, "max_model_len": 16384,
         # No prefix cache on P: every reused token is then pulled from D over NIXL (with
@@ -81,6 +82,10 @@ def rehearsal_config(topo: Topology, run_dir: str,
         "kv_events": {"enabled": False},
         "startup_timeout_s": 600, "stop_grace_s": 10,
     }
+    if kv_tiers is not None:
+        config["kv_tiers"] = kv_tiers
+        config["prefill"]["prefix_caching"] = True
+    return config
 
 
 # ------------------------------------------------------------------ rendered plans
