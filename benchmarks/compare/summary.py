@@ -161,6 +161,30 @@ def comparisons(figures: dict[str, dict[str, Any]], subject: str) -> dict[str, A
     return out
 
 
+def paired_later_ttft(runs: Sequence[ArmRun], subject: str) -> dict[str, dict[str, Any]]:
+    """Per baseline: the subject's later turns against the same turn of the same
+    conversation in the same repetition (every arm runs the same conversations): how
+    many pairs, the median of subject − baseline TTFT, and how often the subject was
+    faster. Pooled percentiles move with whichever slow turns land where; a paired
+    difference shows what the subject adds to one turn."""
+    def later(arm: str) -> dict[tuple[int, str, int], float]:
+        return {(run.rep, r.conversation, r.turn): r.ttft_s for run in runs if run.arm == arm
+                for r in run.records
+                if r.turn > 0 and r.error is None and r.ttft_s is not None}
+
+    mine = later(subject)
+    out: dict[str, dict[str, Any]] = {}
+    for arm in dict.fromkeys(run.arm for run in runs):
+        if arm == subject:
+            continue
+        theirs = later(arm)
+        diffs = [mine[k] - theirs[k] for k in mine.keys() & theirs.keys()]
+        if diffs:
+            out[arm] = {"n": len(diffs), "median_diff_ms": percentile(diffs, 50) * 1000,
+                        "subject_faster": sum(d < 0 for d in diffs) / len(diffs)}
+    return out
+
+
 def where_it_does_not_help(cmp: dict[str, Any], subject: str) -> str:
     """The metrics on which a baseline beat `subject`, in plain words."""
     lost = []
@@ -205,6 +229,7 @@ def summary(*, command: list[str], commit: str | None, machine: dict[str, Any], 
                  for a, d in arms.items()},
         "order": order, "flags": flags, "subject": subject,
         "vs_best_baseline": cmp, "does_not_help": where_it_does_not_help(cmp, subject),
+        "paired_later_ttft": paired_later_ttft(runs, subject),
         "raw_records": raw_records,
         # Quiet: no vLLM process but the arms' own ran during any arm's workload.
         "foreign_vllm_max": max((r.foreign_vllm or 0 for r in runs), default=0),
@@ -296,8 +321,13 @@ def report_md(s: dict[str, Any]) -> str:
     for name, c in s["vs_best_baseline"].items():
         lines.append(f"| {name} | {c['best_baseline']} | {_fmt(c['baseline'])} | "
                      f"{_fmt(c['subject'])} | {_fmt(c['ratio'])} |")
-    lines += ["", "Times: ratio < 1 is better for " + s["subject"] + "; goodput: > 1.", "",
-              s["does_not_help"], "", "## Flags each node ran with", ""]
+    lines += ["", "Times: ratio < 1 is better for " + s["subject"] + "; goodput: > 1.", ""]
+    for arm, p in (s.get("paired_later_ttft") or {}).items():
+        lines.append(f"- Paired with {arm} (the same later turn of the same conversation "
+                     f"and repetition, {p['n']} pairs): {s['subject']} − {arm} TTFT median "
+                     f"{p['median_diff_ms']:+,.0f} ms; {s['subject']} faster in "
+                     f"{p['subject_faster'] * 100:.0f} % of them.")
+    lines += ["", s["does_not_help"], "", "## Flags each node ran with", ""]
     if s["flags"]:  # side by side: one column per node
         cols = s["flags"]
         lines += ["| | " + " | ".join(f"{c['arm']} {c['node']}" for c in cols) + " |",

@@ -150,6 +150,11 @@ def test_summary_follows_schema_2_and_names_where_kvagent_loses() -> None:
     assert md.index("SLOs (set before the run)") < md.index("| arm |")
     assert "Test CPU" in md and "/tmp/x.jsonl.gz" in md and "boom" in md
     assert sm.later_ttft_p50_ms(runs[1]) == pytest.approx(3000)
+    # kvagent's rep 0 turn 1 of c0 (0.1 s) against aggregated's (3.0 s); c1 has no pair,
+    # nor has kvagent's failed rep 1
+    assert s["paired_later_ttft"] == {"aggregated": {
+        "n": 1, "median_diff_ms": pytest.approx(-2900), "subject_faster": 1.0}}
+    assert "1 pairs): kvagent − aggregated TTFT median -2,900 ms; kvagent faster in 100 %" in md
 
 
 def test_a_failed_session_meets_no_slo() -> None:
