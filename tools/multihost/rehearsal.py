@@ -179,10 +179,7 @@ class Rehearsal:
         for name in ("redis", "prefill", "decode"):
             self.procs[name].start(t.run_id)
         self._wait(lambda: self._tcp_open(t.addr("redis"), REDIS_PORT), 20, "redis")
-        self.say("waiting for the vLLM nodes (P and D) to be healthy")
-        for name in ("prefill", "decode"):
-            url = self.renders[name]["health_url"]
-            self._wait(lambda u=url: self._ok(u), timeout, name)
+        self._wait_nodes("the vLLM nodes (P and D)", timeout)
         for name in ("router-a", "router-b"):
             self.procs[name].start(t.run_id)
         for name in ("router-a", "router-b"):
@@ -209,22 +206,12 @@ class Rehearsal:
         """Each host's processes from `kvagent-server render` run for that host."""
         t = self.topo
         plans = render_hosts(t, self.workdir, self.engine_args)
-        p_node = plans["p"]["nodes"][0]
-        d_node = plans["d"]["nodes"][1]
-        assert p_node["role"] == "prefill" and d_node["role"] == "decode"
         # One plan for every host: a node's command differs between hosts' renders only
         # in the bind address.
-        self.render_diffs = {
-            role: node_argv_differences(plans["p"]["nodes"][i]["argv"],
-                                        plans["d"]["nodes"][i]["argv"])
-            for i, role in enumerate(("prefill", "decode"))}
+        self.render_diffs = node_diffs(plans)
         logs = self.workdir / "logs"
-        self.renders = {"prefill": p_node, "decode": d_node,
-                        "router-a": plans["ra"]["router"], "router-b": plans["rb"]["router"]}
-        self.procs["prefill"] = Proc("prefill", t.ns("p"), p_node["argv"], p_node["env"],
-                                     logs / "prefill.log")
-        self.procs["decode"] = Proc("decode", t.ns("d"), d_node["argv"], d_node["env"],
-                                    logs / "decode.log")
+        self.renders = {"router-a": plans["ra"]["router"], "router-b": plans["rb"]["router"]}
+        self._use_nodes(plans)
         for name, host in (("router-a", "ra"), ("router-b", "rb")):
             spec = plans[host]["router"]
             path = Path(spec["settings_path"])
@@ -234,6 +221,23 @@ class Rehearsal:
                 json.dump(spec["settings"], f, indent=2)
             self.procs[name] = Proc(name, t.ns(host), spec["argv"], spec["env"],
                                     logs / f"{name}.log")
+
+    def _use_nodes(self, plans: dict[str, dict[str, Any]], tag: str = "") -> None:
+        """P and D as their hosts' renders give them (P from host p's, D from host d's);
+        their logs named with `tag`."""
+        logs = self.workdir / "logs"
+        for name, host, i in (("prefill", "p", 0), ("decode", "d", 1)):
+            node = plans[host]["nodes"][i]
+            assert node["role"] == name
+            self.renders[name] = node
+            self.procs[name] = Proc(name, self.topo.ns(host), node["argv"], node["env"],
+                                    logs / f"{name}{tag}.log")
+
+    def _wait_nodes(self, what: str, timeout: float) -> None:
+        self.say(f"waiting for {what} to be healthy")
+        for name in ("prefill", "decode"):
+            url = self.renders[name]["health_url"]
+            self._wait(lambda u=url: self._ok(u), timeout, name)
 
     def router_url(self, name: str) -> str:
         return str(self.renders[name]["url"])
@@ -467,22 +471,13 @@ class Rehearsal:
         tiers = {"cpu": {"size_gib": 0.0625}, "disk": {"path": str(disk), "shared": True},
                  "offload_prompt_only": False}
         plans = render_hosts(t, self.workdir, self.engine_args, kv_tiers=tiers, tag="-tiers")
-        diffs = {role: [k for k, _, _ in node_argv_differences(
-            plans["p"]["nodes"][i]["argv"], plans["d"]["nodes"][i]["argv"])]
-            for i, role in enumerate(("prefill", "decode"))}
+        diffs = {role: [k for k, _, _ in d] for role, d in node_diffs(plans).items()}
         for name in ("prefill", "decode"):
             self.procs[name].kill()
-        logs = self.workdir / "logs"
-        for name, host, i in (("prefill", "p", 0), ("decode", "d", 1)):
-            node = plans[host]["nodes"][i]
-            self.renders[name] = node
-            self.procs[name] = Proc(name, t.ns(host), node["argv"], node["env"],
-                                    logs / f"{name}-tiers.log")
-            self.procs[name].start(t.run_id)
-        self.say("waiting for the tiered vLLM nodes (P and D) to be healthy")
+        self._use_nodes(plans, "-tiers")
         for name in ("prefill", "decode"):
-            url = self.renders[name]["health_url"]
-            self._wait(lambda u=url: self._ok(u), timeout, name)
+            self.procs[name].start(t.run_id)
+        self._wait_nodes("the tiered vLLM nodes (P and D)", timeout)
         p_url, d_url = self.renders["prefill"]["url"], self.renders["decode"]["url"]
         rng = random.Random(29)
         ids = [rng.randrange(20, 8000) for _ in range(prompt_tokens)]
@@ -549,6 +544,13 @@ def render_hosts(topo: Topology, workdir: Path, engine_args: Sequence[str] = (),
 
     return {"p": render("p"), "d": render("d"), "ra": render("ra"),
             "rb": render("rb", f"router.host={topo.addr('rb')}")}
+
+
+def node_diffs(plans: dict[str, dict[str, Any]]) -> dict[str, list[tuple[str, str, str]]]:
+    """Per role, the flags whose values differ between host p's and host d's render."""
+    return {role: node_argv_differences(plans["p"]["nodes"][i]["argv"],
+                                        plans["d"]["nodes"][i]["argv"])
+            for i, role in enumerate(("prefill", "decode"))}
 
 
 def _complete(url: str, ids: list[int], max_tokens: int,
