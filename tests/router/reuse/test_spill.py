@@ -158,6 +158,15 @@ def test_the_holding_nodes_events_say_how_much_of_a_spill_is_still_there() -> No
     idx.apply("d0", 1, [Removed(hashes=tuple(keys), medium="GPU"),
                         Stored(hashes=tuple(keys[:2]), medium="CPU"),
                         Stored(hashes=tuple(keys[:3]), medium="STORAGE")])
-    assert tp.reach("d0", ids, block_size=16, cache_salt="s") == (32, 48)
-    assert tp.reach("d0", ids, block_size=16, cache_salt="other") == (0, 0)
-    assert tp.reach("d1", ids, block_size=16, cache_salt="s") is None  # never heard of
+    def reach(node: str, salt: str = "s") -> tuple[int, int, int] | None:
+        hits = tp.reach(node, ids, block_size=16, cache_salt=salt)
+        return None if hits is None else (hits.gpu, hits.cpu, hits.disk)
+
+    assert reach("d0") == (0, 32, 48)
+    assert reach("d0", "other") == (0, 0, 0)
+    assert reach("d1") is None  # never heard of
+    # a P node that computed the conversation's earlier prompt: its engine memory holds
+    # the first block, its host tier the second; the shared disk D wrote reaches further
+    idx.apply("p0", 0, [Stored(hashes=tuple(keys[:1]), medium="GPU"),
+                        Stored(hashes=tuple(keys[1:2]), medium="CPU")])
+    assert reach("p0") == (16, 32, 48)

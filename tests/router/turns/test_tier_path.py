@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from kvagent_server.router.kv.tiers import NodeTiers, TierCosts
+from kvagent_server.router.kv.tiers import NodeTierHits, NodeTiers, TierCosts
 from kvagent_server.router.nodes.registry import Node
 from kvagent_server.router.reuse import paths, planner
 from kvagent_server.router.reuse.identity import IdentityCheck
@@ -15,8 +15,9 @@ from kvagent_server.router.reuse.paths import LinearCost, PathCosts
 from kvagent_server.router.reuse.queue import IDLE, NodeWork
 from kvagent_server.router.reuse.spill import Spilled, TierReuse, spill_of
 from kvagent_server.router.turns import policy, policy_params, tier_path
-from kvagent_server.router.turns.shapes import NEED_PROMPT_IDS, TurnFacts
-from test_stages import COST_MODEL, HELD, PROMPT, _facts, _handle, _plan
+from kvagent_server.router.turns.settle import settle
+from kvagent_server.router.turns.shapes import NEED_PROMPT_IDS, Capture, TurnFacts
+from test_stages import COST_MODEL, HELD, PROMPT, _facts, _handle, _params, _plan, _router, _turn
 
 D0 = Node(name="d0", url="http://d0", role="decode", healthy=True, epoch="c1")
 P0 = Node(name="p0", url="http://p0", role="prefill", healthy=True)
@@ -31,6 +32,11 @@ def tier(host: int = 128, disk: int = 0, shared: bool = False) -> TierReuse:
                      shared=shared, common_prefix=max(host, disk))
 
 
+def on_p(host: int = 0, disk: int = 0) -> TierReuse:
+    return TierReuse(node="p0", epoch="c1", host_tokens=host, disk_tokens=max(host, disk),
+                     shared=False, common_prefix=max(host, disk))
+
+
 # ------------------------------------------------------------------ the price
 
 
@@ -38,19 +44,22 @@ def test_the_holding_nodes_host_tier_beats_recomputing_a_long_prefix() -> None:
     assert paths.spill_path(tier(), 160, COSTS, TIERS, d_ok=True) == "d_direct"
     # not placed there (unhealthy, restarted, at its watermark): P, which has no copy
     assert paths.spill_path(tier(), 160, COSTS, TIERS, d_ok=False) == "recompute"
-    # a shared disk: P loads it
-    shared = tier(host=128, disk=128, shared=True)
-    assert paths.spill_path(shared, 160, COSTS, TIERS, d_ok=False) == "p_tier"
-    # a local disk is the holding node's alone
-    assert paths.spill_path(tier(host=0, disk=128), 160, COSTS, TIERS, d_ok=False) == (
-        "recompute")
+    # what P's own cache and tiers hold (it computed the earlier prompts), or the shared
+    # disk: P loads it
+    for held in (on_p(host=128), on_p(host=64, disk=128), on_p(disk=128)):
+        assert paths.spill_path(tier(), 160, COSTS, TIERS, d_ok=False,
+                                p_tier=held) == "p_tier"
+        assert paths.spill_path(None, 160, COSTS, TIERS, d_ok=False, p_tier=held) == "p_tier"
+    # where D may take it, the two loads are priced on their own lines (D's here)
+    assert paths.spill_path(tier(), 160, COSTS, TIERS, d_ok=True,
+                            p_tier=on_p(host=128)) == "d_direct"
 
 
 def test_a_load_that_costs_more_than_computing_is_not_paid() -> None:
     slow = TierCosts(cpu_s_per_token=5e-3, disk_s_per_token=5e-3)  # above both lines
     assert paths.spill_path(tier(), 160, COSTS, slow, d_ok=True) == "recompute"
-    assert paths.spill_path(tier(disk=128, shared=True), 160, COSTS, slow,
-                            d_ok=False) == "recompute"
+    assert paths.spill_path(tier(disk=128, shared=True), 160, COSTS, slow, d_ok=False,
+                            p_tier=on_p(disk=128)) == "recompute"
 
 
 def test_the_stall_cap_and_the_queues_weigh_a_tier_load_as_they_weigh_d_direct() -> None:
@@ -67,6 +76,8 @@ def test_the_stall_cap_and_the_queues_weigh_a_tier_load_as_they_weigh_d_direct()
                             d_work=IDLE) == "d_direct"
     with pytest.raises(ValueError):
         paths.spill_path(tier(host=160), 160, COSTS, TIERS, d_ok=True)
+    with pytest.raises(ValueError):
+        paths.spill_path(None, 160, COSTS, TIERS, d_ok=False, p_tier=on_p(disk=160))
 
 
 # ------------------------------------------------------------------ decide
@@ -105,11 +116,88 @@ def test_a_spilled_turn_that_cannot_go_to_its_node_loads_the_shared_disk_on_p() 
                   spilled_facts(shared, d_kv_usage=0.99)):  # D at its watermark
         plan = _plan(watermark.decide(facts))
         assert plan.path == "pd_fresh" and plan.tier_source == "tier_disk", plan
-        assert plan.reuse.reason == planner.Reason.NO_HANDLE  # P's connector loads it
+        # P's connector loads it: the plan says so, and settle counts what P reports
+        assert plan.reuse.label == "hit:tier_disk" and plan.reuse.reuse_tokens == 128
+        assert plan.tier is not None and plan.tier.node == "p0"
+        assert plan.prefill_params() == {"do_remote_prefill": False,
+                                         "do_remote_decode": True}
     # a host tier only: nothing P can read
     plan = _plan(COST_MODEL.decide(spilled_facts(NodeTiers(host=True, chunk_tokens=16),
                                                  d_first=elsewhere)))
     assert plan.path == "pd_fresh" and plan.tier_source is None
+
+
+def test_a_spilled_turn_on_p_loads_what_ps_own_cache_and_tiers_hold() -> None:
+    """D at its watermark: P computed the conversation's earlier prompts, and its KV
+    events show its engine memory and host tier holding most of this one. The P path
+    loads it (`hit:tier_host`), whole chunks below the prompt's last token."""
+    tiers = NodeTiers(host=True, chunk_tokens=16)
+    watermark = policy.CostModelPolicy(policy_params.ReuseParams(),
+                                       policy_params.CostParams(d_kv_high=0.8))
+
+    def with_p(facts: TurnFacts, hits: NodeTierHits | None) -> TurnFacts:
+        assert facts.spilled is not None
+        reach = {"p0": hits} if hits is not None else {}
+        return dataclasses.replace(facts, spilled=dataclasses.replace(facts.spilled,
+                                                                      p_reach=reach))
+
+    full = NodeTierHits(node="p0", gpu=32, cpu=len(PROMPT), disk=len(PROMPT))
+    plan = _plan(watermark.decide(with_p(spilled_facts(tiers, d_kv_usage=0.99), full)))
+    assert (plan.path, plan.reuse.label, plan.tier_source) == (
+        "pd_fresh", "hit:tier_host", "tier_host"), plan
+    whole = (len(PROMPT) - 1) // 16 * 16
+    assert plan.reuse.reuse_tokens == whole and plan.tier is not None
+    assert (plan.tier.node, plan.tier.host_tokens) == ("p0", whole)
+    assert plan.prefill_params() == {"do_remote_prefill": False, "do_remote_decode": True}
+    # P's events show nothing of it, or less than the threshold: P recomputes, unlabelled
+    for hits in (NodeTierHits(node="p0"), NodeTierHits(node="p0", cpu=16, disk=16)):
+        plan = _plan(watermark.decide(with_p(spilled_facts(tiers, d_kv_usage=0.99), hits)))
+        assert plan.path == "pd_fresh" and plan.tier is None
+        assert plan.reuse.reason == planner.Reason.NO_HANDLE
+    # another identity (the salt changed): nothing loaded, whatever P's events say
+    salt = IdentityCheck(reason="identity_changed", detail="salt", cap=0)
+    plan = _plan(watermark.decide(with_p(spilled_facts(tiers, d_kv_usage=0.99,
+                                                       identity=salt), full)))
+    assert plan.tier is None and plan.reuse.reuse_tokens == 0
+    # D may take it from its host tier: D's line is priced below P's here
+    plan = _plan(COST_MODEL.decide(with_p(spilled_facts(tiers), full)))
+    assert plan.path == "d_direct" and plan.tier is not None and plan.tier.node == "d0"
+    # unless D may compute no delta that long (`skip_prefill_max_tokens`, 0: never)
+    for skip in (0, 16):
+        never = policy.CostModelPolicy(policy_params.ReuseParams(),
+                                       policy_params.CostParams(skip_prefill_max_tokens=skip))
+        plan = _plan(never.decide(with_p(spilled_facts(tiers), full)))
+        assert (plan.path, plan.reuse.label) == ("pd_fresh", "hit:tier_host"), (skip, plan)
+        assert plan.tier is not None and plan.tier.node == "p0"
+    within = policy.CostModelPolicy(policy_params.ReuseParams(),
+                                    policy_params.CostParams(skip_prefill_max_tokens=4096))
+    assert _plan(within.decide(with_p(spilled_facts(tiers), full))).path == "d_direct"
+
+
+async def test_a_p_tier_load_counts_as_reused_only_as_far_as_p_reports_it_cached() -> None:
+    tiers = NodeTiers(host=True, chunk_tokens=16)
+    watermark = policy.CostModelPolicy(policy_params.ReuseParams(),
+                                       policy_params.CostParams(d_kv_high=0.8))
+    facts = spilled_facts(tiers, d_kv_usage=0.99)
+    assert facts.spilled is not None
+    hits = NodeTierHits(node="p0", cpu=len(PROMPT), disk=len(PROMPT))
+    loaded = dataclasses.replace(facts, spilled=dataclasses.replace(facts.spilled,
+                                                                    p_reach={"p0": hits}))
+    planned = _plan(watermark.decide(loaded))
+    plain = _plan(watermark.decide(facts))
+    assert planned.tier is not None and plain.tier is None
+    r = _router()
+    for plan, cached, reused in ((planned, 64, 64), (planned, len(PROMPT) - 1,
+                                                     planned.reuse.reuse_tokens),
+                                 (plain, 64, 0)):
+        turn = _turn(r, plan, loaded)
+        final = await settle(r, turn, Capture(
+            kv_params=_params(len(PROMPT)), prompt_token_ids=PROMPT, choices={0},
+            usage={"prompt_tokens": len(PROMPT),
+                   "prompt_tokens_details": {"cached_tokens": cached}}))
+        assert final.reused == reused, (plan.reuse.label, cached)
+        assert final.kvagent["path"] == "pd_fresh"
+        assert final.kvagent["reason"] == plan.reuse.label
 
 
 def test_only_a_verified_prefix_of_the_same_identity_is_loaded() -> None:

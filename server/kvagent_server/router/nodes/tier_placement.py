@@ -71,20 +71,18 @@ class TierPlacement:
         return out, used
 
     def reach(self, name: str, prompt_ids: Sequence[int], *, block_size: int,
-              cache_salt: str | None) -> tuple[int, int] | None:
-        """How far (tokens) node `name`'s host tier, and then its disk tier (the shared
-        directory for a node that shares one), reach into the prompt, counting what its
-        engine memory still caches before them; None when the index has heard nothing
-        from those tiers of the node (it may publish none: unknown, not empty)."""
+              cache_salt: str | None) -> NodeTierHits | None:
+        """How far (tokens) node `name`'s engine memory, then its host tier, then its disk
+        tier (the shared directory for a node that shares one) reach into the prompt, each
+        counting the ones before it; None when the index has heard nothing from those
+        tiers of the node (it may publish none: unknown, not empty)."""
         hasher = self.hashers.get(name)
         nb = self.index.nodes.get(name)
         shared = name in self.index.shared_nodes and bool(self.index.shared)
         if hasher is None or nb is None or not (nb.tiers["cpu"] or nb.tiers["disk"] or shared):
             return None
         bs = self.index.block_size(name) or block_size
-        keys = hasher.keys(prompt_ids, bs, cache_salt=cache_salt)
-        blocks = self.index.prefix_blocks(name, keys)
-        return blocks["cpu"] * bs, blocks["disk"] * bs
+        return self.index.tier_hits(name, hasher.keys(prompt_ids, bs, cache_salt=cache_salt), bs)
 
 
 def from_settings(settings: RouterSettings, registry: NodeRegistry

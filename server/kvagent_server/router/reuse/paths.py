@@ -197,46 +197,45 @@ def fresh_path(prompt_tokens: float, costs: PathCosts, *, policy: FreshPolicy,
 
 
 #: Where a spilled turn's prompt is computed (`spill_path`): on the node whose tiers hold
-#: it (`d_direct`, loading its host or disk tier), on P loading the shared disk, or on P
-#: from scratch.
+#: it (`d_direct`, loading its host or disk tier), on P loading what its own cache and
+#: tiers hold of it (a shared disk included), or on P from scratch.
 SpillChoice = Literal["d_direct", "p_tier", "recompute"]
 
 
-def tier_load_s(tier: TierReuse, costs: TierCosts, *, shared_only: bool = False) -> float:
+def tier_load_s(tier: TierReuse, costs: TierCosts) -> float:
     """Seconds to load `tier`'s prefix: its host-tier part at the host price, the rest of
-    its disk part at the disk price (a disk chunk is promoted through the host tier).
-    `shared_only`: from the shared disk alone (a P node, whose host tier never held it)."""
-    if shared_only:
-        return tier.disk_tokens * costs.disk_s_per_token
+    its disk part at the disk price (a disk chunk is promoted through the host tier)."""
     host = tier.host_tokens
     return host * costs.cpu_s_per_token + max(0, tier.disk_tokens - host) * costs.disk_s_per_token
 
 
-def spill_path(tier: TierReuse, prompt_len: int, costs: PathCosts, tier_costs: TierCosts, *,
-               d_ok: bool, p_work: NodeWork | None = None, d_work: NodeWork | None = None,
+def spill_path(tier: TierReuse | None, prompt_len: int, costs: PathCosts,
+               tier_costs: TierCosts, *, d_ok: bool, p_tier: TierReuse | None = None,
+               p_work: NodeWork | None = None, d_work: NodeWork | None = None,
                d_stall_max_s: float | None = None) -> SpillChoice:
     """Where a turn whose session spilled to a decode node's tiers computes its prompt.
 
     Three prices, as `choose_path` prices the others (the lines at the node's work ahead,
-    the stall on D's streams and its cap): `d_direct` on the holding node (`d_ok`: placed
-    there, healthy, same epoch, not at its watermark), which loads the prefix from its
-    tiers (`tier_load_s`) and computes the rest; `p_tier`, P loading the prefix from the
-    shared disk and computing the rest; `recompute`, P computing it all. A load is worth
-    it only where it is cheaper than computing those tokens on that node: otherwise the
-    option is the recompute it would be, so a short prefix, or a tier slower than
-    prefill, never pays a promotion."""
-    if not 0 < tier.tokens < prompt_len:
-        raise ValueError("a tier reuse must leave at least one prompt token to compute")
+    the stall on D's streams and its cap): `d_direct` on the holding node (`tier`; `d_ok`:
+    placed there, healthy, same epoch, not at its watermark), which loads the prefix from
+    its tiers (`tier_load_s`) and computes the rest; `p_tier`, P loading what its own
+    cache and tiers hold (`p_tier`: `spill.plan_on_prefill`) and computing the rest;
+    `recompute`, P computing it all. A load is worth it only where it is cheaper than
+    computing those tokens on that node: otherwise the option is the recompute it would
+    be, so a short prefix, or a tier slower than prefill, never pays a promotion."""
+    for t in (tier, p_tier):
+        if t is not None and not 0 < t.tokens < prompt_len:
+            raise ValueError("a tier reuse must leave at least one prompt token to compute")
     p_work, idle_d = p_work or IDLE, d_work or IDLE
     best: SpillChoice = "recompute"
     best_s = costs.queued_cost("recompute", prompt_len, 0, p_work)
-    if tier.shared and tier.disk_tokens:
-        load = tier_load_s(tier, tier_costs, shared_only=True)
-        if load < costs.prefill.per_token_s * tier.disk_tokens:
-            p_s = load + costs.queued_cost("recompute", prompt_len - tier.disk_tokens, 0, p_work)
+    if p_tier is not None:
+        load = tier_load_s(p_tier, tier_costs)
+        if load < costs.prefill.per_token_s * p_tier.tokens:
+            p_s = load + costs.queued_cost("recompute", prompt_len - p_tier.tokens, 0, p_work)
             if p_s < best_s:
                 best, best_s = "p_tier", p_s
-    if d_ok:
+    if d_ok and tier is not None:
         load = tier_load_s(tier, tier_costs)
         delta = prompt_len - tier.tokens
         soon = 1 if p_work.prompts > 0 else 0

@@ -8,7 +8,8 @@ the conversation as **spilled** (`Spill`, beside the handle it was: the token id
 tiers got) instead of forgetting it, for `router.retention.spill_ttl_s`; the session's
 next turn that finds no handle verifies its prompt against it (`plan_spill`) and the path
 policy prices a load from the tier (`paths.spill_path`): `d_direct` on the node whose
-host tier holds it, P through a shared disk, or a recompute.
+host tier holds it, P loading what its own KV cache and tiers hold of it (the turns it
+computed before, a shared disk), or a recompute.
 
 Nothing here is trusted for correctness: a node loads a block from a tier only under
 its own block hash (the prompt's tokens, the salt, the chain before it), so a wrong or
@@ -27,7 +28,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvagent_server.router.kv.tiers import NodeTiers, TierCosts
+from kvagent_server.router.kv.tiers import NodeTierHits, NodeTiers, TierCosts
 from kvagent_server.router.reuse.identity import IdentityCheck
 from kvagent_server.router.reuse.planner import common_prefix_len
 from kvagent_server.router.store.handle import Handle, pack_handle, unpack_handle
@@ -99,13 +100,20 @@ class Spilled:
     disk_reach: int | None = None
     #: What a load from each tier costs (the router's `TierCosts`).
     costs: TierCosts = field(default_factory=TierCosts)
+    #: What each P node's KV events show of the same prompt (by node name): its engine
+    #: memory, host tier, and disk or the shared directory. A P node computed the
+    #: conversation's earlier prompts, so its own tiers often hold most of it. A node
+    #: missing here publishes nothing from its tiers (unknown, not empty).
+    p_reach: Mapping[str, NodeTierHits] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class TierReuse:
-    """What a turn may load from a spill's tiers (whole chunks of its verified prefix):
-    from the holding node's host tier, and from a disk tier (`shared`: any node reads
-    it; else only the holding node)."""
+    """What node `node` may load of a spilled turn's prompt (whole chunks of its verified
+    prefix): from its host tier (`host_tokens`, on a P node counting what its engine
+    memory holds before it), and from a disk tier (`shared`: any node reads it; else
+    only that node). `node` is the holding node (`plan_spill`) or a P node
+    (`plan_on_prefill`)."""
 
     node: str
     epoch: str
@@ -116,7 +124,7 @@ class TierReuse:
 
     @property
     def tokens(self) -> int:
-        """What the holding node can load (its host tier, then its disk tier)."""
+        """What the node can load (its host tier, then its disk tier)."""
         return max(self.host_tokens, self.disk_tokens)
 
 
@@ -152,6 +160,43 @@ def plan_spill(prompt_ids: Sequence[int], spilled: Spilled | None, *, threshold:
         return None
     return TierReuse(node=spill.node, epoch=spill.epoch, host_tokens=host, disk_tokens=disk,
                      shared=spill.shared, common_prefix=common)
+
+
+def plan_on_prefill(prompt_ids: Sequence[int], spilled: Spilled | None, node: str,
+                    epoch: str, *, tier: TierReuse | None, threshold: int,
+                    identity: IdentityCheck | None) -> TierReuse | None:
+    """What P node `node` may load of the prompt instead of computing it, or None.
+
+    Where its KV events reach (`Spilled.p_reach`): the prompt's own block hashes found
+    in its engine memory and host tier, then its disk tier or the shared directory,
+    capped by the identity check and by one token, whole chunks, at least `threshold`.
+    The hashes are the prompt's, so this is verified as P's connector will look it up.
+    Where the node publishes nothing from its tiers: the holding node's verified spill
+    (`tier`) when its disk is the shared directory P reads too, else nothing."""
+    if spilled is None or not prompt_ids or identity is None:
+        return None
+    hits = spilled.p_reach.get(node)
+    if hits is None:
+        if tier is None or not tier.shared or not tier.disk_tokens:
+            return None
+        return TierReuse(node=node, epoch=epoch, host_tokens=0, disk_tokens=tier.disk_tokens,
+                         shared=True, common_prefix=tier.common_prefix)
+    chunk = spilled.spill.chunk_tokens
+    usable = len(prompt_ids) - 1
+    if identity.cap is not None:
+        usable = min(usable, identity.cap)
+
+    def whole(reach: int) -> int:
+        tokens = min(usable, reach)
+        tokens -= tokens % chunk
+        return tokens if tokens >= max(threshold, 1) else 0
+
+    host, disk = whole(hits.cpu), whole(hits.disk)
+    if not host and not disk:
+        return None
+    return TierReuse(node=node, epoch=epoch, host_tokens=host, disk_tokens=disk,
+                     shared=False, common_prefix=common_prefix_len(
+                         prompt_ids, spilled.handle.token_ids[:spilled.spill.stored_tokens]))
 
 
 def tiers_by_name(tiers: Mapping[str, NodeTiers], urls: Mapping[str, str]

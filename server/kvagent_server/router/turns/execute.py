@@ -287,7 +287,7 @@ async def _pd_legs(r: Router, facts: TurnFacts, plan: TurnPlan, started: float,
                    d_nodes: list[Node], d_leg: int | None) -> Turn:
     req = facts.req
     chars = 0
-    if plan.path == "pd_reuse":
+    if plan.path == "pd_reuse" or plan.tier is not None:  # pulled, or loaded from its tiers
         p_tokens = plan.prompt_len - plan.reuse.reuse_tokens
     elif plan.prompt_len:
         p_tokens = plan.prompt_len

@@ -21,6 +21,7 @@ import time
 import uuid
 
 from kvagent_server.router.auth.cache_token import TokenError, verify_binding
+from kvagent_server.router.kv.tiers import NodeTierHits
 from kvagent_server.router.nodes.prompt_ids import TokenizeError, tokenize
 from kvagent_server.router.nodes.registry import Node
 from kvagent_server.router.reuse import content, identity, placement
@@ -117,18 +118,26 @@ async def _spilled(r: Router, req: TurnRequest, session: str | None) -> Spilled 
 
 
 def _spill_reach(r: Router, facts: TurnFacts, ids: list[int]) -> Spilled | None:
-    """The spill with what the holding node's KV events show still in its tiers, in
-    tokens of this prompt's prefix (the host tier's reach, then the disk's); unknown
-    (None) where the node publishes no events or none from its tiers yet."""
+    """The spill with what the nodes' KV events show of this prompt's prefix, in tokens:
+    still in the holding node's tiers (the host tier's reach, then the disk's), and in
+    each P node's cache and tiers; unknown (None, or a P node left out) where a node
+    publishes no events or none from its tiers yet."""
     spilled = facts.spilled
     if spilled is None or r.tiers is None:
         return spilled
     salt = facts.req.body.get("cache_salt")
-    reach = r.tiers.reach(spilled.spill.node, ids, block_size=spilled.handle.block_size,
-                          cache_salt=salt if isinstance(salt, str) else None)
-    if reach is None:
-        return spilled
-    return dataclasses.replace(spilled, host_reach=reach[0], disk_reach=reach[1])
+    salt = salt if isinstance(salt, str) else None
+    bs = spilled.handle.block_size
+    p_reach: dict[str, NodeTierHits] = {}
+    for node in r.registry.nodes.values():
+        hits = r.tiers.reach(node.name, ids, block_size=node.block_size or bs,
+                             cache_salt=salt) if node.role == "prefill" else None
+        if hits is not None:
+            p_reach[node.name] = hits
+    reach = r.tiers.reach(spilled.spill.node, ids, block_size=bs, cache_salt=salt)
+    if reach is not None:
+        spilled = dataclasses.replace(spilled, host_reach=reach.cpu, disk_reach=reach.disk)
+    return dataclasses.replace(spilled, p_reach=p_reach)
 
 
 def _tokenizer(r: Router) -> Node | None:

@@ -255,7 +255,8 @@ class CostModelPolicy(_Decides):
                 d_prompt_step_tokens=c.decode_prompt_step_tokens)
             plan = dataclasses.replace(plan, path=fresh, est_tokens=facts.est_tokens)
         return tier_path.with_spill(facts, plan, threshold=self.reuse.threshold, d_free=d_free,
-                                    d_stall_max_s=c.d_stall_max_s)
+                                    d_stall_max_s=c.d_stall_max_s,
+                                    skip_prefill_max_tokens=c.skip_prefill_max_tokens)
 
     def d_full(self, facts: TurnFacts) -> bool:
         """D's KV cache is at the retention guard's high watermark: D computes no prompt.

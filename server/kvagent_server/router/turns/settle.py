@@ -42,7 +42,8 @@ async def _settle(r: Router, turn: Turn, capture: Capture) -> Final:
     req, plan = turn.req, turn.plan
     usage = capture.usage or {}
     prompt_tokens = int(usage.get("prompt_tokens") or 0)
-    planned = plan.reuse.reuse_tokens if plan.path in _REUSING else 0
+    # a P path reuses only what its plan loads from P's own cache and tiers (tier_path)
+    planned = plan.reuse.reuse_tokens if plan.path in _REUSING or plan.tier else 0
     # What the serving node reports as not recomputed; the plan when it reports nothing.
     if turn.prefill is not None:
         reported = turn.prefill.cached_tokens
@@ -54,10 +55,9 @@ async def _settle(r: Router, turn: Turn, capture: Capture) -> Final:
     if req.chat and prompt_tokens and r.skips_tokenize:
         r.learned.message_chars.observe(identity.message_chars(req.body.get("messages")),
                                         prompt_tokens)
-    # A pull (`pd_reuse`, `d_pull`) reuses at most what was offered; D's prefix cache
-    # (`d_direct`) what it matched.
-    reused = min(planned, cached) if plan.path in ("pd_reuse", "d_pull") else (
-        cached if plan.path == "d_direct" else 0)
+    # A pull (`pd_reuse`, `d_pull`) reuses at most what was offered, a P leg loading its
+    # tiers what was planned; D's prefix cache (`d_direct`) what it matched.
+    reused = cached if plan.path == "d_direct" else min(planned, cached)
     _account(r, turn, prompt_tokens, cached, reused)
     end = TurnEnd.of(capture.finish_reason, capture.tool_names, time.time())
     _learn_pause(r, turn, end)

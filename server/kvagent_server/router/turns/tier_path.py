@@ -6,9 +6,10 @@ A path policy calls `with_spill` (`on_the_node` where no P leg is weighed) on th
 made without the spill (a turn with no
 handle is `pd_fresh`, `d_fresh` or `recompute`): when the prompt repeats whole chunks of
 what the tiers got (`spill.plan_spill`), `paths.spill_path` prices a load from the
-holding node's tiers (`d_direct` there), P loading the shared disk, and P recomputing.
-The path names stay the protocol's: a tier-served `d_direct` says where its prefix came
-from in its reason's detail (`hit:tier_host`, `hit:tier_disk`), and every tier load
+holding node's tiers (`d_direct` there), P loading what its own cache and tiers hold of
+the prompt (`spill.plan_on_prefill`: its KV events), and P recomputing.
+The path names stay the protocol's: a tier-served turn says where its prefix came from
+in its reason's detail (`hit:tier_host`, `hit:tier_disk`), and every tier load
 planned is set on the turn's span (`kvagent.reuse_source`) and counted
 (`kvagent_router_tier_reuse_total{source}`).
 """
@@ -24,30 +25,40 @@ from kvagent_server.router.turns.shapes import TurnFacts, TurnPlan
 
 
 def with_spill(facts: TurnFacts, plan: TurnPlan, *, threshold: int, d_free: bool,
-               d_stall_max_s: float | None = None) -> TurnPlan:
+               d_stall_max_s: float | None = None,
+               skip_prefill_max_tokens: int | None = None) -> TurnPlan:
     """`plan`, or where a spilled prefix makes a tier load pay, the plan that loads it:
-    `d_direct` on the holding node (`d_free`: its KV cache is below the watermark), or
-    the same P path tagged as loading the shared disk."""
+    `d_direct` on the holding node (`d_free`: its KV cache is below the watermark; and
+    the delta it computes within `skip_prefill_max_tokens` where that is set, as for
+    any `d_direct`), or the same P path loading what P's cache and tiers hold of it
+    (`hit:tier_host` or `hit:tier_disk` on that path)."""
     spilled = facts.spilled
     if (spilled is None or plan.reuse.reuses or not facts.prompt_ids
             or plan.path == "decode_only"):
         return plan
     tier = spill.plan_spill(facts.prompt_ids, spilled, threshold=threshold,
                             identity=facts.identity)
-    if tier is None:
+    p = facts.p_first
+    p_tier = spill.plan_on_prefill(
+        facts.prompt_ids, spilled, p.name, p.epoch, tier=tier, threshold=threshold,
+        identity=facts.identity) if p is not None and plan.path not in paths.ON_DECODE else None
+    if tier is None and p_tier is None:
         return plan
     d = facts.d_first
-    d_ok = (d_free and facts.d_healthy and d is not None and d.name == tier.node
-            and d.epoch == tier.epoch)
+    d_ok = (tier is not None and d_free and facts.d_healthy and d is not None
+            and d.name == tier.node and d.epoch == tier.epoch
+            and (skip_prefill_max_tokens is None
+                 or len(facts.prompt_ids) - tier.tokens <= skip_prefill_max_tokens))
+    costs = spilled.costs
     choice = paths.spill_path(
-        tier, len(facts.prompt_ids), facts.costs, spilled.costs, d_ok=d_ok,
-        p_work=facts.p_work if facts.p_first is not None else None, d_work=facts.d_work,
+        tier, len(facts.prompt_ids), facts.costs, costs, d_ok=d_ok, p_tier=p_tier,
+        p_work=facts.p_work if p is not None else None, d_work=facts.d_work,
         d_stall_max_s=d_stall_max_s)
     if choice == "d_direct":
-        assert d is not None  # `d_ok`
+        assert d is not None and tier is not None  # `d_ok`
         return _loaded_on(d, plan, tier)
-    if choice == "p_tier" and plan.path not in paths.ON_DECODE:
-        return dataclasses.replace(plan, tier=tier, tier_source="tier_disk")
+    if choice == "p_tier" and p_tier is not None:
+        return _loaded(plan, p_tier)
     return plan
 
 
@@ -70,14 +81,18 @@ def on_the_node(facts: TurnFacts, plan: TurnPlan, *, threshold: int) -> TurnPlan
 
 
 def _loaded_on(d: Node, plan: TurnPlan, tier: spill.TierReuse) -> TurnPlan:
-    """`d_direct` on the node whose tiers hold the spilled prefix (`hit:tier_host`, or
-    `hit:tier_disk` where only its disk tier has it)."""
+    """`d_direct` on the node whose tiers hold the spilled prefix."""
+    return dataclasses.replace(_loaded(plan, tier), path="d_direct", holder=d)
+
+
+def _loaded(plan: TurnPlan, tier: spill.TierReuse) -> TurnPlan:
+    """`plan` loading `tier` on its node (`hit:tier_host`, or `hit:tier_disk` where only
+    a disk tier has it); on a P path P's connector finds it, nothing else changes."""
     source: spill.Source = "tier_host" if tier.host_tokens else "tier_disk"
     reuse = planner.ReusePlan(reuse_tokens=tier.tokens, reason=planner.Reason.HIT,
                               detail=source, common_prefix=tier.common_prefix,
                               cached_tokens=tier.tokens)
-    return dataclasses.replace(plan, path="d_direct", reuse=reuse, holder=d, tier=tier,
-                               tier_source=source)
+    return dataclasses.replace(plan, reuse=reuse, tier=tier, tier_source=source)
 
 
 def reloaded(plan: TurnPlan, tiers: NodeTiers | None, *, threshold: int,
