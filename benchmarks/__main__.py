@@ -29,6 +29,9 @@ BENCHMARKS: dict[str, Benchmark] = {
     "compare": Benchmark(
         "benchmarks.compare.run", "every arm (aggregated, affine-2, pd-noreuse, kvagent) on one "
         "workload, into one report", vllm=True),
+    "decode-ab": Benchmark(
+        "benchmarks.compare.decode_ab", "streams decoding at once on the aggregated node and "
+        "on what `up` runs here (node direct, through its router), interleaved A/B", vllm=True),
     "outside": Benchmark(
         "benchmarks.outside.run", "the same arms measured by an outside harness (aiperf, "
         "multi-turn, session id only)", vllm=True),

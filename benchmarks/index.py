@@ -31,7 +31,7 @@ SCHEMA = 1
 #: `git show <this>:benchmarks/multiturn/results/<run>/results.json.gz > results.json.gz`.
 RAW_RECORDS_COMMIT = "b7cb55e69738da42d499748b013bcecb480948dc"
 
-Kind = Literal["compare", "outside", "multiturn", "multiturn-load", "first-token-ab", "router-overhead", "load",
+Kind = Literal["compare", "outside", "decode-ab", "multiturn", "multiturn-load", "first-token-ab", "router-overhead", "load",
                "nixl-bandwidth", "fleet-sim", "fuzz", "attack", "soak", "multihost", "gpu",
                "idle-stability"]
 Figure = float | int | str | bool | None
@@ -244,6 +244,24 @@ def entry_from_outside(folder: Path, s: dict[str, Any], *, root: Path = ROOT,
                          in_tree=True))
 
 
+def entry_from_decode_ab(folder: Path, s: dict[str, Any], *, root: Path = ROOT,
+                         label: str | None = None) -> Run:
+    """The line of a `python -m benchmarks decode-ab` folder: per stream count and target
+    the TPOT p50, and each target's paired difference from the baseline."""
+    figures: dict[str, Figure] = {"base": s["base"]}
+    for streams, block in s["results"].items():
+        for target, f in block["targets"].items():
+            figures[f"{streams}x.{target}.tpot_p50_ms"] = f["tpot_ms"]["p50"]
+        for target, p in block["paired"].items():
+            figures[f"{streams}x.{target}.paired_diff_ms"] = p["median_diff_ms"]
+    return Run(id=folder.name, kind="decode-ab", date=s["date"], label=label,
+               command=" ".join(s["command"]), commit=s.get("commit"),
+               machine=_machine(s.get("machine")), quiet=s.get("foreign_vllm_max") == 0,
+               figures=figures,
+               data=Data(path=folder.resolve().relative_to(root.resolve()).as_posix(),
+                         in_tree=True))
+
+
 def _round(v: Any) -> int | None:
     return None if v is None else round(v)
 
@@ -311,7 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = read()
     if args.add and (args.add / "summary.json").is_file():
         summary = json.loads((args.add / "summary.json").read_text())
-        entry = entry_from_outside if "aiperf" in summary else entry_from_compare
+        entry = (entry_from_outside if "aiperf" in summary
+                 else entry_from_decode_ab if summary.get("benchmark") == "decode-ab"
+                 else entry_from_compare)
         runs.append(entry(args.add, summary, label=args.label))
         write(sorted(runs, key=lambda r: r.date))
     elif args.add:
