@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         streams = [int(x) for x in args.streams.split(",") if x.strip()]
-        nw = workload(args.workload)
+        nw = workload(args.workload, quick=False)
     except ValueError as exc:
         raise SystemExit(f"decode-ab: {exc}") from None
     if args.rounds < 1 or args.tokens < 2 or not streams or min(streams) < 1:
