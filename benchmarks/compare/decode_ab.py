@@ -77,7 +77,9 @@ def _pct(xs: Sequence[float], q: float) -> float | None:
 def summarize(samples: Sequence[dict[str, Any]], targets: Sequence[str] = TARGETS,
               base: str = BASE) -> dict[str, Any]:
     """Per stream count: each target's TPOT and TTFT over its streams, and each other
-    target paired round by round with `base` (median TPOT of the round's streams). Pure:
+    target paired round by round with `base` (median TPOT of the round's streams): the
+median and mean of the differences, the mean's standard error, the share of rounds it is
+slower and a sign test. Pure:
     `samples` are the raw records (`round`, `streams`, `target`, `tpot_ms`, `ttft_ms`,
     `error`)."""
     out: dict[str, Any] = {}
@@ -107,6 +109,10 @@ def summarize(samples: Sequence[dict[str, Any]], targets: Sequence[str] = TARGET
             b50, t50 = per[base]["tpot_ms"]["p50"], per[t]["tpot_ms"]["p50"]
             paired[t] = {"rounds": len(diffs),
                          "median_diff_ms": statistics.median(diffs) if diffs else None,
+                         "mean_diff_ms": statistics.fmean(diffs) if diffs else None,
+                         # the mean's standard error: what the rounds resolve
+                         "se_ms": (statistics.stdev(diffs) / math.sqrt(len(diffs))
+                                   if len(diffs) > 1 else None),
                          "slower_share": sum(d > 0 for d in diffs) / len(diffs) if diffs else None,
                          "sign_test_p": sign_test_p(diffs),
                          "ratio_p50": t50 / b50 if t50 and b50 else None}
@@ -137,12 +143,13 @@ def report_md(s: dict[str, Any]) -> str:
                          f"{_f(f['tpot_ms']['p90'], '.2f')} | {_f(f['ttft_ms']['p50'])} | "
                          f"{f['n']} | {f['errors']} |")
         lines += ["", f"Paired with `{s['base']}` round by round:", "",
-                  ("| target | TPOT p50 ratio | median difference ms/token | rounds slower | "
-                  "sign test p |"), "|---|---|---|---|---|"]
+                  ("| target | TPOT p50 ratio | difference ms/token: median, mean ± se | "
+                   "rounds slower | sign test p |"), "|---|---|---|---|---|"]
         for t, p in block["paired"].items():
             share = p["slower_share"]
             lines.append(f"| {t} | {_f(p['ratio_p50'], '.3f')}× | "
-                         f"{_f(p['median_diff_ms'], '+.2f')} | "
+                         f"{_f(p['median_diff_ms'], '+.2f')}, {_f(p['mean_diff_ms'], '+.2f')} ± "
+                         f"{_f(p['se_ms'], '.2f')} | "
                          f"{'-' if share is None else f'{share:.0%}'} of {p['rounds']} | "
                          f"{_f(p['sign_test_p'], '.3g')} |")
         lines.append("")
@@ -221,14 +228,33 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--request-timeout", type=float, default=120.0)
+    ap.add_argument("--resummarize", type=Path, default=None, metavar="DIR",
+                    help="rewrite DIR's summary and report from its raw samples (DIR/raw, "
+                    "or the path its summary names) with this code, running nothing")
     ap.add_argument("--wait-alone", type=float, default=120.0, metavar="SECONDS",
                     help="before starting, wait this long for vLLM processes not started "
                     "here to exit (fail if they remain); 0: do not check")
     return ap
 
 
+def resummarize(folder: Path) -> dict[str, Any]:
+    """A recorded run's summary again from its raw samples; rewrites its two files."""
+    s = json.loads((folder / "summary.json").read_text())
+    raw = folder / "raw" / "samples.jsonl.gz"
+    raw = raw if raw.is_file() else Path(s["raw_samples"])
+    with gzip.open(raw, "rt") as f:
+        samples = [json.loads(line) for line in f if line.strip()]
+    s["results"] = summarize(samples, s["targets"], s["base"])
+    (folder / "summary.json").write_text(json.dumps(s, indent=2) + "\n")
+    (folder / "report.md").write_text(report_md(s))
+    return s
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.resummarize is not None:
+        print(report_md(resummarize(args.resummarize)))
+        return 0
     try:
         streams = [int(x) for x in args.streams.split(",") if x.strip()]
         nw = workload(args.workload, quick=False)

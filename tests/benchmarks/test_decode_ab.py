@@ -47,6 +47,7 @@ def test_targets_are_paired_round_by_round_with_the_base() -> None:
     s = decode_ab.summarize(_samples())["2"]
     node, router = s["paired"]["kvagent-node"], s["paired"]["kvagent-router"]
     assert node["rounds"] == 8 and node["median_diff_ms"] == 1.0
+    assert node["mean_diff_ms"] == pytest.approx(0.75) and node["se_ms"] > 0
     assert node["slower_share"] == 7 / 8
     assert node["sign_test_p"] == pytest.approx(2 * 9 / 256)
     assert router["median_diff_ms"] == 0.0 and router["slower_share"] == 0.5
