@@ -132,8 +132,9 @@ def report_md(s: dict[str, Any]) -> str:
              f"{s['foreign_vllm_max']}; CPU time stolen by the hypervisor: "
              f"{_f(s.get('steal_s'))} s; CPU seconds of other processes: "
              f"{s.get('other_cpu_s') or 'none'}"),
-             (f"- {s['rounds']} rounds per stream count, {s['tokens']} tokens a stream, the "
-             f"order reversed every other round; KV budget {s['kv_gib']} GiB each arm"), ""]
+             (f"- {s['rounds']} rounds per stream count, {s['tokens']} tokens a stream on a "
+              f"prompt of {s.get('prompt_words', 150)} random words, the order reversed "
+              f"every other round; KV budget {s['kv_gib']} GiB each arm"), ""]
     for streams, block in s["results"].items():
         lines += [f"## {streams} stream(s) at once", "",
                   "| target | TPOT p50 / p90 ms | TTFT p50 ms | streams | errors |",
@@ -156,7 +157,7 @@ def report_md(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _prompt(stream: int, words: int = 150) -> list[dict[str, str]]:
+def _prompt(stream: int, words: int) -> list[dict[str, str]]:
     """Stream `stream`'s prompt: the same every round and for every target."""
     rng = random.Random(1000 + stream)
     text = " ".join("".join(rng.choice("etaoinshrdlucmfw") for _ in range(rng.randint(2, 7)))
@@ -180,12 +181,12 @@ def _url_and_extra(target: str, agg: Endpoint, kva: Endpoint
 
 
 async def _round(client: httpx.AsyncClient, target: str, agg: Endpoint, kva: Endpoint,
-                 streams: int, tokens: int, r: int) -> list[dict[str, Any]]:
+                 streams: int, tokens: int, r: int, words: int) -> list[dict[str, Any]]:
     url, extra, session = _url_and_extra(target, agg, kva)
     model = agg.model
 
     async def one(i: int) -> dict[str, Any]:
-        body = {**chat_body(model, _prompt(i), [], tokens), "ignore_eos": True, **extra}
+        body = {**chat_body(model, _prompt(i, words), [], tokens), "ignore_eos": True, **extra}
         headers = {"X-Session-ID": f"ab-{uuid.uuid4().hex[:12]}"} if session else {}
         res = await stream_chat(client, url, body, headers)
         m = res.meter
@@ -200,16 +201,16 @@ async def _round(client: httpx.AsyncClient, target: str, agg: Endpoint, kva: End
 
 
 async def _drive(agg: Endpoint, kva: Endpoint, *, rounds: int, streams: Sequence[int],
-                 tokens: int, timeout_s: float) -> list[dict[str, Any]]:
+                 tokens: int, words: int, timeout_s: float) -> list[dict[str, Any]]:
     samples: list[dict[str, Any]] = []
     async with httpx.AsyncClient(timeout=timeout_s) as client:
         for n in streams:  # one unrecorded round: every stream's prompt is cached after it
             for t in TARGETS:
-                await _round(client, t, agg, kva, n, tokens, -1)
+                await _round(client, t, agg, kva, n, tokens, -1, words)
         for r in range(rounds):
             for n in streams:
                 for t in round_order(TARGETS, r):
-                    samples += await _round(client, t, agg, kva, n, tokens, r)
+                    samples += await _round(client, t, agg, kva, n, tokens, r, words)
             if (r + 1) % 10 == 0:
                 _log(f"decode-ab: {r + 1}/{rounds} rounds")
     return samples
@@ -222,6 +223,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--streams", default="1,2",
                     help="comma-separated stream counts, each run every round (default 1,2)")
     ap.add_argument("--tokens", type=int, default=96, help="output tokens a stream")
+    ap.add_argument("--prompt-words", type=int, default=150,
+                    help="random words in each stream's prompt (~3 tokens each): the context "
+                    "every token attends to")
     ap.add_argument("--workload", default="short-tool",
                     help="the compare workload whose KV budget both arms get")
     ap.add_argument("--model", default=None, help="built-in model id (default kvagent-demo)")
@@ -260,8 +264,10 @@ def main(argv: list[str] | None = None) -> int:
         nw = workload(args.workload, quick=False)
     except ValueError as exc:
         raise SystemExit(f"decode-ab: {exc}") from None
-    if args.rounds < 1 or args.tokens < 2 or not streams or min(streams) < 1:
-        raise SystemExit("decode-ab: --rounds >= 1, --tokens >= 2, stream counts >= 1")
+    if (args.rounds < 1 or args.tokens < 2 or args.prompt_words < 1 or not streams
+            or min(streams) < 1):
+        raise SystemExit("decode-ab: --rounds, --prompt-words and stream counts >= 1, "
+                         "--tokens >= 2")
     kv = KvBudget(gib=nw.kv.gib, tokens=nw.kv.tokens)
     now = dt.datetime.now(dt.UTC)
     out = args.out or Path(tempfile.gettempdir()) / "kvagent-decode-ab" / f"{now:%Y%m%dT%H%M%SZ}-decode-ab"
@@ -283,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
         _log(f"decode-ab: up; {args.rounds} rounds of {streams} stream(s) x {args.tokens} tokens")
         with ContentionWatch() as watch:
             samples = asyncio.run(_drive(agg, kva, rounds=args.rounds, streams=streams,
-                                         tokens=args.tokens, timeout_s=args.request_timeout))
+                                         tokens=args.tokens, words=args.prompt_words,
+                                         timeout_s=args.request_timeout))
     raw = out / "raw" / "samples.jsonl.gz"
     raw.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(raw, "wt") as f:
@@ -291,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     s = {"benchmark": BENCHMARK, "command": command, "commit": commit(), "machine": machine(),
          "date": now.isoformat(timespec="seconds"), "targets": list(TARGETS), "base": BASE,
          "rounds": args.rounds, "streams": streams, "tokens": args.tokens, "kv_gib": kv.gib,
+         "prompt_words": args.prompt_words,
          "topology": ARMS["kvagent"].resolved_topology, "foreign_vllm_max": watch.max,
          "steal_s": watch.steal_s, "other_cpu_s": dict(sorted(
              watch.other_cpu.items(), key=lambda kv_: -kv_[1])[:5]),
