@@ -32,6 +32,7 @@ NAMES: dict[str, tuple[str, str | None]] = {
     "sticky_round_robin": ("benchmarks.compare.arms", "sticky_round_robin"),
     "WORKLOADS": ("benchmarks.compare.workloads", "WORKLOADS"),
     "compare_workload": ("benchmarks.compare.workloads", "workload"),
+    "decode_ab": ("benchmarks.compare.decode_ab", None),
     "outside_harness": ("benchmarks.outside.harness", None),
     "calibrate": ("benchmarks.fleet_sim.calibrate", None),
     "Profile": ("benchmarks.fleet_sim.profiles", "Profile"),

@@ -1,7 +1,8 @@
 """Where the tests of clients nobody here wrote point: the router before fake P/D nodes
 (fast, always), or the suite's real bundle (`vllm`). One module-scoped fixture, `bundle`,
 gives a module both targets (import `client_bundle` into the module); a module that must
-also pass on the `single` topology builds its own from `targets` with `SINGLE`."""
+also pass on the `single` and `replicas` topologies builds its own from `targets` with
+`SINGLE` and `REPLICAS`."""
 
 from __future__ import annotations
 
@@ -12,7 +13,14 @@ from typing import Any
 import last_use
 import pytest
 from fakes.threaded import MODEL, threaded_router_stack
-from support import metric_sum, second_router
+from support import (
+    bundle_config,
+    free_port,
+    metric_sum,
+    second_router,
+    start_bundle,
+    vllm_available,
+)
 
 
 @dataclass(frozen=True)
@@ -31,13 +39,19 @@ REAL = pytest.param("real", marks=_ON_THE_BUNDLE)
 #: A router of the `single` topology (no prefill node) in front of the real bundle's decode
 #: node, as `kvagent-server up` runs it on a CPU box or one GPU.
 SINGLE = pytest.param("single", marks=_ON_THE_BUNDLE)
+#: A bundle of the `replicas` topology of its own (two symmetric nodes, one core each, a
+#: router with no prefill node), started for the module that asks for it.
+REPLICAS = pytest.param("replicas", marks=[pytest.mark.vllm, pytest.mark.slow])
 
 
 def targets(request: pytest.FixtureRequest) -> Iterator[Target]:
-    """The router `request.param` names: "fake", "real" or "single"."""
+    """The router `request.param` names: "fake", "real", "single" or "replicas"."""
     if request.param == "fake":
         with threaded_router_stack() as stack:
             yield Target(f"{stack.url}/v1", stack.url, MODEL, real=False, stack=stack)
+        return
+    if request.param == "replicas":
+        yield from _replicas(request)
         return
     last_use.check_live("kvagent_bundle")
     real = request.getfixturevalue("kvagent_bundle")
@@ -53,6 +67,21 @@ def targets(request: pytest.FixtureRequest) -> Iterator[Target]:
     with second_router(real, tmp, prefill=False,
                        retention={"high_watermark": None}) as url:
         yield Target(f"{url}/v1", url, real.model, real=True)
+
+
+def _replicas(request: pytest.FixtureRequest) -> Iterator[Target]:
+    if not vllm_available():
+        pytest.skip("vLLM is not installed (./dev test installs the CPU engine)")
+    tmp = request.getfixturevalue("tmp_path_factory").mktemp("replicas")
+    config = bundle_config(tmp / "run", topology="replicas", decode={
+        "count": 2, "ports": [free_port(), free_port()],
+        "side_channel_ports": [free_port(), free_port()]})
+    handle, bundle = start_bundle(config)
+    try:
+        assert bundle.plan.topology == "replicas" and not handle.prefill_urls
+        yield Target(handle.base_url, handle.router_url, handle.model, real=True)
+    finally:
+        bundle.stop()
 
 
 @pytest.fixture(name="bundle", scope="module", params=["fake", REAL])

@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import index
-from benchmarks.compare import decode_ab
+from benchmarks.api import decode_ab, index
 
 
 def test_the_order_reverses_every_other_round() -> None:

@@ -1,7 +1,8 @@
 """Agent frameworks and API clients nobody here wrote, unmodified, with only a base URL.
 
 Each runs its default API against the router (before fake P/D nodes, and with marker
-`vllm` the real bundle and a `single`-topology router in front of its decode node): the OpenAI Agents SDK and pydantic-ai speak Responses, `anthropic`
+`vllm` the real bundle, a `single`-topology router in front of its decode node, and a
+bundle of the `replicas` topology): the OpenAI Agents SDK and pydantic-ai speak Responses, `anthropic`
 speaks Messages, langchain-openai and LangGraph speak chat completions. None of them
 sends a kvagent header or knows the cache token; every later model call must still reuse
 KV, as the client itself reports it (its usage's cached or cache-read tokens) and as the
@@ -19,7 +20,7 @@ from typing import Any, Literal
 import anthropic
 import openai
 import pytest
-from client_targets import REAL, SINGLE, Target, cached_tokens, reuse_hits, targets
+from client_targets import REAL, REPLICAS, SINGLE, Target, cached_tokens, reuse_hits, targets
 
 SYSTEM = ("You are a weather assistant. Answer briefly; call the weather tool when asked "
           "about a city. ") * 10
@@ -32,9 +33,10 @@ CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string",
 MAX_TOKENS = 48
 
 
-@pytest.fixture(name="bundle", scope="module", params=["fake", REAL, SINGLE])
+@pytest.fixture(name="bundle", scope="module", params=["fake", REAL, SINGLE, REPLICAS])
 def agent_clients_bundle(request: pytest.FixtureRequest) -> Iterator[Target]:
-    """The P/D router before fake nodes and the real bundle, and the one-node router."""
+    """The P/D router before fake nodes and the real bundle, the one-node router, and a
+    bundle of two replicas."""
     yield from targets(request)
 
 
