@@ -14,9 +14,8 @@ import last_use
 import pytest
 from fakes.threaded import MODEL, threaded_router_stack
 from support import (
-    bundle_config,
-    free_port,
     metric_sum,
+    replicas_config,
     second_router,
     start_bundle,
     vllm_available,
@@ -73,10 +72,7 @@ def _replicas(request: pytest.FixtureRequest) -> Iterator[Target]:
     if not vllm_available():
         pytest.skip("vLLM is not installed (./dev test installs the CPU engine)")
     tmp = request.getfixturevalue("tmp_path_factory").mktemp("replicas")
-    config = bundle_config(tmp / "run", topology="replicas", decode={
-        "count": 2, "ports": [free_port(), free_port()],
-        "side_channel_ports": [free_port(), free_port()]})
-    handle, bundle = start_bundle(config)
+    handle, bundle = start_bundle(replicas_config(tmp / "run"))
     try:
         assert bundle.plan.topology == "replicas" and not handle.prefill_urls
         yield Target(handle.base_url, handle.router_url, handle.model, real=True)

@@ -229,6 +229,13 @@ def bundle_config(run_dir: Path, **overrides: object):
     return validate_config(data)
 
 
+def replicas_config(run_dir: Path, **overrides: object):
+    """`bundle_config` of the `replicas` topology: two symmetric nodes on free ports."""
+    return bundle_config(run_dir, topology="replicas", decode={
+        "count": 2, "ports": [free_port(), free_port()],
+        "side_channel_ports": [free_port(), free_port()]}, **overrides)
+
+
 def start_bundle(config):
     """Start a bundle with the package's own launcher; returns (handle, Bundle)."""
     from kvagent_server.bundle.inputs import gather_inputs

@@ -41,6 +41,7 @@ import httpx
 from benchmarks.multiturn.client import chat_body, stream_chat
 from benchmarks.multiturn.nodes import ContentionWatch, Endpoint, wait_until_alone
 from benchmarks.multiturn.run import _log, _warmup, machine
+from benchmarks.multiturn.stats import percentile
 
 from .arms import ARMS, KvBudget, serve_arm
 from .run import commit
@@ -67,13 +68,6 @@ def sign_test_p(diffs: Sequence[float]) -> float | None:
     return min(1.0, 2 * tail)
 
 
-def _pct(xs: Sequence[float], q: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
-
-
 def summarize(samples: Sequence[dict[str, Any]], targets: Sequence[str] = TARGETS,
               base: str = BASE) -> dict[str, Any]:
     """Per stream count: each target's TPOT and TTFT over its streams, and each other
@@ -90,8 +84,8 @@ slower and a sign test. Pure:
         for t in targets:
             tp = [s["tpot_ms"] for s in ok if s["target"] == t]
             tt = [s["ttft_ms"] for s in ok if s["target"] == t and s.get("ttft_ms") is not None]
-            per[t] = {"n": len(tp), "tpot_ms": {"p50": _pct(tp, 0.5), "p90": _pct(tp, 0.9)},
-                      "ttft_ms": {"p50": _pct(tt, 0.5)},
+            per[t] = {"n": len(tp), "tpot_ms": {"p50": percentile(tp, 50), "p90": percentile(tp, 90)},
+                      "ttft_ms": {"p50": percentile(tt, 50)},
                       "errors": sum(1 for s in samples if s["streams"] == streams
                                     and s["target"] == t and s.get("error"))}
         by_round: dict[tuple[int, str], float] = {}

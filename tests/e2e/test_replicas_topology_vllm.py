@@ -23,7 +23,13 @@ from typing import Any, Self
 
 import httpx
 import pytest
-from support import bundle_config, free_port, greedy_chat, start_bundle, turn_against_recompute
+from support import (
+    free_port,
+    greedy_chat,
+    replicas_config,
+    start_bundle,
+    turn_against_recompute,
+)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -75,10 +81,8 @@ class Busy:
 def test_a_session_moves_with_its_kv_and_every_answer_equals_a_recompute(
         tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    cfg = bundle_config(
-        tmp_path / "run", topology="replicas",
-        decode={"count": 2, "ports": [free_port(), free_port()],
-                "side_channel_ports": [free_port(), free_port()]},
+    cfg = replicas_config(
+        tmp_path / "run",
         router={"port": free_port(), "nodes": {"max_in_flight": 1},
                 "test_shift_blocks_header": True})
     b, bundle = start_bundle(cfg)

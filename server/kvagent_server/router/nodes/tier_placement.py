@@ -25,6 +25,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvagent.router.kv_placement")
 
+#: One prompt's block keys by (hash algorithm, seed, block size): nodes hashing alike
+#: share them, so a prompt is hashed once per kind of node, not once per node.
+KeyMemo = dict[tuple[str, str, int], list[int]]
+
+
+def _keys(hasher: BlockHasher, prompt_ids: Sequence[int], block_size: int,
+          cache_salt: str | None, memo: KeyMemo) -> list[int]:
+    key = (hasher.algo, hasher.seed, block_size)
+    if key not in memo:
+        memo[key] = hasher.keys(prompt_ids, block_size, cache_salt=cache_salt)
+    return memo[key]
+
 
 class TierPlacement:
     """The index and how to hash prompts for each node it covers."""
@@ -53,7 +65,7 @@ class TierPlacement:
              ) -> tuple[dict[str, NodeTierHits], int]:
         """Per-tier prefix hits of each covered P node, and the block size used."""
         out: dict[str, NodeTierHits] = {}
-        keys_cache: dict[tuple[str, str, int], list[int]] = {}
+        memo: KeyMemo = {}
         used = 1
         for s in states:
             hasher = self.hashers.get(s.node_id)
@@ -63,26 +75,26 @@ class TierPlacement:
             if not bs:
                 continue
             used = bs
-            ck = (hasher.algo, hasher.seed, bs)
-            if ck not in keys_cache:
-                keys_cache[ck] = hasher.keys(prompt_ids, bs, cache_salt=cache_salt)
-            out[s.node_id] = self.index.tier_hits(s.node_id, keys_cache[ck], bs,
-                                                  in_flight=s.in_flight)
+            out[s.node_id] = self.index.tier_hits(
+                s.node_id, _keys(hasher, prompt_ids, bs, cache_salt, memo), bs,
+                in_flight=s.in_flight)
         return out, used
 
     def reach(self, name: str, prompt_ids: Sequence[int], *, block_size: int,
-              cache_salt: str | None) -> NodeTierHits | None:
+              cache_salt: str | None, memo: KeyMemo | None = None) -> NodeTierHits | None:
         """How far (tokens) node `name`'s engine memory, then its host tier, then its disk
         tier (the shared directory for a node that shares one) reach into the prompt, each
         counting the ones before it; None when the index has heard nothing from those
-        tiers of the node (it may publish none: unknown, not empty)."""
+        tiers of the node (it may publish none: unknown, not empty). `memo`: the prompt's
+        keys, shared between the calls for one prompt."""
         hasher = self.hashers.get(name)
         nb = self.index.nodes.get(name)
         shared = name in self.index.shared_nodes and bool(self.index.shared)
         if hasher is None or nb is None or not (nb.tiers["cpu"] or nb.tiers["disk"] or shared):
             return None
         bs = self.index.block_size(name) or block_size
-        return self.index.tier_hits(name, hasher.keys(prompt_ids, bs, cache_salt=cache_salt), bs)
+        keys = _keys(hasher, prompt_ids, bs, cache_salt, {} if memo is None else memo)
+        return self.index.tier_hits(name, keys, bs)
 
 
 def from_settings(settings: RouterSettings, registry: NodeRegistry

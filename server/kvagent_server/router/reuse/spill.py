@@ -142,17 +142,10 @@ def plan_spill(prompt_ids: Sequence[int], spilled: Spilled | None, *, threshold:
     spill = spilled.spill
     held = spilled.handle.token_ids[:spill.stored_tokens]
     common = common_prefix_len(prompt_ids, held)
-    usable = min(common, len(prompt_ids) - 1)
-    if identity.cap is not None:
-        usable = min(usable, identity.cap)
-    usable -= usable % spill.chunk_tokens
+    usable = min(common, _loadable(prompt_ids, identity))
 
     def capped(present: bool, reach: int | None) -> int:
-        if not present:
-            return 0
-        tokens = usable if reach is None else min(usable, reach)
-        tokens -= tokens % spill.chunk_tokens
-        return tokens if tokens >= max(threshold, 1) else 0
+        return _whole_chunks(usable, reach, spill.chunk_tokens, threshold) if present else 0
 
     host = capped(spill.host, spilled.host_reach)
     disk = capped(spill.disk, spilled.disk_reach)
@@ -181,22 +174,29 @@ def plan_on_prefill(prompt_ids: Sequence[int], spilled: Spilled | None, node: st
             return None
         return TierReuse(node=node, epoch=epoch, host_tokens=0, disk_tokens=tier.disk_tokens,
                          shared=True, common_prefix=tier.common_prefix)
-    chunk = spilled.spill.chunk_tokens
-    usable = len(prompt_ids) - 1
-    if identity.cap is not None:
-        usable = min(usable, identity.cap)
-
-    def whole(reach: int) -> int:
-        tokens = min(usable, reach)
-        tokens -= tokens % chunk
-        return tokens if tokens >= max(threshold, 1) else 0
-
-    host, disk = whole(hits.cpu), whole(hits.disk)
+    usable, chunk = _loadable(prompt_ids, identity), spilled.spill.chunk_tokens
+    host = _whole_chunks(usable, hits.cpu, chunk, threshold)
+    disk = _whole_chunks(usable, hits.disk, chunk, threshold)
     if not host and not disk:
         return None
     return TierReuse(node=node, epoch=epoch, host_tokens=host, disk_tokens=disk,
                      shared=False, common_prefix=common_prefix_len(
                          prompt_ids, spilled.handle.token_ids[:spilled.spill.stored_tokens]))
+
+
+def _loadable(prompt_ids: Sequence[int], identity: IdentityCheck) -> int:
+    """The most of a prompt a node may load: all but its last token (vLLM computes the
+    last), and nothing past the identity check's cap (model, salt, media)."""
+    usable = len(prompt_ids) - 1
+    return usable if identity.cap is None else min(usable, identity.cap)
+
+
+def _whole_chunks(usable: int, reach: int | None, chunk: int, threshold: int) -> int:
+    """`usable` tokens capped by a tier's `reach` (None: unknown, not capped), in whole
+    chunks (only whole chunks are stored or looked up); 0 below `threshold`."""
+    tokens = usable if reach is None else min(usable, reach)
+    tokens -= tokens % chunk
+    return tokens if tokens >= max(threshold, 1) else 0
 
 
 def tiers_by_name(tiers: Mapping[str, NodeTiers], urls: Mapping[str, str]

@@ -24,6 +24,7 @@ from kvagent_server.router.auth.cache_token import TokenError, verify_binding
 from kvagent_server.router.kv.tiers import NodeTierHits
 from kvagent_server.router.nodes.prompt_ids import TokenizeError, tokenize
 from kvagent_server.router.nodes.registry import Node
+from kvagent_server.router.nodes.tier_placement import KeyMemo
 from kvagent_server.router.reuse import content, identity, placement
 from kvagent_server.router.reuse.paths import PathCosts
 from kvagent_server.router.reuse.spill import Spilled
@@ -128,13 +129,14 @@ def _spill_reach(r: Router, facts: TurnFacts, ids: list[int]) -> Spilled | None:
     salt = facts.req.body.get("cache_salt")
     salt = salt if isinstance(salt, str) else None
     bs = spilled.handle.block_size
+    memo: KeyMemo = {}  # the holder and the P nodes hash alike: the prompt is hashed once
     p_reach: dict[str, NodeTierHits] = {}
     for node in r.registry.nodes.values():
         hits = r.tiers.reach(node.name, ids, block_size=node.block_size or bs,
-                             cache_salt=salt) if node.role == "prefill" else None
+                             cache_salt=salt, memo=memo) if node.role == "prefill" else None
         if hits is not None:
             p_reach[node.name] = hits
-    reach = r.tiers.reach(spilled.spill.node, ids, block_size=bs, cache_salt=salt)
+    reach = r.tiers.reach(spilled.spill.node, ids, block_size=bs, cache_salt=salt, memo=memo)
     if reach is not None:
         spilled = dataclasses.replace(spilled, host_reach=reach.cpu, disk_reach=reach.disk)
     return dataclasses.replace(spilled, p_reach=p_reach)

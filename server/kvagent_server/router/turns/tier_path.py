@@ -49,9 +49,8 @@ def with_spill(facts: TurnFacts, plan: TurnPlan, *, threshold: int, d_free: bool
             and d.name == tier.node and d.epoch == tier.epoch
             and (skip_prefill_max_tokens is None
                  or len(facts.prompt_ids) - tier.tokens <= skip_prefill_max_tokens))
-    costs = spilled.costs
     choice = paths.spill_path(
-        tier, len(facts.prompt_ids), facts.costs, costs, d_ok=d_ok, p_tier=p_tier,
+        tier, len(facts.prompt_ids), facts.costs, spilled.costs, d_ok=d_ok, p_tier=p_tier,
         p_work=facts.p_work if p is not None else None, d_work=facts.d_work,
         d_stall_max_s=d_stall_max_s)
     if choice == "d_direct":
